@@ -1,0 +1,41 @@
+# rlhf: `make demo` runs the CPU demo, `make test` runs the default suite. Both install first (idempotent).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.rlhf-installed
+NPROC ?= 4
+PYTEST_FLAGS ?=
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: install demo doctor test test-all bench bench-collectives lint clean
+
+install: $(STAMP)
+
+# torch is installed alone and pinned first (constraints.txt keeps it there), so no dependency can pull
+# a CUDA build of torch onto a CPU machine.
+$(STAMP): setup.py constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -c constraints.txt "torch==2.13.0"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	$(PY) -c "import torch, megatron.core, rlhf; assert '+cu' not in torch.__version__, torch.__version__"
+	touch $(STAMP)
+
+demo: install
+	bash launch/torchrun.sh $(NPROC) doctor
+
+doctor: install
+	$(VENV)/bin/rlhf doctor
+
+test: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_FLAGS) tests
+
+test-all: install
+	$(PY) -m pytest -q $(PYTEST_FLAGS) tests
+
+bench-collectives: install
+	$(PY) benchmarks/bench_collectives.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,1 @@
+"""Distributed runtime: layouts, role meshes, collectives, watchdog."""

@@ -1,0 +1,25 @@
+"""Exceptions for user-facing errors. `assert` is reserved for internal invariants."""
+
+
+class RlhfError(Exception):
+    """Base class of every error rlhf raises on purpose."""
+
+
+class ConfigError(RlhfError, ValueError):
+    """Bad user input (config value, layout, CLI argument): the message names the value and the fix."""
+
+
+class CollectiveMismatchError(RlhfError, RuntimeError):
+    """Ranks disagreed on the collective they were about to run (names, shapes, dtypes or count)."""
+
+
+class DataError(RlhfError, ValueError):
+    """A malformed dataset record, named by file and line."""
+
+
+class RewardError(RlhfError, RuntimeError):
+    """A reward function raised or returned NaN/inf for a sample, named by its index."""
+
+
+class CheckpointError(RlhfError, RuntimeError):
+    """A checkpoint is missing, incomplete or does not match the model it is loaded into."""

@@ -1,0 +1,95 @@
+"""The one door for device-specific code: device choice, distributed backend, memory stats, sync.
+
+Nothing else in rlhf mentions CUDA or NCCL by name; `tests/test_device_door.py` enforces it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from rlhf.errors import ConfigError
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def has_accelerator() -> bool:
+    return torch.cuda.is_available()
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    """`auto` is nccl when CUDA is present, gloo otherwise; an explicit choice is checked."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"dist.backend={backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "nccl" if has_accelerator() else "gloo"
+    if backend == "nccl" and not has_accelerator():
+        raise ConfigError("dist.backend='nccl' needs CUDA devices, none are visible; use dist.backend=gloo")
+    return backend
+
+
+def device_for_local_rank(local_rank: int) -> torch.device:
+    """The device this process computes on; binds the CUDA device when there is one."""
+    if has_accelerator():
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def current_device() -> torch.device:
+    if has_accelerator():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def device_name() -> str:
+    if has_accelerator():
+        return f"cuda:{torch.cuda.current_device()} ({torch.cuda.get_device_name()})"
+    return "cpu"
+
+
+def synchronize() -> None:
+    if has_accelerator():
+        torch.cuda.synchronize()
+
+
+def manual_seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    if has_accelerator():
+        torch.cuda.manual_seed_all(seed)
+
+
+def rng_state() -> dict:
+    """Every RNG state a rank owns (for exact resume)."""
+    state = {"cpu": torch.get_rng_state()}
+    if has_accelerator():
+        state["accel"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if has_accelerator() and "accel" in state:
+        torch.cuda.set_rng_state_all(state["accel"])
+
+
+def peak_memory_bytes() -> int:
+    """Peak accelerator memory since the last reset, or this process's peak RSS on CPU."""
+    if has_accelerator():
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def reset_peak_memory() -> None:
+    if has_accelerator():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def set_async_error_handling_env() -> None:
+    """Make NCCL surface errors/timeouts as exceptions instead of hanging (no-op for gloo)."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    os.environ.setdefault("NCCL_ASYNC_ERROR_HANDLING", "1")

@@ -1,0 +1,1 @@
+"""Test helpers shipped with the package (multi-process runner), reused by tests and benchmarks."""

@@ -1,0 +1,32 @@
+"""rlhf packaging. `kernels/` is installed as `rlhf.kernels` so it never clashes with PyPI's `kernels`."""
+
+from setuptools import find_packages, setup
+
+TORCH = "torch==2.13.0"
+MEGATRON_CORE = "megatron-core==0.16.1"
+
+setup(
+    name="rlhf",
+    version="0.1.0",
+    description="Megatron-based SPMD RL post-training for LLMs (PPO, GRPO, RLOO, REINFORCE++, ReMax)",
+    python_requires=">=3.10",
+    packages=find_packages(include=["rlhf", "rlhf.*"]) + ["rlhf.kernels"],
+    package_dir={"rlhf.kernels": "kernels"},
+    install_requires=[
+        TORCH,
+        MEGATRON_CORE,
+        "psutil",  # megatron-core needs it (undeclared): without it dist_checkpointing save hangs
+        "numpy",
+        "transformers>=4.51",
+        "safetensors",
+        "tensorboard",
+        "pyyaml",
+        "tqdm",
+    ],
+    extras_require={
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "pyarrow", "reasoning-gym", "matplotlib"],
+        # apex is a source build from NVIDIA's repository (PyPI's `apex` is an unrelated package).
+        "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "vllm"],
+    },
+    entry_points={"console_scripts": ["rlhf=rlhf.cli.main:main"]},
+)
