@@ -18,6 +18,8 @@ import torch
 
 from rlhf.data.records import PromptRecord
 from rlhf.errors import ConfigError, RewardError
+from rlhf.rewards.inputs import RewardInputs
+from rlhf.rewards.remote import RemoteReward, RemoteRewardConfig
 from rlhf.rewards.user_fn import load_user_function
 
 Scorer = Callable[[str, str, "str | None", dict], Any]
@@ -43,12 +45,17 @@ def _is_user_spec(name: str) -> bool:
 @dataclass(kw_only=True)
 class RewardConfig:
     """`by_source` maps data_source patterns (fnmatch, e.g. `reasoning_gym/*`) to a built-in name or a
-    `file.py:fn`; `function` is used for every source no pattern matches; the built-in table comes last."""
+    `file.py:fn`; `function` is used for every source no pattern matches; the built-in table comes last.
+    With `remote` set, every sample is scored by that HTTP service instead."""
 
     function: str | None = None
     by_source: dict[str, str] = field(default_factory=dict)
+    remote: RemoteRewardConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.remote is not None and (self.function or self.by_source):
+            raise ConfigError("reward.remote scores every sample; unset reward.function and reward.by_source "
+                              "or drop reward.remote")
         named = [(f"reward.by_source[{pattern!r}]", name) for pattern, name in self.by_source.items()]
         if self.function is not None:
             named.append(("reward.function", self.function))
@@ -58,19 +65,9 @@ class RewardConfig:
                                   f"({', '.join(BUILTINS)}) nor 'path/to/file.py:function_name'")
 
 
-@dataclass(kw_only=True)
-class RewardInputs:
-    """The per-sample fields a reward needs, in batch order (one entry per response)."""
-
-    data_sources: list[str]
-    ground_truths: list[str | None]
-    extra_infos: list[dict[str, Any]]
-    indices: list[int]
-
-    @classmethod
-    def from_records(cls, records: Sequence[PromptRecord]) -> RewardInputs:
-        return cls(data_sources=[r.data_source for r in records], ground_truths=[r.ground_truth for r in records],
-                   extra_infos=[r.extra_info for r in records], indices=[r.index for r in records])
+def build_reward(config: RewardConfig) -> RuleReward | RemoteReward:
+    """The reward the config asks for; both kinds score with `score(samples, responses) -> rewards_b`."""
+    return RemoteReward(config.remote) if config.remote is not None else RuleReward(config)
 
 
 def _match(table: dict[str, str], data_source: str) -> str | None:
