@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import Any
 
-import reasoning_gym
-from reasoning_gym.dataset import ProceduralDataset
-from reasoning_gym.utils import extract_answer
-
 SOURCE_PREFIX = "reasoning_gym/"
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 def task_of(data_source: str) -> str:
@@ -26,14 +24,16 @@ def task_of(data_source: str) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def _dataset(task: str, task_config_json: str) -> ProceduralDataset:
+def _dataset(task: str, task_config_json: str) -> Any:
+    import reasoning_gym  # slow to import (every task module): only the score_answer path needs it
+
     return reasoning_gym.create_dataset(task, **json.loads(task_config_json), size=1, seed=0)
 
 
 def response_answer(solution_str: str) -> str:
     """The answer inside the last `<answer>...</answer>` when present, else the whole response, stripped."""
-    tagged = extract_answer(solution_str) if "<answer>" in solution_str else None
-    return tagged if tagged is not None else solution_str.strip()
+    tagged = _ANSWER_TAG.findall(solution_str)
+    return (tagged[-1] if tagged else solution_str).strip()
 
 
 def score_reasoning_gym(data_source: str, solution_str: str, ground_truth: str | None,

@@ -88,3 +88,12 @@ def test_reasoning_gym_bad_source():
     with pytest.raises(ValueError, match="is not of the form 'reasoning_gym/<task>'"):
         score_reasoning_gym("chain_sum", "1", "1", {})
     assert response_answer("  7 ") == "7"
+
+
+@pytest.mark.parametrize("response", ["<answer> 12 </answer>", "<answer>3</answer> then <answer>\n12\n</answer>",
+                                      "12", "<answer>12", "think <answer>12</answer> done"])
+def test_answer_extraction_agrees_with_reasoning_gym(response):
+    from reasoning_gym.utils import extract_answer
+
+    expected = extract_answer(response)
+    assert response_answer(response) == (expected if expected is not None else response.strip())
