@@ -27,6 +27,8 @@ class PromptSampler:
         if global_batch_size < 1 or global_batch_size % dp_size:
             raise ConfigError(f"data.global_batch_size={global_batch_size} must be a positive multiple of "
                               f"the data-parallel size {dp_size}")
+        if seed < 0:
+            raise ConfigError(f"data.seed={seed} must be >= 0")
         if num_samples < global_batch_size:
             raise ConfigError(f"the dataset has {num_samples} prompts, fewer than data.global_batch_size="
                               f"{global_batch_size}; use a larger dataset or a smaller batch")

@@ -80,6 +80,7 @@ def test_state_of_another_run_is_refused():
     ({"global_batch_size": 6, "dp_size": 4}, "data.global_batch_size=6 must be a positive multiple of the data-parallel size 4"),
     ({"num_samples": 3}, "the dataset has 3 prompts, fewer than data.global_batch_size=4"),
     ({"dp_rank": 2, "dp_size": 2}, r"dp_rank=2 must be in \[0, dp_size=2\)"),
+    ({"seed": -1}, "data.seed=-1 must be >= 0"),
 ])
 def test_bad_config(kwargs, message):
     args = {"num_samples": 10, "global_batch_size": 4, "dp_rank": 0, "dp_size": 1, "seed": 0} | kwargs
