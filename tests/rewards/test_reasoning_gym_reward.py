@@ -1,55 +1,11 @@
-"""Built-in rule scorers: gsm8k `#### n`, math via math-verify, reasoning-gym score_answer and exact match."""
+"""reasoning-gym rewards: the task's score_answer (partial credit, metadata-aware) and exact match."""
 
 import json
 
 import pytest
 import reasoning_gym
 
-from rlhf.rewards.gsm8k import extract_final_answer, score_gsm8k
-from rlhf.rewards.math import score_math
 from rlhf.rewards.reasoning_gym import response_answer, score_reasoning_gym, score_reasoning_gym_exact
-
-
-@pytest.mark.parametrize("response, truth, expected", [
-    ("3 + 4 = 7 so #### 7", "7", 1.0),
-    ("#### 1,234.", "1234", 1.0),
-    ("#### $18", "18", 1.0),
-    ("#### 72.0", "72", 1.0),
-    ("#### -5", "-5", 1.0),
-    ("#### 5 then I changed my mind #### 6", "5", 0.0),  # the last marker counts
-    ("The answer is 7", "7", 0.0),                       # strict: no marker, no credit
-    ("#### 8", "Natalia sold 48/2 = 24 clips.\n#### 72", 0.0),
-    ("#### 72", "Natalia sold 48/2 = 24 clips.\n#### 72", 1.0),
-])
-def test_gsm8k(response, truth, expected):
-    assert score_gsm8k("openai/gsm8k", response, truth, {}) == expected
-
-
-def test_gsm8k_extraction_and_errors():
-    assert extract_final_answer("no marker") is None
-    assert extract_final_answer("#### 3,000") == "3000"
-    with pytest.raises(ValueError, match="needs reward_model.ground_truth"):
-        score_gsm8k("gsm8k", "#### 1", None, {})
-    with pytest.raises(ValueError, match="has no number"):
-        score_gsm8k("gsm8k", "#### 1", "none", {})
-
-
-@pytest.mark.parametrize("response, truth, expected", [
-    (r"so the answer is \boxed{\frac{1}{2}}", "0.5", 1.0),
-    (r"\boxed{2}", r"\frac{4}{2}", 1.0),
-    (r"\boxed{x^2+2x+1}", "(x+1)^2", 1.0),
-    (r"\boxed{\{1,2\}}", r"\{2,1\}", 1.0),
-    (r"\boxed{4}", "5", 0.0),
-    ("I do not know", "5", 0.0),
-    (r"\boxed{3}", r"$\boxed{3}$", 1.0),
-])
-def test_math(response, truth, expected):
-    assert score_math("math", response, truth, {}) == expected
-
-
-def test_math_unparseable_ground_truth_raises():
-    with pytest.raises(ValueError, match=r"math ground truth '\\\\frac\{' could not be parsed"):
-        score_math("math", r"\boxed{1}", "\\frac{", {})
 
 
 def chain_sum_extra(index=0):
