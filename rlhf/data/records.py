@@ -38,8 +38,8 @@ def _check_prompt(prompt: Any, where: str) -> Prompt:
         raise DataError(f"{where}: 'prompt' must be a string or a non-empty list of chat messages, got {prompt!r:.80}")
     messages = []
     for i, message in enumerate(prompt):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not isinstance(message.get("content"), str):
+        well_formed = isinstance(message, dict) and all(isinstance(message.get(key), str) for key in ("role", "content"))
+        if not well_formed:
             raise DataError(f"{where}: prompt message {i} must be {{'role': str, 'content': str}}, got {message!r:.80}")
         messages.append({"role": message["role"], "content": message["content"]})
     return messages

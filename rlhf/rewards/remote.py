@@ -90,7 +90,8 @@ class RemoteReward:
             i = start + offset
             if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
                 raise RewardError(f"reward for sample {i} (index {inputs.indices[i]}, data_source "
-                                  f"{inputs.data_sources[i]!r}) from {self.config.url} is {score!r}, not a finite number")
+                                  f"{inputs.data_sources[i]!r}) from {self.config.url} is {score!r}, "
+                                  "not a finite number")
         return [float(score) for score in scores]
 
     def _post_with_retries(self, body: bytes, where: str) -> Any:
