@@ -27,12 +27,14 @@ def test_records_match_the_task_items(tmp_path):
         assert json.loads(record.extra_info["task_config"]) == DEMO_OPTIONS
 
 
-def test_made_dataset_scores_its_own_answers(tmp_path):
+@pytest.mark.parametrize("task", ["countdown", "basic_arithmetic", "gsm_symbolic", "products"])
+def test_made_dataset_scores_its_own_answers(tmp_path, task):
     """The round trip the trainer relies on: made → written → read → scored by the dispatched reward."""
-    make_dataset(MakeConfig(task="countdown", num_samples=3, seed=1), tmp_path / "c.jsonl")
+    make_dataset(MakeConfig(task=task, num_samples=3, seed=1), tmp_path / "c.jsonl")
     records = read_records(tmp_path / "c.jsonl")
     reward = RuleReward(RewardConfig())
     assert reward.score(records, [r.ground_truth for r in records]).tolist() == [1.0, 1.0, 1.0]
+    assert reward.score(records, [f"<answer>{r.ground_truth}</answer>" for r in records]).tolist() == [1.0] * 3
     assert reward.score(records, ["1+1"] * 3).max().item() < 1.0
 
 
