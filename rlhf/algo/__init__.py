@@ -27,7 +27,7 @@ from rlhf.algo.kl import (
     kl_loss,
     kl_penalty,
 )
-from rlhf.algo.masked import masked_mean, masked_mean_var, masked_whiten
+from rlhf.algo.masked import masked_mean_var, masked_whiten
 from rlhf.algo.policy_loss import POLICY_LOSSES, PolicyLossConfig, PolicyLossKind, PolicyLossMetrics, policy_loss
 from rlhf.algo.running_stats import RunningMeanStd
 from rlhf.algo.value_loss import ValueLossConfig, ValueLossMetrics, explained_variance, value_loss
@@ -38,6 +38,6 @@ __all__ = [
     "KLControllerKind", "KLEstimator", "KLInReward", "LossAggMode", "PolicyLossConfig", "PolicyLossKind",
     "PolicyLossMetrics", "RunningMeanStd", "ValueLossConfig", "ValueLossMetrics", "actor_loss", "aggregate_loss",
     "apply_kl_in_reward", "compute_advantages", "entropy_from_logits", "explained_variance", "kl_loss",
-    "kl_penalty", "masked_mean", "masked_mean_var", "masked_whiten", "policy_loss", "scores_to_token_rewards",
+    "kl_penalty", "masked_mean_var", "masked_whiten", "policy_loss", "scores_to_token_rewards",
     "value_loss",
 ]

@@ -117,6 +117,7 @@ def _sequence_scores_b(inputs: AdvantageInputs) -> Tensor:
 def _spread(per_seq_b: Tensor, inputs: AdvantageInputs) -> Tensor:
     """A per-sequence value [B] on every response token [B, T], 0 elsewhere, in the rewards' dtype."""
     mask = inputs.response_mask_bt.bool()
+    per_seq_b = per_seq_b.to(mask.device)
     spread = torch.where(mask, per_seq_b.unsqueeze(-1), torch.zeros_like(per_seq_b).unsqueeze(-1))
     return spread.to(inputs.token_rewards_bt.dtype)
 
@@ -220,11 +221,12 @@ def remax(inputs: AdvantageInputs, config: AdvantageConfig, dp_group: dist.Proce
 def scores_to_token_rewards(scores_b: Tensor, response_mask_bt: Tensor) -> Tensor:
     """Place each sequence score on its last response token ([B, T], float); empty responses get nothing."""
     mask = response_mask_bt.bool()
+    dtype = scores_b.dtype if scores_b.is_floating_point() else torch.float32
+    scores_b = scores_b.to(device=mask.device, dtype=dtype)
     positions_bt = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     last_b = torch.where(mask, positions_bt, torch.full_like(positions_bt, -1)).amax(dim=-1)
-    rewards = torch.zeros(mask.shape, dtype=scores_b.dtype if scores_b.is_floating_point() else torch.float32,
-                          device=mask.device)
+    rewards_bt = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
     has_response_b = last_b >= 0
     rows_b = torch.arange(mask.shape[0], device=mask.device)[has_response_b]
-    rewards[rows_b, last_b[has_response_b]] = scores_b[has_response_b].to(rewards.dtype)
-    return rewards
+    rewards_bt[rows_b, last_b[has_response_b]] = scores_b[has_response_b]
+    return rewards_bt

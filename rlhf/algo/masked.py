@@ -9,16 +9,6 @@ from torch import Tensor
 from rlhf.errors import RewardError
 
 
-def masked_sum(x_bt: Tensor, mask_bt: Tensor) -> Tensor:
-    """Sum of the entries where mask is 1 (padding may hold NaN/inf: it is selected out, not multiplied)."""
-    return torch.where(mask_bt.bool(), x_bt, torch.zeros_like(x_bt)).sum()
-
-
-def masked_mean(x_bt: Tensor, mask_bt: Tensor) -> Tensor:
-    """Mean over the masked entries; 0 when the mask is empty."""
-    return masked_sum(x_bt, mask_bt) / mask_bt.sum().clamp(min=1)
-
-
 def _all_reduce_sum(values: Tensor, group: dist.ProcessGroup | None) -> Tensor:
     if group is not None:
         dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)

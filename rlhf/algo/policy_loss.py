@@ -132,6 +132,6 @@ def gspo_loss(logprobs_bt: Tensor, old_logprobs_bt: Tensor, advantages_bt: Tenso
     loss = aggregate_loss(losses_bt, mask, mode=config.agg, counts=counts, norm_length=config.agg_norm_length)
     metrics = PolicyLossMetrics(
         pg_loss=loss.detach(), pg_clipfrac=_token_fraction(clipped_bt > unclipped_bt, mask, counts),
-        pg_clipfrac_lower=torch.zeros((), dtype=torch.float64),
+        pg_clipfrac_lower=torch.zeros((), dtype=torch.float64, device=logprobs_bt.device),
         ppo_kl=(-log_ratio_bt.detach()).sum().double() / max(counts.num_tokens, 1))
     return loss, metrics

@@ -9,8 +9,8 @@ def _inputs():
     gen = torch.Generator().manual_seed(0)
     logp = (-torch.rand(2, 4, generator=gen)).requires_grad_()
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
-    return ActorLossInputs(logprobs_bt=logp, old_logprobs_bt=logp.detach() - 0.1, advantages_bt=torch.randn(2, 4, generator=gen),
-                           response_mask_bt=mask, ref_logprobs_bt=logp.detach() + 0.2,
+    return ActorLossInputs(logprobs_bt=logp, old_logprobs_bt=logp.detach() - 0.1,
+                           advantages_bt=torch.randn(2, 4, generator=gen), response_mask_bt=mask, ref_logprobs_bt=logp.detach() + 0.2,
                            entropy_bt=torch.rand(2, 4, generator=gen).requires_grad_())
 
 
