@@ -43,7 +43,7 @@ def _hash64(parts) -> int:
 def verify_layout(layout: CallLayout, group: dist.ProcessGroup | None, timeout_s: float | None) -> None:
     """All-gather fingerprints; if any differ, exchange full layouts and raise on every rank."""
     world_size = dist.get_world_size(group)
-    device = _device_for(group)
+    device = collective_device(group)
     mine = torch.tensor(layout.fingerprint(), dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
     work = dist.all_gather(gathered, mine, group=group, async_op=True)
@@ -68,8 +68,8 @@ def wait(work: dist.Work, timeout_s: float | None, what: str) -> None:
         raise TimeoutError(f"{what} did not complete within {timeout_s:g}s (a peer rank never joined?)") from exc
 
 
-def _device_for(group: dist.ProcessGroup | None) -> torch.device:
-    """Where a control tensor must live for this group's backend (gloo: host memory)."""
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where tensors for this group's collectives must live (gloo: host memory)."""
     return torch.device("cpu") if dist.get_backend(group) == "gloo" else current_device()
 
 
