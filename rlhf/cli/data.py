@@ -10,7 +10,8 @@ from collections import Counter
 
 from rlhf.data.make import PROMPT_FORMATS, MakeConfig, make_dataset, parse_task_options
 from rlhf.data.records import PromptRecord, read_records
-from rlhf.data.tokenize import TRUNCATIONS, PromptLengthConfig, tokenize_records
+from rlhf.data.config import TRUNCATIONS, DataConfig
+from rlhf.data.tokenize import tokenize_records
 from rlhf.errors import ConfigError, DataError
 
 
@@ -77,7 +78,7 @@ def _report_lengths(records: list[PromptRecord], args: argparse.Namespace) -> No
     except (OSError, ValueError) as error:
         raise ConfigError(f"--tokenizer {args.tokenizer!r} is not a loadable tokenizer folder: "
                           f"{' '.join(str(error).split())[:200]}") from None
-    config = PromptLengthConfig(max_prompt_length=args.max_prompt_length, truncation=args.truncation)
+    config = DataConfig(max_prompt_length=args.max_prompt_length, truncation=args.truncation)
     prompts = tokenize_records(records, tokenizer, config)
     print(f"prompt tokens: min {min(prompts.lengths)}, mean {statistics.fmean(prompts.lengths):.1f}, "
           f"max {max(prompts.lengths)}; kept {len(prompts.records)}, filtered {prompts.num_filtered}, "

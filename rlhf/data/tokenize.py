@@ -12,25 +12,9 @@ from typing import Any
 
 import torch
 
+from rlhf.data.config import DataConfig
 from rlhf.data.records import Prompt, PromptRecord
 from rlhf.errors import ConfigError, DataError
-
-TRUNCATIONS = ("error", "filter", "left", "right")
-
-
-@dataclass(kw_only=True)
-class PromptLengthConfig:
-    """What to do with a prompt over `max_prompt_length` tokens: raise, drop it, or cut its left/right end."""
-
-    max_prompt_length: int
-    truncation: str = "error"
-
-    def __post_init__(self) -> None:
-        if self.max_prompt_length < 1:
-            raise ConfigError(f"data.max_prompt_length={self.max_prompt_length} must be >= 1")
-        if self.truncation not in TRUNCATIONS:
-            raise ConfigError(f"data.truncation={self.truncation!r} is not one of {', '.join(TRUNCATIONS)}")
-
 
 @dataclass(kw_only=True)
 class TokenizedPrompts:
@@ -54,7 +38,7 @@ def encode_prompt(prompt: Prompt, tokenizer: Any) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _apply_length_policy(ids: list[int], record: PromptRecord, config: PromptLengthConfig) -> list[int] | None:
+def _apply_length_policy(ids: list[int], record: PromptRecord, config: DataConfig) -> list[int] | None:
     limit = config.max_prompt_length
     if len(ids) <= limit:
         return ids
@@ -68,7 +52,7 @@ def _apply_length_policy(ids: list[int], record: PromptRecord, config: PromptLen
 
 
 def tokenize_records(records: Sequence[PromptRecord], tokenizer: Any,
-                     config: PromptLengthConfig) -> TokenizedPrompts:
+                     config: DataConfig) -> TokenizedPrompts:
     """Encode every record and apply the length policy; an empty prompt or nothing left is a `DataError`."""
     kept, token_ids, num_filtered, num_truncated = [], [], 0, 0
     for record in records:

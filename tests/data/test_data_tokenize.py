@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from rlhf.data.char_tokenizer import build_char_tokenizer
+from rlhf.data.config import DataConfig
 from rlhf.data.records import PromptRecord
-from rlhf.data.tokenize import PromptLengthConfig, encode_prompt, left_pad, tokenize_records
+from rlhf.data.tokenize import encode_prompt, left_pad, tokenize_records
 from rlhf.errors import ConfigError, DataError
 
 
@@ -39,7 +40,7 @@ def test_chat_prompt_without_template_is_a_config_error(tokenizer):
 ])
 def test_length_policies(tokenizer, truncation, kept, ids1):
     records = [record("12", 0), record("12345", 1), record("123", 2)]
-    out = tokenize_records(records, tokenizer, PromptLengthConfig(max_prompt_length=3, truncation=truncation))
+    out = tokenize_records(records, tokenizer, DataConfig(max_prompt_length=3, truncation=truncation))
     assert [r.index for r in out.records] == kept
     assert out.lengths == [len(ids) for ids in out.token_ids] and max(out.lengths) <= 3
     assert out.num_filtered == (truncation == "filter") and out.num_truncated == (truncation != "filter")
@@ -50,27 +51,18 @@ def test_length_policies(tokenizer, truncation, kept, ids1):
 def test_over_long_prompt_with_error_policy_names_it(tokenizer):
     records = [record("12", 0), record("12345", 1)]
     with pytest.raises(DataError) as info:
-        tokenize_records(records, tokenizer, PromptLengthConfig(max_prompt_length=4))
+        tokenize_records(records, tokenizer, DataConfig(max_prompt_length=4))
     assert str(info.value) == (
         "prompt index 1 (data_source='reasoning_gym/chain_sum') has 5 tokens > data.max_prompt_length=4; "
         "raise the limit or set data.truncation to filter, left or right")
 
 
 def test_everything_filtered_or_empty_is_an_error(tokenizer):
-    config = PromptLengthConfig(max_prompt_length=1, truncation="filter")
+    config = DataConfig(max_prompt_length=1, truncation="filter")
     with pytest.raises(DataError, match="all 1 prompts are longer than data.max_prompt_length=1"):
         tokenize_records([record("12")], tokenizer, config)
     with pytest.raises(DataError, match="prompt index 0 .* encodes to 0 tokens"):
         tokenize_records([record("")], tokenizer, config)
-
-
-@pytest.mark.parametrize("kwargs, message", [
-    ({"max_prompt_length": 0}, "data.max_prompt_length=0 must be >= 1"),
-    ({"max_prompt_length": 8, "truncation": "middle"}, "data.truncation='middle' is not one of"),
-])
-def test_config_validation(kwargs, message):
-    with pytest.raises(ConfigError, match=message):
-        PromptLengthConfig(**kwargs)
 
 
 def test_left_pad_right_aligns():
