@@ -3,9 +3,10 @@
 import pytest
 import torch
 
+from rlhf.config.loader import from_dict
 from rlhf.data.records import PromptRecord
 from rlhf.errors import ConfigError, RewardError
-from rlhf.rewards.registry import RewardConfig, RewardInputs, RuleReward
+from rlhf.rewards.registry import RemoteRewardConfig, RewardConfig, RewardInputs, RuleReward
 
 USER_FILE = '''
 import math
@@ -112,3 +113,12 @@ def test_bad_config(tmp_path):
     empty.write_text("x = 1\n")
     with pytest.raises(ConfigError, match="has no function 'x'"):
         RuleReward(RewardConfig(function=f"{empty}:x"))
+
+
+def test_loads_from_a_mapping():
+    config = from_dict(RewardConfig, {"by_source": {"reasoning_gym/*": "reasoning_gym_exact"}}, "reward")
+    assert RuleReward(config).scorer_name("reasoning_gym/chain_sum") == "reasoning_gym_exact"
+    remote = from_dict(RewardConfig, {"remote": {"url": "http://127.0.0.1:9/score", "batch_size": 16}}, "reward")
+    assert remote.remote == RemoteRewardConfig(url="http://127.0.0.1:9/score", batch_size=16)
+    with pytest.raises(ConfigError, match="unknown config key 'reward.remote.timeout'; did you mean 'timeout_s'"):
+        from_dict(RewardConfig, {"remote": {"url": "http://127.0.0.1:9/", "timeout": 3}}, "reward")
