@@ -83,9 +83,13 @@ def record_from_row(row: Any, where: str, index: int, require_ground_truth: bool
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
             where = f"{path}:{line_number}"
+            try:
+                line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(f"{where}: not UTF-8 text (byte {error.start + 1})") from None
             if not line.strip():
                 continue
             try:

@@ -99,6 +99,15 @@ def test_bad_files(tmp_path, name, content, message):
         read_records(tmp_path / name)
 
 
+def test_encoding(tmp_path):
+    row = json.dumps(ROWS[1]).encode()
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + row + b"\r\n" + row + b"\r\n")
+    assert len(read_records(tmp_path / "bom.jsonl")) == 2
+    (tmp_path / "latin1.jsonl").write_bytes(row + b"\n" + row.replace(b"2+2", b"\xe92+2") + b"\n")
+    with pytest.raises(DataError, match=r"latin1.jsonl:2: not UTF-8 text \(byte 13\)"):
+        read_records(tmp_path / "latin1.jsonl")
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(DataError, match="dataset file not found"):
         read_records(tmp_path / "none.jsonl")
