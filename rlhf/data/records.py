@@ -104,7 +104,8 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         table = pq.read_table(path)
     except Exception as error:  # pyarrow raises several unrelated types for a bad file
-        raise DataError(f"{path}: not a readable parquet file ({type(error).__name__}: {error})") from None
+        detail = " ".join(str(error).split())[:200]
+        raise DataError(f"{path}: not a readable parquet file ({type(error).__name__}: {detail})") from None
     for row_number, row in enumerate(table.to_pylist(), start=1):
         yield f"{path}: row {row_number}", row
 
