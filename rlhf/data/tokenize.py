@@ -16,6 +16,7 @@ from rlhf.data.config import DataConfig
 from rlhf.data.records import Prompt, PromptRecord
 from rlhf.errors import ConfigError, DataError
 
+
 @dataclass(kw_only=True)
 class TokenizedPrompts:
     """Kept records with their token ids (unpadded, `lengths[i] == len(token_ids[i])`)."""
