@@ -10,7 +10,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from rlhf.errors import ConfigError
 from rlhf.platform import current_device
 from rlhf.rollout.engine import EngineLayout
-from rlhf.rollout.sampling_params import SamplingParams
+from rlhf.rollout.sampling_params import SamplingParams, replica_seed
 from rlhf.rollout.stops import stop_token_set, truncate_at_stop
 from rlhf.rollout.types import PromptBatch, Rollouts
 
@@ -36,7 +36,7 @@ class HFEngine:
         attention_mask_bt = (torch.arange(prompts.prompt_tokens_bt.shape[1])[None, :]
                              >= prompts.prompt_tokens_bt.shape[1] - prompts.prompt_lengths_b[:, None]).long()
         with torch.random.fork_rng(devices=[]), torch.inference_mode():
-            torch.manual_seed(params.seed + self.layout.dp_rank)
+            torch.manual_seed(replica_seed(params.seed, self.layout.dp_rank))
             out = self.model.generate(input_ids=prompts.prompt_tokens_bt, attention_mask=attention_mask_bt,
                                       generation_config=config)
         tokens_rt = out.sequences[:, prompts.prompt_tokens_bt.shape[1]:]

@@ -52,3 +52,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def replica_seed(seed: int, dp_rank: int) -> int:
+    """Distinct, reproducible seeds per DP replica (seed s on dp rank 1 is not seed s+1 on dp rank 0)."""
+    return (seed * 1_000_003 + dp_rank) % (2**63)

@@ -74,12 +74,13 @@ class Rollouts:
     """Generated responses, right-padded, `samples_per_prompt` consecutive rows per prompt.
 
     `response_logprobs_rt` are raw log-softmax(logits) of the sampled tokens (what a training forward at
-    temperature 1 computes); `response_scaled_logprobs_rt` use logits / temperature (equal when greedy).
+    temperature 1 computes); `response_scaled_logprobs_rt` use logits / temperature (equal when greedy), or
+    None from an engine that cannot report them (vllm reports raw logprobs only).
     """
 
     response_tokens_rt: torch.Tensor  # int64 [R, T], right-padded with `pad_token_id`
     response_logprobs_rt: torch.Tensor  # fp32 [R, T], 0 on padding
-    response_scaled_logprobs_rt: torch.Tensor  # fp32 [R, T], 0 on padding
+    response_scaled_logprobs_rt: torch.Tensor | None  # fp32 [R, T], 0 on padding
     response_lengths_r: torch.Tensor  # int64 [R]
     finish_reasons: list[FinishReason]
     prompt_index_r: torch.Tensor  # int64 [R], row of the source prompt in the PromptBatch
@@ -89,8 +90,8 @@ class Rollouts:
     def __post_init__(self) -> None:
         num_rollouts = self.response_tokens_rt.shape[0]
         for name in ("response_logprobs_rt", "response_scaled_logprobs_rt"):
-            shape = tuple(getattr(self, name).shape)
-            assert shape == tuple(self.response_tokens_rt.shape), (name, shape)
+            value = getattr(self, name)
+            assert value is None or value.shape == self.response_tokens_rt.shape, (name, value.shape)
         assert self.response_lengths_r.shape == (num_rollouts,)
         assert self.prompt_index_r.shape == (num_rollouts,)
         assert len(self.finish_reasons) == num_rollouts

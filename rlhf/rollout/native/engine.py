@@ -19,8 +19,7 @@ from rlhf.rollout.native.forward import Decoder
 from rlhf.rollout.native.generation import Generation
 from rlhf.rollout.native.kv_cache import KVCache
 from rlhf.rollout.native.params import decoder_geometry, decoder_params
-from rlhf.rollout.native.sampler import replica_seed
-from rlhf.rollout.sampling_params import SamplingParams
+from rlhf.rollout.sampling_params import SamplingParams, replica_seed
 from rlhf.rollout.stops import stop_token_set
 from rlhf.rollout.types import PromptBatch, Rollouts
 

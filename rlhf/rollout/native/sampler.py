@@ -22,11 +22,6 @@ class Sampled:
     scaled_logprobs_k: torch.Tensor  # log_softmax(logits / temperature)[token]
 
 
-def replica_seed(seed: int, dp_rank: int) -> int:
-    """Distinct, reproducible seeds per DP replica (seed s on rank 1 never equals seed s+1 on rank 0)."""
-    return (seed * 1_000_003 + dp_rank) % (2**63)
-
-
 def sample(logits_kv: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> Sampled:
     raw_kv = torch.log_softmax(logits_kv, dim=-1)
     if params.greedy:
