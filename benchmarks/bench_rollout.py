@@ -1,0 +1,177 @@
+"""Rollout throughput: rlhf's native engine vs `transformers.generate` (the `hf` engine), same weights/prompts.
+
+Two models: a tiny Qwen2-style model and SmolLM2-135M. Batch of 32 prompts, 64 sampled tokens each (EOS
+ignored so both engines do the same work), alternating repeats, medians. Optionally (`--mcore`) megatron-core's
+own static-KV-cache inference forward (GPTModel + StaticInferenceContext, argmax only: a lower bound on its
+cost) as the evaluated alternative. Prints a table and writes benchmarks/results/rollout.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _machine import machine_info, matmul_peak_gflops  # noqa: E402
+
+from rlhf.rollout.hf_engine import HFEngine  # noqa: E402
+from rlhf.rollout.sampling_params import SamplingParams  # noqa: E402
+from rlhf.rollout.types import PromptBatch  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "rollout.json"
+
+
+def _init_world() -> None:
+    from rlhf.testing.distributed import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def _model_folder(name: str, workdir: str) -> str:
+    if name == "smollm2":
+        from rlhf.models.smollm2 import smollm2_hf_folder
+
+        return str(smollm2_hf_folder())
+    from rlhf.testing.tiny_models import tiny_hf_model
+
+    path = os.path.join(workdir, "tiny")
+    tiny_hf_model("qwen2", seed=0).save_pretrained(path)
+    return path
+
+
+def _engines(path: str, batch_size: int, max_seq_len: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.dist.groups import build_layout_groups
+    from rlhf.dist.layout import ParallelLayout
+    from rlhf.rollout.factory import RolloutConfig, build_engine, eos_token_ids
+    from rlhf.rollout.native import NativeEngineConfig
+
+    pgs = build_layout_groups(ParallelLayout())
+    native = build_engine(RolloutConfig(native=NativeEngineConfig(max_batch_size=batch_size,
+                                                                  max_seq_len=max_seq_len)), path, pgs)
+    hf = HFEngine(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), eos_token_ids=eos_token_ids(path))
+    return {"native": native, "hf": hf}
+
+
+def _prompts(vocab_size: int, batch_size: int, seed: int) -> PromptBatch:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(16, 33, (batch_size,), generator=generator).tolist()
+    prompts = [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+    return PromptBatch.from_token_lists(prompts)
+
+
+def flops_per_token(config, context: float) -> float:
+    """Forward FLOPs of one token: 2 x matmul params (incl. LM head) + attention scores/values at `context`."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q_width, kv_width = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    per_layer = config.hidden_size * (q_width + 2 * kv_width) + q_width * config.hidden_size \
+        + 3 * config.hidden_size * config.intermediate_size
+    matmul_params = config.num_hidden_layers * per_layer + config.vocab_size * config.hidden_size
+    return 2 * matmul_params + 4 * config.num_hidden_layers * context * q_width
+
+
+def _batch_flops(config, batch: PromptBatch, new_tokens: int) -> float:
+    total = 0.0
+    for length in batch.prompt_lengths_b.tolist():
+        total += length * flops_per_token(config, length / 2)  # prefill: average causal context
+        total += new_tokens * flops_per_token(config, length + new_tokens / 2)
+    return total
+
+
+def _time_generate(engine, batch: PromptBatch, params: SamplingParams) -> tuple[float, int]:
+    start = time.perf_counter()
+    out = engine.generate(batch, params)
+    return time.perf_counter() - start, int(out.response_lengths_r.sum())
+
+
+def bench_model(name: str, args, workdir: str) -> list[dict]:
+    from transformers import AutoConfig
+
+    path = _model_folder(name, workdir)
+    config = AutoConfig.from_pretrained(path)
+    engines = _engines(path, args.batch_size, args.max_seq_len)
+    batch = _prompts(config.vocab_size, args.batch_size, seed=0)
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0, ignore_eos=True)
+    for engine in engines.values():
+        engine.generate(batch, SamplingParams(max_new_tokens=2, temperature=1.0, ignore_eos=True))  # warm-up
+    times: dict[str, list[float]] = {key: [] for key in engines}
+    tokens = {}
+    order = list(engines)
+    for repeat in range(args.repeats):
+        for key in (order if repeat % 2 == 0 else order[::-1]):
+            seconds, tokens[key] = _time_generate(engines[key], batch, params)
+            times[key].append(seconds)
+    if args.mcore:
+        from _mcore_static import time_static_decode
+
+        times["mcore_static"] = [time_static_decode(engines["native"].model, batch, args.new_tokens)
+                                 for _ in range(args.repeats)]
+        tokens["mcore_static"] = tokens["native"]
+    flops = _batch_flops(config, batch, args.new_tokens)
+    return [dict(model=name, engine=key, tokens=tokens[key], seconds=times[key],
+                 tok_s=tokens[key] / statistics.median(times[key]),
+                 ms_per_step=1e3 * statistics.median(times[key]) / args.new_tokens,
+                 model_gflop_s=flops / statistics.median(times[key]) / 1e9) for key in times]
+
+
+def _summary(rows: list[dict], peak: float) -> dict:
+    def tok_s(model, engine):
+        return next(r["tok_s"] for r in rows if r["model"] == model and r["engine"] == engine)
+
+    summary = {"matmul_peak_gflop_s": peak}
+    for model in sorted({r["model"] for r in rows}):
+        summary[f"native_vs_hf_{model}"] = tok_s(model, "native") / tok_s(model, "hf")
+        summary[f"native_tok_s_{model}"] = tok_s(model, "native")
+        summary[f"hf_tok_s_{model}"] = tok_s(model, "hf")
+        native = next(r for r in rows if r["model"] == model and r["engine"] == "native")
+        summary[f"fraction_of_peak_{model}"] = native["model_gflop_s"] / peak
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--max-seq-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--mcore", action="store_true", help="also time megatron-core's static inference forward")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    _init_world()
+    peak = matmul_peak_gflops()
+    with tempfile.TemporaryDirectory() as workdir:
+        rows = [row for name in args.models for row in bench_model(name, args, workdir)]
+    print(f"fp32 matmul peak (2048^3, {args.threads} threads): {peak:.1f} GFLOP/s")
+    print(f"{'model':8} {'engine':13} {'tok/s':>9} {'ms/step':>9} {'GFLOP/s':>8} {'of peak':>8}")
+    for row in rows:
+        print(f"{row['model']:8} {row['engine']:13} {row['tok_s']:9.0f} {row['ms_per_step']:9.2f} "
+              f"{row['model_gflop_s']:8.2f} {row['model_gflop_s'] / peak:8.1%}")
+    summary = _summary(rows, peak)
+    print(json.dumps(summary, indent=1))
+    result = {"name": "rollout", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": machine_info(), "config": {k: v for k, v in vars(args).items() if k != "out"},
+              "rows": rows, "summary": summary}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
