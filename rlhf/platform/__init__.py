@@ -95,6 +95,17 @@ def set_async_error_handling_env() -> None:
     os.environ.setdefault("NCCL_ASYNC_ERROR_HANDLING", "1")
 
 
+def offload_device() -> torch.device:
+    """Where offloaded params and optimizer state wait between phases: host memory."""
+    return torch.device("cpu")
+
+
+def release_cached_memory() -> None:
+    """Return freed accelerator memory to the driver (after an offload); nothing to do on CPU."""
+    if has_accelerator():
+        torch.cuda.empty_cache()
+
+
 def prepare_backend_env(backend: str) -> None:
     """Before init: the NCCL error-handling switches (nothing for gloo)."""
     if backend == "nccl":
