@@ -1,8 +1,9 @@
 """Step metrics: each value declares its cross-rank reduction; rank 0 writes console, TensorBoard and JSONL.
 
-Names follow verl (`timing_s/gen`, `actor/pg_loss`, `response_length/mean`, ...). Reduction packs every metric
-of one kind into a single tensor per op (one collective per op, not one per metric) and, with `verify`, checks
-that every rank reports the same metric names — a rank with an extra metric would otherwise hang the step.
+Names follow verl (`timing_s/gen`, `actor/pg_loss`, `response_length/mean`, ...). Roles live on different
+ranks, so a metric is reduced over the ranks that *report* it: a role's DP contributors report shard sums
+(`sum`), every rank reports its phase times (`max`), and values already global are reported by rank 0 only.
+The whole step is reduced with one `all_gather_object`, so ranks with different metric sets cannot hang it.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from rlhf.dist import collectives
-
 Reduce = Literal["mean", "sum", "max", "min"]
+# Role metrics that are the same on every contributor (not shard sums).
+_SHARED_SUFFIXES = ("grad_norm", "lr", "skipped_steps", "kl_coef")
 
 
 class StepMetrics:
@@ -36,6 +37,16 @@ class StepMetrics:
         for name, value in values.items():
             self.add(prefix + name, value, reduce)
 
+    def add_global(self, name: str, value: float | torch.Tensor) -> None:
+        """A value every rank computed identically: reported once (by rank 0)."""
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            self.add(name, value, "max")
+
+    def update_from_shards(self, values: dict[str, float]) -> None:
+        """A role's per-contributor results: loss shares are summed, shared values (lr, grad norm) kept."""
+        for name, value in values.items():
+            self.add(name, value, "max" if name.endswith(_SHARED_SUFFIXES) else "sum")
+
     @contextmanager
     def timer(self, name: str) -> Iterator[None]:
         """Wall time of the block as `timing_s/<name>` (max over ranks: the slowest rank sets the pace)."""
@@ -48,21 +59,21 @@ class StepMetrics:
     def local(self) -> dict[str, float]:
         return {name: value for name, (value, _) in self._values.items()}
 
-    def reduced(self, group: dist.ProcessGroup | None = None, verify: bool = True) -> dict[str, float]:
+    def reduced(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+        """Reduce over the ranks that reported each metric (collective over `group`)."""
         if not dist.is_initialized() or dist.get_world_size(group) == 1:
             return self.local()
-        by_op: dict[str, dict[str, torch.Tensor]] = {"sum": {}, "max": {}, "min": {}}
-        for name, (value, reduce) in sorted(self._values.items()):
-            op = "sum" if reduce == "mean" else reduce
-            by_op[op][name] = torch.tensor(value, dtype=torch.float64)
-        for op, tensors in by_op.items():
-            collectives.all_reduce(tensors, op=op, group=group, verify=verify, name=f"metrics_{op}")
-        world = dist.get_world_size(group)
-        out = {}
-        for name, (_, reduce) in self._values.items():
-            total = by_op["sum" if reduce == "mean" else reduce][name].item()
-            out[name] = total / world if reduce == "mean" else total
-        return out
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, self._values, group=group)
+        merged: dict[str, list[float]] = {}
+        kinds: dict[str, Reduce] = {}
+        for values in everyone:
+            for name, (value, reduce) in values.items():
+                merged.setdefault(name, []).append(value)
+                if kinds.setdefault(name, reduce) != reduce:
+                    raise RuntimeError(f"metric {name!r} is reduced as {kinds[name]} on one rank, {reduce} on another")
+        ops = {"mean": lambda v: sum(v) / len(v), "sum": sum, "max": max, "min": min}
+        return {name: ops[kinds[name]](values) for name, values in sorted(merged.items())}
 
 
 class MetricsSink:

@@ -6,11 +6,13 @@ import argparse
 import importlib
 import importlib.util
 import sys
+import warnings
 
 from rlhf.errors import RlhfError
 
 # Subcommand -> module; modules not present in this build are simply not offered.
 COMMANDS = {
+    "train": "rlhf.cli.train",
     "doctor": "rlhf.cli.doctor",
     "data": "rlhf.cli.data",
     "convert": "rlhf.cli.convert",
@@ -31,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # megatron-core warns on every import that the optional GPU extras are absent; doctor reports that once.
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed")
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)

@@ -118,6 +118,8 @@ def to_dict(config: Any) -> Any:
         return [to_dict(v) for v in config]
     if isinstance(config, dict):
         return {k: to_dict(v) for k, v in config.items()}
+    if isinstance(config, enum.Enum):
+        return config.value
     return config
 
 

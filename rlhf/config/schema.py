@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlhf.checkpoint import CheckpointConfig
+from rlhf.data.config import DataConfig
 from rlhf.dist.config import CommConfig, DistConfig
 from rlhf.dist.meshes import MeshConfig
+from rlhf.rewards.registry import RewardConfig
+from rlhf.rollout.factory import RolloutConfig
 from rlhf.run_dir import RunConfig
+from rlhf.trainer.config import AlgoConfig, ModelConfig, SamplingConfig, TrainerConfig, UpdateConfig
 
 
 @dataclass(kw_only=True)
@@ -15,3 +20,13 @@ class RlhfConfig:
     dist: DistConfig = field(default_factory=DistConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    actor: UpdateConfig = field(default_factory=UpdateConfig)
+    critic: UpdateConfig = field(default_factory=UpdateConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -24,6 +24,7 @@ class TrainBatch:
     group_index_b: torch.Tensor  # int64 [B] the prompt each row answers (GRPO/RLOO groups, contiguous)
     rollout_logprobs_bt: torch.Tensor  # fp32 [B, T] logprobs the rollout engine sampled with
     scores_b: torch.Tensor | None = None  # fp32 [B] sequence reward
+    baseline_scores_b: torch.Tensor | None = None  # fp32 [B] greedy-rollout reward of the prompt (ReMax)
     old_logprobs_bt: torch.Tensor | None = None  # fp32 [B, T] actor before the update
     ref_logprobs_bt: torch.Tensor | None = None  # fp32 [B, T] frozen reference
     values_bt: torch.Tensor | None = None  # fp32 [B, T] critic

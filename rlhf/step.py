@@ -1,0 +1,154 @@
+"""One RL step, in data-flow order (DESIGN.md §2):
+
+    PromptBatch ──► rollout.generate ──► Rollouts ──► reward ──► TrainBatch (global, on every rank)
+                ──► actor old logprobs · ref logprobs · critic values
+                ──► advantages (GAE | GRPO | RLOO | REINFORCE++ | ReMax), KL in reward
+                ──► actor.update · critic.update
+                ──► weight sync actor ─► rollout engine, policy version + 1
+
+Heavy work lives in the stages; this file only sequences them and records verl-named metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlhf.algo.advantages import AdvantageInputs, AdvantageKind, compute_advantages, scores_to_token_rewards
+from rlhf.algo.groups import Groups
+from rlhf.algo.kl import KLController, apply_kl_in_reward
+from rlhf.algo.value_loss import explained_variance
+from rlhf.data.loader import PromptStep
+from rlhf.metrics import StepMetrics
+from rlhf.rollout.engine import RolloutEngine
+from rlhf.rollout.sampling_params import SamplingParams
+from rlhf.rollout.types import PromptBatch
+from rlhf.trainer.batch import TrainBatch, build_train_batch
+from rlhf.trainer.config import AlgoConfig, SamplingConfig, UpdateConfig
+from rlhf.trainer.exchange import gather_global_batch, is_contributor
+from rlhf.trainer.roles import CriticRole, PolicyRole
+from rlhf.trainer.scoring import Scorer
+from rlhf.trainer.sync import WeightSync
+
+
+@dataclass
+class RLStack:
+    """Everything one step needs on this rank (roles this rank is not in hold no model)."""
+
+    rollout: RolloutEngine | None
+    rollout_layout: Any
+    scorer: Scorer
+    actor: PolicyRole
+    ref: PolicyRole | None
+    critic: CriticRole | None
+    weight_sync: WeightSync
+    algo: AlgoConfig
+    sampling: SamplingConfig
+    actor_update: UpdateConfig
+    critic_update: UpdateConfig
+    kl_controller: KLController
+    pad_token_id: int
+
+
+def rl_step(stack: RLStack, prompts: PromptStep, step: int) -> StepMetrics:
+    """Run one step on this rank; returns this rank's (unreduced) metrics."""
+    metrics = StepMetrics()
+    with metrics.timer("step"):
+        with metrics.timer("gen"):
+            local = generate_and_score(stack, prompts, step)
+        batch = gather_global_batch(local, len(prompts.records), stack.rollout_layout)
+        with metrics.timer("old_log_prob"):
+            batch.old_logprobs_bt = stack.actor.logprobs(batch, stack.actor_update.micro_batch_size)
+        if stack.ref is not None:
+            with metrics.timer("ref"):
+                batch.ref_logprobs_bt = stack.ref.logprobs(batch, stack.actor_update.micro_batch_size)
+        if stack.critic is not None:
+            with metrics.timer("values"):
+                batch.values_bt = stack.critic.values(batch, stack.critic_update.micro_batch_size)
+        with metrics.timer("adv"):
+            add_advantages(batch, stack, metrics)
+        with metrics.timer("update_actor"):
+            metrics.update_from_shards(stack.actor.update(batch, stack.algo))
+        if stack.critic is not None:
+            with metrics.timer("update_critic"):
+                metrics.update_from_shards(stack.critic.update(batch, stack.algo))
+        with metrics.timer("update_weights"):
+            stack.weight_sync.sync()
+    record_batch_metrics(metrics, batch, stack)
+    return metrics
+
+
+def generate_and_score(stack: RLStack, prompts: PromptStep, step: int) -> TrainBatch | None:
+    """On rollout ranks: sample n responses per prompt and score them (contributors return the batch)."""
+    if stack.rollout is None:
+        return None
+    prompt_batch = PromptBatch.from_token_lists(prompts.token_ids, pad_token_id=stack.pad_token_id)
+    params = stack.sampling.train_params(step)
+    rollouts = stack.rollout.generate(prompt_batch, params)
+    if not is_contributor(stack.rollout_layout, dist.get_rank()):
+        return None
+    batch = build_train_batch(prompt_batch, rollouts)
+    batch.scores_b = stack.scorer.score(prompts.records, rollouts)
+    if stack.algo.advantage.kind == AdvantageKind.REMAX:
+        greedy = stack.rollout.generate(prompt_batch, SamplingParams(
+            max_new_tokens=params.max_new_tokens, temperature=0.0, seed=params.seed))
+        batch.baseline_scores_b = stack.scorer.score(prompts.records, greedy)[rollouts.prompt_index_r]
+    return batch
+
+
+def add_advantages(batch: TrainBatch, stack: RLStack, metrics: StepMetrics) -> None:
+    """Token rewards (score on the last token, minus the KL penalty when it is in the reward), then advantages."""
+    token_rewards_bt = scores_to_token_rewards(batch.scores_b, batch.response_mask_bt)
+    kl = stack.algo.kl
+    if kl.use_in_reward:
+        shaped = apply_kl_in_reward(token_rewards_bt, batch.old_logprobs_bt, batch.ref_logprobs_bt,
+                                    batch.response_mask_bt, kl.estimator, stack.kl_controller.value)
+        token_rewards_bt = shaped.token_rewards_bt
+        current_kl = float(shaped.seq_kl_b.mean())
+        metrics.add_global("actor/reward_kl_penalty", current_kl)
+        metrics.add_global("actor/reward_kl_coef", stack.kl_controller.value)
+        stack.kl_controller.update(current_kl, batch.size)
+    batch.token_rewards_bt = token_rewards_bt
+    groups = Groups.from_index(batch.group_index_b)
+    result = compute_advantages(stack.algo.advantage, AdvantageInputs(
+        token_rewards_bt=token_rewards_bt, response_mask_bt=batch.response_mask_bt, values_bt=batch.values_bt,
+        baseline_scores_b=batch.baseline_scores_b, groups=groups))
+    batch.advantages_bt, batch.returns_bt = result.advantages_bt, result.returns_bt
+
+
+def _masked_mean(x_bt: torch.Tensor, mask_bt: torch.Tensor) -> float:
+    return float((x_bt * mask_bt).sum() / mask_bt.sum().clamp(min=1))
+
+
+def record_batch_metrics(metrics: StepMetrics, batch: TrainBatch, stack: RLStack) -> None:
+    """Metrics of the global batch (identical on every rank, so rank 0 reports them)."""
+    mask = batch.response_mask_bt
+    lengths = batch.response_lengths_b.float()
+    diff_bt = (batch.rollout_logprobs_bt - batch.old_logprobs_bt).abs() * mask
+    num_tokens = int(batch.prompt_lengths_b.sum() + batch.response_lengths_b.sum())
+    step_s = metrics.local()["timing_s/step"]
+    world = dist.get_world_size()
+    values = {
+        "critic/score/mean": float(batch.scores_b.mean()),
+        "critic/score/max": float(batch.scores_b.max()),
+        "critic/score/min": float(batch.scores_b.min()),
+        "critic/advantages/mean": _masked_mean(batch.advantages_bt, mask),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/min": float(lengths.min()),
+        "response_length/clip_ratio": float((lengths >= stack.sampling.max_new_tokens).float().mean()),
+        "prompt_length/mean": float(batch.prompt_lengths_b.float().mean()),
+        "rollout/logprob_diff_mean": _masked_mean(diff_bt, mask),
+        "rollout/logprob_diff_max": float(diff_bt.max()),
+        "perf/total_num_tokens": float(num_tokens),
+        "perf/throughput": num_tokens / max(step_s, 1e-9) / world,
+    }
+    if batch.values_bt is not None:
+        values["critic/values/mean"] = _masked_mean(batch.values_bt, mask)
+        values["critic/returns/mean"] = _masked_mean(batch.returns_bt, mask)
+        values["critic/vf_explained_var"] = float(explained_variance(batch.values_bt, batch.returns_bt, mask))
+    for name, value in values.items():
+        metrics.add_global(name, value)

@@ -1,0 +1,121 @@
+"""Config sections of the RL trainer (model, sampling, algorithm, roles, loop) and their cross-checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlhf.algo.advantages import AdvantageConfig, AdvantageKind
+from rlhf.algo.kl import KLConfig
+from rlhf.algo.policy_loss import PolicyLossConfig
+from rlhf.algo.value_loss import ValueLossConfig
+from rlhf.errors import ConfigError
+from rlhf.rollout.sampling_params import SamplingParams
+from rlhf.train.config import OptimConfig
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """HF folders: `path` initialises actor, reference and rollout; the critic starts from `critic_path`
+    (default: `path`, with a fresh value head)."""
+
+    path: str = ""
+    critic_path: str = ""
+    recompute: bool = False
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    """Training rollouts (`n` samples per prompt) and validation decoding (greedy by default)."""
+
+    n: int = 4
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int = 0
+    val_n: int = 1
+    val_temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.train_params(0)
+        self.val_params(0)
+
+    def train_params(self, step: int) -> SamplingParams:
+        """Fresh seed per step (same on every rank; engines mix in their DP rank)."""
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, n=self.n, seed=self.seed + 1_000 * step)
+
+    def val_params(self, step: int) -> SamplingParams:
+        greedy = self.val_temperature == 0
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.val_temperature,
+                              top_p=1.0 if greedy else self.top_p, top_k=-1 if greedy else self.top_k,
+                              n=self.val_n, seed=self.seed + 7 + 1_000 * step)
+
+
+@dataclass(kw_only=True)
+class AlgoConfig:
+    """The RL algorithm: the advantage estimator picks it (gae = PPO with a critic), plus losses and KL."""
+
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    value_loss: ValueLossConfig = field(default_factory=ValueLossConfig)
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage.kind == AdvantageKind.GAE
+
+    @property
+    def uses_ref(self) -> bool:
+        return self.kl.coef > 0
+
+
+@dataclass(kw_only=True)
+class UpdateConfig:
+    """One trained role: optimizer, and how each step's batch is split (epochs x mini-batches x micro-batches).
+
+    Every mini-batch is one optimizer step; `micro_batch_size` sequences go through one forward per DP rank.
+    """
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    epochs: int = 1
+    mini_batches: int = 1
+    micro_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "mini_batches", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """The loop: steps, validation cadence, logging."""
+
+    total_steps: int = 10
+    val_every: int = 0
+    val_before_train: bool = True
+    tensorboard: bool = True
+    plot: bool = True
+
+    def __post_init__(self) -> None:
+        if self.total_steps < 1:
+            raise ConfigError(f"trainer.total_steps={self.total_steps} must be >= 1")
+        if self.val_every < 0:
+            raise ConfigError(f"trainer.val_every={self.val_every} must be >= 0 (0: only before and after)")
+
+
+def check_batch_sizes(*, prompts_per_step: int, n: int, rollout_dp: int, role: str, role_dp: int,
+                      update: UpdateConfig) -> None:
+    """Every split of a step's rollouts must come out whole; the message names the numbers and the knob."""
+    if prompts_per_step % rollout_dp:
+        raise ConfigError(f"data.prompts_per_step={prompts_per_step} is not divisible by the rollout dp size "
+                          f"{rollout_dp}; use a multiple of {rollout_dp}")
+    rollouts = prompts_per_step * n
+    per_mini = rollouts // update.mini_batches
+    if rollouts % update.mini_batches or per_mini % role_dp or (per_mini // role_dp) % update.micro_batch_size:
+        raise ConfigError(
+            f"{role}: {rollouts} rollouts per step (data.prompts_per_step={prompts_per_step} x sampling.n={n}) "
+            f"must split into {role}.mini_batches={update.mini_batches} x dp={role_dp} x "
+            f"micro-batches of {role}.micro_batch_size={update.micro_batch_size}; "
+            f"make {update.mini_batches}*{role_dp}*{update.micro_batch_size} divide {rollouts}")

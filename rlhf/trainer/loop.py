@@ -1,0 +1,178 @@
+"""The RL trainer: builds every role on its mesh, then runs `rl_step` with validation, metrics and checkpoints.
+
+    Trainer(cfg, run_dir).fit()
+      build: meshes -> actor / ref / critic / rollout engine (+ weight sync) -> data -> reward
+      loop:  resume? -> validate -> [rl_step -> reduce metrics -> log -> validate? -> checkpoint?]* -> plot
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoTokenizer
+
+from rlhf import platform
+from rlhf.algo.kl import KLController
+from rlhf.checkpoint import CheckpointManager
+from rlhf.config.schema import RlhfConfig
+from rlhf.data.loader import PromptLoader, load_prompts
+from rlhf.dist.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes
+from rlhf.errors import ConfigError
+from rlhf.metrics import MetricsSink
+from rlhf.rollout.factory import build_engine, engine_layout, eos_token_ids
+from rlhf.run_dir import RunDir, get_logger, progress
+from rlhf.step import RLStack, rl_step
+from rlhf.trainer.config import check_batch_sizes
+from rlhf.trainer.roles import CriticRole, PolicyRole
+from rlhf.trainer.scoring import Scorer
+from rlhf.trainer.sync import CopySync, SharedWeights
+from rlhf.trainer.validate import validate
+
+log = get_logger("trainer")
+CONSOLE_KEYS = ("critic/score/mean", "val/score/mean@1", "actor/pg_loss", "response_length/mean", "timing_s/step")
+
+
+def _model_dims(path: str) -> ModelDims:
+    if not path or not Path(path).is_dir():
+        raise ConfigError(f"model.path={path!r} is not a folder; point it at an HF model folder "
+                          "(config.json + safetensors), e.g. one written by `rlhf sft`")
+    hf_config = AutoConfig.from_pretrained(path)
+    return ModelDims(hf_config.num_hidden_layers, hf_config.num_attention_heads,
+                     getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
+
+
+class Trainer:
+    def __init__(self, cfg: RlhfConfig, run_dir: RunDir) -> None:
+        self.cfg, self.run_dir = cfg, run_dir
+        algo = cfg.algo
+        needed = {"actor", "rollout"} | ({"ref"} if algo.uses_ref else set()) | ({"critic"} if algo.uses_critic else set())
+        mesh_cfg = dataclasses.replace(cfg.mesh, roles=[role for role in ROLES if role in needed])
+        self.meshes: RoleMeshes = build_role_meshes(mesh_cfg, _model_dims(cfg.model.path), timeout_s=cfg.dist.timeout_s)
+        self._check_batches()
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+        self.loader = self._build_data()
+        self.scorer = Scorer(cfg.reward, self.tokenizer)
+        self.scorer.check_sources(self.loader.prompts.records + (self.val.records if self.val else []))
+        optimizer_steps = cfg.trainer.total_steps * cfg.actor.epochs * cfg.actor.mini_batches
+        actor = PolicyRole("actor", self.meshes["actor"], cfg.model.path, update=cfg.actor,
+                           total_steps=optimizer_steps, recompute=cfg.model.recompute, seed=cfg.dist.seed)
+        ref = (PolicyRole("ref", self.meshes["ref"], cfg.model.path, update=None, total_steps=0,
+                          seed=cfg.dist.seed) if algo.uses_ref else None)
+        critic = (CriticRole("critic", self.meshes["critic"], cfg.model.critic_path or cfg.model.path,
+                             update=cfg.critic, value_head=True, seed=cfg.dist.seed + 1,
+                             total_steps=cfg.trainer.total_steps * cfg.critic.epochs * cfg.critic.mini_batches)
+                  if algo.uses_critic else None)
+        engine, weight_sync = self._build_rollout(actor)
+        self.stack = RLStack(rollout=engine, rollout_layout=self.meshes["rollout"].layout, scorer=self.scorer,
+                             actor=actor, ref=ref, critic=critic, weight_sync=weight_sync, algo=algo,
+                             sampling=cfg.sampling, actor_update=cfg.actor, critic_update=cfg.critic,
+                             kl_controller=KLController.from_config(algo.kl), pad_token_id=self.pad_token_id)
+        self.checkpoints = CheckpointManager(run_dir.path / "checkpoints", cfg.checkpoint.keep_last)
+        self.sink = MetricsSink(run_dir.path, enabled=run_dir.is_rank0, tensorboard=cfg.trainer.tensorboard)
+
+    def _check_batches(self) -> None:
+        cfg = self.cfg
+        rollout_dp = self.meshes["rollout"].layout.dp
+        for role in ("actor", "critic"):
+            if role in self.meshes:
+                check_batch_sizes(prompts_per_step=cfg.data.prompts_per_step, n=cfg.sampling.n,
+                                  rollout_dp=rollout_dp, role=role, role_dp=self.meshes[role].layout.dp,
+                                  update=getattr(cfg, role))
+
+    def _build_data(self) -> PromptLoader:
+        rollout = self.meshes["rollout"]
+        dp_rank = rollout.pgs.dp.rank() if rollout.is_member else 0
+        loader = PromptLoader(self.cfg.data, self.tokenizer, dp_rank=dp_rank, dp_size=rollout.layout.dp)
+        self.val = (load_prompts(self.cfg.data.val_files, self.tokenizer, self.cfg.data, label="data.val_files")
+                    if self.cfg.data.val_files else None)
+        return loader
+
+    def _build_rollout(self, actor: PolicyRole):
+        """Colocated native rollout in the actor's own layout shares its parameters (a free sync)."""
+        cfg, mesh = self.cfg, self.meshes["rollout"]
+        same_layout = mesh.layout == self.meshes["actor"].layout
+        if not same_layout:
+            raise ConfigError(
+                f"mesh.rollout ({mesh.layout.describe()}) differs from mesh.actor ({self.meshes['actor'].layout.describe()}); "
+                "resharding between different layouts is not wired into the trainer yet: use the same tp and ranks")
+        if not mesh.is_member:
+            return None, SharedWeights(None)
+        if cfg.rollout.engine == "native":
+            from rlhf.rollout.native.engine import NativeEngine
+
+            engine = NativeEngine(actor.model, vocab_size=actor.vocab_size, config=cfg.rollout.native,
+                                  eos_token_ids=eos_token_ids(cfg.model.path), layout=engine_layout(mesh.pgs),
+                                  tp_group=mesh.pgs.tp)
+            return engine, SharedWeights(engine)
+        engine = build_engine(cfg.rollout, cfg.model.path, mesh.pgs)
+        return engine, CopySync(actor.model, engine)
+
+    # -- state -----------------------------------------------------------------------------------------------
+    def _state(self, step: int) -> dict:
+        return {"step": step, "actor": self.stack.actor.state_dict(),
+                "critic": self.stack.critic.state_dict() if self.stack.critic else {},
+                "loader": self.loader.state_dict(), "kl": self.stack.kl_controller.state_dict(),
+                "policy_version": getattr(self.stack.rollout, "policy_version", 0),
+                "rng": {"torch": platform.rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
+
+    def _meta(self) -> dict:
+        return {"layouts": {role: m.layout.describe() for role, m in self.meshes.meshes.items()}}
+
+    def _resume(self) -> int:
+        path = self.checkpoints.resolve(self.cfg.checkpoint.resume)
+        if path is None:
+            return 0
+        state, meta = self.checkpoints.load(path, expected_meta=self._meta())
+        self.stack.actor.load_state_dict(state["actor"])
+        if self.stack.critic:
+            self.stack.critic.load_state_dict(state["critic"])
+        self.loader.load_state_dict(state["loader"])
+        self.stack.kl_controller.load_state_dict(state["kl"])
+        if self.stack.rollout is not None:
+            self.stack.rollout.policy_version = state["policy_version"]
+        platform.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        log.info("resumed from %s (step %d)", path, state["step"])
+        return state["step"]
+
+    # -- loop ------------------------------------------------------------------------------------------------
+    def validate(self, step: int) -> dict[str, float]:
+        if self.val is None:
+            return {}
+        native = self.cfg.rollout.native
+        chunk = max(1, native.max_batch_size // max(1, self.cfg.sampling.val_n))
+        return validate(self.stack.rollout, self.stack.rollout_layout, self.val, self.scorer,
+                        self.cfg.sampling.val_params(step), chunk, self.pad_token_id)
+
+    def fit(self) -> list[dict]:
+        cfg = self.cfg.trainer
+        start = self._resume()
+        history = []
+        if start == 0 and cfg.val_before_train and self.val is not None:
+            values = {"step": 0, **self.validate(0)}
+            self.sink.write(0, values)
+            history.append(values)
+            log.info("before training: val/score/mean@1 = %.4f", values["val/score/mean@1"])
+        bar = progress(range(start + 1, cfg.total_steps + 1), desc="rl", total=cfg.total_steps - start)
+        for step in bar:
+            values = rl_step(self.stack, self.loader.next_step(), step).reduced()
+            if (cfg.val_every and step % cfg.val_every == 0) or step == cfg.total_steps:
+                values.update(self.validate(step))
+            values["training/global_step"] = step
+            self.sink.write(step, values)
+            history.append({"step": step, **values})
+            log.info("step %d: %s", step, "  ".join(f"{k.split('/')[-1] if 'val' not in k else 'val'}="
+                                                   f"{values[k]:.4g}" for k in CONSOLE_KEYS if k in values))
+            every = self.cfg.checkpoint.every
+            if (every and step % every == 0) or (step == cfg.total_steps and self.cfg.checkpoint.save_at_end):
+                self.checkpoints.save(step, self._state(step), meta=self._meta())
+        self.sink.close()
+        return history

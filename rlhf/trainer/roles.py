@@ -1,0 +1,172 @@
+"""The model roles of an RL step on their meshes: actor (trained policy), ref (frozen policy), critic (values).
+
+Each role's members run its DP shard of the global `TrainBatch`; per-sample outputs are gathered back so every
+rank sees the whole batch (`exchange.gather_rows`). Non-members only take part in that gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import AutoConfig
+
+from rlhf.algo.actor_loss import ActorLossInputs, actor_loss
+from rlhf.algo.aggregation import GlobalCounts
+from rlhf.algo.value_loss import value_loss
+from rlhf.dist.meshes import RoleMesh
+from rlhf.models.builder import build_gpt
+from rlhf.models.forward import forward_backward, token_entropy, token_logprobs
+from rlhf.models.hf_load import load_hf_weights
+from rlhf.train.engine import TrainEngine
+from rlhf.trainer.batch import TrainBatch, gather_response
+from rlhf.trainer.config import AlgoConfig, UpdateConfig
+from rlhf.trainer.exchange import gather_rows, is_contributor
+
+
+def _labels_bs(batch: TrainBatch) -> torch.Tensor:
+    """The token each position predicts (the last position's label is never read)."""
+    return torch.roll(batch.tokens_bs, shifts=-1, dims=1)
+
+
+class ModelRole:
+    """A megatron GPT (LM or value head) on one role mesh, optionally trained by a `TrainEngine`."""
+
+    def __init__(self, name: str, mesh: RoleMesh, hf_path: str, *, update: UpdateConfig | None,
+                 total_steps: int, value_head: bool = False, recompute: bool = False, seed: int = 1234) -> None:
+        self.name, self.mesh, self.update_config = name, mesh, update
+        self.model: torch.nn.Module | None = None
+        self.engine: TrainEngine | None = None
+        if not mesh.is_member:
+            return
+        hf_config = AutoConfig.from_pretrained(hf_path)
+        self.vocab_size = hf_config.vocab_size
+        model = build_gpt(hf_config, mesh.pgs, value_head=value_head, recompute=recompute, seed=seed)
+        load_hf_weights(model, hf_path)
+        if update is not None:
+            self.engine = TrainEngine(model, mesh.pgs, update.optim, name=name, total_steps=total_steps)
+            self.model = self.engine.module
+        else:
+            self.model = model.eval()
+            for param in model.parameters():
+                param.requires_grad_(False)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.pgs.dp.rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.layout.dp
+
+    @property
+    def tp_group(self):
+        return self.mesh.pgs.tp
+
+    def _forward(self, batch: TrainBatch, micro_batch_size: int,
+                 fn: Callable[[torch.Tensor, TrainBatch], torch.Tensor]) -> torch.Tensor:
+        """`fn(output, micro_batch) -> [b, T]` over this rank's DP shard, gathered to the whole batch `[B, T]`."""
+        local = None
+        if self.mesh.is_member:
+            shard = batch.shard(self.dp_rank, self.dp_size)
+            micro = shard.chunks(min(micro_batch_size, shard.size))
+
+            def step(output: torch.Tensor, micro_batch: TrainBatch) -> tuple[torch.Tensor, dict]:
+                return torch.zeros(()), {"out": fn(output, micro_batch).detach()}
+
+            with torch.no_grad():
+                if self.engine is not None:
+                    outputs = self.engine.forward_only(micro, step)
+                else:
+                    outputs = forward_backward(self.model, micro, step, self.mesh.pgs, forward_only=True)
+            if is_contributor(self.mesh.layout, torch.distributed.get_rank()):
+                local = torch.cat([o["out"] for o in outputs])
+        return gather_rows(local, self.mesh.layout)
+
+    def _train(self, batch: TrainBatch, loss_fn: Callable[[torch.Tensor, TrainBatch, GlobalCounts], tuple],
+               prefix: str) -> dict[str, float]:
+        """Epochs x mini-batches of optimizer steps; returns this rank's metric sums (contributors only)."""
+        cfg = self.update_config
+        totals: dict[str, float] = {}
+        num_steps = 0
+        if not self.mesh.is_member:
+            return totals
+        contributor = is_contributor(self.mesh.layout, torch.distributed.get_rank())
+        for _ in range(cfg.epochs):
+            for mini in batch.chunks(batch.size // cfg.mini_batches):
+                shard = mini.shard(self.dp_rank, self.dp_size)
+                counts = GlobalCounts.of(shard.response_mask_bt, group=self.mesh.pgs.dp)
+                result = self.engine.train_step(shard.chunks(cfg.micro_batch_size),
+                                                lambda out, mb: loss_fn(out, mb, counts))
+                num_steps += 1
+                if contributor:
+                    for metrics in result.metrics:
+                        for key, value in metrics.items():
+                            totals[key] = totals.get(key, 0.0) + float(value)
+                totals[f"{prefix}grad_norm"] = totals.get(f"{prefix}grad_norm", 0.0) + result.grad_norm
+                totals[f"{prefix}skipped_steps"] = totals.get(f"{prefix}skipped_steps", 0.0) + float(result.skipped)
+                totals[f"{prefix}lr"] = result.lr
+        # Loss metrics are shares of a mini-batch total: averaging over optimizer steps gives per-step values.
+        out = {k: v / num_steps for k, v in totals.items() if k not in (f"{prefix}lr", f"{prefix}skipped_steps")}
+        out[f"{prefix}lr"] = totals[f"{prefix}lr"]
+        out[f"{prefix}skipped_steps"] = totals[f"{prefix}skipped_steps"]
+        return out if contributor else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.engine.state_dict() if self.engine is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.engine is not None:
+            self.engine.load_state_dict(state)
+
+
+class PolicyRole(ModelRole):
+    """Actor (with an update) or reference (frozen): token logprobs, and the PPO-family update."""
+
+    def logprobs(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
+        def fn(logits_bsv: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
+            logp_bs = token_logprobs(logits_bsv, _labels_bs(mb), self.tp_group, self.vocab_size)
+            return gather_response(logp_bs, mb)
+
+        return self._forward(batch, micro_batch_size, fn)
+
+    def update(self, batch: TrainBatch, algo: AlgoConfig) -> dict[str, float]:
+        use_kl_loss = algo.kl.use_as_loss
+        want_entropy = algo.policy_loss.entropy_coef > 0
+
+        def loss_fn(logits_bsv: torch.Tensor, mb: TrainBatch, counts: GlobalCounts) -> tuple:
+            logp_bt = gather_response(token_logprobs(logits_bsv, _labels_bs(mb), self.tp_group, self.vocab_size), mb)
+            if want_entropy:
+                entropy_bt = gather_response(token_entropy(logits_bsv, self.tp_group, self.vocab_size), mb)
+            else:
+                with torch.no_grad():
+                    entropy_bt = gather_response(token_entropy(logits_bsv.detach(), self.tp_group,
+                                                               self.vocab_size), mb)
+            inputs = ActorLossInputs(logprobs_bt=logp_bt, old_logprobs_bt=mb.old_logprobs_bt,
+                                     advantages_bt=mb.advantages_bt, response_mask_bt=mb.response_mask_bt,
+                                     ref_logprobs_bt=mb.ref_logprobs_bt if use_kl_loss else None,
+                                     entropy_bt=entropy_bt)
+            loss, metrics = actor_loss(inputs, algo.policy_loss, algo.kl, counts)
+            return loss, {k: float(v) for k, v in metrics.as_dict("actor/").items()}
+
+        return self._train(batch, loss_fn, "actor/")
+
+
+class CriticRole(ModelRole):
+    """Value model: per-token values of the state before each response token, and the clipped value update."""
+
+    def values(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
+        def fn(values_bs1: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
+            return gather_response(values_bs1.squeeze(-1).float(), mb)
+
+        return self._forward(batch, micro_batch_size, fn)
+
+    def update(self, batch: TrainBatch, algo: AlgoConfig) -> dict[str, float]:
+        def loss_fn(values_bs1: torch.Tensor, mb: TrainBatch, counts: GlobalCounts) -> tuple:
+            values_bt = gather_response(values_bs1.squeeze(-1).float(), mb)
+            loss, metrics = value_loss(values_bt, mb.values_bt, mb.returns_bt, mb.response_mask_bt,
+                                       algo.value_loss, counts)
+            return loss, {k: float(v) for k, v in metrics.as_dict("critic/").items()}
+
+        return self._train(batch, loss_fn, "critic/")
