@@ -13,6 +13,8 @@ from rlhf.errors import RlhfError
 # Subcommand -> module; modules not present in this build are simply not offered.
 COMMANDS = {
     "train": "rlhf.cli.train",
+    "sft": "rlhf.cli.sft",
+    "init-model": "rlhf.cli.init_model",
     "doctor": "rlhf.cli.doctor",
     "data": "rlhf.cli.data",
     "convert": "rlhf.cli.convert",

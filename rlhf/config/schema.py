@@ -11,7 +11,7 @@ from rlhf.dist.meshes import MeshConfig
 from rlhf.rewards.registry import RewardConfig
 from rlhf.rollout.factory import RolloutConfig
 from rlhf.run_dir import RunConfig
-from rlhf.trainer.config import AlgoConfig, ModelConfig, SamplingConfig, TrainerConfig, UpdateConfig
+from rlhf.trainer.config import AlgoConfig, ModelConfig, SamplingConfig, SftConfig, TrainerConfig, UpdateConfig
 
 
 @dataclass(kw_only=True)
@@ -30,3 +30,4 @@ class RlhfConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    sft: SftConfig = field(default_factory=SftConfig)

@@ -119,3 +119,17 @@ def check_batch_sizes(*, prompts_per_step: int, n: int, rollout_dp: int, role: s
             f"must split into {role}.mini_batches={update.mini_batches} x dp={role_dp} x "
             f"micro-batches of {role}.micro_batch_size={update.micro_batch_size}; "
             f"make {update.mini_batches}*{role_dp}*{update.micro_batch_size} divide {rollouts}")
+
+
+@dataclass(kw_only=True)
+class SftConfig:
+    """`steps` optimizer steps of `batch_size` examples; validation every `val_every`; export to `out_dir`."""
+
+    steps: int = 100
+    batch_size: int = 64
+    val_every: int = 0
+    out_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch_size < 1:
+            raise ConfigError(f"sft.steps={self.steps} and sft.batch_size={self.batch_size} must be >= 1")

@@ -1,0 +1,32 @@
+"""`rlhf init-model`: a fresh random Llama/Qwen2 HF folder with a char-level tokenizer (start from nothing)."""
+
+from __future__ import annotations
+
+import argparse
+
+from rlhf.data.char_tokenizer import ARITHMETIC_ALPHABET, build_char_tokenizer
+from rlhf.models.init import InitModelConfig, init_hf_model
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("init-model", help="write a randomly initialised small model + char tokenizer")
+    parser.add_argument("--out", required=True, help="output folder (HF format)")
+    parser.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--ffn", type=int, default=512)
+    parser.add_argument("--max-positions", type=int, default=256)
+    parser.add_argument("--alphabet", default=ARITHMETIC_ALPHABET, help="characters of the char tokenizer")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    config = InitModelConfig(arch=args.arch, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                             num_kv_heads=args.kv_heads, intermediate_size=args.ffn,
+                             max_position_embeddings=args.max_positions, seed=args.seed)
+    out = init_hf_model(config, build_char_tokenizer(args.alphabet), args.out)
+    print(f"wrote {out}")
+    return 0
