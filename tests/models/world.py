@@ -61,3 +61,25 @@ def hf_grads(model, groups) -> dict[str, np.ndarray]:
 
 def numpy_report(reports: list[dict]) -> dict[str, np.ndarray]:
     return {key: value.numpy() for key, value in reports[0].items()}
+
+
+def value_head_round_trip(path: str, out_root: str, cache: GroupCache, tokens) -> dict:
+    """At tp2 x pp2: value model from a causal LM (fresh head) -> export -> reload (score.weight) -> values."""
+    import os
+
+    from rlhf.models.hf_export import export_hf
+
+    def values_of(model, groups):
+        def loss_fn(values_bs1, micro_batch):
+            return values_bs1.sum() * 0, {"values": values_bs1.detach()}
+        return forward_backward(model, [MicroBatch(tokens)], loss_fn, groups, forward_only=True)
+
+    model, groups = layout_model(path, 2, 2, cache, value_head=True)
+    values = values_of(model, groups)
+    exported = os.path.join(out_root, "value-llama")
+    export_hf(model, exported)
+    reloaded, _ = layout_model(exported, 2, 2, cache, value_head=True)
+    reloaded_values = values_of(reloaded, groups)
+    if not is_reporter(groups):
+        return {}
+    return {"values": values[0]["values"].numpy(), "reloaded_values": reloaded_values[0]["values"].numpy()}
