@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from typing import TYPE_CHECKING
+
 import torch.distributed as dist
-from megatron.core.process_groups_config import ProcessGroupCollection
 
 from rlhf.dist.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
 
 class GroupCache:
@@ -42,7 +46,7 @@ class GroupCache:
         return mine
 
 
-def build_layout_groups(layout: ParallelLayout, cache: GroupCache | None = None) -> ProcessGroupCollection | None:
+def build_layout_groups(layout: ParallelLayout, cache: GroupCache | None = None) -> "ProcessGroupCollection | None":
     """Create every group `layout` needs (collective: call on all ranks) and return this rank's collection.
 
     Returns None on ranks outside the layout. Context and expert parallelism are size 1 for now: their groups
@@ -61,6 +65,8 @@ def build_layout_groups(layout: ParallelLayout, cache: GroupCache | None = None)
     single = cache.family([[r] for r in layout.ranks])
     if not layout.contains(rank):
         return None
+    from megatron.core.process_groups_config import ProcessGroupCollection  # slow import, needed late
+
     pgs = ProcessGroupCollection()
     for name, group in (("tp", tp), ("pp", pp), ("mp", mp), ("dp", dp), ("embd", embd),
                         ("pos_embd", pos_embd), ("cp", single), ("tp_cp", tp), ("dp_cp", dp),
