@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -40,6 +43,8 @@ def save_hf_model(config, path: str, seed: int = 0, dtype=torch.float32):
             if name.endswith("bias") or "norm" in name:
                 param.normal_(1.0 if "norm" in name else 0.0, 0.1)
     model.save_pretrained(path)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"model_max_length": 64}, f)  # stands in for the tokenizer files export must copy
     return model
 
 
