@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from tqdm import tqdm
 
-from rlhf.config.loader import save_config
 from rlhf.errors import ConfigError
 
 T = TypeVar("T")
@@ -94,6 +93,8 @@ def setup_run(cfg: RunConfig, resolved_config: Any = None, prefix: str = "run") 
         logger.addHandler(console)
     logger.propagate = False
     if rank == 0 and resolved_config is not None:
+        from rlhf.config.loader import save_config  # late: rlhf.config imports this module's RunConfig
+
         save_config(resolved_config, path / "config.yaml")
     return RunDir(path=path, rank=rank)
 

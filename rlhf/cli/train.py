@@ -16,10 +16,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlhf.trainer.loop import Trainer
+    from rlhf.trainer.loop import Trainer, preflight
 
     cfg = config_from_args(args)
-    with distributed(cfg.dist.backend, timeout_s=cfg.dist.timeout_s, seed=cfg.dist.seed):
+    with distributed(cfg.dist.backend, timeout_s=cfg.dist.timeout_s, seed=cfg.dist.seed) as runtime:
+        preflight(cfg, runtime.world_size)
         run_dir = setup_run(cfg.run, cfg, prefix="train")
         try:
             Trainer(cfg, run_dir).fit()

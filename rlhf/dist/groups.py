@@ -63,6 +63,7 @@ def build_layout_groups(layout: ParallelLayout, cache: GroupCache | None = None)
     tp_dp = cache.family([sorted(layout.rank_of(t, d, p) for d in range(layout.dp) for t in range(layout.tp))
                           for p in range(layout.pp)])
     single = cache.family([[r] for r in layout.ranks])
+    everyone = cache.get(list(layout.ranks))
     if not layout.contains(rank):
         return None
     from megatron.core.process_groups_config import ProcessGroupCollection  # slow import, needed late
@@ -75,4 +76,5 @@ def build_layout_groups(layout: ParallelLayout, cache: GroupCache | None = None)
                         ("inter_dist_opt", single), ("intra_dist_opt", dp)):
         setattr(pgs, name, group)
     pgs.hcp = []
+    pgs.layout_all = everyone  # rlhf's own: every rank of the layout (see models/megatron_globals.py)
     return pgs

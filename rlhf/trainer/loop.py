@@ -21,7 +21,7 @@ from rlhf.algo.kl import KLController
 from rlhf.checkpoint import CheckpointManager
 from rlhf.config.schema import RlhfConfig
 from rlhf.data.loader import PromptLoader, load_prompts
-from rlhf.dist.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes
+from rlhf.dist.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes, plan_meshes
 from rlhf.errors import ConfigError
 from rlhf.metrics import MetricsSink
 from rlhf.rollout.factory import build_engine, engine_layout, eos_token_ids
@@ -46,14 +46,39 @@ def _model_dims(path: str) -> ModelDims:
                      getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
 
 
+def _mesh_config(cfg: RlhfConfig):
+    """The mesh config with exactly the roles the algorithm uses (ref only with KL, critic only with GAE)."""
+    algo = cfg.algo
+    needed = {"actor", "rollout"} | ({"ref"} if algo.uses_ref else set()) | ({"critic"} if algo.uses_critic else set())
+    return dataclasses.replace(cfg.mesh, roles=[role for role in ROLES if role in needed])
+
+
+def _check_batches(cfg: RlhfConfig, layouts: dict) -> None:
+    for role in ("actor", "critic"):
+        if role in layouts:
+            check_batch_sizes(prompts_per_step=cfg.data.prompts_per_step, n=cfg.sampling.n,
+                              rollout_dp=layouts["rollout"].dp, role=role, role_dp=layouts[role].dp,
+                              update=getattr(cfg, role))
+
+
+def preflight(cfg: RlhfConfig, world_size: int) -> None:
+    """Every input check that needs no process group, run before the run folder exists: bad input writes nothing."""
+    layouts = plan_meshes(_mesh_config(cfg), world_size, _model_dims(cfg.model.path))
+    _check_batches(cfg, layouts)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    records = load_prompts(cfg.data.train_files, tokenizer, cfg.data).records
+    if cfg.data.val_files:
+        records += load_prompts(cfg.data.val_files, tokenizer, cfg.data, label="data.val_files").records
+    Scorer(cfg.reward, tokenizer).check_sources(records)
+
+
 class Trainer:
     def __init__(self, cfg: RlhfConfig, run_dir: RunDir) -> None:
         self.cfg, self.run_dir = cfg, run_dir
         algo = cfg.algo
-        needed = {"actor", "rollout"} | ({"ref"} if algo.uses_ref else set()) | ({"critic"} if algo.uses_critic else set())
-        mesh_cfg = dataclasses.replace(cfg.mesh, roles=[role for role in ROLES if role in needed])
-        self.meshes: RoleMeshes = build_role_meshes(mesh_cfg, _model_dims(cfg.model.path), timeout_s=cfg.dist.timeout_s)
-        self._check_batches()
+        self.meshes: RoleMeshes = build_role_meshes(_mesh_config(cfg), _model_dims(cfg.model.path),
+                                                    timeout_s=cfg.dist.timeout_s)
+        _check_batches(cfg, {role: mesh.layout for role, mesh in self.meshes.meshes.items()})
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
@@ -76,15 +101,6 @@ class Trainer:
                              kl_controller=KLController.from_config(algo.kl), pad_token_id=self.pad_token_id)
         self.checkpoints = CheckpointManager(run_dir.path / "checkpoints", cfg.checkpoint.keep_last)
         self.sink = MetricsSink(run_dir.path, enabled=run_dir.is_rank0, tensorboard=cfg.trainer.tensorboard)
-
-    def _check_batches(self) -> None:
-        cfg = self.cfg
-        rollout_dp = self.meshes["rollout"].layout.dp
-        for role in ("actor", "critic"):
-            if role in self.meshes:
-                check_batch_sizes(prompts_per_step=cfg.data.prompts_per_step, n=cfg.sampling.n,
-                                  rollout_dp=rollout_dp, role=role, role_dp=self.meshes[role].layout.dp,
-                                  update=getattr(cfg, role))
 
     def _build_data(self) -> PromptLoader:
         rollout = self.meshes["rollout"]

@@ -21,3 +21,40 @@ def make_tiny_setup(root: Path, num_train: int = 64, num_val: int = 16) -> dict[
                                   prompt_format="expression", task_config=task), root / "val.jsonl")
     assert train and val
     return {"model": str(model), "train": str(root / "train.jsonl"), "val": str(root / "val.jsonl")}
+
+
+def trainer_config(paths: dict[str, str], run_root: str, overrides: list[str] | None = None):
+    """A small GRPO config over the tiny setup; `overrides` are dotted CLI-style settings."""
+    from rlhf.config import RlhfConfig, from_dict
+    from rlhf.config.loader import apply_overrides
+
+    data = {
+        "dist": {"backend": "gloo", "timeout_s": 60},
+        "run": {"output_dir": run_root, "name": "t"},
+        "model": {"path": paths["model"]},
+        "data": {"train_files": [paths["train"]], "val_files": [paths["val"]], "prompts_per_step": 4,
+                 "max_prompt_length": 16},
+        "sampling": {"n": 4, "max_new_tokens": 5},
+        "reward": {"by_source": {"reasoning_gym/*": "reasoning_gym_exact"}},
+        "actor": {"optim": {"lr": 1e-3}, "micro_batch_size": 4},
+        "critic": {"optim": {"lr": 1e-3}, "micro_batch_size": 4},
+        "rollout": {"native": {"max_batch_size": 16, "max_seq_len": 32}},
+        "trainer": {"total_steps": 2, "tensorboard": False},
+    }
+    return from_dict(RlhfConfig, apply_overrides(data, list(overrides or [])))
+
+
+def run_trainer(paths: dict[str, str], run_root: str, overrides: list[str]) -> list[dict]:
+    """Build and fit a Trainer on this (already initialised) world; returns the metrics history."""
+    from rlhf.run_dir import close_run, setup_run
+    from rlhf.trainer.loop import Trainer, preflight
+
+    import torch.distributed as dist
+
+    cfg = trainer_config(paths, run_root, overrides)
+    preflight(cfg, dist.get_world_size())
+    run_dir = setup_run(cfg.run, cfg)
+    try:
+        return Trainer(cfg, run_dir).fit()
+    finally:
+        close_run()
