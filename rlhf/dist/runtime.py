@@ -10,6 +10,7 @@ import contextlib
 import os
 import random
 import re
+import socket
 import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -79,8 +80,15 @@ def detect_env(env: Mapping[str, str] | None = None) -> DistEnv:
                        master_addr=env.get("MASTER_ADDR") or first_host(nodelist), master_port=port,
                        launcher="slurm")
     return DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="127.0.0.1",
-                   master_port=_int_env(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT,
+                   master_port=_int_env(env, "MASTER_PORT") if "MASTER_PORT" in env else _free_port(),
                    launcher="single")
+
+
+def _free_port() -> int:
+    """A free local port for a single-process world (two such runs on one machine must not collide)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def seed_everything(seed: int) -> None:

@@ -34,7 +34,8 @@ def test_slurm_env_without_torchrun():
 
 
 def test_single_process_and_bad_env():
-    assert detect_env({}) == DistEnv(0, 1, 0, 1, "127.0.0.1", 29500, "single")
+    assert detect_env({"MASTER_PORT": "29501"}) == DistEnv(0, 1, 0, 1, "127.0.0.1", 29501, "single")
+    assert detect_env({}).launcher == "single" and detect_env({}).master_port > 0
     with pytest.raises(ConfigError, match=r"^environment variable RANK='x' must be an integer$"):
         detect_env({"RANK": "x", "WORLD_SIZE": "2"})
 

@@ -66,3 +66,16 @@ def test_resume_reproduces_the_uninterrupted_run(tiny, tmp_path):
     assert [row["step"] for row in resumed] == [4, 5, 6]
     assert [_comparable(r) for r in full[4:]] == [_comparable(r) for r in resumed]
     assert sorted(p.name for p in (tmp_path / "split/r/checkpoints").iterdir()) == ["latest", "step_3", "step_6"]
+
+
+def test_reward_function_raising_names_the_sample_and_saves_nothing(tiny, tmp_path):
+    reward = tmp_path / "bad_reward.py"
+    reward.write_text("def score(data_source, solution, ground_truth, extra_info):\n"
+                      "    raise ValueError('grader crashed')\n")
+    from rlhf.testing.distributed import DistributedTestError
+
+    with pytest.raises(DistributedTestError, match=r"RewardError: reward for sample 0 \(index \d+, data_source "
+                                                   r"'reasoning_gym/chain_sum'\) raised ValueError: grader crashed"):
+        run_distributed(run_trainer, 2, tiny, str(tmp_path), [f"reward.function={reward}:score",
+                                                              "reward.by_source={}"], timeout_s=200)
+    assert not (tmp_path / "t" / "checkpoints").exists()
