@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from rlhf.data.char_tokenizer import ARITHMETIC_ALPHABET, build_char_tokenizer
-from rlhf.models.init import InitModelConfig, init_hf_model
+ARITHMETIC_ALPHABET = "0123456789+-= "  # the default of rlhf.data.char_tokenizer (kept light to import)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -24,6 +23,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    from rlhf.data.char_tokenizer import build_char_tokenizer
+    from rlhf.models.init import InitModelConfig, init_hf_model
+
     config = InitModelConfig(arch=args.arch, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
                              num_kv_heads=args.kv_heads, intermediate_size=args.ffn,
                              max_position_embeddings=args.max_positions, seed=args.seed)
