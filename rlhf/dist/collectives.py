@@ -41,8 +41,11 @@ class _Call:
         self.names, self.tensors = canonical_entries(tensors)
         self.specs = specs_of(self.names, self.tensors)
         self.buckets = plan_buckets(self.specs, 0 if strategy == "plain" else bucket_bytes(min_bucket_mb))
-        self.label = f"{name}: {kind}({options}) [{strategy}] {len(self.specs)} tensors"
-        self.layout = CallLayout(call=f"{kind}({options})", specs=tuple(self.specs))
+        # Strategy and bucket size decide how many collectives run, so ranks must agree on them too.
+        sizing = "" if strategy == "plain" else f", min_bucket_mb={min_bucket_mb:g}"
+        call_text = f"{kind}({options}{', ' if options else ''}strategy={strategy}{sizing})"
+        self.label = f"{name}: {call_text} {len(self.specs)} tensors"
+        self.layout = CallLayout(call=call_text, specs=tuple(self.specs))
 
     def flat(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's tensors as one contiguous 1-D buffer (the tensor itself when alone and contiguous)."""

@@ -69,7 +69,8 @@ def test_induced_hang_ends_all_ranks_non_zero_with_stacks_and_peer_heartbeats(tm
     assert "_stuck_in_reward_fn" in logs[STUCK_RANK]
     assert "in-flight collective: none" in logs[STUCK_RANK]
     for rank in set(range(WORLD_SIZE)) - {STUCK_RANK}:
-        assert "in-flight collective: metrics: all_reduce(op=sum) [bucket] 2 tensors" in logs[rank], logs[rank]
+        assert ("in-flight collective: metrics: all_reduce(op=sum, strategy=bucket, min_bucket_mb=1) 2 tensors"
+                in logs[rank]), logs[rank]
         assert "in all_reduce" in logs[rank]
 
 
