@@ -84,3 +84,22 @@ def test_without_a_store_all_ranks_still_exit_non_zero(tmp_path):
 def test_bad_deadline_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"watchdog comm.step_timeout_s=0 must be a positive number"):
         Watchdog(timeout_s=0, log_file=tmp_path / "x.log")
+
+
+def _gil_held_past_deadline(log_file: str) -> None:
+    """The Python watchdog thread never gets to check (poll 1000 s); only the faulthandler backstop can act."""
+    watchdog = Watchdog(timeout_s=0.5, log_file=log_file, poll_s=1000.0, backstop_grace_s=0.5)
+    with watchdog, watchdog.phase("generate"):
+        time.sleep(3600)
+
+
+def test_backstop_dumps_and_exits_when_the_watchdog_thread_cannot_run(tmp_path):
+    log_file = tmp_path / "rank0.log"
+    proc = mp.get_context("spawn").Process(target=_gil_held_past_deadline, args=(str(log_file),), daemon=True)
+    proc.start()
+    proc.join(timeout=60)
+    if proc.is_alive():
+        proc.kill()
+    assert proc.exitcode == 1
+    text = log_file.read_text()
+    assert text.startswith("Timeout (0:00:") and "_gil_held_past_deadline" in text, text
