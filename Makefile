@@ -23,7 +23,7 @@ $(STAMP): setup.py constraints.txt
 	touch $(STAMP)
 
 demo: install
-	bash launch/torchrun.sh $(NPROC) doctor
+	PYTHON=$(abspath $(PY)) bash launch/torchrun.sh $(NPROC) doctor
 
 doctor: install
 	$(VENV)/bin/rlhf doctor

@@ -90,6 +90,12 @@ def reset_peak_memory() -> None:
 
 
 def set_async_error_handling_env() -> None:
-    """Make NCCL surface errors/timeouts as exceptions instead of hanging (no-op for gloo)."""
+    """Make NCCL surface errors/timeouts as exceptions instead of hanging (read at process-group init)."""
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     os.environ.setdefault("NCCL_ASYNC_ERROR_HANDLING", "1")
+
+
+def prepare_backend_env(backend: str) -> None:
+    """Before init: the NCCL error-handling switches (nothing for gloo)."""
+    if backend == "nccl":
+        set_async_error_handling_env()

@@ -1,0 +1,1 @@
+"""The `rlhf` command line: one module per subcommand, each with `add_parser(subparsers)` and `run(args)`."""

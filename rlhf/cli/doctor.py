@@ -1,0 +1,112 @@
+"""`rlhf doctor`: versions, devices, backend, world and mesh summary, and a small-tensor collective probe.
+
+Run it under torchrun/srun to check a whole allocation; it exits 0 only when the probe PASSes on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform as py_platform
+import socket
+from datetime import datetime, timezone
+
+import torch
+import torch.distributed as dist
+
+from rlhf import __version__, platform
+from rlhf.cli.common import add_config_args, config_from_args
+from rlhf.dist.meshes import build_role_meshes
+from rlhf.dist.runtime import distributed
+from rlhf.run_dir import close_run, get_logger, setup_run
+
+# (label, distribution name, module that proves a usable install)
+PACKAGES = [
+    ("torch", "torch", "torch"),
+    ("megatron-core", "megatron-core", "megatron.core"),
+    ("transformers", "transformers", "transformers"),
+    ("transformer-engine", "transformer-engine", "transformer_engine"),
+    ("vllm", "vllm", "vllm"),
+    # NVIDIA apex is a source build; PyPI's `apex` is an unrelated package, so probe a module only NVIDIA's has.
+    ("apex (NVIDIA)", "apex", "apex.normalization"),
+]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("doctor", help="check versions, devices, meshes and collectives")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    parser.add_argument("--probe-tensors", type=int, default=2000, help="number of <1 KB tensors in the probe")
+    parser.add_argument("--probe-timeout", type=float, default=60.0, help="seconds before the probe says HANG")
+    add_config_args(parser)
+    return parser
+
+
+def _module_present(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def package_versions() -> dict[str, str]:
+    versions = {}
+    for label, dist_name, module in PACKAGES:
+        try:
+            version = importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            version = None
+        versions[label] = version if version and _module_present(module) else "not installed"
+    versions["python"] = py_platform.python_version()
+    versions["rlhf"] = __version__
+    return versions
+
+
+def _rank_row(runtime) -> dict:
+    return {"rank": runtime.rank, "host": socket.gethostname(), "pid": os.getpid(),
+            "local_rank": runtime.env.local_rank, "device": platform.device_name()}
+
+
+def run(args: argparse.Namespace) -> int:
+    from rlhf.dist.probe import run_probe
+
+    cfg = config_from_args(args)
+    with distributed(cfg.dist.backend, timeout_s=cfg.dist.timeout_s, seed=cfg.dist.seed) as runtime:
+        run_dir = setup_run(cfg.run, cfg, prefix="doctor")
+        log = get_logger("doctor")
+        try:
+            meshes = build_role_meshes(cfg.mesh, timeout_s=cfg.dist.timeout_s)
+            rows = [None] * runtime.world_size
+            dist.all_gather_object(rows, _rank_row(runtime))
+            probe = run_probe(group=None, num_tensors=args.probe_tensors, timeout_s=args.probe_timeout)
+            report = {
+                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "versions": package_versions(),
+                "backend": runtime.backend, "launcher": runtime.env.launcher,
+                "world_size": runtime.world_size, "threads": torch.get_num_threads(),
+                "ranks": rows, "meshes": meshes.summary_rows(), "probe": probe.to_dict(),
+                "run_dir": str(run_dir.path),
+            }
+            log.debug("doctor report: %s", json.dumps(report))
+            if runtime.is_rank0:
+                print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
+            return 0 if probe.status == "PASS" else 1
+        finally:
+            close_run()
+
+
+def format_report(report: dict) -> str:
+    lines = ["rlhf doctor", "", "versions:"]
+    lines += [f"  {name:<20} {version}" for name, version in report["versions"].items()]
+    lines += ["", f"world: {report['world_size']} ranks, backend {report['backend']}, launcher {report['launcher']}"]
+    lines += [f"  rank {r['rank']:<3} {r['host']} pid {r['pid']} local_rank {r['local_rank']} {r['device']}"
+              for r in report["ranks"]]
+    lines += ["", "meshes:"]
+    lines += [f"  {m['role']:<8} tp{m['tp']} pp{m['pp']} dp{m['dp']} on ranks {m['ranks']}" for m in report["meshes"]]
+    probe = report["probe"]
+    timings = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in probe.get("timings_s", {}).items())
+    lines += ["", f"collective probe: {probe['status']}  ({timings})", f"  {probe['detail']}",
+              "", f"logs: {report['run_dir']}"]
+    return "\n".join(lines)

@@ -1,0 +1,39 @@
+"""`rlhf <command>`: dispatch to the subcommand modules; user errors print one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+from rlhf.errors import RlhfError
+
+# Subcommand -> module; modules not present in this build are simply not offered.
+COMMANDS = {
+    "doctor": "rlhf.cli.doctor",
+    "data": "rlhf.cli.data",
+    "convert": "rlhf.cli.convert",
+    "generate": "rlhf.cli.generate",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlhf", description="SPMD RL post-training on megatron-core.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="command")
+    for name, module_name in COMMANDS.items():
+        if importlib.util.find_spec(module_name) is None:
+            continue
+        module = importlib.import_module(module_name)
+        sub = module.add_parser(subparsers)
+        sub.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except RlhfError as err:
+        print(f"rlhf {args.command}: error: {err}", file=sys.stderr)
+        return 2

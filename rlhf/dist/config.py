@@ -1,0 +1,40 @@
+"""Config sections owned by the distributed runtime: process-group setup and collectives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rlhf.errors import ConfigError
+from rlhf.platform import BACKENDS
+
+
+@dataclass(kw_only=True)
+class DistConfig:
+    """How ranks connect: backend (auto = nccl with CUDA, else gloo) and the process-group timeout."""
+
+    backend: str = "auto"
+    timeout_s: float = 600.0
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"dist.backend={self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"dist.timeout_s={self.timeout_s} must be > 0 seconds")
+
+
+@dataclass(kw_only=True)
+class CommConfig:
+    """Bucketed collectives and the hang watchdog (DESIGN.md §7)."""
+
+    min_bucket_mb: float = 1.0
+    strategy: Literal["bucket", "rs_ag", "plain"] = "bucket"
+    verify: bool = False
+    step_timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if self.min_bucket_mb <= 0:
+            raise ConfigError(f"comm.min_bucket_mb={self.min_bucket_mb} must be > 0 (default 1.0)")
+        if self.step_timeout_s <= 0:
+            raise ConfigError(f"comm.step_timeout_s={self.step_timeout_s} must be > 0 seconds")

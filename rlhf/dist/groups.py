@@ -1,0 +1,78 @@
+"""Process groups for one `ParallelLayout`, handed to megatron-core as an explicit `ProcessGroupCollection`.
+
+`torch.distributed.new_group` is collective over the whole world, so every rank creates every group of every
+layout, in one fixed order. A `GroupCache` shared by all layouts creates each distinct rank list once (colocated
+roles with the same layout then share the very same group objects).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from rlhf.dist.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+
+class GroupCache:
+    """Creates each distinct rank list's group once; `get` must be called in the same order on all ranks."""
+
+    def __init__(self, timeout_s: float | None = None) -> None:
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        self._timeout = timedelta(seconds=timeout_s) if timeout_s else None
+        self.num_created = 0
+
+    def get(self, ranks: list[int]) -> dist.ProcessGroup | None:
+        """The group for `ranks` (None on ranks outside it, as torch returns a non-member sentinel)."""
+        key = tuple(sorted(ranks))
+        if key not in self._groups:
+            group = dist.new_group(list(key), timeout=self._timeout)
+            self._groups[key] = group if dist.get_rank() in key else None
+            self.num_created += 1
+        return self._groups[key]
+
+    def family(self, groups: list[list[int]]) -> dist.ProcessGroup | None:
+        """Create every group of a family (all ranks take part) and return the one holding this rank."""
+        mine = None
+        for ranks in groups:
+            group = self.get(ranks)
+            if group is not None:
+                mine = group
+        return mine
+
+
+def build_layout_groups(layout: ParallelLayout, cache: GroupCache | None = None) -> "ProcessGroupCollection | None":
+    """Create every group `layout` needs (collective: call on all ranks) and return this rank's collection.
+
+    Returns None on ranks outside the layout. Context and expert parallelism are size 1 for now: their groups
+    alias the single-rank or dense groups megatron-core expects to find.
+    """
+    cache = cache or GroupCache()
+    rank = dist.get_rank()
+    tp = cache.family(layout.tp_groups())
+    dp = cache.family(layout.dp_groups())
+    pp = cache.family(layout.pp_groups())
+    mp = cache.family(layout.mp_groups())
+    embd = cache.family(layout.embedding_groups())
+    pos_embd = cache.family([[group[0]] for group in layout.pp_groups()])
+    tp_dp = cache.family([sorted(layout.rank_of(t, d, p) for d in range(layout.dp) for t in range(layout.tp))
+                          for p in range(layout.pp)])
+    single = cache.family([[r] for r in layout.ranks])
+    if not layout.contains(rank):
+        return None
+    from megatron.core.process_groups_config import ProcessGroupCollection  # slow import, needed late
+
+    pgs = ProcessGroupCollection()
+    for name, group in (("tp", tp), ("pp", pp), ("mp", mp), ("dp", dp), ("embd", embd),
+                        ("pos_embd", pos_embd), ("cp", single), ("tp_cp", tp), ("dp_cp", dp),
+                        ("intra_dp_cp", dp), ("tp_dp_cp", tp_dp), ("ep", single), ("expt_tp", tp),
+                        ("expt_dp", dp), ("tp_ep", tp), ("tp_ep_pp", mp), ("intra_expt_dp", dp),
+                        ("inter_dist_opt", single), ("intra_dist_opt", dp)):
+        setattr(pgs, name, group)
+    pgs.hcp = []
+    return pgs

@@ -1,0 +1,117 @@
+"""One folder per run: the resolved config, `rank<k>.log` from every rank, metrics. Rank 0 alone talks to the console.
+
+    runs/<name>/config.yaml     resolved config (rank 0 writes it)
+    runs/<name>/rank<k>.log     every rank's log, including warnings and tracebacks
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from rlhf.config.loader import save_config
+from rlhf.errors import ConfigError
+
+T = TypeVar("T")
+LOGGER_NAME = "rlhf"
+_FORMAT = "%(asctime)s rank%(rank)s %(levelname)s %(name)s: %(message)s"
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Run identity and output location; an empty name becomes `<prefix>-<UTC time>` (agreed by all ranks)."""
+
+    name: str = ""
+    output_dir: str = "runs"
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if "/" in self.name or self.name in (".", ".."):
+            raise ConfigError(f"run.name={self.name!r} must be a plain folder name (no '/')")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"run.log_level={self.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return True
+
+
+def _agreed_name(cfg: RunConfig, prefix: str) -> str:
+    """Rank 0 picks the default name; the others take it from rank 0 so all write to one folder."""
+    if cfg.name:
+        return cfg.name
+    name = [f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+@dataclass
+class RunDir:
+    path: Path
+    rank: int
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+
+def setup_run(cfg: RunConfig, resolved_config: Any = None, prefix: str = "run") -> RunDir:
+    """Create the run folder, route this rank's logs into it, and save the resolved config (rank 0)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    path = Path(cfg.output_dir) / _agreed_name(cfg, prefix)
+    path.mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.setLevel(cfg.log_level.upper())
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+    rank_filter = _RankFilter(rank)
+    file_handler = logging.FileHandler(path / f"rank{rank}.log")
+    file_handler.setFormatter(logging.Formatter(_FORMAT))
+    file_handler.addFilter(rank_filter)
+    logger.addHandler(file_handler)
+    if rank == 0:
+        console = logging.StreamHandler(sys.stdout)
+        console.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(console)
+    logger.propagate = False
+    if rank == 0 and resolved_config is not None:
+        save_config(resolved_config, path / "config.yaml")
+    return RunDir(path=path, rank=rank)
+
+
+def get_logger(name: str = "") -> logging.Logger:
+    return logging.getLogger(f"{LOGGER_NAME}.{name}" if name else LOGGER_NAME)
+
+
+def close_run() -> None:
+    """Flush and close this rank's log handlers (called on teardown, also after errors)."""
+    logger = logging.getLogger(LOGGER_NAME)
+    for handler in list(logger.handlers):
+        handler.flush()
+        handler.close()
+        logger.removeHandler(handler)
+
+
+def progress(items: Iterable[T], desc: str, total: int | None = None) -> Iterator[T]:
+    """A progress bar on rank 0 only; other ranks iterate silently."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    yield from tqdm(items, desc=desc, total=total, disable=rank != 0, dynamic_ncols=True, file=sys.stdout)

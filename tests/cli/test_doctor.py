@@ -1,0 +1,44 @@
+"""`rlhf doctor` under torchrun on 4 CPU ranks: exits 0 with PASS, reports versions and meshes; bad input fails."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env(tmp_path):
+    return {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+
+
+def test_doctor_on_4_ranks_passes(tmp_path):
+    out = subprocess.run(
+        ["bash", str(ROOT / "launch/torchrun.sh"), "4", "doctor", "--json", "--config",
+         str(ROOT / "configs/tiny_cpu.yaml"), "--probe-tensors", "500", f"run.output_dir={tmp_path}",
+         "run.name=doc", "mesh.rollout.tp=2"],
+        cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(out.stdout[out.stdout.index("{"):])
+    assert report["probe"]["status"] == "PASS"
+    assert report["world_size"] == 4 and [r["rank"] for r in report["ranks"]] == [0, 1, 2, 3]
+    assert report["versions"]["vllm"] == "not installed"
+    assert report["versions"]["megatron-core"] == "0.16.1"
+    assert {m["role"]: (m["tp"], m["dp"]) for m in report["meshes"]} == {
+        "actor": (1, 4), "ref": (1, 4), "rollout": (2, 2)}
+    run_dir = tmp_path / "doc"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "rank0.log", "rank1.log", "rank2.log",
+                                                         "rank3.log"]
+
+
+def test_bad_override_is_one_line_error(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "rlhf", "doctor", "mesh.rolout.tp=2"], cwd=ROOT,
+                         env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip() == "rlhf doctor: error: unknown config key 'mesh.rolout'; did you mean 'rollout'?"
+
+
+def test_launch_scripts_parse():
+    for script in sorted((ROOT / "launch").rglob("*.sh")) + sorted((ROOT / "launch").rglob("*.sbatch")):
+        subprocess.run(["bash", "-n", str(script)], check=True)

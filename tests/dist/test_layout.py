@@ -1,0 +1,52 @@
+"""ParallelLayout math for every tp x pp x dp factorisation of 1..8 ranks (and offset meshes)."""
+
+import itertools
+
+import pytest
+
+from rlhf.dist.layout import ParallelLayout
+from rlhf.errors import ConfigError
+
+
+def _layouts(max_world=8):
+    for world in range(1, max_world + 1):
+        for tp, pp in itertools.product(range(1, world + 1), repeat=2):
+            if world % (tp * pp) == 0:
+                for first in (0, 3):
+                    yield ParallelLayout.for_world(world, tp=tp, pp=pp, first_rank=first)
+
+
+@pytest.mark.parametrize("layout", list(_layouts()), ids=str)
+def test_groups_follow_the_rank_formula(layout):
+    ranks = list(layout.ranks)
+    for rank in ranks:
+        t, d, p = layout.coords(rank)
+        assert rank == layout.first_rank + t + layout.tp * (d + layout.dp * p)
+        assert layout.rank_of(t, d, p) == rank
+        tp_group = layout.group_of(layout.tp_groups(), rank)
+        assert tp_group == [layout.rank_of(i, d, p) for i in range(layout.tp)]
+        assert layout.group_of(layout.dp_groups(), rank) == [layout.rank_of(t, i, p) for i in range(layout.dp)]
+        assert layout.group_of(layout.pp_groups(), rank) == [layout.rank_of(t, d, i) for i in range(layout.pp)]
+        mp = layout.group_of(layout.mp_groups(), rank)
+        assert all(layout.coords(r).dp_rank == d for r in mp) and len(mp) == layout.tp * layout.pp
+    for family in (layout.tp_groups(), layout.dp_groups(), layout.pp_groups(), layout.mp_groups()):
+        assert sorted(r for group in family for r in group) == ranks, "a family must partition the mesh"
+
+
+def test_tp_is_fastest_then_dp_then_pp():
+    layout = ParallelLayout(tp=2, dp=2, pp=2)
+    assert [tuple(layout.coords(r)) for r in range(8)] == [
+        (0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (0, 0, 1), (1, 0, 1), (0, 1, 1), (1, 1, 1)]
+    assert layout.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.dp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.pp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.embedding_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_bad_layouts_name_the_numbers():
+    with pytest.raises(ConfigError, match=r"^layout: 6 ranks are not divisible by tp\*pp = 4\*1 = 4"):
+        ParallelLayout.for_world(6, tp=4)
+    with pytest.raises(ConfigError, match=r"^layout tp=0 must be a positive integer$"):
+        ParallelLayout(tp=0)
+    with pytest.raises(ValueError, match="rank 9 is outside"):
+        ParallelLayout(tp=2, dp=2).coords(9)

@@ -1,0 +1,62 @@
+"""World start-up from torchrun and Slurm environments, and teardown also after an exception."""
+
+import os
+
+import pytest
+import torch.distributed as dist
+
+from rlhf.dist.runtime import DistEnv, detect_env, distributed, first_host
+from rlhf.errors import ConfigError
+from rlhf.testing.distributed import free_port, run_distributed
+
+
+@pytest.mark.parametrize("nodelist, host", [
+    ("gpu07", "gpu07"), ("gpu[07-09,12]", "gpu07"), ("gpu[12,07-09],cpu1", "gpu12"),
+    ("node-a[001-004]", "node-a001"), ("a1,b2", "a1")])
+def test_first_host(nodelist, host):
+    assert first_host(nodelist) == host
+
+
+def test_torchrun_env():
+    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h0",
+           "MASTER_PORT": "1234", "SLURM_PROCID": "9", "SLURM_NTASKS": "16"}
+    assert detect_env(env) == DistEnv(3, 8, 1, 2, "h0", 1234, "torchrun")
+
+
+def test_slurm_env_without_torchrun():
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "8",
+           "SLURM_JOB_NODELIST": "gpu[03-04]", "SLURM_JOB_ID": "4242"}
+    got = detect_env(env)
+    assert (got.rank, got.world_size, got.local_rank, got.local_world_size, got.master_addr, got.launcher) == \
+        (5, 16, 1, 8, "gpu03", "slurm")
+    assert got.master_port == detect_env({**env, "SLURM_PROCID": "0"}).master_port, "same port on every rank"
+    assert detect_env({**env, "MASTER_ADDR": "login1", "MASTER_PORT": "777"}).master_port == 777
+
+
+def test_single_process_and_bad_env():
+    assert detect_env({}) == DistEnv(0, 1, 0, 1, "127.0.0.1", 29500, "single")
+    with pytest.raises(ConfigError, match=r"^environment variable RANK='x' must be an integer$"):
+        detect_env({"RANK": "x", "WORLD_SIZE": "2"})
+
+
+def _slurm_world(port, fail):
+    rank = int(os.environ["RANK"])
+    env = {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
+           "SLURM_JOB_NODELIST": "127.0.0.1", "MASTER_PORT": str(port)}
+    try:
+        with distributed("gloo", timeout_s=30, seed=7, env=detect_env(env)) as runtime:
+            import torch
+            value = torch.tensor([runtime.rank + 1.0])
+            dist.all_reduce(value)
+            if fail:
+                raise RuntimeError("user code failed")
+    except RuntimeError as err:
+        assert str(err) == "user code failed"
+    return value.item(), dist.is_initialized(), runtime.env.launcher, torch.rand(1).item()
+
+
+def test_slurm_world_initialises_and_tears_down_even_on_error():
+    for fail in (False, True):
+        results = run_distributed(_slurm_world, 2, free_port(), fail, backend="none", timeout_s=60)
+        assert [r[:3] for r in results] == [(3.0, False, "slurm")] * 2
+        assert results[0][3] == results[1][3], "seeded identically on every rank"
