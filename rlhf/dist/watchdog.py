@@ -221,7 +221,7 @@ def _abort_group(group: dist.ProcessGroup | None) -> None:
     """Abort the process group (unblocks NCCL peers' kernels), but never let the abort itself hang the exit."""
     if not dist.is_initialized():
         return
-    # torch has no public abort; `_abort_process_group` is the c10d entry point torchft and Megatron use.
+    # torch 2.13 has no public abort; `_abort_process_group` is c10d's own (private) entry point.
     worker = threading.Thread(target=_try_abort, args=(group,), daemon=True)
     worker.start()
     worker.join(timeout=5.0)

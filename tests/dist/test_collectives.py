@@ -6,7 +6,6 @@ small integers times a power of two (every summation order is exact); 2-rank dat
 (a + b is commutative) and max is order-free everywhere.
 """
 
-import pytest
 import torch
 import torch.distributed as dist
 
