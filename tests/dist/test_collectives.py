@@ -121,6 +121,11 @@ def _mismatch_messages(rank: int) -> list[str]:
     except CollectiveMismatchError as exc:
         messages.append(f"name: {exc}")
     try:
+        all_gather([torch.zeros(4 if rank == 2 else 3)], verify=True)
+        messages.append("gather: no error")
+    except CollectiveMismatchError as exc:
+        messages.append(f"gather: {exc}")
+    try:
         all_reduce(base, strategy="plain" if rank == 3 else "bucket", min_bucket_mb=0.5, verify=True)
         messages.append("strategy: no error")
     except CollectiveMismatchError as exc:
@@ -180,7 +185,7 @@ def test_four_ranks_bitwise_equal_and_mismatches_raise_on_every_rank():
     for result in results:
         assert result["reduce"] == [] and result["gather"] == []
     for rank, result in enumerate(results):
-        extra, shape, dtype, op, name, strategy, after = result["mismatch"]
+        extra, shape, dtype, op, name, gather, strategy, after = result["mismatch"]
         assert extra == ("extra tensor: collective layouts differ across 4 ranks (ranks [0, 2, 3] agree on "
                          "all_reduce(op=sum, strategy=bucket, min_bucket_mb=1) with 3 tensors):\n"
                          "  ranks [1]: 4 tensors instead of 3; first extra tensor is #3 '[3]' shape (5,) float32"), \
@@ -192,6 +197,8 @@ def test_four_ranks_bitwise_equal_and_mismatches_raise_on_every_rank():
                            "all_reduce(op=sum, strategy=bucket, min_bucket_mb=1)")
         assert "ranks [1, 2, 3] agree on broadcast(src=0, strategy=bucket, min_bucket_mb=1)" in name
         assert name.endswith("ranks [0]: tensor #0 is 'bias' shape (1,) float32, expected 'beta' shape (1,) float32")
+        assert gather.endswith("ranks [2]: tensor #0 is '[0]' shape (4,) float32, expected '[0]' shape (3,) "
+                               "float32"), (rank, gather)
         assert strategy.endswith("ranks [3]: call all_reduce(op=sum, strategy=plain) instead of "
                                  "all_reduce(op=sum, strategy=bucket, min_bucket_mb=0.5)"), (rank, strategy)
         assert after == "after: 4.0"
