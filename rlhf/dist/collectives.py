@@ -72,6 +72,7 @@ def _wait_all(works: list, call: _Call, timeout_s: float | None) -> None:
         wait(work, timeout_s, call.label)
 
 
+@torch.no_grad()
 def all_reduce(tensors: Tensors, *, op: ReduceName = "sum", group: dist.ProcessGroup | None = None,
                strategy: Strategy = "bucket", min_bucket_mb: float = 1.0, verify: bool = False,
                timeout_s: float | None = None, name: str = "all_reduce") -> Tensors:
@@ -115,6 +116,7 @@ def _reduce_scatter_all_gather(flats: list[torch.Tensor], call: _Call, op: dist.
         flat.copy_(buffer[:flat.numel()])
 
 
+@torch.no_grad()
 def all_gather(tensors: Sequence[torch.Tensor] | Mapping[str, torch.Tensor], *,
                group: dist.ProcessGroup | None = None, strategy: Strategy = "bucket",
                min_bucket_mb: float = 1.0, verify: bool = False, timeout_s: float | None = None,
@@ -142,6 +144,7 @@ def all_gather(tensors: Sequence[torch.Tensor] | Mapping[str, torch.Tensor], *,
     return gathered
 
 
+@torch.no_grad()
 def broadcast(tensors: Tensors, *, src: int, group: dist.ProcessGroup | None = None,
               strategy: Strategy = "bucket", min_bucket_mb: float = 1.0, verify: bool = False,
               timeout_s: float | None = None, name: str = "broadcast") -> Tensors:

@@ -88,6 +88,10 @@ def _failures_gather_broadcast(rank: int) -> list[str]:
         broadcast(received, src=src, strategy=strategy, min_bucket_mb=size_mb, verify=True)
         failures += [f"broadcast {strategy} {size_mb}MB tensor #{i}"
                      for i, (g, w) in enumerate(zip(received, want_bcast)) if not torch.equal(g, w)]
+    params = [torch.nn.Parameter(torch.full((3,), float(rank))), torch.nn.Parameter(torch.full((), float(rank)))]
+    broadcast(params, src=src)  # leaves that require grad (weight sync) are written in place too
+    if not all(torch.equal(p, torch.full_like(p, float(src))) and p.requires_grad for p in params):
+        failures.append("broadcast parameters")
     named = all_gather({"b": inputs[2], "a": inputs[0]})
     if not (torch.equal(named["b"][0], want_gather[2][0]) and torch.equal(named["a"][-1], want_gather[0][-1])):
         failures.append("all_gather dict")
