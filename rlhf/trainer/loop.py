@@ -21,6 +21,7 @@ from rlhf.algo.kl import KLController
 from rlhf.checkpoint import CheckpointManager
 from rlhf.config.schema import RlhfConfig
 from rlhf.data.loader import PromptLoader, load_prompts
+from rlhf.dist.watchdog import Watchdog
 from rlhf.dist.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes, plan_meshes
 from rlhf.errors import ConfigError
 from rlhf.metrics import MetricsSink
@@ -34,7 +35,8 @@ from rlhf.trainer.sync import CopySync, SharedWeights
 from rlhf.trainer.validate import validate
 
 log = get_logger("trainer")
-CONSOLE_KEYS = ("critic/score/mean", "val/score/mean@1", "actor/pg_loss", "response_length/mean", "timing_s/step")
+CONSOLE_KEYS = {"critic/score/mean": "reward", "val/score/mean@1": "val", "actor/pg_loss": "pg_loss",
+                "actor/entropy": "entropy", "response_length/mean": "resp_len", "timing_s/step": "step_s"}
 
 
 def _model_dims(path: str) -> ModelDims:
@@ -178,17 +180,30 @@ class Trainer:
             history.append(values)
             log.info("before training: val/score/mean@1 = %.4f", values["val/score/mean@1"])
         bar = progress(range(start + 1, cfg.total_steps + 1), desc="rl", total=cfg.total_steps - start)
-        for step in bar:
-            values = rl_step(self.stack, self.loader.next_step(), step).reduced()
-            if (cfg.val_every and step % cfg.val_every == 0) or step == cfg.total_steps:
-                values.update(self.validate(step))
-            values["training/global_step"] = step
-            self.sink.write(step, values)
-            history.append({"step": step, **values})
-            log.info("step %d: %s", step, "  ".join(f"{k.split('/')[-1] if 'val' not in k else 'val'}="
-                                                   f"{values[k]:.4g}" for k in CONSOLE_KEYS if k in values))
-            every = self.cfg.checkpoint.every
-            if (every and step % every == 0) or (step == cfg.total_steps and self.cfg.checkpoint.save_at_end):
-                self.checkpoints.save(step, self._state(step), meta=self._meta())
+        with self._watchdog() as watchdog:
+            for step in bar:
+                with watchdog.phase(f"rl_step {step}"):
+                    history.append(self._step(step))
         self.sink.close()
         return history
+
+    def _watchdog(self) -> Watchdog:
+        """A step that outlives comm.step_timeout_s dumps every rank's stacks to its log and exits non-zero."""
+        rank = dist.get_rank()
+        return Watchdog(timeout_s=self.cfg.comm.step_timeout_s, log_file=self.run_dir.path / f"rank{rank}.log",
+                        store=dist.distributed_c10d._get_default_store())
+
+    def _step(self, step: int) -> dict:
+        """One RL step plus its validation, logging and checkpoint."""
+        cfg = self.cfg.trainer
+        values = rl_step(self.stack, self.loader.next_step(), step).reduced()
+        if (cfg.val_every and step % cfg.val_every == 0) or step == cfg.total_steps:
+            values.update(self.validate(step))
+        values["training/global_step"] = step
+        self.sink.write(step, values)
+        log.info("step %d: %s", step, "  ".join(f"{CONSOLE_KEYS[k]}={values[k]:.4g}"
+                                               for k in CONSOLE_KEYS if k in values))
+        every = self.cfg.checkpoint.every
+        if (every and step % every == 0) or (step == cfg.total_steps and self.cfg.checkpoint.save_at_end):
+            self.checkpoints.save(step, self._state(step), meta=self._meta())
+        return {"step": step, **values}

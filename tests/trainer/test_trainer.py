@@ -79,3 +79,22 @@ def test_reward_function_raising_names_the_sample_and_saves_nothing(tiny, tmp_pa
         run_distributed(run_trainer, 2, tiny, str(tmp_path), [f"reward.function={reward}:score",
                                                               "reward.by_source={}"], timeout_s=200)
     assert not (tmp_path / "t" / "checkpoints").exists()
+
+
+def test_a_hung_step_ends_every_rank_with_stacks_in_the_logs(tiny, tmp_path):
+    reward = tmp_path / "slow_reward.py"
+    reward.write_text("import os, time\n"
+                      "def score(data_source, solution, ground_truth, extra_info):\n"
+                      "    if os.environ['RANK'] == '0':\n"
+                      "        time.sleep(600)\n"
+                      "    return 0.0\n")
+    from rlhf.testing.distributed import DistributedTestError
+
+    with pytest.raises(DistributedTestError, match="exit code 124"):
+        run_distributed(run_trainer, 2, tiny, str(tmp_path), [f"reward.function={reward}:score", "reward.by_source={}",
+                                                              "comm.step_timeout_s=8", "trainer.val_before_train=false"],
+                        timeout_s=200)
+    for rank in (0, 1):
+        log = (tmp_path / "t" / f"rank{rank}.log").read_text()
+        assert "rl_step 1" in log and "Thread" in log, log[-2000:]
+    assert "slow_reward.py" in (tmp_path / "t" / "rank0.log").read_text()
