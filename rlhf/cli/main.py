@@ -15,6 +15,7 @@ COMMANDS = {
     "train": "rlhf.cli.train",
     "sft": "rlhf.cli.sft",
     "init-model": "rlhf.cli.init_model",
+    "export": "rlhf.cli.export",
     "doctor": "rlhf.cli.doctor",
     "data": "rlhf.cli.data",
     "convert": "rlhf.cli.convert",

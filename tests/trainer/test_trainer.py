@@ -51,9 +51,15 @@ def test_grpo_tp2_dp2_and_ppo_split_placement_on_4_ranks(tiny, tmp_path):
 
 
 def _resume_runs(paths, root):
+    from fixtures import trainer_config
+
+    from rlhf.trainer.export import export_checkpoint
+
     full = run_trainer(paths, f"{root}/full", ["trainer.total_steps=6", "checkpoint.every=3", "run.name=r"])
     run_trainer(paths, f"{root}/split", ["trainer.total_steps=3", "checkpoint.every=3", "run.name=r"])
     resumed = run_trainer(paths, f"{root}/split", ["trainer.total_steps=6", "checkpoint.every=3", "run.name=r"])
+    cfg = trainer_config(paths, f"{root}/full", ["run.name=r"])
+    export_checkpoint(cfg, f"{root}/full/r/checkpoints/step_6", f"{root}/exported")
     return full, resumed
 
 
@@ -66,6 +72,16 @@ def test_resume_reproduces_the_uninterrupted_run(tiny, tmp_path):
     assert [row["step"] for row in resumed] == [4, 5, 6]
     assert [_comparable(r) for r in full[4:]] == [_comparable(r) for r in resumed]
     assert sorted(p.name for p in (tmp_path / "split/r/checkpoints").iterdir()) == ["latest", "step_3", "step_6"]
+    # The export loads in transformers and holds the trained (not the initial) weights, bit for bit.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(tiny["model"]).state_dict()
+    trained = torch.load(tmp_path / "full/r/checkpoints/step_6/rank0.pt", weights_only=False)["actor"]["model"]
+    key, megatron_key = "model.layers.1.mlp.down_proj.weight", "decoder.layers.1.mlp.linear_fc2.weight"
+    assert not torch.equal(exported[key], initial[key])  # weight decay moved it even at zero advantage
+    assert torch.equal(exported[key], trained[megatron_key])
 
 
 def test_reward_function_raising_names_the_sample_and_saves_nothing(tiny, tmp_path):

@@ -1,0 +1,36 @@
+"""Export a role's weights from a trainer checkpoint as an HF folder (run on the checkpoint's world size)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+from rlhf.checkpoint import CheckpointManager
+from rlhf.config.schema import RlhfConfig
+from rlhf.dist.meshes import build_role_meshes
+from rlhf.errors import ConfigError
+from rlhf.models.hf_export import export_hf
+from rlhf.trainer.loop import _mesh_config, _model_dims
+from rlhf.trainer.roles import CriticRole, PolicyRole
+
+
+def export_checkpoint(cfg: RlhfConfig, checkpoint: str | Path, out_dir: str, role: str = "actor") -> None:
+    """Collective: rebuild `role` in the run's layout, load its weights from `checkpoint`, write HF to `out_dir`."""
+    if role not in ("actor", "critic"):
+        raise ConfigError(f"export role={role!r} is not one of actor, critic")
+    if role == "critic" and not cfg.algo.uses_critic:
+        raise ConfigError("this run has no critic (algo.advantage.kind is not gae); export role=actor")
+    manager = CheckpointManager(Path(checkpoint).parent)
+    path = manager.resolve(str(checkpoint))
+    meshes = build_role_meshes(_mesh_config(cfg), _model_dims(cfg.model.path), timeout_s=cfg.dist.timeout_s)
+    if role == "actor":
+        model_role = PolicyRole("actor", meshes["actor"], cfg.model.path, update=None, total_steps=0)
+    else:
+        model_role = CriticRole("critic", meshes["critic"], cfg.model.critic_path or cfg.model.path, update=None,
+                                total_steps=0, value_head=True)
+    state, _ = manager.load(path)
+    if model_role.model is not None:
+        model_role.model.load_state_dict(state[role]["model"], strict=True)
+        export_hf(model_role.model, out_dir, tokenizer_dir=cfg.model.path)
+    dist.barrier()
