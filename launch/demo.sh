@@ -26,7 +26,7 @@ COMMON=(--config "$HERE/configs/demo_cpu.yaml" "run.output_dir=$OUT" "data.val_f
 echo "== SFT on 2,000 labelled problems ($NPROC ranks)"
 PYTHON=$PYTHON bash "$HERE/launch/torchrun.sh" "$NPROC" sft "${COMMON[@]}" run.name=sft \
   "model.path=$OUT/model0" "data.train_files=[$OUT/data/sft.parquet]" "sft.out_dir=$OUT/sft_model" \
-  actor.optim.lr=3.0e-3 actor.optim.warmup_steps=20
+  actor.optim.lr=3.0e-3 actor.optim.warmup_steps=20 actor.micro_batch_size=64
 echo "== GRPO from the SFT policy, reward = exact answer ($NPROC ranks)"
 PYTHON=$PYTHON bash "$HERE/launch/torchrun.sh" "$NPROC" train "${COMMON[@]}" run.name=grpo \
   "model.path=$OUT/sft_model" "data.train_files=[$OUT/data/rl.parquet]"

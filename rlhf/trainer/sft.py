@@ -17,6 +17,7 @@ from rlhf.data.loader import load_prompts
 from rlhf.data.sampler import PromptSampler
 from rlhf.data.tokenize import TokenizedPrompts
 from rlhf.dist.meshes import ModelDims, build_role_meshes
+from rlhf.errors import ConfigError
 from rlhf.metrics import MetricsSink, StepMetrics
 from rlhf.models.forward import token_logprobs
 from rlhf.models.hf_export import export_hf
@@ -56,6 +57,10 @@ def run_sft(cfg: RlhfConfig, sft: SftConfig, run_dir: RunDir) -> dict[str, float
     dims = ModelDims(hf.num_hidden_layers, hf.num_attention_heads, hf.num_key_value_heads or hf.num_attention_heads)
     meshes = build_role_meshes(type(cfg.mesh)(roles=["actor", "rollout"], actor=cfg.mesh.actor,
                                               rollout=cfg.mesh.actor), dims, timeout_s=cfg.dist.timeout_s)
+    dp, micro = meshes["actor"].layout.dp, cfg.actor.micro_batch_size
+    if sft.batch_size % (dp * micro):
+        raise ConfigError(f"sft.batch_size={sft.batch_size} must be a multiple of dp={dp} x "
+                          f"actor.micro_batch_size={micro}")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train = load_prompts(cfg.data.train_files, tokenizer, cfg.data)
