@@ -4,12 +4,13 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlhf-installed
 NPROC ?= 4
+DEMO_NPROC ?= 2
 PYTEST_FLAGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo doctor test test-all bench bench-collectives lint clean
+.PHONY: install demo doctor doctor-ranks test test-all bench bench-collectives clean
 
 install: $(STAMP)
 
@@ -22,7 +23,12 @@ $(STAMP): setup.py constraints.txt
 	$(PY) -c "import torch, megatron.core, rlhf; assert '+cu' not in torch.__version__, torch.__version__"
 	touch $(STAMP)
 
+# The CPU demo: data -> tiny model -> SFT -> GRPO on 2 gloo ranks; prints accuracy before/after RL and writes
+# runs/demo/curve.png. `make doctor-ranks` checks a 4-rank world instead.
 demo: install
+	PYTHON=$(abspath $(PY)) bash launch/demo.sh $(DEMO_NPROC)
+
+doctor-ranks: install
 	PYTHON=$(abspath $(PY)) bash launch/torchrun.sh $(NPROC) doctor
 
 doctor: install
