@@ -23,7 +23,7 @@ CASES = [(name, tp, pp, False) for name in ("llama", "qwen2") for tp, pp in LAYO
 TOKENS = dict(batch=2, seq=12)
 
 
-def _world(paths: dict[str, str], out_root: str, cases) -> dict:
+def _world(paths: dict[str, str], out_root: str, cases, skip_value_head: bool = False) -> dict:
     from rlhf.dist.groups import GroupCache
     from rlhf.models.forward import forward_backward
     from rlhf.models.hf_export import export_hf
@@ -40,7 +40,8 @@ def _world(paths: dict[str, str], out_root: str, cases) -> dict:
         entry["grads"].update(grads)
         if world.is_reporter(groups):
             entry.update(world.numpy_report(reports))
-    results["value"] = world.value_head_round_trip(paths["llama"], out_root, cache, tokens)
+    if not skip_value_head:
+        results["value"] = world.value_head_round_trip(paths["llama"], out_root, cache, tokens)
     return results
 
 
