@@ -29,10 +29,11 @@ class _ShiftedLogits:
     vocab_start: int
 
 
-def _shift(logits_bsv: torch.Tensor, tp_group: dist.ProcessGroup, vocab_size: int) -> _ShiftedLogits:
+def _shift(logits_bsv: torch.Tensor, tp_group: dist.ProcessGroup, vocab_size: int,
+           temperature: float) -> _ShiftedLogits:
     local_vocab = logits_bsv.shape[-1]
     vocab_start = tp_group.rank() * local_vocab
-    logits_bsv = logits_bsv.float()
+    logits_bsv = logits_bsv.float() / temperature
     if vocab_start + local_vocab > vocab_size:  # padding columns never take part in a softmax
         is_pad = torch.arange(vocab_start, vocab_start + local_vocab, device=logits_bsv.device) >= vocab_size
         logits_bsv = logits_bsv.masked_fill(is_pad, float("-inf"))
@@ -44,9 +45,13 @@ def _shift(logits_bsv: torch.Tensor, tp_group: dist.ProcessGroup, vocab_size: in
 
 
 def token_logprobs(logits_bsv: torch.Tensor, tokens_bs: torch.Tensor, tp_group: dist.ProcessGroup,
-                   vocab_size: int) -> torch.Tensor:
-    """log softmax(logits)[token] per position, from this rank's vocab shard; differentiable, [b, s] fp32."""
-    shifted = _shift(logits_bsv, tp_group, vocab_size)
+                   vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[token] per position from this rank's vocab shard; differentiable.
+
+    `tokens_bs[:, t]` is scored against `logits_bsv[:, t]`: pass the next tokens (labels), not the inputs.
+    Returns [b, s] fp32.
+    """
+    shifted = _shift(logits_bsv, tp_group, vocab_size, temperature)
     local = tokens_bs - shifted.vocab_start
     owned = (local >= 0) & (local < logits_bsv.shape[-1])
     picked = shifted.shifted_bsv.gather(-1, local.clamp(0, logits_bsv.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
@@ -54,9 +59,10 @@ def token_logprobs(logits_bsv: torch.Tensor, tokens_bs: torch.Tensor, tp_group: 
     return target - shifted.sum_exp_bs.log()
 
 
-def token_entropy(logits_bsv: torch.Tensor, tp_group: dist.ProcessGroup, vocab_size: int) -> torch.Tensor:
-    """Entropy of softmax(logits) per position, from this rank's vocab shard; differentiable, [b, s] fp32."""
-    shifted = _shift(logits_bsv, tp_group, vocab_size)
+def token_entropy(logits_bsv: torch.Tensor, tp_group: dist.ProcessGroup, vocab_size: int,
+                  temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) per position from this rank's vocab shard; [b, s] fp32."""
+    shifted = _shift(logits_bsv, tp_group, vocab_size, temperature)
     finite = shifted.shifted_bsv.masked_fill(shifted.shifted_bsv.isinf(), 0.0)
     weighted = reduce_from_tensor_model_parallel_region((shifted.shifted_bsv.exp() * finite).sum(-1),
                                                         group=tp_group)

@@ -17,9 +17,10 @@ from rlhf.testing.distributed import run_distributed
 from tests.models.tiny import VOCAB, llama_config, qwen2_config, sample_tokens, save_hf_model
 
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))
-# (model, tp, pp, recompute): Llama GQA untied and Qwen2 qkv-bias tied on every layout; MQA with recompute
-CASES = [(name, tp, pp, False) for name in ("llama", "qwen2") for tp, pp in LAYOUTS] + [
-    ("mqa", 1, 1, False), ("mqa", 1, 2, True)]
+# (model, tp, pp, recompute, micro-batches): Llama GQA untied and Qwen2 qkv-bias tied on every layout (1F1B
+# with 2 micro-batches at pp=2); MQA with activation recompute.
+CASES = [(name, tp, pp, False, pp) for name in ("llama", "qwen2") for tp, pp in LAYOUTS] + [
+    ("mqa", 1, 1, False, 1), ("mqa", 1, 2, True, 2)]
 TOKENS = dict(batch=2, seq=12)
 
 
@@ -31,11 +32,14 @@ def _world(paths: dict[str, str], out_root: str, cases, skip_value_head: bool = 
 
     cache, results = GroupCache(), {}
     tokens = sample_tokens(TOKENS["batch"], TOKENS["seq"])
-    for name, tp, pp, recompute in cases:
+    for name, tp, pp, recompute, num_micro_batches in cases:
         model, groups = world.layout_model(paths[name], tp, pp, cache, recompute=recompute)
-        reports = forward_backward(model, [world.MicroBatch(tokens)], world.rl_loss(groups, VOCAB), groups)
+        micro_batches = [world.MicroBatch(part) for part in tokens.chunk(num_micro_batches)]
+        loss_fn = world.rl_loss(groups, VOCAB, scale=1.0 / num_micro_batches)
+        reports = forward_backward(model, micro_batches, loss_fn, groups)
         grads = world.hf_grads(model, groups)
-        export_hf(model, os.path.join(out_root, f"{name}-tp{tp}-pp{pp}"), tokenizer_dir=paths[name])
+        export_hf(model, os.path.join(out_root, f"{name}-tp{tp}-pp{pp}"), tokenizer_dir=paths[name],
+                  max_shard_bytes=64 << 10)  # several files per stage: exercises the index
         entry = results.setdefault((name, tp, pp), {"grads": {}})
         entry["grads"].update(grads)
         if world.is_reporter(groups):
@@ -97,6 +101,9 @@ def test_logits_logprobs_entropy_and_grads_match_transformers(parity, name, tp, 
     assert np.abs(got["logits"] - logits.numpy()).max() <= 1e-5
     assert np.abs(got["logprobs"] - logprobs.numpy()).max() <= 1e-5
     assert np.abs(got["entropy"] - entropy.numpy()).max() <= 1e-5
+    hot = torch.log_softmax(logits / 2.0, -1)
+    assert np.abs(got["logprobs_t2"] - hot.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).numpy()).max() <= 1e-5
+    assert np.abs(got["entropy_t2"] - (-(hot.exp() * hot).sum(-1)).numpy()).max() <= 1e-5
     assert sorted(got["grads"]) == sorted(hf_grads)
     for grad_name, grad in hf_grads.items():
         assert np.abs(got["grads"][grad_name] - grad).max() <= 1e-5, grad_name

@@ -35,16 +35,18 @@ def is_reporter(groups) -> bool:
     return groups.tp.rank() == 0 and groups.dp.rank() == 0 and groups.pp.rank() == groups.pp.size() - 1
 
 
-def rl_loss(groups, vocab_size: int):
-    """loss = -mean logprob - 0.1 mean entropy; reports full logits, logprobs and entropy."""
+def rl_loss(groups, vocab_size: int, scale: float = 1.0):
+    """loss = scale * (-mean logprob - 0.1 mean entropy); reports full logits, logprobs and entropy."""
     def loss_fn(logits_bsv, micro_batch):
         logprobs = token_logprobs(logits_bsv, micro_batch.tokens_bs, groups.tp, vocab_size)
         entropy = token_entropy(logits_bsv, groups.tp, vocab_size)
         shards = [torch.empty_like(logits_bsv) for _ in range(groups.tp.size())]
         dist.all_gather(shards, logits_bsv.detach().contiguous(), group=groups.tp)
+        hot = token_logprobs(logits_bsv, micro_batch.tokens_bs, groups.tp, vocab_size, temperature=2.0)
         report = {"logits": torch.cat(shards, -1)[..., :vocab_size], "logprobs": logprobs.detach(),
-                  "entropy": entropy.detach()}
-        return -logprobs.mean() - 0.1 * entropy.mean(), report
+                  "entropy": entropy.detach(), "logprobs_t2": hot.detach(),
+                  "entropy_t2": token_entropy(logits_bsv, groups.tp, vocab_size, temperature=2.0).detach()}
+        return scale * (-logprobs.mean() - 0.1 * entropy.mean()), report
     return loss_fn
 
 
@@ -60,7 +62,8 @@ def hf_grads(model, groups) -> dict[str, np.ndarray]:
 
 
 def numpy_report(reports: list[dict]) -> dict[str, np.ndarray]:
-    return {key: value.numpy() for key, value in reports[0].items()}
+    """Every micro-batch's report joined along the batch dimension."""
+    return {key: torch.cat([report[key] for report in reports]).numpy() for key in reports[0]}
 
 
 def value_head_round_trip(path: str, out_root: str, cache: GroupCache, tokens) -> dict:
