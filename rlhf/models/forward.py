@@ -4,6 +4,7 @@ full vocab is never gathered), values, and forward(-backward) over megatron's pi
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -69,13 +70,27 @@ def token_entropy(logits_bsv: torch.Tensor, tp_group: dist.ProcessGroup, vocab_s
     return shifted.sum_exp_bs.log() - weighted / shifted.sum_exp_bs
 
 
+def padded_inputs(valid_bs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position_ids_bs, attention_mask_b1ss) for a batch with padding anywhere (`valid_bs` True on tokens).
+
+    Positions count valid tokens only; the mask (True = blocked) is causal and hides padded keys, so each
+    sequence sees exactly what it would see unpadded. Fully padded rows attend to themselves only.
+    """
+    positions_bs = (valid_bs.long().cumsum(dim=1) - 1).clamp(min=0)
+    seq = valid_bs.shape[1]
+    causal_ss = torch.ones(seq, seq, dtype=torch.bool, device=valid_bs.device).tril()
+    allowed_bss = causal_ss.unsqueeze(0) & valid_bs.unsqueeze(1)
+    allowed_bss |= torch.eye(seq, dtype=torch.bool, device=valid_bs.device).unsqueeze(0)
+    return positions_bs, ~allowed_bss.unsqueeze(1)
+
+
 def _forward_step(loss_fn: LossFn, num_micro_batches: int, data_iterator: Any, model: Any) -> tuple:
     micro_batch = next(data_iterator)
     tokens_bs = micro_batch.tokens_bs
     positions_bs = getattr(micro_batch, "position_ids_bs", None)
     if positions_bs is None:
         positions_bs = torch.arange(tokens_bs.shape[1], device=tokens_bs.device).expand_as(tokens_bs)
-    output = model(tokens_bs, positions_bs, attention_mask=None)
+    output = model(tokens_bs, positions_bs, attention_mask=getattr(micro_batch, "attention_mask_b1ss", None))
 
     def loss(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict]:
         value, metrics = loss_fn(output_tensor, micro_batch)
@@ -89,7 +104,8 @@ def forward_backward(model: Any, micro_batches: list, loss_fn: LossFn, pg_collec
                      forward_only: bool = False) -> list[dict]:
     """Run `micro_batches` through megatron's schedule (1F1B when pp > 1); returns loss_fn's metrics dicts.
 
-    Each micro-batch has `tokens_bs` (and optionally `position_ids_bs`); all share one shape.
+    Each micro-batch has `tokens_bs` and optionally `position_ids_bs` and `attention_mask_b1ss` (True =
+    blocked; see `padded_inputs`; default: plain causal); all share one shape. `forward_only` runs without grad.
     `loss_fn(output, micro_batch) -> (loss, metrics)` runs on the last stage, `output` being this rank's
     vocab shard of the logits [b, s, v/tp] (or values [b, s, 1]); gradients accumulate into `.grad`
     (or `.main_grad` under megatron DDP) with `loss` taken as-is. Other stages get an empty list.
@@ -103,7 +119,8 @@ def forward_backward(model: Any, micro_batches: list, loss_fn: LossFn, pg_collec
     schedule = get_forward_backward_func(pp_size=pp, vp_size=None)
     p2p = P2PCommunicator(pp_group=pg_collection.pp, config=model.config) if pp > 1 else None
     extra = {"p2p_communicator": p2p} if p2p is not None else {}
-    return schedule(forward_step_func=partial(_forward_step, loss_fn, len(micro_batches)),
-                    data_iterator=iter(micro_batches), model=[model], num_microbatches=len(micro_batches),
-                    seq_length=seq_length, micro_batch_size=batch_size, forward_only=forward_only,
-                    pg_collection=pg_collection, **extra)
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        return schedule(forward_step_func=partial(_forward_step, loss_fn, len(micro_batches)),
+                        data_iterator=iter(micro_batches), model=[model], num_microbatches=len(micro_batches),
+                        seq_length=seq_length, micro_batch_size=batch_size, forward_only=forward_only,
+                        pg_collection=pg_collection, **extra)

@@ -46,7 +46,16 @@ def _world(paths: dict[str, str], out_root: str, cases, skip_value_head: bool = 
             entry.update(world.numpy_report(reports))
     if not skip_value_head:
         results["value"] = world.value_head_round_trip(paths["llama"], out_root, cache, tokens)
+        results["padded"] = world.padded_logits(paths["llama"], cache, *_padded_batch())
     return results
+
+
+def _padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Row 0: 2 left pads, 7 tokens, 3 right pads; row 1: 12 tokens."""
+    tokens = sample_tokens(2, 12, seed=4)
+    valid = torch.ones(2, 12, dtype=torch.bool)
+    valid[0, :2] = valid[0, 9:] = False
+    return tokens.masked_fill(~valid, 0), valid
 
 
 def _merge(rank_results: list[dict]) -> dict:
@@ -145,3 +154,13 @@ def test_value_head_from_causal_lm_exports_as_sequence_classifier(parity):
     assert sorted(result) == sorted(set(source) - {"lm_head.weight"} | {"score.weight"})
     for tensor_name in set(source) - {"lm_head.weight"}:
         assert torch.equal(result[tensor_name], source[tensor_name]), tensor_name
+
+
+def test_padded_batch_matches_each_sequence_run_alone(parity):
+    _, _, hf_models, results = parity
+    tokens, valid = _padded_batch()
+    got = results["padded"]["logits"]
+    with torch.no_grad():
+        for row in range(2):
+            alone = hf_models["llama"](tokens[row][valid[row]].unsqueeze(0)).logits[0]
+            assert np.abs(got[row][valid[row].numpy()] - alone.numpy()).max() <= 1e-5

@@ -86,3 +86,20 @@ def value_head_round_trip(path: str, out_root: str, cache: GroupCache, tokens) -
     if not is_reporter(groups):
         return {}
     return {"values": values[0]["values"].numpy(), "reloaded_values": reloaded_values[0]["values"].numpy()}
+
+
+def padded_logits(path: str, cache: GroupCache, tokens_bs, valid_bs) -> dict:
+    """Full logits at tp2 x pp2 for a batch with padding, using `padded_inputs` positions and mask."""
+    from rlhf.models.forward import padded_inputs
+
+    @dataclass
+    class PaddedBatch:
+        tokens_bs: torch.Tensor
+        position_ids_bs: torch.Tensor
+        attention_mask_b1ss: torch.Tensor
+
+    model, groups = layout_model(path, 2, 2, cache)
+    positions_bs, mask_b1ss = padded_inputs(valid_bs)
+    reports = forward_backward(model, [PaddedBatch(tokens_bs, positions_bs, mask_b1ss)],
+                               rl_loss(groups, model.rlhf_spec.vocab_size), groups, forward_only=True)
+    return {"logits": reports[0]["logits"].numpy()} if is_reporter(groups) else {}
