@@ -46,10 +46,12 @@ class HfFolder:
         return self._handles[file]
 
     def slice(self, name: str) -> Any:
+        """A lazy slice of tensor `name`: indexing it reads only the selected rows/columns from disk."""
         return self._handle(name).get_slice(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.slice(name).get_shape())
+        """From the file header; reads no tensor data."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
 
 
 def folder_head(folder: HfFolder, value_head: bool) -> str:

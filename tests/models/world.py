@@ -103,3 +103,18 @@ def padded_logits(path: str, cache: GroupCache, tokens_bs, valid_bs) -> dict:
     reports = forward_backward(model, [PaddedBatch(tokens_bs, positions_bs, mask_b1ss)],
                                rl_loss(groups, model.rlhf_spec.vocab_size), groups, forward_only=True)
     return {"logits": reports[0]["logits"].numpy()} if is_reporter(groups) else {}
+
+
+def record_hf_reads() -> set[str]:
+    """Record (in this process) the names of every HF tensor the loader opens a slice of."""
+    from rlhf.models.hf_load import HfFolder
+
+    names: set[str] = set()
+    original = HfFolder.slice
+
+    def recording_slice(self, name: str):
+        names.add(name)
+        return original(self, name)
+
+    HfFolder.slice = recording_slice
+    return names
