@@ -20,11 +20,11 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from rlhf.errors import RlhfError
+from rlhf.models.forward import LossFn, forward_backward
 from rlhf.platform import megatron_compat
 from rlhf.train import offload as offload_lib
 from rlhf.train.config import OptimConfig
 from rlhf.train.optim import build_optimizer, build_scheduler
-from rlhf.train.schedule import LossFn, forward_backward
 from rlhf.train.state import load_optimizer_state, optimizer_state
 
 ForwardFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict]]
