@@ -158,8 +158,11 @@ class TrainEngine:
         self.num_steps = state["num_steps"]
 
     def offload(self) -> None:
-        """Free params, grads and optimizer state from the device, keeping a host copy (between phases)."""
-        if self._offloaded is None:
+        """With `optim.offload`: free params, grads and optimizer state from the device, keeping a host copy.
+
+        Call it when the role's phase ends (e.g. before rollout); without `optim.offload` it does nothing.
+        """
+        if self.config.offload and self._offloaded is None:
             self._offloaded = offload_lib.offload(self.model, self.optimizer)
 
     def reload(self) -> None:

@@ -7,11 +7,13 @@ per rank), all loaded from the same HF folder, and returns plain numbers/strings
 from __future__ import annotations
 
 import io
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from tests.train.helpers import hf_sft_loss, poisoned, sft_batch
+from tests.train.helpers import hf_sft_loss, nan_grads, poisoned, sft_batch
 
 
 def _groups() -> dict:
@@ -25,7 +27,8 @@ def _groups() -> dict:
     return {**groups, "single": single[rank]}
 
 
-def _engine(path: str, pgs, *, load: bool = True, seed: int = 1234, name: str = "actor", **optim):
+def _engine(path: str, pgs, *, load: bool = True, seed: int = 1234, name: str = "actor", value_head: bool = False,
+            **optim):
     from transformers import AutoConfig
 
     from rlhf.models.builder import build_gpt
@@ -33,7 +36,7 @@ def _engine(path: str, pgs, *, load: bool = True, seed: int = 1234, name: str = 
     from rlhf.train.config import OptimConfig
     from rlhf.train.engine import TrainEngine
 
-    model = build_gpt(AutoConfig.from_pretrained(path), pgs, seed=seed)
+    model = build_gpt(AutoConfig.from_pretrained(path), pgs, seed=seed, value_head=value_head)
     if load:
         load_hf_weights(model, path)
     optim = {"lr": 1e-2, "total_steps": 20, **optim}
@@ -139,6 +142,37 @@ def check_sft_learns(path: str, pg: dict) -> dict:
     return {"losses": [sft_step(engine, batches).loss for _ in range(12)]}
 
 
+def check_critic(path: str, pg: dict) -> dict:
+    """A value-head critic: value-loss steps agree across one rank, TP2 and PP2; forward_only gives values."""
+    tokens, mask = sft_batch(8, 16, seed=7)
+    returns = torch.randn(tokens.shape, generator=torch.Generator().manual_seed(7))
+    count = int(mask.sum())
+
+    def value_loss(values_bs1, batch):
+        rows = batch.rows
+        error = (values_bs1.squeeze(-1) - returns[rows]) * mask[rows]
+        return 0.5 * (error ** 2).sum() / count, {}
+
+    def values_fn(values_bs1, batch):
+        return values_bs1.sum(), {"values": values_bs1.squeeze(-1)}
+
+    out = {}
+    for key in ("single", "tp2", "pp2"):
+        engine = _engine(path, pg[key], name="critic", value_head=True, lr=1e-3)
+        batches = [_Rows(tokens_bs=tokens[rows], rows=rows) for rows in (slice(0, 4), slice(4, 8))]
+        steps = [engine.train_step(batches, value_loss) for _ in range(3)]
+        values = engine.forward_only(batches, values_fn)
+        out[key] = {"steps": [(step.loss, step.grad_norm) for step in steps],
+                    "values": torch.cat([v["values"] for v in values]).flatten().tolist() if values else None}
+    return out
+
+
+@dataclass
+class _Rows:
+    tokens_bs: torch.Tensor
+    rows: slice
+
+
 def check_schedule(path: str, pg: dict) -> dict:
     """LR used by each of 8 steps: warmup 2 then cosine to min_lr at step 6, then min_lr."""
     engine = _engine(path, pg["single"], lr=1e-2, min_lr=1e-3, warmup_steps=2, decay_style="cosine",
@@ -157,8 +191,6 @@ def check_clipping(path: str, pg: dict) -> dict:
 
 def check_non_finite(path: str, pg: dict) -> dict:
     """A NaN loss is skipped (weights, optimizer and schedule untouched) or aborts with a named error."""
-    from rlhf.train.engine import NonFiniteError
-
     batches = _batches(pg["dp2"], 2, seed=4)
     engine = _engine(path, pg["dp2"], warmup_steps=3)
     first = engine.train_step(batches, _loss_fn(engine))
@@ -166,15 +198,24 @@ def check_non_finite(path: str, pg: dict) -> dict:
     skipped = engine.train_step(batches, poisoned(_loss_fn(engine)))
     unchanged = _bitwise(before, _weights(engine)) and _bitwise(opt_before, _opt_tensors(engine))
     after = engine.train_step(batches, _loss_fn(engine))
-    aborting = _engine(path, pg["dp2"], name="critic", nan_policy="abort")
-    try:
-        aborting.train_step(batches, poisoned(_loss_fn(aborting)))
-        message = ""
-    except NonFiniteError as error:
-        message = str(error)
+    grad_skipped = engine.train_step(batches, nan_grads(_loss_fn(engine)))
+    message = _abort_message(path, pg, poisoned)
     return {"first_skipped": first.skipped, "skipped": skipped.skipped, "unchanged": unchanged,
             "lrs": [first.lr, skipped.lr, after.lr], "after_skipped": after.skipped,
-            "num_steps": engine.num_steps, "message": message}
+            "num_steps": engine.num_steps, "message": message,
+            "grad_skip": (grad_skipped.skipped, math.isfinite(grad_skipped.loss), math.isnan(grad_skipped.grad_norm)),
+            "grad_message": _abort_message(path, pg, nan_grads)}
+
+
+def _abort_message(path: str, pg: dict, corrupt) -> str:
+    from rlhf.train.engine import NonFiniteError
+
+    engine = _engine(path, pg["dp2"], name="critic", nan_policy="abort")
+    try:
+        engine.train_step(_batches(pg["dp2"], 2, seed=4), corrupt(_loss_fn(engine)))
+    except NonFiniteError as error:
+        return str(error)
+    return ""
 
 
 def _roundtrip(state: dict) -> dict:
@@ -209,7 +250,8 @@ def check_offload(path: str, pg: dict) -> dict:
     results = {}
     for distributed_optimizer in (False, True):
         plain = _engine(path, pgs, use_distributed_optimizer=distributed_optimizer)
-        cycled = _engine(path, pgs, use_distributed_optimizer=distributed_optimizer)
+        plain.offload()  # without optim.offload: nothing happens
+        cycled = _engine(path, pgs, use_distributed_optimizer=distributed_optimizer, offload=True)
         for engine in (plain, cycled):
             engine.train_step(batches[0], _loss_fn(engine))
         cycled.offload()
@@ -229,6 +271,7 @@ def engine_world(path: str) -> dict:
     pg = _groups()
     return {"loss_scaling": check_loss_scaling(path, pg), "layouts": check_layouts(path, pg),
             "forward_only": check_forward_only(path, pg), "sft_learns": check_sft_learns(path, pg),
+            "critic": check_critic(path, pg),
             "schedule": check_schedule(path, pg), "clipping": check_clipping(path, pg),
             "non_finite": check_non_finite(path, pg),
             "resume_dp2_distopt": check_resume(path, pg, "dp2", True),

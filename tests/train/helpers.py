@@ -31,6 +31,14 @@ def poisoned(loss_fn):
     return loss
 
 
+def nan_grads(loss_fn):
+    """The same (finite) loss value, but NaN gradients: d sqrt(u)/du is inf at u = 0, times du/dlogits = 0."""
+    def loss(output, batch):
+        value, metrics = loss_fn(output, batch)
+        return value + (output * 0).sum().sqrt(), metrics
+    return loss
+
+
 def hf_sft_loss(path: str, tokens: torch.Tensor, answer_mask: torch.Tensor) -> tuple[float, torch.Tensor]:
     """The same answer-token mean NLL computed by transformers, and its per-position next-token logprobs."""
     from transformers import AutoModelForCausalLM

@@ -57,6 +57,19 @@ def test_sft_steps_reduce_the_answer_nll(world):
     assert world[1]["sft_learns"]["losses"] == losses  # every DP rank reports the global loss
 
 
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_critic_value_steps_match_one_rank(world, layout):
+    for rank_result in world:
+        result = rank_result["critic"]
+        assert result["single"]["steps"][2][0] < result["single"]["steps"][0][0]
+        for (loss, norm), (ref_loss, ref_norm) in zip(result[layout]["steps"], result["single"]["steps"]):
+            assert loss == pytest.approx(ref_loss, rel=1e-5)
+            assert norm == pytest.approx(ref_norm, rel=1e-5)
+        if result[layout]["values"] is not None:  # the last pipeline stage
+            assert result[layout]["values"] == pytest.approx(result["single"]["values"], abs=1e-5)
+    assert world[0]["critic"]["pp2"]["values"] is None and world[1]["critic"]["pp2"]["values"] is not None
+
+
 def test_lr_warmup_then_cosine_then_min_lr(world):
     lr, min_lr, warmup, total = 1e-2, 1e-3, 2, 6
     expected = [lr * step / warmup for step in range(warmup + 1)]
@@ -87,6 +100,15 @@ def test_nan_loss_aborts_with_a_message_naming_role_and_step(world):
         assert rank_result["non_finite"]["message"] == (
             "critic train step 1: non-finite loss (loss=nan, grad_norm=nan); aborting as "
             "optim.nan_policy='abort' (set 'skip' to skip such steps)")
+        assert rank_result["non_finite"]["grad_message"].startswith(
+            "critic train step 1: non-finite gradient norm (loss=4.")
+        assert rank_result["non_finite"]["grad_message"].endswith(", grad_norm=nan); aborting as "
+                                                                  "optim.nan_policy='abort' (set 'skip' to skip such steps)")
+
+
+def test_nan_gradient_with_finite_loss_is_skipped(world):
+    for rank_result in world:
+        assert rank_result["non_finite"]["grad_skip"] == (True, True, True)
 
 
 @pytest.mark.parametrize("case", ["resume_dp2_distopt", "resume_pp2"])
