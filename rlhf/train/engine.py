@@ -144,7 +144,10 @@ class TrainEngine:
                                                                 [self.optimizer])))
 
     def state_dict(self) -> dict:
-        """This rank's model, optimizer and scheduler state (for a per-rank checkpoint file)."""
+        """This rank's model, optimizer and scheduler state (for a per-rank checkpoint file).
+
+        Tensors alias the live state: serialise it before the next step.
+        """
         self._check_loaded()
         return {"model": self.model.module.state_dict(), "optimizer": optimizer_state(self.optimizer),
                 "scheduler": self.scheduler.state_dict(), "num_steps": self.num_steps}
@@ -172,4 +175,5 @@ class TrainEngine:
             self._offloaded = None
 
     def _check_loaded(self) -> None:
-        assert self._offloaded is None, f"{self.name} engine used while offloaded: call reload() first"
+        if self._offloaded is not None:
+            raise RuntimeError(f"the {self.name} engine is offloaded; call reload() before using it")

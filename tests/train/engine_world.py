@@ -86,15 +86,21 @@ def _bitwise(a: dict, b: dict) -> bool:
 def check_loss_scaling(path: str, pg: dict) -> dict:
     """Global-count loss: same loss and grads at DP=2 vs DP=1 and at 1 vs 2 micro-batches."""
     results = {}
-    for key, pgs, num_micro_batches in (("dp2_m2", pg["dp2"], 2), ("dp1_m1", pg["single"], 1),
-                                        ("dp1_m2", pg["single"], 2)):
-        engine = _engine(path, pgs, clip_grad=0.0)
+    weights = {}
+    for key, pgs, num_micro_batches, distributed_optimizer in (
+            ("dp2_m2", pg["dp2"], 2, False), ("dp1_m1", pg["single"], 1, False), ("dp1_m2", pg["single"], 2, False),
+            ("dp2_distopt", pg["dp2"], 2, True)):
+        engine = _engine(path, pgs, clip_grad=0.0, use_distributed_optimizer=distributed_optimizer)
         step = engine.train_step(_batches(pgs, num_micro_batches, seed=0), _loss_fn(engine))
-        results[key] = (step.loss, step.grad_norm, _grads(engine))
+        # the distributed optimizer only reduce-scatters: each rank holds its shard of the summed grads
+        grads = None if distributed_optimizer else _grads(engine)
+        results[key], weights[key] = (step.loss, step.grad_norm, grads), _weights(engine)
     ref_loss, ref_norm, ref_grads = results.pop("dp1_m1")
-    return {key: {"loss_diff": abs(loss - ref_loss), "norm_diff": abs(norm - ref_norm),
-                  "grad_diff": _max_diff(grads, ref_grads), "loss": loss}
-            for key, (loss, norm, grads) in results.items()}
+    out = {key: {"loss_diff": abs(loss - ref_loss), "norm_diff": abs(norm - ref_norm), "loss": loss,
+                 "grad_diff": _max_diff(grads, ref_grads) if grads is not None else 0.0}
+           for key, (loss, norm, grads) in results.items()}
+    out["distopt_weight_diff"] = _max_diff(weights["dp2_distopt"], weights["dp2_m2"])
+    return out
 
 
 def check_layouts(path: str, pg: dict) -> dict:

@@ -19,7 +19,7 @@ def world(tmp_path_factory) -> list[dict]:
     return run_distributed(engine_world, 2, path, timeout_s=300)
 
 
-@pytest.mark.parametrize("case", ["dp2_m2", "dp1_m2"])
+@pytest.mark.parametrize("case", ["dp2_m2", "dp1_m2", "dp2_distopt"])
 def test_global_count_loss_is_invariant_to_dp_and_micro_batching(world, case):
     for rank_result in world:
         result = rank_result["loss_scaling"][case]
@@ -27,6 +27,11 @@ def test_global_count_loss_is_invariant_to_dp_and_micro_batching(world, case):
         assert result["loss_diff"] < 1e-6
         assert result["norm_diff"] < 1e-6
         assert result["grad_diff"] < 1e-6
+
+
+def test_distributed_optimizer_steps_like_the_plain_one(world):
+    for rank_result in world:
+        assert rank_result["loss_scaling"]["distopt_weight_diff"] < 1e-6
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
