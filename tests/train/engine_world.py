@@ -103,12 +103,12 @@ def check_loss_scaling(path: str, pg: dict) -> dict:
     return out
 
 
-def check_layouts(path: str, pg: dict) -> dict:
-    """TP2 and PP2 vs one rank from the same HF weights: 3 SFT steps' losses and grad norms; HF's loss."""
+def check_layouts(path: str, pg: dict, layouts: tuple[str, ...] = ("tp2", "pp2")) -> dict:
+    """Layouts vs one rank from the same HF weights: 3 SFT steps' losses and grad norms; HF's loss."""
     tokens, mask = sft_batch(8, 16, seed=1)
     hf_loss, _ = hf_sft_loss(path, tokens, mask)
     out = {"hf_loss": hf_loss}
-    for key in ("single", "tp2", "pp2"):
+    for key in ("single", *layouts):
         engine = _engine(path, pg[key])
         steps = [engine.train_step(_batches(pg[key], 2, seed=1), _loss_fn(engine)) for _ in range(3)]
         out[key] = [(step.loss, step.grad_norm) for step in steps]
@@ -282,3 +282,19 @@ def engine_world(path: str) -> dict:
             "non_finite": check_non_finite(path, pg),
             "resume_dp2_distopt": check_resume(path, pg, "dp2", True),
             "resume_pp2": check_resume(path, pg, "pp2", False), "offload": check_offload(path, pg)}
+
+
+def engine_world_4(path: str) -> dict:
+    """The 4-rank layouts (TP2xDP2, PP2xDP2): parity with one rank and bitwise resume."""
+    from rlhf.dist.groups import GroupCache, build_layout_groups
+    from rlhf.dist.layout import ParallelLayout
+
+    torch.use_deterministic_algorithms(True)
+    cache, rank = GroupCache(), dist.get_rank()
+    pg = {"tp2dp2": build_layout_groups(ParallelLayout(tp=2, pp=1, dp=2), cache),
+          "pp2dp2": build_layout_groups(ParallelLayout(tp=1, pp=2, dp=2), cache)}
+    pg["single"] = [build_layout_groups(ParallelLayout(tp=1, pp=1, dp=1, first_rank=r), cache)
+                    for r in range(4)][rank]
+    return {"layouts": check_layouts(path, pg, ("tp2dp2", "pp2dp2")),
+            "resume_tp2dp2_distopt": check_resume(path, pg, "tp2dp2", True),
+            "resume_pp2dp2": check_resume(path, pg, "pp2dp2", False)}
