@@ -130,12 +130,12 @@ def check_forward_only(path: str, pg: dict) -> dict:
             values = token_logprobs(logits_bsv[:, :-1], batch.tokens_bs[:, 1:], tp_group, vocab)
             return values.sum(), {"logprobs": values}
 
-        results = engine.forward_only(_batches(pg[key], 2, seed=5, num_rows=4), logprobs_fn)
-        if results:
-            got = torch.cat([r["logprobs"] for r in results])
-            out[key] = {"count": len(results), "diff": (got - hf_logprobs).abs().max().item()}
-        else:
-            out[key] = {"count": 0}
+        batches = _batches(pg[key], 2, seed=5, num_rows=4)
+        results = engine.forward_only(batches, logprobs_fn)
+        got = torch.cat([r["logprobs"] for r in results]) if results else None
+        everywhere = engine.forward_bs(batches, lambda output, batch: logprobs_fn(output, batch)[1]["logprobs"])
+        out[key] = {"count": len(results), "diff": (got - hf_logprobs).abs().max().item() if results else None,
+                    "everywhere_diff": (everywhere - hf_logprobs).abs().max().item()}
     return out
 
 

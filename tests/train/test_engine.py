@@ -48,11 +48,13 @@ def test_layouts_match_one_rank_and_transformers(world, layout):
 
 def test_forward_only_logprobs_match_transformers(world):
     first_stage, last_stage = world[0]["forward_only"]["pp2"], world[1]["forward_only"]["pp2"]
-    assert first_stage == {"count": 0}
+    assert first_stage["count"] == 0 and first_stage["diff"] is None
     assert last_stage["count"] == 2 and last_stage["diff"] < 1e-5
     for rank_result in world:
         assert rank_result["forward_only"]["tp2"]["count"] == 2
         assert rank_result["forward_only"]["tp2"]["diff"] < 1e-5
+        for layout in ("tp2", "pp2"):  # forward_bs: on every stage
+            assert rank_result["forward_only"][layout]["everywhere_diff"] < 1e-5
 
 
 def test_sft_steps_reduce_the_answer_nll(world):
