@@ -28,7 +28,7 @@ def _groups() -> dict:
 
 
 def _engine(path: str, pgs, *, load: bool = True, seed: int = 1234, name: str = "actor", value_head: bool = False,
-            **optim):
+            params_dtype: torch.dtype = torch.float32, **optim):
     from transformers import AutoConfig
 
     from rlhf.models.builder import build_gpt
@@ -36,7 +36,8 @@ def _engine(path: str, pgs, *, load: bool = True, seed: int = 1234, name: str = 
     from rlhf.train.config import OptimConfig
     from rlhf.train.engine import TrainEngine
 
-    model = build_gpt(AutoConfig.from_pretrained(path), pgs, seed=seed, value_head=value_head)
+    model = build_gpt(AutoConfig.from_pretrained(path), pgs, seed=seed, value_head=value_head,
+                      params_dtype=params_dtype)
     if load:
         load_hf_weights(model, path)
     optim = {"lr": 1e-2, "total_steps": 20, **optim}
@@ -231,15 +232,19 @@ def _roundtrip(state: dict) -> dict:
     return torch.load(buffer, weights_only=False)
 
 
-def check_resume(path: str, pg: dict, layout: str, distributed_optimizer: bool) -> dict:
-    """Save at step 2 of 4; a fresh engine (random init) loaded from it ends bitwise equal to the original."""
+def check_resume(path: str, pg: dict, layout: str, distributed_optimizer: bool,
+                 params_dtype: torch.dtype = torch.float32) -> dict:
+    """Save at step 2 of 4 (then offload/reload); a fresh engine (random init) loaded from the save ends
+    bitwise equal to the original."""
     pgs = pg[layout]
     batches = [_batches(pgs, 2, seed=10 + i) for i in range(4)]
-    optim = dict(warmup_steps=1, decay_style="cosine", total_steps=4, clip_grad=0.5,
-                 use_distributed_optimizer=distributed_optimizer)
+    optim = dict(warmup_steps=1, decay_style="cosine", total_steps=4, clip_grad=0.5, offload=True,
+                 use_distributed_optimizer=distributed_optimizer, params_dtype=params_dtype)
     original = _engine(path, pgs, **optim)
     losses = [original.train_step(b, _loss_fn(original)).loss for b in batches[:2]]
     saved = _roundtrip(original.state_dict())
+    original.offload()
+    original.reload()
     losses += [original.train_step(b, _loss_fn(original)).loss for b in batches[2:]]
     resumed = _engine(path, pgs, load=False, seed=4321, **optim)
     resumed.load_state_dict(saved)
@@ -298,3 +303,11 @@ def engine_world_4(path: str) -> dict:
     return {"layouts": check_layouts(path, pg, ("tp2dp2", "pp2dp2")),
             "resume_tp2dp2_distopt": check_resume(path, pg, "tp2dp2", True),
             "resume_pp2dp2": check_resume(path, pg, "pp2dp2", False)}
+
+
+def engine_world_bf16(path: str) -> dict:
+    """bf16 params (megatron's mixed-precision optimizers) at DP2: bitwise resume through offload."""
+    torch.use_deterministic_algorithms(True)
+    pg = _groups()
+    return {f"distributed_optimizer={flag}": check_resume(path, pg, "dp2", flag, params_dtype=torch.bfloat16)
+            for flag in (False, True)}
