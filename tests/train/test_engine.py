@@ -109,8 +109,8 @@ def test_nan_loss_aborts_with_a_message_naming_role_and_step(world):
             "optim.nan_policy='abort' (set 'skip' to skip such steps)")
         assert rank_result["non_finite"]["grad_message"].startswith(
             "critic train step 1: non-finite gradient norm (loss=4.")
-        assert rank_result["non_finite"]["grad_message"].endswith(", grad_norm=nan); aborting as "
-                                                                  "optim.nan_policy='abort' (set 'skip' to skip such steps)")
+        assert rank_result["non_finite"]["grad_message"].endswith(
+            ", grad_norm=nan); aborting as optim.nan_policy='abort' (set 'skip' to skip such steps)")
 
 
 def test_nan_gradient_with_finite_loss_is_skipped(world):
