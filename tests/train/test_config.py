@@ -31,3 +31,13 @@ def test_total_steps_comes_from_config_or_trainer():
         OptimConfig().resolved_total_steps(None)
     with pytest.raises(ConfigError, match="optim.warmup_steps=10 must be < the 10 total steps"):
         OptimConfig(warmup_steps=10).resolved_total_steps(10)
+
+
+def test_loads_through_the_config_loader():
+    from rlhf.config.loader import from_dict, to_dict
+
+    config = from_dict(OptimConfig, {"betas": [0.9, 0.95], "decay_style": "cosine", "total_steps": 10})
+    assert config.betas == (0.9, 0.95) and config.decay_style == "cosine"
+    assert from_dict(OptimConfig, to_dict(config)) == config
+    with pytest.raises(ConfigError, match="unknown config key 'lrr'; did you mean 'lr'"):
+        from_dict(OptimConfig, {"lrr": 1e-3})
