@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import argparse
 
+import torch
 from transformers import AutoConfig
 
 from rlhf.dist.groups import build_layout_groups
 from rlhf.dist.layout import ParallelLayout
 from rlhf.dist.runtime import distributed
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -29,6 +32,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     to_hf.add_argument("--ckpt", required=True, help="rlhf checkpoint folder (from hf-to-ckpt or training)")
     to_hf.add_argument("--out", required=True, help="HF folder to create (must not exist)")
     to_hf.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from this HF folder")
+    to_hf.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                       help="dtype of the exported tensors (default: the dtype of the HF folder converted from)")
     return parser
 
 
@@ -54,7 +59,8 @@ def _ckpt_to_hf(args: argparse.Namespace, world_size: int) -> None:
     layout = ParallelLayout.for_world(world_size, tp=meta["tp"], pp=meta["pp"], what="convert")
     model = build_gpt(config, build_layout_groups(layout), value_head=meta["value_head"])
     load_model_shards(model, args.ckpt)
-    export_hf(model, args.out, tokenizer_dir=args.tokenizer_dir)
+    dtype = DTYPES[args.dtype] if args.dtype else getattr(config, "dtype", None)
+    export_hf(model, args.out, tokenizer_dir=args.tokenizer_dir, dtype=dtype)
 
 
 def run(args: argparse.Namespace) -> int:

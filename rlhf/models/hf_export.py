@@ -50,34 +50,39 @@ class _ShardWriter:
         self.buffer, self.num_files = {}, self.num_files + 1
 
 
-def _hf_config_for_export(model: Any) -> Any:
+def _hf_config_for_export(model: Any, dtype: torch.dtype) -> Any:
     config = model.rlhf_hf_config.__class__.from_dict(model.rlhf_hf_config.to_dict())
     archs = SEQ_CLS_ARCHS if model.rlhf_value_head else CAUSAL_LM_ARCHS
     config.architectures = [next(arch for arch, kind in archs.items() if kind == model.rlhf_spec.model_type)]
     if model.rlhf_value_head:
         config.num_labels = 1
-    config.dtype = next(model.parameters()).dtype
+    config.dtype = dtype
     return config
 
 
-def _write_metadata(model: Any, folder: str, weight_map: dict[str, str], tokenizer_dir: str | None) -> None:
+def _write_metadata(model: Any, folder: str, weight_map: dict[str, str], tokenizer_dir: str | None,
+                    dtype: torch.dtype) -> None:
     total = sum(os.path.getsize(os.path.join(folder, f)) for f in set(weight_map.values()))
     with open(os.path.join(folder, INDEX_FILE), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-    _hf_config_for_export(model).save_pretrained(folder)
+    _hf_config_for_export(model, dtype).save_pretrained(folder)
     for name in TOKENIZER_FILES if tokenizer_dir else ():
         source = os.path.join(tokenizer_dir, name)
         if os.path.exists(source):
             shutil.copyfile(source, os.path.join(folder, name))
 
 
-def export_hf(model: Any, out_dir: str, *, tokenizer_dir: str | None = None,
+def export_hf(model: Any, out_dir: str, *, tokenizer_dir: str | None = None, dtype: torch.dtype | None = None,
               max_shard_bytes: int = 2 << 30) -> None:
-    """Write `model` (this rank's part of it; call on every rank of its layout) as an HF folder `out_dir`."""
+    """Write `model` (this rank's part of it; call on every rank of its layout) as an HF folder `out_dir`.
+
+    Tensors are cast to `dtype` (default: the model's own) as they are written.
+    """
     if os.path.exists(out_dir):
         raise ConfigError(f"export folder {out_dir} already exists; choose a new folder")
     groups = model.pg_collection
     tp_group, pp_group = groups.tp, groups.pp
+    dtype = dtype or next(model.parameters()).dtype
     is_writer = tp_group.rank() == 0 and groups.dp.rank() == 0
     staging = out_dir.rstrip("/") + ".partial"
     if is_writer and pp_group.rank() == 0 and os.path.exists(staging):
@@ -93,11 +98,12 @@ def export_hf(model: Any, out_dir: str, *, tokenizer_dir: str | None = None,
         shards = [torch.empty_like(param) for _ in range(tp_group.size())]
         dist.all_gather(shards, param.detach().contiguous(), group=tp_group)
         if is_writer:
-            writer.add(merge_shards(param_spec, shards, model.rlhf_spec))
+            merged = merge_shards(param_spec, shards, model.rlhf_spec)
+            writer.add({name: tensor.to(dtype) for name, tensor in merged.items()})
     writer.flush()
     maps: list[Any] = [None] * pp_group.size()
     dist.all_gather_object(maps, writer.weight_map, group=pp_group)
     if is_writer and pp_group.rank() == 0:
-        _write_metadata(model, staging, {k: v for m in maps for k, v in m.items()}, tokenizer_dir)
+        _write_metadata(model, staging, {k: v for m in maps for k, v in m.items()}, tokenizer_dir, dtype)
         os.rename(staging, out_dir)
     dist.barrier(group=groups.mp)

@@ -89,12 +89,6 @@ def reset_peak_memory() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def set_async_error_handling_env() -> None:
-    """Make NCCL surface errors/timeouts as exceptions instead of hanging (read at process-group init)."""
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    os.environ.setdefault("NCCL_ASYNC_ERROR_HANDLING", "1")
-
-
 def offload_device() -> torch.device:
     """Where offloaded params and optimizer state wait between phases: host memory."""
     return torch.device("cpu")
@@ -104,6 +98,12 @@ def release_cached_memory() -> None:
     """Return freed accelerator memory to the driver (after an offload); nothing to do on CPU."""
     if has_accelerator():
         torch.cuda.empty_cache()
+
+
+def set_async_error_handling_env() -> None:
+    """Make NCCL surface errors/timeouts as exceptions instead of hanging (read at process-group init)."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    os.environ.setdefault("NCCL_ASYNC_ERROR_HANDLING", "1")
 
 
 def prepare_backend_env(backend: str) -> None:

@@ -20,11 +20,11 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from rlhf.errors import RlhfError
-from rlhf.platform import megatron_compat
+from rlhf.models.forward import LossFn, forward_backward
+from rlhf.platform import current_device, megatron_compat
 from rlhf.train import offload as offload_lib
 from rlhf.train.config import OptimConfig
 from rlhf.train.optim import build_optimizer, build_scheduler
-from rlhf.train.schedule import LossFn, forward_backward
 from rlhf.train.state import load_optimizer_state, optimizer_state
 
 ForwardFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict]]
@@ -82,6 +82,23 @@ class TrainEngine:
         self._check_loaded()
         with torch.no_grad():
             return forward_backward(self.model, micro_batches, fn, self.pg_collection, forward_only=True)
+
+    def forward_bs(self, micro_batches: list, fn: Callable[[torch.Tensor, Any], torch.Tensor]) -> torch.Tensor:
+        """`fn(output, micro_batch) -> [b, n]` per micro-batch (e.g. token logprobs or values), no grad,
+        concatenated over micro-batches to [rows, n] fp32 and returned on EVERY pipeline stage."""
+        results = self.forward_only(micro_batches, lambda output, batch: (output.new_zeros(()),
+                                                                          {"bs": fn(output, batch)}))
+        pp_group = self.pg_collection.pp
+        values_bn = torch.cat([r["bs"].float() for r in results]) if results else None
+        if pp_group.size() == 1:
+            return values_bn
+        last = dist.get_global_rank(pp_group, pp_group.size() - 1)
+        shape = torch.tensor(values_bn.shape if values_bn is not None else (0, 0), dtype=torch.int64)
+        dist.broadcast(shape, src=last, group=pp_group)
+        if values_bn is None:
+            values_bn = torch.empty(tuple(shape.tolist()), dtype=torch.float32, device=current_device())
+        dist.broadcast(values_bn, src=last, group=pp_group)
+        return values_bn
 
     def train_step(self, micro_batches: list, loss_fn: LossFn) -> StepResult:
         """Zero grads, fwd+bwd over `micro_batches`, reduce over DP, check finiteness, clip, step, schedule."""
@@ -144,7 +161,10 @@ class TrainEngine:
                                                                 [self.optimizer])))
 
     def state_dict(self) -> dict:
-        """This rank's model, optimizer and scheduler state (for a per-rank checkpoint file)."""
+        """This rank's model, optimizer and scheduler state (for a per-rank checkpoint file).
+
+        Tensors alias the live state: serialise it before the next step.
+        """
         self._check_loaded()
         return {"model": self.model.module.state_dict(), "optimizer": optimizer_state(self.optimizer),
                 "scheduler": self.scheduler.state_dict(), "num_steps": self.num_steps}
@@ -158,8 +178,11 @@ class TrainEngine:
         self.num_steps = state["num_steps"]
 
     def offload(self) -> None:
-        """Free params, grads and optimizer state from the device, keeping a host copy (between phases)."""
-        if self._offloaded is None:
+        """With `optim.offload`: free params, grads and optimizer state from the device, keeping a host copy.
+
+        Call it when the role's phase ends (e.g. before rollout); without `optim.offload` it does nothing.
+        """
+        if self.config.offload and self._offloaded is None:
             self._offloaded = offload_lib.offload(self.model, self.optimizer)
 
     def reload(self) -> None:
@@ -169,4 +192,5 @@ class TrainEngine:
             self._offloaded = None
 
     def _check_loaded(self) -> None:
-        assert self._offloaded is None, f"{self.name} engine used while offloaded: call reload() first"
+        if self._offloaded is not None:
+            raise RuntimeError(f"the {self.name} engine is offloaded; call reload() before using it")

@@ -8,12 +8,12 @@ import re
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import GPT2Config
+from transformers import GPT2Config, MistralConfig
 
+from rlhf.dist.layout import ParallelLayout
 from rlhf.errors import CheckpointError, ConfigError
 from rlhf.models.hf_load import HfFolder, check_folder
 from rlhf.models.param_specs import param_specs
-from rlhf.dist.layout import ParallelLayout
 from rlhf.models.spec import ModelSpec
 from tests.models.tiny import llama_config, qwen2_config, save_hf_model
 
@@ -34,7 +34,6 @@ def test_unsupported_architecture_is_named():
     with pytest.raises(ConfigError, match="unsupported hidden_act='gelu'"):
         ModelSpec.from_hf(llama_config(hidden_act="gelu"))
     with pytest.raises(ConfigError, match="unsupported sliding_window=4096 for mistral"):
-        from transformers import MistralConfig
         ModelSpec.from_hf(MistralConfig(sliding_window=4096))
 
 

@@ -35,16 +35,18 @@ def is_reporter(groups) -> bool:
     return groups.tp.rank() == 0 and groups.dp.rank() == 0 and groups.pp.rank() == groups.pp.size() - 1
 
 
-def rl_loss(groups, vocab_size: int):
-    """loss = -mean logprob - 0.1 mean entropy; reports full logits, logprobs and entropy."""
+def rl_loss(groups, vocab_size: int, scale: float = 1.0):
+    """loss = scale * (-mean logprob - 0.1 mean entropy); reports full logits, logprobs and entropy."""
     def loss_fn(logits_bsv, micro_batch):
         logprobs = token_logprobs(logits_bsv, micro_batch.tokens_bs, groups.tp, vocab_size)
         entropy = token_entropy(logits_bsv, groups.tp, vocab_size)
         shards = [torch.empty_like(logits_bsv) for _ in range(groups.tp.size())]
         dist.all_gather(shards, logits_bsv.detach().contiguous(), group=groups.tp)
+        hot = token_logprobs(logits_bsv, micro_batch.tokens_bs, groups.tp, vocab_size, temperature=2.0)
         report = {"logits": torch.cat(shards, -1)[..., :vocab_size], "logprobs": logprobs.detach(),
-                  "entropy": entropy.detach()}
-        return -logprobs.mean() - 0.1 * entropy.mean(), report
+                  "entropy": entropy.detach(), "logprobs_t2": hot.detach(),
+                  "entropy_t2": token_entropy(logits_bsv, groups.tp, vocab_size, temperature=2.0).detach()}
+        return scale * (-logprobs.mean() - 0.1 * entropy.mean()), report
     return loss_fn
 
 
@@ -60,7 +62,8 @@ def hf_grads(model, groups) -> dict[str, np.ndarray]:
 
 
 def numpy_report(reports: list[dict]) -> dict[str, np.ndarray]:
-    return {key: value.numpy() for key, value in reports[0].items()}
+    """Every micro-batch's report joined along the batch dimension."""
+    return {key: torch.cat([report[key] for report in reports]).numpy() for key in reports[0]}
 
 
 def value_head_round_trip(path: str, out_root: str, cache: GroupCache, tokens) -> dict:
@@ -83,3 +86,35 @@ def value_head_round_trip(path: str, out_root: str, cache: GroupCache, tokens) -
     if not is_reporter(groups):
         return {}
     return {"values": values[0]["values"].numpy(), "reloaded_values": reloaded_values[0]["values"].numpy()}
+
+
+def padded_logits(path: str, cache: GroupCache, tokens_bs, valid_bs) -> dict:
+    """Full logits at tp2 x pp2 for a batch with padding, using `padded_inputs` positions and mask."""
+    from rlhf.models.forward import padded_inputs
+
+    @dataclass
+    class PaddedBatch:
+        tokens_bs: torch.Tensor
+        position_ids_bs: torch.Tensor
+        attention_mask_b1ss: torch.Tensor
+
+    model, groups = layout_model(path, 2, 2, cache)
+    positions_bs, mask_b1ss = padded_inputs(valid_bs)
+    reports = forward_backward(model, [PaddedBatch(tokens_bs, positions_bs, mask_b1ss)],
+                               rl_loss(groups, model.rlhf_spec.vocab_size), groups, forward_only=True)
+    return {"logits": reports[0]["logits"].numpy()} if is_reporter(groups) else {}
+
+
+def record_hf_reads() -> set[str]:
+    """Record (in this process) the names of every HF tensor the loader opens a slice of."""
+    from rlhf.models.hf_load import HfFolder
+
+    names: set[str] = set()
+    original = HfFolder.slice
+
+    def recording_slice(self, name: str):
+        names.add(name)
+        return original(self, name)
+
+    HfFolder.slice = recording_slice
+    return names
