@@ -1,0 +1,1 @@
+"""megatron-core GPT models built from HF configs, HF <-> megatron weight conversion, RL forward helpers."""

@@ -1,0 +1,87 @@
+"""Build a megatron-core `GPTModel` (or its value-head variant) from an HF config on explicit process groups.
+
+The layer spec is chosen here and only here: Transformer-Engine when it is importable and a GPU is present,
+megatron's local spec otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from rlhf.models.megatron_globals import ensure_memory_buffer, seed_rng_tracker
+from rlhf.models.spec import ModelSpec
+from rlhf.models.value_head import ValueHead
+from rlhf.platform import current_device, has_accelerator, megatron_compat
+
+
+def transformer_config(spec: ModelSpec, *, tp: int, pp: int, params_dtype: torch.dtype = torch.float32,
+                       recompute: bool = False) -> TransformerConfig:
+    """The megatron TransformerConfig for `spec` split tp-ways over pp stages (dropout off, fusions off)."""
+    spec.check_layout(tp, pp)
+    recompute_kwargs = dict(recompute_granularity="full", recompute_method="uniform",
+                            recompute_num_layers=1) if recompute else {}
+    return TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0, init_method_std=spec.initializer_range,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
+        params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16, use_cpu_initialization=not has_accelerator(),
+        gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        **recompute_kwargs)
+
+
+def layer_spec() -> ModuleSpec:
+    """Transformer-Engine layers on GPU when TE is installed, megatron's local layers otherwise."""
+    if has_accelerator():
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+            return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_gpt(hf_config: Any, pg_collection: ProcessGroupCollection, *, pre_process: bool | None = None,
+              post_process: bool | None = None, value_head: bool = False, recompute: bool = False,
+              params_dtype: torch.dtype = torch.float32, seed: int = 1234) -> GPTModel:
+    """This rank's stage of the model described by `hf_config`, on the groups in `pg_collection`.
+
+    `pre_process`/`post_process` default to "first/last pipeline stage" of `pg_collection.pp`. With
+    `value_head=True` the LM head is replaced by a scalar head (critic / reward model). Weights are randomly
+    initialised (seeded); load real ones with `rlhf.models.hf_load`.
+    """
+    megatron_compat.apply()
+    spec = ModelSpec.from_hf(hf_config)
+    tp, pp = pg_collection.tp.size(), pg_collection.pp.size()
+    pp_rank = pg_collection.pp.rank()
+    pre_process = pp_rank == 0 if pre_process is None else pre_process
+    post_process = pp_rank == pp - 1 if post_process is None else post_process
+    config = transformer_config(spec, tp=tp, pp=pp, params_dtype=params_dtype, recompute=recompute)
+    seed_rng_tracker(seed, pg_collection.tp.rank())
+    ensure_memory_buffer()
+    model = GPTModel(config=config, transformer_layer_spec=layer_spec(),
+                     vocab_size=spec.padded_vocab_size(tp), max_sequence_length=spec.max_position_embeddings,
+                     pre_process=pre_process, post_process=post_process, parallel_output=True,
+                     share_embeddings_and_output_weights=spec.tie_embeddings and not value_head,
+                     position_embedding_type="rope", rotary_base=spec.rope_theta, pg_collection=pg_collection)
+    model.rotary_pos_emb.inv_freq = spec.inv_freq().to(model.rotary_pos_emb.inv_freq.device)
+    if value_head and post_process:
+        head = ValueHead(spec.hidden_size, init_std=spec.initializer_range, seed=seed, dtype=params_dtype)
+        model.output_layer = head.to(current_device())
+    model.rlhf_spec = spec
+    return model

@@ -1,0 +1,129 @@
+"""What rlhf needs to know about an HF decoder config, validated once: `ModelSpec.from_hf(config)`.
+
+Supported: the Llama family (Llama 2/3, SmolLM, Mistral without sliding window) and Qwen2/Qwen2.5
+(qkv bias), causal-LM or sequence-classification heads. Anything else is a ConfigError naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlhf.errors import ConfigError
+
+CAUSAL_LM_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+SEQ_CLS_ARCHS = {"LlamaForSequenceClassification": "llama", "MistralForSequenceClassification": "mistral",
+                 "Qwen2ForSequenceClassification": "qwen2"}
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """The architecture numbers of one decoder, in HF terms (vocab unpadded)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    tie_embeddings: bool
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    initializer_range: float
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> "ModelSpec":
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in MODEL_TYPES:
+            raise ConfigError(f"unsupported architecture model_type={model_type!r}; "
+                              f"supported: {', '.join(MODEL_TYPES)} (Llama/Mistral/Qwen2 families)")
+        for arch in getattr(hf_config, "architectures", None) or []:
+            if arch not in CAUSAL_LM_ARCHS and arch not in SEQ_CLS_ARCHS:
+                raise ConfigError(f"unsupported architecture {arch!r}; supported: "
+                                  f"{', '.join(sorted(CAUSAL_LM_ARCHS) + sorted(SEQ_CLS_ARCHS))}")
+        _check_features(hf_config, model_type)
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        rope = _rope_parameters(hf_config)
+        return cls(model_type=model_type, vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
+                   ffn_hidden_size=hf_config.intermediate_size, num_layers=hf_config.num_hidden_layers,
+                   num_heads=num_heads, num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+                   head_dim=head_dim, rms_norm_eps=hf_config.rms_norm_eps, qkv_bias=model_type == "qwen2",
+                   tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+                   rope_theta=float(rope.get("rope_theta", 10000.0)),
+                   rope_scaling=None if rope.get("rope_type", "default") == "default" else dict(rope),
+                   max_position_embeddings=hf_config.max_position_embeddings,
+                   initializer_range=getattr(hf_config, "initializer_range", 0.02))
+
+    def check_layout(self, tp: int, pp: int) -> None:
+        """ConfigError (naming the numbers) unless this model can be split tp-ways and into pp stages."""
+        if self.num_heads % tp:
+            raise ConfigError(f"tp={tp} does not divide num_attention_heads={self.num_heads}; "
+                              f"choose tp among the divisors of {self.num_heads}")
+        if self.num_kv_heads % tp:
+            raise ConfigError(f"tp={tp} does not divide num_key_value_heads={self.num_kv_heads}; "
+                              f"choose tp among the divisors of {self.num_kv_heads}")
+        if self.ffn_hidden_size % tp:
+            raise ConfigError(f"tp={tp} does not divide intermediate_size={self.ffn_hidden_size}")
+        if self.num_layers % pp:
+            raise ConfigError(f"pp={pp} does not divide num_hidden_layers={self.num_layers}; "
+                              f"choose pp among the divisors of {self.num_layers}")
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Vocab rounded up to a multiple of tp (the extra rows are zeros and masked out of every softmax)."""
+        return math.ceil(self.vocab_size / tp) * tp
+
+    def inv_freq(self) -> torch.Tensor:
+        """RoPE inverse frequencies in fp32, with Llama-3 scaling when the config asks for it."""
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).to(torch.float32) / self.head_dim
+        inv_freq = 1.0 / (self.rope_theta ** exponents)
+        if self.rope_scaling is None:
+            return inv_freq
+        return _llama3_scaled(inv_freq, self.rope_scaling, self.max_position_embeddings)
+
+
+def _check_features(hf_config: Any, model_type: str) -> None:
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"unsupported hidden_act={act!r}; only SwiGLU ('silu') models are supported")
+    if model_type == "llama" and getattr(hf_config, "attention_bias", False):
+        raise ConfigError("unsupported attention_bias=True for llama (bias on o_proj); only Qwen2-style qkv bias")
+    if getattr(hf_config, "mlp_bias", False):
+        raise ConfigError("unsupported mlp_bias=True; only bias-free MLPs are supported")
+    if model_type == "mistral" and getattr(hf_config, "sliding_window", None) is not None:
+        raise ConfigError(f"unsupported sliding_window={hf_config.sliding_window} for mistral; set it to null")
+    if model_type == "qwen2" and getattr(hf_config, "use_sliding_window", False):
+        raise ConfigError("unsupported use_sliding_window=True for qwen2; only full attention is supported")
+
+
+def _rope_parameters(hf_config: Any) -> dict:
+    rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    if "rope_theta" not in rope and getattr(hf_config, "rope_theta", None) is not None:
+        rope["rope_theta"] = hf_config.rope_theta
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ConfigError(f"unsupported rope_type={rope_type!r}; supported: 'default', 'llama3'")
+    rope["rope_type"] = rope_type
+    return rope
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict, max_positions: int) -> torch.Tensor:
+    """Llama-3.1 frequency scaling: long wavelengths divided by `factor`, a smooth ramp in between."""
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_context = scaling.get("original_max_position_embeddings", max_positions)
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+    return torch.where(is_medium, smoothed, scaled)

@@ -1,0 +1,124 @@
+"""The one adapter that lets megatron-core run on CPU; `apply()` is a no-op when CUDA is present.
+
+megatron-core 0.16.1 touches CUDA in many places (buffers at `device=torch.cuda.current_device()`,
+`torch.zeros(..., device="cuda")` in the schedules, CUDA RNG states, `.cuda()`, and grad type checks
+against `'torch.cuda.FloatTensor'`). On a CPU-only host this module redirects exactly those touch-points:
+
+- `torch.cuda.current_device` returns the CPU device, `torch.cuda.synchronize` does nothing,
+  `Tensor.cuda` returns the tensor itself;
+- inside `megatron.core.*` modules only, tensor factories map a CUDA device to the CPU (the modules' `torch`
+  global is swapped for a thin proxy; patching `torch.zeros` globally broke `transformers`);
+- `Tensor.type()` without arguments reports the CUDA type name for CPU tensors (megatron's optimizer and
+  clip_grads compare against it);
+- CUDA RNG state functions (torch's and megatron's private `_get/_set_cuda_rng_state`) use the CPU generator.
+
+A TorchFunctionMode is deliberately not used: autograd switches it off in backward, breaking recompute.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import torch
+
+_FACTORIES = ("arange", "as_tensor", "empty", "empty_like", "full", "full_like", "linspace", "ones",
+              "ones_like", "rand", "randint", "randn", "randperm", "tensor", "zeros", "zeros_like")
+_PROXY_MARK = "_rlhf_cpu_proxy"
+_state = {"applied": False}
+
+
+def _to_cpu_device(device: Any) -> Any:
+    """A CUDA device spec (string, torch.device or ordinal) becomes the CPU device; others pass through."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cpu")
+    if isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+def _cpu_factory(factory: Any) -> Any:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    wrapped.__name__ = factory.__name__
+    wrapped.__doc__ = factory.__doc__
+    return wrapped
+
+
+class _CpuTorch(types.ModuleType):
+    """Stands in for `torch` inside megatron.core modules: factories keep CUDA devices off the CPU host."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        setattr(self, _PROXY_MARK, True)
+        for name in _FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _cpu_rng_get(*_args: Any, **_kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_rng_set(state: torch.Tensor, *_args: Any, **_kwargs: Any) -> None:
+    torch.set_rng_state(state)
+
+
+def _cpu_seed(seed: int, *_args: Any, **_kwargs: Any) -> None:
+    torch.manual_seed(seed)
+
+
+def _patch_torch() -> None:
+    original_type = torch.Tensor.type
+
+    def tensor_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        name = original_type(self, *args, **kwargs)
+        if not args and not kwargs and isinstance(name, str) and name.startswith("torch."):
+            return name.replace("torch.", "torch.cuda.", 1)
+        return name
+
+    torch.Tensor.type = tensor_type
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.get_rng_state = _cpu_rng_get
+    torch.cuda.set_rng_state = _cpu_rng_set
+    torch.cuda.manual_seed = _cpu_seed
+    torch.cuda.random.get_rng_state = _cpu_rng_get
+    torch.cuda.random.set_rng_state = _cpu_rng_set
+
+
+def _patch_megatron_modules() -> None:
+    """Swap `torch` for the CPU proxy in every loaded megatron.core module (new ones on each call)."""
+    proxy = _state.setdefault("proxy", _CpuTorch())
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("megatron.core"):
+            continue
+        if getattr(module, "torch", None) is torch:
+            module.torch = proxy
+        if name == "megatron.core.tensor_parallel.random":
+            module._get_cuda_rng_state = _cpu_rng_get
+            module._set_cuda_rng_state = _cpu_rng_set
+
+
+def apply() -> None:
+    """Adapt megatron-core to a CPU-only host; idempotent, and a no-op when CUDA is available.
+
+    Call it after importing megatron modules (the builder and forward helpers do): modules loaded since
+    the previous call are adapted too.
+    """
+    if torch.cuda.is_available():
+        return
+    import megatron.core.pipeline_parallel.schedules  # noqa: F401 - load the modules we adapt
+    import megatron.core.tensor_parallel.random  # noqa: F401
+
+    if not _state["applied"]:
+        _patch_torch()
+        _state["applied"] = True
+    _patch_megatron_modules()
