@@ -1,0 +1,232 @@
+"""Advantage estimators over response-aligned [B, T] tensors, picked by `AdvantageConfig.kind`.
+
+Inputs are per-token rewards (the sequence score sits on the last response token; KL-in-reward penalties on
+every token) and a response mask (1 on response tokens, 0 on prompt/padding). Padding never contributes.
+Whitening uses statistics over every rank of `dp_group` when given, so DP size does not change the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rlhf.algo.groups import Groups
+from rlhf.algo.masked import check_finite, masked_whiten
+from rlhf.algo.registry import Registry, parse_kind
+from rlhf.errors import ConfigError
+
+
+class AdvantageKind(StrEnum):
+    GAE = "gae"
+    GRPO = "grpo"
+    RLOO = "rloo"
+    REINFORCE_PP = "reinforce_plus_plus"
+    REINFORCE_PP_BASELINE = "reinforce_plus_plus_baseline"
+    REMAX = "remax"
+
+
+GROUPED_KINDS = (AdvantageKind.GRPO, AdvantageKind.RLOO, AdvantageKind.REINFORCE_PP_BASELINE)
+
+
+@dataclass(kw_only=True)
+class AdvantageConfig:
+    """Which estimator and its knobs. `whiten` applies to GAE and both REINFORCE++ variants."""
+
+    kind: AdvantageKind = AdvantageKind.GRPO
+    gamma: float = 1.0  # discount (GAE, REINFORCE++)
+    lam: float = 1.0  # GAE lambda
+    norm_by_std: bool = True  # GRPO: divide by the group std; False is Dr.GRPO
+    whiten: bool = True  # batch-whiten advantages (GAE, REINFORCE++, REINFORCE++-baseline)
+    eps: float = 1e-6  # GRPO std epsilon
+
+    def __post_init__(self) -> None:
+        self.kind = parse_kind(AdvantageKind, self.kind, "advantage estimator")
+        if not 0.0 < self.gamma <= 1.0:
+            raise ConfigError(f"advantage gamma must be in (0, 1], got {self.gamma}")
+        if not 0.0 <= self.lam <= 1.0:
+            raise ConfigError(f"advantage lam must be in [0, 1], got {self.lam}")
+        if self.eps <= 0.0:
+            raise ConfigError(f"advantage eps must be > 0, got {self.eps}")
+
+
+@dataclass(kw_only=True)
+class AdvantageInputs:
+    """What the estimators read; only GAE needs values, only ReMax baselines, only grouped kinds groups."""
+
+    token_rewards_bt: Tensor  # [B, T] float
+    response_mask_bt: Tensor  # [B, T] 0/1
+    values_bt: Tensor | None = None  # [B, T] critic values (GAE)
+    baseline_scores_b: Tensor | None = None  # [B] greedy-rollout scores (ReMax)
+    groups: Groups | None = None  # prompt groups (GRPO, RLOO, REINFORCE++-baseline)
+
+
+@dataclass(kw_only=True)
+class AdvantageResult:
+    advantages_bt: Tensor  # [B, T], 0 outside the response mask
+    returns_bt: Tensor  # [B, T] value targets (GAE: A + V before whitening), 0 outside the mask
+
+
+EstimatorFn = Callable[[AdvantageInputs, AdvantageConfig, "dist.ProcessGroup | None"], AdvantageResult]
+ADVANTAGE_ESTIMATORS: Registry[AdvantageKind, EstimatorFn] = Registry(AdvantageKind, "advantage estimator")
+
+
+def compute_advantages(config: AdvantageConfig, inputs: AdvantageInputs, *,
+                       dp_group: dist.ProcessGroup | None = None) -> AdvantageResult:
+    """Validate inputs (shapes, finiteness, what the estimator needs) and run the configured estimator.
+
+    Collective when `dp_group` is given and the estimator whitens: every rank of the group must call it.
+    """
+    fn = ADVANTAGE_ESTIMATORS.get(config.kind)
+    _validate(config.kind, inputs)
+    return fn(inputs, config, dp_group)
+
+
+def _validate(kind: AdvantageKind, inputs: AdvantageInputs) -> None:
+    shape = tuple(inputs.response_mask_bt.shape)
+    if len(shape) != 2 or tuple(inputs.token_rewards_bt.shape) != shape:
+        raise ConfigError(f"token_rewards_bt {tuple(inputs.token_rewards_bt.shape)} and response_mask_bt "
+                          f"{shape} must both be [B, T]")
+    check_finite("token reward", inputs.token_rewards_bt, inputs.response_mask_bt)
+    if kind is AdvantageKind.GAE:
+        if inputs.values_bt is None or tuple(inputs.values_bt.shape) != shape:
+            raise ConfigError(f"advantage estimator 'gae' needs values_bt of shape {shape} (a critic)")
+        check_finite("critic value", inputs.values_bt, inputs.response_mask_bt)
+    if kind is AdvantageKind.REMAX:
+        if inputs.baseline_scores_b is None or tuple(inputs.baseline_scores_b.shape) != shape[:1]:
+            raise ConfigError(f"advantage estimator 'remax' needs baseline_scores_b of shape {shape[:1]} "
+                              f"(greedy-rollout scores)")
+        check_finite("ReMax baseline score", inputs.baseline_scores_b)
+    if kind in GROUPED_KINDS:
+        if inputs.groups is None or tuple(inputs.groups.ids_b.shape) != shape[:1]:
+            raise ConfigError(f"advantage estimator {kind.value!r} needs groups covering the batch of "
+                              f"{shape[0]} (n samples per prompt)")
+
+
+def _sequence_scores_b(inputs: AdvantageInputs) -> Tensor:
+    """Per-sequence total reward [B] in float64, summed over response tokens only."""
+    mask = inputs.response_mask_bt.bool()
+    rewards = inputs.token_rewards_bt.double()
+    return torch.where(mask, rewards, torch.zeros_like(rewards)).sum(dim=-1)
+
+
+def _spread(per_seq_b: Tensor, inputs: AdvantageInputs) -> Tensor:
+    """A per-sequence value [B] on every response token [B, T], 0 elsewhere, in the rewards' dtype."""
+    mask = inputs.response_mask_bt.bool()
+    per_seq_b = per_seq_b.to(mask.device)
+    spread = torch.where(mask, per_seq_b.unsqueeze(-1), torch.zeros_like(per_seq_b).unsqueeze(-1))
+    return spread.to(inputs.token_rewards_bt.dtype)
+
+
+def _discounted_returns_bt(rewards_bt: Tensor, mask_bt: Tensor, gamma: float) -> Tensor:
+    """G_t = r_t + gamma * G_next over response tokens; masked tokens are skipped (hold the running return)."""
+    mask = mask_bt.bool()
+    rewards = torch.where(mask, rewards_bt, torch.zeros_like(rewards_bt))
+    running_b = torch.zeros_like(rewards[:, 0])
+    returns = torch.zeros_like(rewards)
+    for t in reversed(range(rewards.shape[1])):
+        running_b = torch.where(mask[:, t], rewards[:, t] + gamma * running_b, running_b)
+        returns[:, t] = running_b
+    return torch.where(mask, returns, torch.zeros_like(returns))
+
+
+@ADVANTAGE_ESTIMATORS.register(AdvantageKind.GAE)
+def gae(inputs: AdvantageInputs, config: AdvantageConfig, dp_group: dist.ProcessGroup | None) -> AdvantageResult:
+    """Generalised advantage estimation; masked tokens are skipped (TD runs between response tokens)."""
+    assert inputs.values_bt is not None
+    mask = inputs.response_mask_bt.bool()
+    rewards = torch.where(mask, inputs.token_rewards_bt, torch.zeros_like(inputs.token_rewards_bt))
+    values = torch.where(mask, inputs.values_bt, torch.zeros_like(inputs.values_bt))
+    next_value_b = torch.zeros_like(values[:, 0])
+    last_gae_b = torch.zeros_like(values[:, 0])
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(values.shape[1])):
+        delta_b = rewards[:, t] + config.gamma * next_value_b - values[:, t]
+        gae_b = delta_b + config.gamma * config.lam * last_gae_b
+        next_value_b = torch.where(mask[:, t], values[:, t], next_value_b)
+        last_gae_b = torch.where(mask[:, t], gae_b, last_gae_b)
+        advantages[:, t] = last_gae_b
+    advantages = torch.where(mask, advantages, torch.zeros_like(advantages))
+    returns = advantages + values
+    if config.whiten:
+        advantages = masked_whiten(advantages, mask, group=dp_group)
+    return AdvantageResult(advantages_bt=advantages, returns_bt=returns)
+
+
+@ADVANTAGE_ESTIMATORS.register(AdvantageKind.GRPO)
+def grpo(inputs: AdvantageInputs, config: AdvantageConfig, dp_group: dist.ProcessGroup | None) -> AdvantageResult:
+    """(score - group mean) / (group std + eps), std unbiased; Dr.GRPO skips the std. Group of 1 -> 0."""
+    assert inputs.groups is not None
+    groups = inputs.groups
+    scores_b = _sequence_scores_b(inputs)
+    sizes_g = groups.sizes_g(scores_b)
+    centered_b = scores_b - groups.broadcast_b(groups.sum_g(scores_b) / sizes_g)
+    if config.norm_by_std:
+        var_g = groups.sum_g(centered_b.square()) / (sizes_g - 1).clamp(min=1)
+        centered_b = centered_b / (groups.broadcast_b(var_g.sqrt()) + config.eps)
+    advantages = _spread(centered_b, inputs)
+    return AdvantageResult(advantages_bt=advantages, returns_bt=advantages.clone())
+
+
+@ADVANTAGE_ESTIMATORS.register(AdvantageKind.RLOO)
+def rloo(inputs: AdvantageInputs, config: AdvantageConfig, dp_group: dist.ProcessGroup | None) -> AdvantageResult:
+    """score - mean of the OTHER samples of its group; a group of 1 has no baseline and gets 0."""
+    assert inputs.groups is not None
+    groups = inputs.groups
+    scores_b = _sequence_scores_b(inputs)
+    sizes_b = groups.broadcast_b(groups.sizes_g(scores_b))
+    others_sum_b = groups.broadcast_b(groups.sum_g(scores_b)) - scores_b
+    baseline_b = others_sum_b / (sizes_b - 1).clamp(min=1)
+    advantage_b = torch.where(sizes_b > 1, scores_b - baseline_b, torch.zeros_like(scores_b))
+    advantages = _spread(advantage_b, inputs)
+    return AdvantageResult(advantages_bt=advantages, returns_bt=advantages.clone())
+
+
+@ADVANTAGE_ESTIMATORS.register(AdvantageKind.REINFORCE_PP)
+def reinforce_plus_plus(inputs: AdvantageInputs, config: AdvantageConfig,
+                        dp_group: dist.ProcessGroup | None) -> AdvantageResult:
+    """Discounted return per token (nothing flows in from after EOS), whitened over the global batch."""
+    returns = _discounted_returns_bt(inputs.token_rewards_bt, inputs.response_mask_bt, config.gamma)
+    advantages = masked_whiten(returns, inputs.response_mask_bt, group=dp_group) if config.whiten else returns
+    return AdvantageResult(advantages_bt=advantages, returns_bt=returns)
+
+
+@ADVANTAGE_ESTIMATORS.register(AdvantageKind.REINFORCE_PP_BASELINE)
+def reinforce_plus_plus_baseline(inputs: AdvantageInputs, config: AdvantageConfig,
+                                 dp_group: dist.ProcessGroup | None) -> AdvantageResult:
+    """score - group mean (group of 1 -> 0) on every response token, then whitened over the global batch."""
+    assert inputs.groups is not None
+    groups = inputs.groups
+    scores_b = _sequence_scores_b(inputs)
+    centered_b = scores_b - groups.broadcast_b(groups.sum_g(scores_b) / groups.sizes_g(scores_b))
+    advantages = _spread(centered_b, inputs)
+    if config.whiten:
+        advantages = masked_whiten(advantages, inputs.response_mask_bt, group=dp_group)
+    return AdvantageResult(advantages_bt=advantages, returns_bt=advantages.clone())
+
+
+@ADVANTAGE_ESTIMATORS.register(AdvantageKind.REMAX)
+def remax(inputs: AdvantageInputs, config: AdvantageConfig, dp_group: dist.ProcessGroup | None) -> AdvantageResult:
+    """Undiscounted return-to-go minus the greedy rollout's score (ReMax baseline)."""
+    assert inputs.baseline_scores_b is not None
+    returns = _discounted_returns_bt(inputs.token_rewards_bt, inputs.response_mask_bt, 1.0)
+    baseline_bt = _spread(inputs.baseline_scores_b.double(), inputs)
+    return AdvantageResult(advantages_bt=returns - baseline_bt, returns_bt=returns)
+
+
+def scores_to_token_rewards(scores_b: Tensor, response_mask_bt: Tensor) -> Tensor:
+    """Place each sequence score on its last response token ([B, T], float); empty responses get nothing."""
+    mask = response_mask_bt.bool()
+    dtype = scores_b.dtype if scores_b.is_floating_point() else torch.float32
+    scores_b = scores_b.to(device=mask.device, dtype=dtype)
+    positions_bt = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last_b = torch.where(mask, positions_bt, torch.full_like(positions_bt, -1)).amax(dim=-1)
+    rewards_bt = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    has_response_b = last_b >= 0
+    rows_b = torch.arange(mask.shape[0], device=mask.device)[has_response_b]
+    rewards_bt[rows_b, last_b[has_response_b]] = scores_b[has_response_b]
+    return rewards_bt

@@ -1,0 +1,155 @@
+"""KL(policy || reference) estimators per token, KL as a reward penalty (fixed/adaptive coefficient) or loss.
+
+Estimators on log r = logp - ref_logp (Schulman's k1/k2/k3): k1 = log r, abs = |log r|, k2 = (log r)^2 / 2,
+k3 = exp(-log r) + log r - 1 (non-negative, low variance; clamped like verl's `low_var_kl`).
+`straight_through=True` keeps the estimator's value but takes the gradient of k2 (unbiased KL gradient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+from torch import Tensor
+
+from rlhf.algo.aggregation import GlobalCounts, LossAggMode, aggregate_loss, parse_agg_mode
+from rlhf.algo.registry import parse_kind
+from rlhf.errors import ConfigError
+
+K3_LOG_RATIO_CLAMP = 20.0
+K3_VALUE_CLAMP = 10.0
+
+
+class KLEstimator(StrEnum):
+    K1 = "k1"
+    ABS = "abs"
+    K2 = "k2"
+    K3 = "k3"
+
+
+KL_ESTIMATOR_ALIASES = {"kl": KLEstimator.K1, "mse": KLEstimator.K2, "low_var_kl": KLEstimator.K3}
+
+
+class KLControllerKind(StrEnum):
+    FIXED = "fixed"
+    ADAPTIVE = "adaptive"
+
+
+@dataclass(kw_only=True)
+class KLConfig:
+    """KL to the reference policy: a per-token reward penalty (`in_reward`) or a loss term; coef 0 is off.
+
+    The adaptive controller (Ziegler et al.) moves the reward coefficient toward `target` KL over `horizon`
+    samples; it only applies to the in-reward penalty.
+    """
+
+    estimator: KLEstimator = KLEstimator.K3
+    straight_through: bool = False
+    coef: float = 0.0
+    in_reward: bool = False
+    controller: KLControllerKind = KLControllerKind.FIXED
+    target: float | None = None
+    horizon: int | None = None
+    agg: LossAggMode = LossAggMode.TOKEN_MEAN  # aggregation of the KL loss term
+    agg_norm_length: int | None = None
+
+    def __post_init__(self) -> None:
+        self.estimator = parse_kind(KLEstimator, self.estimator, "KL estimator", KL_ESTIMATOR_ALIASES)
+        self.controller = parse_kind(KLControllerKind, self.controller, "KL controller")
+        self.agg = parse_agg_mode(self.agg, self.agg_norm_length)
+        if self.coef < 0.0:
+            raise ConfigError(f"KL coef must be >= 0, got {self.coef}")
+        if self.controller is KLControllerKind.ADAPTIVE:
+            if not self.in_reward:
+                raise ConfigError("KL controller 'adaptive' only applies to the in-reward penalty; "
+                                  "set in_reward=true or controller=fixed")
+            if self.target is None or self.target <= 0.0 or self.horizon is None or self.horizon <= 0:
+                raise ConfigError(f"KL controller 'adaptive' needs target > 0 and horizon > 0, "
+                                  f"got target={self.target} horizon={self.horizon}")
+        if self.in_reward and self.straight_through:
+            raise ConfigError("KL straight_through only affects gradients, so it is meaningless with "
+                              "in_reward=true; use it with the KL loss term")
+
+    @property
+    def use_in_reward(self) -> bool:
+        return self.in_reward and self.coef > 0.0
+
+    @property
+    def use_as_loss(self) -> bool:
+        return not self.in_reward and self.coef > 0.0
+
+
+def kl_penalty(logprobs_bt: Tensor, ref_logprobs_bt: Tensor, estimator: KLEstimator, *,
+               straight_through: bool = False) -> Tensor:
+    """Per-token KL estimate [B, T]; with straight_through the value is kept and the gradient is k2's."""
+    log_ratio_bt = logprobs_bt - ref_logprobs_bt
+    if estimator is KLEstimator.K1:
+        kl_bt = log_ratio_bt
+    elif estimator is KLEstimator.ABS:
+        kl_bt = log_ratio_bt.abs()
+    elif estimator is KLEstimator.K2:
+        kl_bt = 0.5 * log_ratio_bt.square()
+    elif estimator is KLEstimator.K3:
+        neg_log_ratio_bt = (-log_ratio_bt).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+        kl_bt = (neg_log_ratio_bt.exp() - neg_log_ratio_bt - 1.0).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
+    else:
+        raise AssertionError(f"unhandled KL estimator {estimator}")
+    if not straight_through:
+        return kl_bt
+    k2_bt = 0.5 * log_ratio_bt.square()
+    return kl_bt.detach() + (k2_bt - k2_bt.detach())
+
+
+def kl_loss(logprobs_bt: Tensor, ref_logprobs_bt: Tensor, response_mask_bt: Tensor, config: KLConfig,
+            counts: GlobalCounts) -> tuple[Tensor, Tensor]:
+    """(coef * aggregated KL, detached aggregated KL): this shard's share, summed over shards by the trainer."""
+    kl_bt = kl_penalty(logprobs_bt, ref_logprobs_bt, config.estimator, straight_through=config.straight_through)
+    kl = aggregate_loss(kl_bt, response_mask_bt, mode=config.agg, counts=counts,
+                        norm_length=config.agg_norm_length)
+    return config.coef * kl, kl.detach()
+
+
+@dataclass(kw_only=True)
+class KLInReward:
+    token_rewards_bt: Tensor  # scores - coef * KL on response tokens, 0 elsewhere
+    seq_kl_b: Tensor  # per-sequence mean KL (0 for empty responses), for the controller and metrics
+
+
+def apply_kl_in_reward(token_scores_bt: Tensor, logprobs_bt: Tensor, ref_logprobs_bt: Tensor,
+                       response_mask_bt: Tensor, estimator: KLEstimator, coef: float) -> KLInReward:
+    """Per-token rewards = scores - coef * KL(old policy || ref) on response tokens (no gradient)."""
+    mask = response_mask_bt.bool()
+    with torch.no_grad():
+        kl_bt = torch.where(mask, kl_penalty(logprobs_bt, ref_logprobs_bt, estimator), 0.0)
+        rewards_bt = torch.where(mask, token_scores_bt - coef * kl_bt, 0.0)
+        seq_kl_b = kl_bt.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+    return KLInReward(token_rewards_bt=rewards_bt, seq_kl_b=seq_kl_b)
+
+
+@dataclass(kw_only=True)
+class KLController:
+    """The in-reward KL coefficient; adaptive mode scales it by 1 + clip(kl/target - 1, +-0.2) * n / horizon."""
+
+    value: float
+    kind: KLControllerKind = KLControllerKind.FIXED
+    target: float | None = None
+    horizon: int | None = None
+
+    @classmethod
+    def from_config(cls, config: KLConfig) -> KLController:
+        return cls(value=config.coef, kind=config.controller, target=config.target, horizon=config.horizon)
+
+    def update(self, current_kl: float, num_samples: int) -> None:
+        """Call once per step with the global mean sequence KL and the global number of samples."""
+        if self.kind is KLControllerKind.FIXED:
+            return
+        assert self.target is not None and self.horizon is not None, "validated by KLConfig"
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * num_samples / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])

@@ -1,0 +1,201 @@
+"""Turn a hang into a loud, all-ranks, non-zero exit with every thread's stack in each rank's log.
+
+A daemon thread watches the current phase (`with watchdog.phase("update_actor"):`) and the collective in
+flight (`rlhf.dist.inflight`). Past a deadline it writes the phase, the in-flight collective, the peers'
+last heartbeats and a faulthandler dump of all threads to the rank log, then exits with `EXIT_CODE`.
+
+How every rank ends up non-zero: with a `store`, the first rank to expire posts an abort key; every other
+rank's watchdog sees it within `poll_s`, dumps its own stacks, acknowledges and exits (each waits, bounded,
+for all acks first, so the store host outlives the dumps). Without a store, gloo peers blocked on the dead
+rank fail with "Connection closed by peer", and ranks not blocked reach their own deadline.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+from rlhf.dist import inflight
+from rlhf.errors import ConfigError
+from rlhf.platform import set_async_error_handling_env
+
+EXIT_CODE = 124
+_PREFIX = "rlhf/watchdog"
+
+
+class Watchdog:
+    """Deadlines for phases (`timeout_s`) and single collectives (`collective_timeout_s`, optional)."""
+
+    def __init__(self, *, timeout_s: float, log_file: str | os.PathLike, group: dist.ProcessGroup | None = None,
+                 collective_timeout_s: float | None = None, store: dist.Store | None = None,
+                 poll_s: float = 1.0, ack_wait_s: float = 10.0) -> None:
+        for label, value in (("comm.step_timeout_s", timeout_s), ("collective_timeout_s", collective_timeout_s),
+                             ("poll_s", poll_s)):
+            if value is not None and not value > 0:
+                raise ConfigError(f"watchdog {label}={value!r} must be a positive number of seconds")
+        self.timeout_s = timeout_s
+        self.collective_timeout_s = collective_timeout_s
+        self.log_file = os.fspath(log_file)
+        self.group = group
+        self.store = store
+        self.poll_s = poll_s
+        self.ack_wait_s = ack_wait_s
+        self.rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        self.world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        self._lock = threading.Lock()
+        self._phase: tuple[str, float, float] | None = None  # name, started (monotonic), deadline in s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        set_async_error_handling_env()
+
+    def __enter__(self) -> Watchdog:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="rlhf-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    @contextmanager
+    def phase(self, name: str, timeout_s: float | None = None) -> Iterator[None]:
+        """Run the block under a deadline (`timeout_s`, default the watchdog's)."""
+        with self._lock:
+            outer, self._phase = self._phase, (name, time.monotonic(), timeout_s or self.timeout_s)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._phase = outer
+
+    def beat(self) -> None:
+        """Report progress inside a long phase: its deadline restarts from now."""
+        with self._lock:
+            if self._phase is not None:
+                self._phase = (self._phase[0], time.monotonic(), self._phase[2])
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            status = self._status()
+            self._publish(status)
+            reason = self._expired() or self._peer_abort()
+            if reason:
+                self._fire(reason, status)
+
+    def _status(self) -> dict:
+        with self._lock:
+            phase = self._phase
+        current = inflight.current()
+        return {"time": time.time(),
+                "phase": phase[0] if phase else None,
+                "phase_s": round(time.monotonic() - phase[1], 3) if phase else None,
+                "in_flight": current.description if current else None,
+                "in_flight_s": round(current.age_s(), 3) if current else None}
+
+    def _expired(self) -> str | None:
+        with self._lock:
+            phase = self._phase
+        if phase is not None and time.monotonic() - phase[1] > phase[2]:
+            return f"phase {phase[0]!r} exceeded its {phase[2]:g}s deadline"
+        current = inflight.current()
+        if self.collective_timeout_s is not None and current and current.age_s() > self.collective_timeout_s:
+            return f"collective {current.description!r} exceeded its {self.collective_timeout_s:g}s deadline"
+        return None
+
+    def _publish(self, status: dict) -> None:
+        if self.store is not None:
+            self._store_call(self.store.set, f"{_PREFIX}/heartbeat/{self.rank}", json.dumps(status))
+
+    def _peer_abort(self) -> str | None:
+        key = f"{_PREFIX}/abort"
+        if self.store is None or not self._store_call(self.store.check, [key]):
+            return None
+        cause = self._store_call(self.store.get, key)
+        return f"aborting because {cause.decode() if cause else 'a peer aborted'}"
+
+    def _fire(self, reason: str, status: dict) -> None:
+        if self.store is not None:
+            self._store_call(self.store.set, f"{_PREFIX}/abort", f"rank {self.rank}: {reason}")
+        with open(self.log_file, "a") as log:
+            log.write(f"[rlhf watchdog] rank {self.rank} pid {os.getpid()}: {reason}\n"
+                      f"[rlhf watchdog] {_describe(status)}\n")
+            log.write(self._peer_report())
+            log.flush()
+            faulthandler.dump_traceback(file=log, all_threads=True)
+            log.flush()
+            os.fsync(log.fileno())
+        self._await_peers()
+        _abort_group(self.group)
+        os._exit(EXIT_CODE)
+
+    def _peer_report(self) -> str:
+        if self.store is None:
+            return "[rlhf watchdog] no store: peer heartbeats unknown\n"
+        lines = []
+        for rank in range(self.world_size):
+            key = f"{_PREFIX}/heartbeat/{rank}"
+            raw = self._store_call(self.store.get, key) if self._store_call(self.store.check, [key]) else None
+            if raw is None:
+                lines.append(f"[rlhf watchdog]   rank {rank}: no heartbeat\n")
+                continue
+            beat = json.loads(raw)
+            age_s = time.time() - beat["time"]
+            lines.append(f"[rlhf watchdog]   rank {rank}: {age_s:.1f}s ago, {_describe(beat)}\n")
+        return "[rlhf watchdog] last heartbeats:\n" + "".join(lines)
+
+    def _await_peers(self) -> None:
+        """Ack our dump, then wait (bounded) for every rank's ack so the store host outlives the others' dumps."""
+        if self.store is None:
+            return
+        self._store_call(self.store.set, f"{_PREFIX}/ack/{self.rank}", "1")
+        keys = [f"{_PREFIX}/ack/{rank}" for rank in range(self.world_size)]
+        deadline = time.monotonic() + self.ack_wait_s
+        while time.monotonic() < deadline and not self._store_call(self.store.check, keys):
+            time.sleep(min(0.1, self.poll_s))
+
+    def _store_call(self, method, *args):
+        """A store operation that tolerates a dead store host (the watchdog must reach its exit)."""
+        try:
+            return method(*args)
+        except (RuntimeError, dist.DistStoreError, OSError):
+            return None
+
+
+def _describe(status: dict) -> str:
+    phase = f"phase {status['phase']} ({status['phase_s']}s)" if status["phase"] else "no phase"
+    collective = f"{status['in_flight']} ({status['in_flight_s']}s)" if status["in_flight"] else "none"
+    return f"{phase}; in-flight collective: {collective}"
+
+
+def _abort_group(group: dist.ProcessGroup | None) -> None:
+    """Abort the process group (unblocks NCCL peers' kernels), but never let the abort itself hang the exit."""
+    if not dist.is_initialized():
+        return
+    # torch has no public abort; `_abort_process_group` is the c10d entry point torchft and Megatron use.
+    worker = threading.Thread(target=_try_abort, args=(group,), daemon=True)
+    worker.start()
+    worker.join(timeout=5.0)
+
+
+def _try_abort(group: dist.ProcessGroup | None) -> None:
+    try:
+        dist.distributed_c10d._abort_process_group(group)
+    except Exception:  # noqa: BLE001 - best effort on the way out; os._exit follows regardless
+        pass
+

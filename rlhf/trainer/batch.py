@@ -1,0 +1,91 @@
+"""`TrainBatch`: prompt + response sequences and everything scored about them, ready for the actor and critic.
+
+Sequences are **right-padded** `prompt + response` rows, so a causal model needs no attention mask or shifted
+positions (padding only ever follows real tokens). Per-token RL tensors are response-aligned `[B, T]`: column j
+is the j-th response token, whose logprob the model predicts at sequence position `prompt_len + j - 1`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from rlhf.rollout.types import PromptBatch, Rollouts
+
+
+@dataclass(kw_only=True)
+class TrainBatch:
+    tokens_bs: torch.Tensor  # int64 [B, S] prompt + response, right-padded with pad_token_id
+    prompt_lengths_b: torch.Tensor  # int64 [B]
+    response_lengths_b: torch.Tensor  # int64 [B]
+    response_mask_bt: torch.Tensor  # bool [B, T] real response tokens
+    group_index_b: torch.Tensor  # int64 [B] the prompt each row answers (GRPO/RLOO groups, contiguous)
+    rollout_logprobs_bt: torch.Tensor  # fp32 [B, T] logprobs the rollout engine sampled with
+    scores_b: torch.Tensor | None = None  # fp32 [B] sequence reward
+    old_logprobs_bt: torch.Tensor | None = None  # fp32 [B, T] actor before the update
+    ref_logprobs_bt: torch.Tensor | None = None  # fp32 [B, T] frozen reference
+    values_bt: torch.Tensor | None = None  # fp32 [B, T] critic
+    token_rewards_bt: torch.Tensor | None = None  # fp32 [B, T] score at the last token (+ KL penalty)
+    advantages_bt: torch.Tensor | None = None  # fp32 [B, T]
+    returns_bt: torch.Tensor | None = None  # fp32 [B, T] critic targets
+    pad_token_id: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.tokens_bs.shape[0]
+
+    @property
+    def response_width(self) -> int:
+        return self.response_mask_bt.shape[1]
+
+    def response_positions_bt(self) -> torch.Tensor:
+        """Sequence position whose logits predict each response token (clamped on padding)."""
+        offsets_t = torch.arange(self.response_width)
+        positions_bt = self.prompt_lengths_b[:, None] - 1 + offsets_t[None, :]
+        return positions_bt.clamp(0, self.tokens_bs.shape[1] - 1)
+
+    def select(self, rows: torch.Tensor | slice) -> "TrainBatch":
+        """The rows `rows` of every per-sample field."""
+        updates = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, torch.Tensor):
+                updates[field.name] = value[rows]
+        return dataclasses.replace(self, **updates)
+
+    def shard(self, index: int, count: int) -> "TrainBatch":
+        """Contiguous 1/count of the rows (a DP rank's share); count must divide the batch."""
+        assert self.size % count == 0, (self.size, count)
+        per = self.size // count
+        return self.select(slice(index * per, (index + 1) * per))
+
+    def chunks(self, size: int) -> list["TrainBatch"]:
+        assert self.size % size == 0, (self.size, size)
+        return [self.select(slice(start, start + size)) for start in range(0, self.size, size)]
+
+
+def gather_response(values_bs: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+    """Per-position values `[B, S]` (position s predicting token s+1) -> response-aligned `[B, T]`, 0 on padding."""
+    picked_bt = values_bs.gather(1, batch.response_positions_bt())
+    return picked_bt * batch.response_mask_bt
+
+
+def build_train_batch(prompts: PromptBatch, rollouts: Rollouts) -> TrainBatch:
+    """Join each rollout with its prompt into right-padded sequences."""
+    prompt_index_r = rollouts.prompt_index_r
+    prompt_lengths_r = prompts.prompt_lengths_b[prompt_index_r]
+    lengths_r = prompt_lengths_r + rollouts.response_lengths_r
+    width = max(int(lengths_r.max()) if rollouts.num_rollouts else 1, 2)
+    tokens_rs = torch.full((rollouts.num_rollouts, width), rollouts.pad_token_id, dtype=torch.long)
+    for row in range(rollouts.num_rollouts):
+        prompt = prompts.prompt(int(prompt_index_r[row]))
+        response = rollouts.response(row)
+        tokens_rs[row, :len(prompt) + len(response)] = torch.tensor(prompt + response, dtype=torch.long)
+    mask_rt = rollouts.response_mask_rt
+    return TrainBatch(tokens_bs=tokens_rs, prompt_lengths_b=prompt_lengths_r.clone(),
+                      response_lengths_b=rollouts.response_lengths_r.clone(), response_mask_bt=mask_rt,
+                      group_index_b=prompt_index_r.clone(),
+                      rollout_logprobs_bt=rollouts.response_logprobs_rt.float() * mask_rt,
+                      pad_token_id=rollouts.pad_token_id)

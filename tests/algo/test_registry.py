@@ -1,0 +1,37 @@
+import pytest
+
+from rlhf.algo import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdvantageConfig, AdvantageKind, PolicyLossKind
+from rlhf.algo.advantages import grpo
+from rlhf.algo.registry import Registry
+from rlhf.errors import ConfigError
+
+
+def test_every_kind_is_registered():
+    assert ADVANTAGE_ESTIMATORS.kinds() == list(AdvantageKind)
+    assert POLICY_LOSSES.kinds() == list(PolicyLossKind)
+
+
+def test_lookup_by_name_and_enum_give_the_same_function():
+    assert ADVANTAGE_ESTIMATORS.get("grpo") is grpo
+    assert ADVANTAGE_ESTIMATORS.get(AdvantageKind.GRPO) is grpo
+
+
+def test_unknown_estimator_name_is_a_config_error_with_a_hint():
+    with pytest.raises(ConfigError) as err:
+        AdvantageConfig(kind="grop")
+    assert str(err.value) == (
+        "unknown advantage estimator 'grop' (did you mean 'grpo'?); choose one of: gae, grpo, rloo, "
+        "reinforce_plus_plus, reinforce_plus_plus_baseline, remax")
+    with pytest.raises(ConfigError, match="unknown advantage estimator 'ppo2'"):
+        ADVANTAGE_ESTIMATORS.get("ppo2")
+
+
+def test_config_string_becomes_the_enum():
+    config = AdvantageConfig(kind="reinforce_plus_plus")
+    assert config.kind is AdvantageKind.REINFORCE_PP
+
+
+def test_registered_kind_without_implementation_is_reported():
+    registry = Registry(AdvantageKind, "toy estimator")
+    with pytest.raises(ConfigError, match="toy estimator 'gae' has no implementation registered"):
+        registry.get("gae")
