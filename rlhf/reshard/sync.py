@@ -1,0 +1,113 @@
+"""`WeightSync`: the trainer's once-per-step call that pushes the actor's weights into the rollout engine.
+
+Built once (plan + schedule computed from the two layouts), then `sync()` every step: allocate this rank's
+rollout shards, run the transport, hand the shards to the engine in its own naming, optionally verify.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlhf.dist.layout import ParallelLayout
+from rlhf.errors import ConfigError
+from rlhf.platform import current_device, synchronize
+from rlhf.reshard.apply import allocate_dst
+from rlhf.reshard.planner import plan_for_model
+from rlhf.reshard.schedule import build_schedule
+from rlhf.reshard.transport import check_method, execute
+from rlhf.reshard.verify import verify_sync
+
+WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """One sync on this rank: remote bytes each way, messages/collectives issued, wall time, slices verified."""
+
+    seconds: float
+    bytes_sent: int
+    bytes_received: int
+    num_messages: int
+    num_collectives: int
+    num_verified: int  # slices checksummed on this rank (0 unless verify=True)
+
+
+def _hf_config_of(src_model: Any, engine: Any) -> Any:
+    for holder in (src_model, getattr(engine, "model", None)):
+        config = getattr(holder, "rlhf_hf_config", None)
+        if config is not None:
+            return config
+    raise ConfigError("WeightSync needs hf_config= on ranks that hold neither a model built by build_gpt "
+                      "nor an engine over one")
+
+
+class WeightSync:
+    """Reshards `src_model` (this rank's training shard, None off the training mesh) into `engine` (None off
+    the rollout mesh). Collective: every rank of the process group constructs it and calls `sync()` together.
+    """
+
+    def __init__(self, src_model: torch.nn.Module | None, src_layout: ParallelLayout, dst_layout: ParallelLayout,
+                 engine: Any | None, *, hf_config: Any = None, dtype: torch.dtype | None = None,
+                 method: str = "p2p", max_bucket_mb: float = 256.0, verify: bool = False,
+                 group: dist.ProcessGroup | None = None) -> None:
+        if max_bucket_mb <= 0:
+            raise ConfigError(f"reshard max_bucket_mb={max_bucket_mb} must be positive")
+        self.rank = dist.get_rank()
+        self.src_model, self.engine, self.group = src_model, engine, group
+        self.method, self.verify, self.device = check_method(method), verify, current_device()
+        hf_config = hf_config if hf_config is not None else _hf_config_of(src_model, engine)
+        value_head = bool(getattr(src_model, "rlhf_value_head", False))
+        self.plan = plan_for_model(hf_config, src_layout, dst_layout, value_head=value_head)
+        self.dtype = dtype or _agreed_dtype(src_model, group)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self.schedule = build_schedule(self.plan, max_bucket_numel=max(1, int(max_bucket_mb * 2**20) // itemsize))
+        if (engine is not None) != dst_layout.contains(self.rank):
+            raise ConfigError(f"rank {self.rank}: engine must be given exactly on the rollout ranks "
+                              f"{list(dst_layout.ranks)}")
+
+    def _sources(self) -> dict[str, torch.Tensor]:
+        if self.src_model is None:
+            return {}
+        return {name: param.detach() for name, param in self.src_model.named_parameters()}
+
+    def sync(self) -> SyncStats:
+        """Move the current training weights into the engine; collective over the group."""
+        start = time.perf_counter()
+        sources = self._sources()
+        shards = allocate_dst(self.plan, self.rank, dtype=self.dtype, device=self.device)
+        stats = execute(self.schedule, sources, shards, dtype=self.dtype, device=self.device, method=self.method,
+                        group=self.group)
+        if self.engine is not None:
+            self.engine.load_weights(shards.items())
+        del shards
+        num_verified = self.check() if self.verify else 0
+        synchronize()
+        return SyncStats(seconds=time.perf_counter() - start, bytes_sent=stats.bytes_sent,
+                         bytes_received=stats.bytes_received, num_messages=stats.num_messages,
+                         num_collectives=stats.num_collectives, num_verified=num_verified)
+
+    def check(self) -> int:
+        """Checksum the engine's live weights against the trainer's (collective); WeightSyncError on mismatch."""
+        return verify_sync(self.plan, self._sources(), self.engine_weights(), dtype=self.dtype, device=self.device,
+                           group=self.group)
+
+    def engine_weights(self) -> Mapping[str, torch.Tensor]:
+        """The engine's live parameters by megatron name (empty off the rollout mesh)."""
+        if self.engine is None:
+            return {}
+        return {name: param.detach() for name, param in self.engine.model.named_parameters()}
+
+
+def _agreed_dtype(src_model: torch.nn.Module | None, group: dist.ProcessGroup | None) -> torch.dtype:
+    """The training parameters' dtype, made known to ranks without a training model (one tiny all_reduce)."""
+    code = torch.tensor([-1], dtype=torch.int64, device=current_device())
+    if src_model is not None:
+        code[0] = WIRE_DTYPES.index(next(src_model.parameters()).dtype)
+    dist.all_reduce(code, op=dist.ReduceOp.MAX, group=group)
+    return WIRE_DTYPES[int(code)]
