@@ -18,6 +18,7 @@ from rlhf.dist.layout import ParallelLayout
 from rlhf.errors import ConfigError
 from rlhf.platform import current_device, synchronize
 from rlhf.reshard.apply import allocate_dst
+from rlhf.reshard.hf_names import full_model_layout, hf_named
 from rlhf.reshard.planner import plan_for_model
 from rlhf.reshard.schedule import build_schedule
 from rlhf.reshard.transport import check_method, execute
@@ -38,32 +39,43 @@ class SyncStats:
     num_verified: int  # slices checksummed on this rank (0 unless verify=True)
 
 
-def _hf_config_of(src_model: Any, engine: Any) -> Any:
+def _model_attr(src_model: Any, engine: Any, attr: str) -> Any:
+    """`attr` of whichever model this rank holds (training model first, else the engine's), or None."""
     for holder in (src_model, getattr(engine, "model", None)):
-        config = getattr(holder, "rlhf_hf_config", None)
-        if config is not None:
-            return config
-    raise ConfigError("WeightSync needs hf_config= on ranks that hold neither a model built by build_gpt "
-                      "nor an engine over one")
+        value = getattr(holder, attr, None)
+        if value is not None:
+            return value
+    return None
 
 
 class WeightSync:
     """Reshards `src_model` (this rank's training shard, None off the training mesh) into `engine` (None off
     the rollout mesh). Collective: every rank of the process group constructs it and calls `sync()` together.
+
+    `engine.load_weights` gets this rank's megatron shards by name (native engine), or with `hf_names=True`
+    full HF-named tensors (vLLM, which shards itself). `dtype` casts on the wire (fp32 master -> bf16 rollout).
     """
 
     def __init__(self, src_model: torch.nn.Module | None, src_layout: ParallelLayout, dst_layout: ParallelLayout,
                  engine: Any | None, *, hf_config: Any = None, dtype: torch.dtype | None = None,
                  method: str = "p2p", max_bucket_mb: float = 256.0, verify: bool = False,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 hf_names: bool = False, group: dist.ProcessGroup | None = None) -> None:
         if max_bucket_mb <= 0:
             raise ConfigError(f"reshard max_bucket_mb={max_bucket_mb} must be positive")
+        if hf_names and verify:
+            raise ConfigError("reshard verify=True needs an engine with megatron-named weights (native); "
+                              "engines loading HF names (vllm) cannot be read back: set verify=False")
         self.rank = dist.get_rank()
         self.src_model, self.engine, self.group = src_model, engine, group
         self.method, self.verify, self.device = check_method(method), verify, current_device()
-        hf_config = hf_config if hf_config is not None else _hf_config_of(src_model, engine)
-        value_head = bool(getattr(src_model, "rlhf_value_head", False))
-        self.plan = plan_for_model(hf_config, src_layout, dst_layout, value_head=value_head)
+        self.hf_config = hf_config if hf_config is not None else _model_attr(src_model, engine, "rlhf_hf_config")
+        if self.hf_config is None:
+            raise ConfigError("WeightSync needs hf_config= on ranks that hold neither a model built by build_gpt "
+                              "nor an engine over one")
+        self.value_head = bool(_model_attr(src_model, engine, "rlhf_value_head"))
+        self.hf_names = hf_names
+        plan_layout = full_model_layout(dst_layout) if hf_names else dst_layout
+        self.plan = plan_for_model(self.hf_config, src_layout, plan_layout, value_head=self.value_head)
         self.dtype = dtype or _agreed_dtype(src_model, group)
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.schedule = build_schedule(self.plan, max_bucket_numel=max(1, int(max_bucket_mb * 2**20) // itemsize))
@@ -84,7 +96,8 @@ class WeightSync:
         stats = execute(self.schedule, sources, shards, dtype=self.dtype, device=self.device, method=self.method,
                         group=self.group)
         if self.engine is not None:
-            self.engine.load_weights(shards.items())
+            named = hf_named(self.hf_config, shards, value_head=self.value_head) if self.hf_names else shards.items()
+            self.engine.load_weights(named)
         del shards
         num_verified = self.check() if self.verify else 0
         synchronize()

@@ -107,10 +107,37 @@ def _check_pair(path, src, dst, cache):
     return stats, greedy, caught
 
 
+class RecordingEngine:
+    """Stands in for vLLM's loader: keeps the HF-named tensors it is given."""
+
+    def __init__(self) -> None:
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, weights) -> None:
+        self.loaded.update((name, tensor.clone()) for name, tensor in weights)
+
+
+def _check_hf_names(path, src, dst, cache):
+    """Engines fed HF names get every HF tensor of the folder, full and bitwise, on every rollout rank."""
+    from safetensors.torch import load_file
+
+    from rlhf.reshard.sync import WeightSync
+
+    config, src_model, _ = _models(path, src, dst, cache)
+    engine = RecordingEngine() if dst.contains(dist.get_rank()) else None
+    WeightSync(src_model, src, dst, engine, hf_config=config, hf_names=True).sync()
+    if engine is not None:
+        hf = load_file(f"{path}/model.safetensors")
+        assert sorted(engine.loaded) == sorted(hf)
+        assert all(torch.equal(engine.loaded[name], hf[name]) for name in hf)
+
+
 def _world(paths):
     from rlhf.dist.groups import GroupCache
 
     cache = GroupCache()
+    for family in FAMILIES:
+        _check_hf_names(paths[family], ParallelLayout(tp=2, pp=2), ParallelLayout(tp=2, dp=2), cache)
     return {(family, pair): _check_pair(paths[family], *PAIRS[pair], cache)
             for family in FAMILIES for pair in PAIRS}
 
