@@ -176,3 +176,32 @@ def plan_for_model(hf_config: Any, src_layout: ParallelLayout, dst_layout: Paral
     vocab_size = ModelSpec.from_hf(hf_config).vocab_size
     return plan(src_layout, dst_layout, param_specs(hf_config, src_layout, value_head=value_head),
                 param_specs(hf_config, dst_layout, value_head=value_head), vocab_size=vocab_size)
+
+
+def min_received_numel(src_layout: ParallelLayout, dst_layout: ParallelLayout, src_specs: Sequence[ParamSpec],
+                       dst_specs: Sequence[ParamSpec], *, vocab_size: int, rank: int) -> int:
+    """The least `rank` must receive: its rollout shards' real elements minus those it already holds.
+
+    Computed from intervals alone (no source choice), as the yardstick for plans and benchmarks.
+    """
+    if not dst_layout.contains(rank):
+        return 0
+    src_by_name = {spec.name: spec for spec in src_specs if not spec.tied_copy}
+    tp_rank, _, pp_rank = dst_layout.coords(rank)
+    held_coords = src_layout.coords(rank) if src_layout.contains(rank) else None
+    total = 0
+    for spec in dst_specs:
+        if spec.pp_stage != pp_rank:
+            continue
+        source = src_by_name[TIED_SOURCE if spec.tied_copy else spec.name]
+        held = []
+        if held_coords is not None and source.pp_stage == held_coords.pp_rank:
+            held = shard_segments(source, src_layout.tp, held_coords.tp_rank, vocab_size)
+        row_numel = 1
+        for dim, size in enumerate(spec.full_shape):
+            row_numel *= 1 if dim == cut_dim(spec) else size
+        for want in shard_segments(spec, dst_layout.tp, tp_rank, vocab_size):
+            overlap = sum(max(0, min(want.canon_stop, h.canon_stop) - max(want.canon_start, h.canon_start))
+                          for h in held)
+            total += (want.length - overlap) * row_numel
+    return total

@@ -15,7 +15,7 @@ from rlhf.models.param_specs import hf_shapes, param_specs
 from rlhf.models.shard_rules import read_shard
 from rlhf.models.spec import ModelSpec
 from rlhf.reshard.apply import run_in_process
-from rlhf.reshard.planner import plan, plan_for_model
+from rlhf.reshard.planner import min_received_numel, plan, plan_for_model
 from rlhf.reshard.segments import shard_segments
 
 MAX_RANKS = 64
@@ -103,6 +103,8 @@ def check_coverage_and_minimality(config, src: ParallelLayout, dst: ParallelLayo
                 row *= 1 if d == (dspec.partition_dim or 0) else size
             needed_not_held += len(missing) * row
         assert result.received_numel(rank) == needed_not_held, rank
+        assert min_received_numel(src, dst, param_specs(config, src), param_specs(config, dst), vocab_size=vocab,
+                                  rank=rank) == needed_not_held, rank
     for rank in src.ranks:
         if not dst.contains(rank):
             assert result.received_numel(rank) == 0
