@@ -78,10 +78,6 @@ class ReshardPlan:
     def sent_numel(self, rank: int) -> int:
         return sum(t.numel for t in self.transfers if t.src_rank == rank and not t.is_local)
 
-    @property
-    def ranks(self) -> list[int]:
-        return sorted(set(self.src_layout.ranks) | set(self.dst_layout.ranks))
-
 
 def _slice_shape(spec_shape: tuple[int, ...], tp: int, spec: ParamSpec, dim: int, length: int) -> tuple[int, ...]:
     shape = list(spec_shape if spec.partition_dim is None else spec.shard_shape(tp))

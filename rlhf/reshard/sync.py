@@ -16,15 +16,17 @@ import torch.distributed as dist
 
 from rlhf.dist.layout import ParallelLayout
 from rlhf.errors import ConfigError
-from rlhf.platform import current_device, synchronize
+from rlhf.platform import current_device, has_accelerator, synchronize
 from rlhf.reshard.apply import allocate_dst
 from rlhf.reshard.hf_names import full_model_layout, hf_named
 from rlhf.reshard.planner import plan_for_model
 from rlhf.reshard.schedule import build_schedule
-from rlhf.reshard.transport import check_method, execute
+from rlhf.reshard.shm import SharedMemoryTransport, all_on_one_host
+from rlhf.reshard.transport import execute
 from rlhf.reshard.verify import verify_sync
 
 WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+METHODS = ("auto", "shm", "p2p", "all_to_all")  # auto: shm on one CPU host, p2p otherwise
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class WeightSync:
 
     def __init__(self, src_model: torch.nn.Module | None, src_layout: ParallelLayout, dst_layout: ParallelLayout,
                  engine: Any | None, *, hf_config: Any = None, dtype: torch.dtype | None = None,
-                 method: str = "p2p", max_bucket_mb: float = 256.0, verify: bool = False,
+                 method: str = "auto", max_bucket_mb: float = 256.0, verify: bool = False,
                  hf_names: bool = False, group: dist.ProcessGroup | None = None) -> None:
         if max_bucket_mb <= 0:
             raise ConfigError(f"reshard max_bucket_mb={max_bucket_mb} must be positive")
@@ -67,7 +69,9 @@ class WeightSync:
                               "engines loading HF names (vllm) cannot be read back: set verify=False")
         self.rank = dist.get_rank()
         self.src_model, self.engine, self.group = src_model, engine, group
-        self.method, self.verify, self.device = check_method(method), verify, current_device()
+        if method not in METHODS:
+            raise ConfigError(f"reshard method={method!r} is not one of {', '.join(METHODS)}")
+        self.verify, self.device = verify, current_device()
         self.hf_config = hf_config if hf_config is not None else _model_attr(src_model, engine, "rlhf_hf_config")
         if self.hf_config is None:
             raise ConfigError("WeightSync needs hf_config= on ranks that hold neither a model built by build_gpt "
@@ -79,6 +83,10 @@ class WeightSync:
         self.dtype = dtype or _agreed_dtype(src_model, group)
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.schedule = build_schedule(self.plan, max_bucket_numel=max(1, int(max_bucket_mb * 2**20) // itemsize))
+        self.method = _resolve_method(method, group)
+        self.shm = None
+        if self.method == "shm":
+            self.shm = SharedMemoryTransport(self.schedule, dtype=self.dtype, group=group)
         if (engine is not None) != dst_layout.contains(self.rank):
             raise ConfigError(f"rank {self.rank}: engine must be given exactly on the rollout ranks "
                               f"{list(dst_layout.ranks)}")
@@ -93,8 +101,11 @@ class WeightSync:
         start = time.perf_counter()
         sources = self._sources()
         shards = allocate_dst(self.plan, self.rank, dtype=self.dtype, device=self.device)
-        stats = execute(self.schedule, sources, shards, dtype=self.dtype, device=self.device, method=self.method,
-                        group=self.group)
+        if self.shm is not None:
+            stats = self.shm.execute(sources, shards)
+        else:
+            stats = execute(self.schedule, sources, shards, dtype=self.dtype, device=self.device,
+                            method=self.method, group=self.group)
         if self.engine is not None:
             named = hf_named(self.hf_config, shards, value_head=self.value_head) if self.hf_names else shards.items()
             self.engine.load_weights(named)
@@ -115,6 +126,16 @@ class WeightSync:
         if self.engine is None:
             return {}
         return {name: param.detach() for name, param in self.engine.model.named_parameters()}
+
+
+def _resolve_method(method: str, group: dist.ProcessGroup | None) -> str:
+    """`auto` -> shm when every rank is on this host and computes on CPU, else p2p; `shm` is checked the same."""
+    if method not in ("auto", "shm"):
+        return method
+    usable = not has_accelerator() and all_on_one_host(group)
+    if method == "shm" and not usable:
+        raise ConfigError("reshard method='shm' needs every rank on one host and CPU tensors; use method='p2p'")
+    return "shm" if usable else "p2p"
 
 
 def _agreed_dtype(src_model: torch.nn.Module | None, group: dist.ProcessGroup | None) -> torch.dtype:

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlhf.errors import ConfigError
 from rlhf.reshard.apply import dst_view, src_view
 from rlhf.reshard.schedule import Bucket, Schedule
 
-METHODS = ("p2p", "all_to_all")
+METHODS = ("p2p", "all_to_all")  # the wire methods; `shm.py` adds the same-host one
 
 
 @dataclass
@@ -28,12 +27,6 @@ class TransportStats:
     bytes_received: int = 0
     num_messages: int = 0  # p2p sends + receives this rank posted
     num_collectives: int = 0  # collective calls this rank took part in
-
-
-def check_method(method: str) -> str:
-    if method not in METHODS:
-        raise ConfigError(f"reshard method={method!r} is not one of {', '.join(METHODS)}")
-    return method
 
 
 def pack(bucket: Bucket, sources: Mapping[str, torch.Tensor], dtype: torch.dtype, out: torch.Tensor) -> None:

@@ -77,7 +77,7 @@ def _check_pair(path, src, dst, cache):
 
     config, src_model, make_engine = _models(path, src, dst, cache)
     rank, stats = dist.get_rank(), {}
-    for method, dtype in (("p2p", None), ("all_to_all", None), ("p2p", torch.bfloat16)):
+    for method, dtype in (("p2p", None), ("all_to_all", None), ("shm", None), ("auto", torch.bfloat16)):
         engine = make_engine(load=False)
         sync = WeightSync(src_model, src, dst, engine, method=method, dtype=dtype, verify=True)
         result = sync.sync()
