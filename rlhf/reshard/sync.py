@@ -68,6 +68,9 @@ class WeightSync:
             raise ConfigError("reshard verify=True needs an engine with megatron-named weights (native); "
                               "engines loading HF names (vllm) cannot be read back: set verify=False")
         self.rank = dist.get_rank()
+        if (engine is not None) != dst_layout.contains(self.rank):
+            raise ConfigError(f"rank {self.rank}: engine must be given exactly on the rollout ranks "
+                              f"{list(dst_layout.ranks)}")
         self.src_model, self.engine, self.group = src_model, engine, group
         if method not in METHODS:
             raise ConfigError(f"reshard method={method!r} is not one of {', '.join(METHODS)}")
@@ -87,9 +90,6 @@ class WeightSync:
         self.shm = None
         if self.method == "shm":
             self.shm = SharedMemoryTransport(self.schedule, dtype=self.dtype, group=group)
-        if (engine is not None) != dst_layout.contains(self.rank):
-            raise ConfigError(f"rank {self.rank}: engine must be given exactly on the rollout ranks "
-                              f"{list(dst_layout.ranks)}")
 
     def _sources(self) -> dict[str, torch.Tensor]:
         if self.src_model is None:
