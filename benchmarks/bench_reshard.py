@@ -198,7 +198,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=16003)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--max-bucket-mb", type=float, default=256.0)
+    parser.add_argument("--max-bucket-mb", type=float, default=16.0)
     parser.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "reshard.json"))
     args = parser.parse_args()

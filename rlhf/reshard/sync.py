@@ -27,6 +27,9 @@ from rlhf.reshard.verify import verify_sync
 
 WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 METHODS = ("auto", "shm", "p2p", "all_to_all")  # auto: shm on one CPU host, p2p otherwise
+# Bucket cap when not given: 16 MB measured best on CPU (benchmarks/bench_reshard.py: big gloo messages stall,
+# tiny ones pay a round each); accelerators take the usual large NCCL buckets (not measured here).
+CPU_BUCKET_MB, ACCELERATOR_BUCKET_MB = 16.0, 256.0
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,10 @@ class WeightSync:
 
     def __init__(self, src_model: torch.nn.Module | None, src_layout: ParallelLayout, dst_layout: ParallelLayout,
                  engine: Any | None, *, hf_config: Any = None, dtype: torch.dtype | None = None,
-                 method: str = "auto", max_bucket_mb: float = 256.0, verify: bool = False,
+                 method: str = "auto", max_bucket_mb: float | None = None, verify: bool = False,
                  hf_names: bool = False, group: dist.ProcessGroup | None = None) -> None:
+        if max_bucket_mb is None:
+            max_bucket_mb = ACCELERATOR_BUCKET_MB if has_accelerator() else CPU_BUCKET_MB
         if max_bucket_mb <= 0:
             raise ConfigError(f"reshard max_bucket_mb={max_bucket_mb} must be positive")
         if hf_names and verify:

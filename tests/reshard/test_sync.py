@@ -132,9 +132,27 @@ def _check_hf_names(path, src, dst, cache):
         assert all(torch.equal(engine.loaded[name], hf[name]) for name in hf)
 
 
+def _check_config_errors(path):
+    from transformers import AutoConfig
+
+    from rlhf.errors import ConfigError
+    from rlhf.reshard.sync import WeightSync
+
+    config, rank = AutoConfig.from_pretrained(path), dist.get_rank()
+    src, dst = ParallelLayout(dp=4), ParallelLayout(tp=2, first_rank=2)
+    engine = RecordingEngine() if rank >= 2 else None
+    with pytest.raises(ConfigError, match="engine must be given exactly on the rollout ranks \\[2, 3\\]"):
+        WeightSync(None, src, dst, None if engine else RecordingEngine(), hf_config=config)
+    with pytest.raises(ConfigError, match="method='bogus' is not one of auto, shm, p2p, all_to_all"):
+        WeightSync(None, src, dst, engine, hf_config=config, method="bogus")
+    with pytest.raises(ConfigError, match="verify=True needs an engine with megatron-named weights"):
+        WeightSync(None, src, dst, engine, hf_config=config, hf_names=True, verify=True)
+
+
 def _world(paths):
     from rlhf.dist.groups import GroupCache
 
+    _check_config_errors(paths["llama"])
     cache = GroupCache()
     for family in FAMILIES:
         _check_hf_names(paths[family], ParallelLayout(tp=2, pp=2), ParallelLayout(tp=2, dp=2), cache)
