@@ -146,7 +146,7 @@ def test_every_destination_slice_covered_once_and_nothing_extra(case):
     check_coverage_and_minimality(*case)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_values_match_the_models_shard_rules(case):
     check_values(*case)

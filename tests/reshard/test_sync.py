@@ -1,6 +1,7 @@
 """WeightSync on 4 gloo ranks with real megatron models: after a sync every rollout rank's weights are bitwise
 the slices of the HF reference weights, verify mode passes (and catches a corrupted weight), and greedy
-generation equals that of a freshly loaded rollout model. One launched world covers every layout pair."""
+generation (also after a sleep that released the weights) equals a freshly loaded rollout model's.
+One launched world covers every layout pair."""
 
 from __future__ import annotations
 
@@ -90,7 +91,11 @@ def _check_pair(path, src, dst, cache):
             assert torch.equal(weights[name].detach(), want), (method, dtype, name)
     engine = make_engine(load=False)
     sync = WeightSync(src_model, src, dst, engine, verify=True, max_bucket_mb=0.001)
+    if engine is not None:  # weights released while asleep come back through the sync
+        engine.sleep(release_weights=True)
     sync.sync()
+    if engine is not None:
+        engine.wake()
     fresh = make_engine(load=True)
     greedy = None if engine is None else _greedy(engine)
     if engine is not None:
