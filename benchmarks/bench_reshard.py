@@ -117,7 +117,8 @@ def _bench_pair(config, src: ParallelLayout, dst: ParallelLayout, repeats: int, 
     schedule = build_schedule(planned, max_bucket_numel=int(max_bucket_mb * 2**20) // ITEMSIZE)
     shm, shm_setup_s = _timed(lambda: SharedMemoryTransport(schedule, dtype=torch.float32))
     times = {method: [] for method in METHODS}
-    record = {"plan_s": plan_s, "shm_setup_s": shm_setup_s, "rounds": len(schedule.rounds), "p2p_messages": schedule.num_messages,
+    record = {"plan_s": plan_s, "shm_setup_s": shm_setup_s, "rounds": len(schedule.rounds),
+              "p2p_messages": schedule.num_messages,
               "min_bytes": min_received_numel(src, dst, src_specs, dst_specs, vocab_size=config.vocab_size,
                                               rank=rank) * ITEMSIZE}
     for repeat in range(-1, repeats):  # repeat -1 warms up and checks results
