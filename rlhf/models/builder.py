@@ -83,5 +83,5 @@ def build_gpt(hf_config: Any, pg_collection: ProcessGroupCollection, *, pre_proc
     if value_head and post_process:
         head = ValueHead(spec.hidden_size, init_std=spec.initializer_range, seed=seed, dtype=params_dtype)
         model.output_layer = head.to(current_device())
-    model.rlhf_spec = spec
+    model.rlhf_spec, model.rlhf_hf_config, model.rlhf_value_head = spec, hf_config, value_head
     return model
