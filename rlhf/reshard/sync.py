@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from rlhf.dist.layout import ParallelLayout
 from rlhf.errors import ConfigError
+from rlhf.models.hf_load import model_layout, param_specs_for, stage_params
 from rlhf.platform import current_device, has_accelerator, synchronize
 from rlhf.reshard.apply import allocate_dst
 from rlhf.reshard.hf_names import full_model_layout, hf_named
@@ -97,9 +98,7 @@ class WeightSync:
             self.shm = SharedMemoryTransport(self.schedule, dtype=self.dtype, group=group)
 
     def _sources(self) -> dict[str, torch.Tensor]:
-        if self.src_model is None:
-            return {}
-        return {name: param.detach() for name, param in self.src_model.named_parameters()}
+        return _params_by_plan_name(self.src_model)
 
     def sync(self) -> SyncStats:
         """Move the current training weights into the engine; collective over the group."""
@@ -128,9 +127,15 @@ class WeightSync:
 
     def engine_weights(self) -> Mapping[str, torch.Tensor]:
         """The engine's live parameters by megatron name (empty off the rollout mesh)."""
-        if self.engine is None:
-            return {}
-        return {name: param.detach() for name, param in self.engine.model.named_parameters()}
+        return _params_by_plan_name(None if self.engine is None else self.engine.model)
+
+
+def _params_by_plan_name(model: torch.nn.Module | None) -> dict[str, torch.Tensor]:
+    """A `build_gpt` model's parameters under the plan's (local-spec, stage-local) names, whatever its layer spec."""
+    if model is None:
+        return {}
+    per_stage = model.rlhf_spec.num_layers // model_layout(model)[0].pp
+    return {spec.local_name(per_stage): param.detach() for spec, param in stage_params(model, param_specs_for(model))}
 
 
 def _resolve_method(method: str, group: dist.ProcessGroup | None) -> str:
