@@ -79,9 +79,10 @@ class ReshardPlan:
         return sum(t.numel for t in self.transfers if t.src_rank == rank and not t.is_local)
 
 
-def _slice_shape(spec_shape: tuple[int, ...], tp: int, spec: ParamSpec, dim: int, length: int) -> tuple[int, ...]:
-    shape = list(spec_shape if spec.partition_dim is None else spec.shard_shape(tp))
-    shape[dim] = length
+def _slice_shape(spec: ParamSpec, tp: int, length: int) -> tuple[int, ...]:
+    """Shape of `length` indices of a tp shard of `spec` along its cut dim."""
+    shape = list(spec.shard_shape(tp))
+    shape[cut_dim(spec)] = length
     return tuple(shape)
 
 
@@ -117,7 +118,7 @@ class _Planner:
                     continue
                 holders = self.holders(spec, tp_rank)
                 src_rank = dst_rank if dst_rank in holders else min(holders, key=lambda r: (self.sent[r], r))
-                shape = _slice_shape(spec.full_shape, self.src.tp, spec, dim, stop - start)
+                shape = _slice_shape(spec, self.src.tp, stop - start)
                 transfer = Transfer(param=dst_spec.name, src_rank=src_rank, dst_rank=dst_rank,
                                     src_name=spec.local_name(src_per_stage), dst_name=dst_name, dim=dim,
                                     src_start=have.local_start + start - have.canon_start,
@@ -134,11 +135,18 @@ def _layers_per_stage(specs: Sequence[ParamSpec], pp: int) -> int:
 
 
 def _check_compatible(src_specs: Sequence[ParamSpec], dst_specs: Sequence[ParamSpec]) -> None:
-    src_names = {spec.name for spec in src_specs}
-    dst_names = {spec.name for spec in dst_specs if not spec.tied_copy}
-    if dst_names - src_names:
-        raise ConfigError(f"reshard: parameters {sorted(dst_names - src_names)[:5]} of the rollout model are "
-                          "not in the training model (different architecture or head?)")
+    """ConfigError unless every rollout parameter has a training source of the same kind and shape."""
+    src_by_name = {spec.name: spec for spec in src_specs if not spec.tied_copy}
+    missing = sorted(spec.name for spec in dst_specs if not spec.tied_copy and spec.name not in src_by_name)
+    if missing:
+        raise ConfigError(f"reshard: parameters {missing[:5]} of the rollout model are not in the training model "
+                          "(different architecture or head?)")
+    for spec in dst_specs:
+        source = src_by_name[TIED_SOURCE if spec.tied_copy else spec.name]
+        unpadded = slice(1, None) if spec.kind == "vocab" else slice(None)  # vocab rows differ by padding only
+        if source.kind != spec.kind or source.full_shape[unpadded] != spec.full_shape[unpadded]:
+            raise ConfigError(f"reshard: {spec.name} is {spec.kind} {list(spec.full_shape)} in the rollout model "
+                              f"but {source.kind} {list(source.full_shape)} in the training model")
 
 
 def plan(src_layout: ParallelLayout, dst_layout: ParallelLayout, src_specs: Sequence[ParamSpec],

@@ -191,3 +191,12 @@ def test_mismatched_models_are_a_config_error():
     with pytest.raises(ConfigError, match="decoder.layers.2"):
         plan(ParallelLayout(), ParallelLayout(), param_specs(small, ParallelLayout()),
              param_specs(big, ParallelLayout()), vocab_size=20)
+
+
+def test_mismatched_shapes_are_a_config_error():
+    narrow = make_config("llama", 2, 1, 2, 20, tied=False)
+    wide = make_config("llama", 2, 2, 2, 20, tied=False)
+    with pytest.raises(ConfigError, match=r"^reshard: embedding.word_embeddings.weight is vocab \[20, 32\] in the "
+                                          r"rollout model but vocab \[20, 16\] in the training model$"):
+        plan(ParallelLayout(), ParallelLayout(), param_specs(narrow, ParallelLayout()),
+             param_specs(wide, ParallelLayout()), vocab_size=20)
