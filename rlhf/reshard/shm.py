@@ -73,7 +73,7 @@ class SharedMemoryTransport:
         for index in range(len(self.schedule.rounds)):
             dist.barrier(group=self.group)  # the previous readers of these segments are done
             for bucket in self.schedule.sends(self.rank, index):
-                pack(bucket, sources, self.dtype, self.segments[(index, bucket.src_rank, bucket.dst_rank)])
+                pack(bucket, sources, self.segments[(index, bucket.src_rank, bucket.dst_rank)])
                 stats.bytes_sent += bucket.numel * itemsize
             dist.barrier(group=self.group)
             for bucket in self.schedule.recvs(self.rank, index):

@@ -16,8 +16,6 @@ import torch.distributed as dist
 from rlhf.reshard.apply import dst_view, src_view
 from rlhf.reshard.schedule import Bucket, Schedule
 
-METHODS = ("p2p", "all_to_all")  # the wire methods; `shm.py` adds the same-host one
-
 
 @dataclass
 class TransportStats:
@@ -29,8 +27,8 @@ class TransportStats:
     num_collectives: int = 0  # collective calls this rank took part in
 
 
-def pack(bucket: Bucket, sources: Mapping[str, torch.Tensor], dtype: torch.dtype, out: torch.Tensor) -> None:
-    """Write the bucket's source slices, cast to `dtype`, one after another into the flat `out`."""
+def pack(bucket: Bucket, sources: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
+    """Write the bucket's source slices, cast to `out`'s dtype, one after another into the flat `out`."""
     offset = 0
     for transfer in bucket.transfers:
         out[offset:offset + transfer.numel].view(transfer.shape).copy_(src_view(sources[transfer.src_name],
@@ -55,7 +53,7 @@ def _round_p2p(sends: list[Bucket], recvs: list[Bucket], sources: Mapping[str, t
         inbox.append((bucket, flat))
     for bucket in sends:
         flat = torch.empty(bucket.numel, dtype=dtype, device=device)
-        pack(bucket, sources, dtype, flat)
+        pack(bucket, sources, flat)
         ops.append(dist.P2POp(dist.isend, flat, bucket.dst_rank, group))
     if ops:
         for work in dist.batch_isend_irecv(ops):
@@ -76,7 +74,7 @@ def _round_all_to_all(sends: list[Bucket], recvs: list[Bucket], sources: Mapping
     flat_out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
     for piece, rank in zip(flat_in.split(send_sizes), group_ranks):
         if rank in send_of:
-            pack(send_of[rank], sources, dtype, piece)
+            pack(send_of[rank], sources, piece)
     dist.all_to_all_single(flat_out, flat_in, recv_sizes, send_sizes, group=group)
     for piece, rank in zip(flat_out.split(recv_sizes), group_ranks):
         if rank in recv_of:
