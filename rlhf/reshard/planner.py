@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from rlhf.dist.layout import ParallelLayout
@@ -36,7 +37,7 @@ class Transfer:
     length: int
     shape: tuple[int, ...]  # shape of the slice itself
 
-    @property
+    @cached_property
     def numel(self) -> int:
         count = 1
         for size in self.shape:
@@ -95,6 +96,8 @@ class _Planner:
         self.src_per_stage = _layers_per_stage(src_specs, src.pp)
         self.sent = {rank: 0 for rank in src.ranks}
         self.transfers: list[Transfer] = []
+        self._holders: dict[tuple[int, int | None], list[int]] = {}
+        self._segments: dict[str, list[tuple[int, Segment]]] = {}
 
     def source_of(self, dst_spec: ParamSpec) -> ParamSpec:
         name = TIED_SOURCE if dst_spec.tied_copy else dst_spec.name
@@ -105,28 +108,37 @@ class _Planner:
 
     def holders(self, spec: ParamSpec, tp_rank: int) -> list[int]:
         """Source ranks holding tp rank `tp_rank`'s shard of `spec` (every tp rank for replicated tensors)."""
-        tp_ranks = range(self.src.tp) if is_replicated(spec) else [tp_rank]
-        return [self.src.rank_of(t, d, spec.pp_stage) for d in range(self.src.dp) for t in tp_ranks]
+        key = (spec.pp_stage, None if is_replicated(spec) else tp_rank)
+        if key not in self._holders:
+            tp_ranks = range(self.src.tp) if is_replicated(spec) else [tp_rank]
+            stage = spec.pp_stage
+            self._holders[key] = [self.src.rank_of(t, d, stage) for d in range(self.src.dp) for t in tp_ranks]
+        return self._holders[key]
+
+    def src_segments(self, spec: ParamSpec) -> list[tuple[int, Segment]]:
+        """(tp rank, segment) for every canonical run the training shards of `spec` hold."""
+        if spec.name not in self._segments:
+            tp_ranks = range(1 if is_replicated(spec) else self.src.tp)
+            self._segments[spec.name] = [(t, seg) for t in tp_ranks
+                                         for seg in shard_segments(spec, self.src.tp, t, self.vocab_size)]
+        return self._segments[spec.name]
 
     def add(self, dst_spec: ParamSpec, dst_rank: int, dst_name: str, wanted: Segment) -> None:
         spec = self.source_of(dst_spec)
-        dim, src_per_stage = cut_dim(spec), self.src_per_stage
-        for tp_rank in range(1 if is_replicated(spec) else self.src.tp):
-            for have in shard_segments(spec, self.src.tp, tp_rank, self.vocab_size):
-                start, stop = max(have.canon_start, wanted.canon_start), min(have.canon_stop, wanted.canon_stop)
-                if start >= stop:
-                    continue
-                holders = self.holders(spec, tp_rank)
-                src_rank = dst_rank if dst_rank in holders else min(holders, key=lambda r: (self.sent[r], r))
-                shape = _slice_shape(spec, self.src.tp, stop - start)
-                transfer = Transfer(param=dst_spec.name, src_rank=src_rank, dst_rank=dst_rank,
-                                    src_name=spec.local_name(src_per_stage), dst_name=dst_name, dim=dim,
-                                    src_start=have.local_start + start - have.canon_start,
-                                    dst_start=wanted.local_start + start - wanted.canon_start,
-                                    length=stop - start, shape=shape)
-                if not transfer.is_local:
-                    self.sent[src_rank] += transfer.numel
-                self.transfers.append(transfer)
+        dim, src_name = cut_dim(spec), spec.local_name(self.src_per_stage)
+        for tp_rank, have in self.src_segments(spec):
+            start, stop = max(have.canon_start, wanted.canon_start), min(have.canon_stop, wanted.canon_stop)
+            if start >= stop:
+                continue
+            holders = self.holders(spec, tp_rank)
+            src_rank = dst_rank if dst_rank in holders else min(holders, key=lambda r: (self.sent[r], r))
+            transfer = Transfer(param=dst_spec.name, src_rank=src_rank, dst_rank=dst_rank, src_name=src_name,
+                                dst_name=dst_name, dim=dim, src_start=have.local_start + start - have.canon_start,
+                                dst_start=wanted.local_start + start - wanted.canon_start, length=stop - start,
+                                shape=_slice_shape(spec, self.src.tp, stop - start))
+            if not transfer.is_local:
+                self.sent[src_rank] += transfer.numel
+            self.transfers.append(transfer)
 
 
 def _layers_per_stage(specs: Sequence[ParamSpec], pp: int) -> int:
