@@ -100,8 +100,18 @@ def _check_pair(path, src, dst, cache):
     greedy = None if engine is None else _greedy(engine)
     if engine is not None:
         assert torch.equal(greedy, _greedy(fresh))
+    if src_model is not None:  # a training step: the same WeightSync must carry the new values
+        with torch.no_grad():
+            for param in src_model.parameters():
+                param.mul_(2.0)
+    assert sync.sync().num_verified == (len(sync.plan.shards_of(rank)) and sum(
+        t.dst_rank == rank for t in sync.plan.transfers))
+    if engine is not None:
+        fc2 = engine.model.decoder.layers[0].mlp.linear_fc2.weight
+        assert torch.equal(fc2.detach(), 2.0 * dict(fresh.model.named_parameters())[
+            "decoder.layers.0.mlp.linear_fc2.weight"].detach())
         with torch.no_grad():  # corrupt one element: verify must name the parameter
-            engine.model.decoder.layers[0].mlp.linear_fc2.weight[0, 0] += 1.0
+            fc2[0, 0] += 1.0
     caught = None
     try:
         sync.check()
