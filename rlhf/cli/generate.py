@@ -1,0 +1,108 @@
+"""`rlhf generate`: rollouts for a prompt dataset with an HF model folder, written as JSONL (rank 0).
+
+Runs under torchrun in the rollout layout (`--tp`; dp = world / tp): each DP replica generates its share
+of the prompts and rank 0 writes every row in dataset order. Without torchrun it runs as a world of one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+from rlhf.errors import ConfigError
+from rlhf.rollout.native.engine import NativeEngineConfig
+from rlhf.rollout.sampling_params import SamplingParams
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("generate", help="generate responses for a prompt dataset -> JSONL")
+    parser.add_argument("--model", required=True, help="HF model folder (use `rlhf export` for a checkpoint)")
+    parser.add_argument("--data", required=True, help="prompts: .jsonl or .parquet in verl's schema")
+    parser.add_argument("--out", required=True, help="output JSONL")
+    parser.add_argument("--engine", choices=("native", "hf", "vllm"), default="native")
+    parser.add_argument("--tp", type=int, default=1, help="rollout tensor parallelism (dp = world / tp)")
+    parser.add_argument("--prompt-key", default="prompt")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    parser.add_argument("--batch-size", type=int, default=32, help="prompts per generate call per replica")
+    parser.add_argument("--max-seq-len", type=int, default=1024, help="KV-cache positions per sequence")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _init_world() -> None:
+    if dist.is_initialized():
+        return
+    from rlhf.platform import resolve_backend
+    from rlhf.testing.distributed import free_port
+
+    if "RANK" not in os.environ:  # a plain `rlhf generate`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    dist.init_process_group(resolve_backend("auto"))
+
+
+def run(args: argparse.Namespace) -> int:
+    if not Path(args.model, "config.json").exists():
+        raise ConfigError(f"--model {args.model} is not an HF folder (no config.json); for an rlhf checkpoint "
+                          "run `rlhf export` first")
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, n=args.n, seed=args.seed)
+    _init_world()
+    from transformers import AutoTokenizer
+
+    from rlhf.dist.groups import build_layout_groups
+    from rlhf.dist.layout import ParallelLayout
+    from rlhf.rollout.factory import RolloutConfig, build_engine
+    from rlhf.rollout.prompts_io import read_prompts
+
+    layout = ParallelLayout.for_world(dist.get_world_size(), tp=args.tp, what="rollout layout (--tp)")
+    pg_collection = build_layout_groups(layout)
+    config = RolloutConfig(engine=args.engine,
+                           native=NativeEngineConfig(max_batch_size=args.batch_size * args.n,
+                                                     max_seq_len=args.max_seq_len))
+    engine = build_engine(config, args.model, pg_collection)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    rows = read_prompts(args.data, args.prompt_key, args.limit)
+    mine = rows[engine.layout.dp_rank::engine.layout.dp]
+    records = _generate_all(engine, tokenizer, mine, params, args.batch_size)
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(records if engine.layout.tp_rank == 0 else [], gathered, dst=0)
+    if dist.get_rank() == 0:
+        from rlhf.rollout.prompts_io import write_jsonl
+
+        merged = sorted((r for part in gathered for r in part), key=lambda r: (r["index"], r["sample"]))
+        write_jsonl(args.out, merged)
+        print(json.dumps({"prompts": len(rows), "rollouts": len(merged), "out": args.out}))
+    dist.destroy_process_group()
+    return 0
+
+
+def _generate_all(engine, tokenizer, rows, params: SamplingParams, batch_size: int) -> list[dict]:
+    from rlhf.rollout.prompts_io import encode
+    from rlhf.rollout.types import PromptBatch
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    records = []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start:start + batch_size]
+        token_lists = [encode(row.prompt, tokenizer) for row in chunk]
+        out = engine.generate(PromptBatch.from_token_lists(token_lists, pad_token_id=pad), params)
+        for r in range(out.num_rollouts):
+            row = chunk[int(out.prompt_index_r[r])]
+            response = out.response(r)
+            records.append(dict(index=row.index, sample=r % params.n, uid=row.uid, data_source=row.data_source,
+                                ground_truth=row.ground_truth, prompt=row.prompt,
+                                response=tokenizer.decode(response, skip_special_tokens=True),
+                                prompt_tokens=token_lists[int(out.prompt_index_r[r])], tokens=response,
+                                logprobs=out.response_logprobs_rt[r, :len(response)].tolist(),
+                                finish_reason=out.finish_reasons[r].value, policy_version=out.policy_version))
+    return records

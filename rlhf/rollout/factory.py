@@ -1,0 +1,76 @@
+"""Build the configured rollout engine for this rank from an HF folder, in the rollout layout's groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rlhf.errors import ConfigError
+from rlhf.rollout.engine import EngineLayout, RolloutEngine
+from rlhf.rollout.native.engine import NativeEngineConfig
+from rlhf.rollout.vllm_engine import VllmEngineConfig
+
+ENGINES = ("native", "hf", "vllm")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """`engine`: native (megatron model, CPU and GPU), vllm (colocated, GPU), hf (reference, tp=1)."""
+
+    engine: Literal["native", "hf", "vllm"] = "native"
+    native: NativeEngineConfig = field(default_factory=NativeEngineConfig)
+    vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"rollout.engine={self.engine!r} is not one of {', '.join(ENGINES)}")
+
+
+def engine_layout(pg_collection: Any) -> EngineLayout:
+    """tp/dp sizes and ranks of this rank in the rollout layout's process groups."""
+    return EngineLayout(tp=pg_collection.tp.size(), dp=pg_collection.dp.size(), tp_rank=pg_collection.tp.rank(),
+                        dp_rank=pg_collection.dp.rank())
+
+
+def eos_token_ids(hf_path: str) -> tuple[int, ...]:
+    """EOS ids from the folder's generation config (which may list several), else its model config."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(hf_path).eos_token_id
+    except OSError:
+        eos = AutoConfig.from_pretrained(hf_path).eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def build_engine(config: RolloutConfig, hf_path: str, pg_collection: Any) -> RolloutEngine:
+    """The engine for this rank; the native one builds the megatron model on `pg_collection` (pp must be 1)."""
+    layout = engine_layout(pg_collection)
+    eos = eos_token_ids(hf_path)
+    if config.engine == "vllm":
+        from rlhf.rollout.vllm_engine import VllmEngine
+
+        return VllmEngine(hf_path, config=config.vllm, layout=layout)
+    if config.engine == "hf":
+        from transformers import AutoModelForCausalLM
+
+        from rlhf.platform import current_device
+        from rlhf.rollout.hf_engine import HFEngine
+
+        model = AutoModelForCausalLM.from_pretrained(hf_path, dtype="float32").to(current_device())
+        return HFEngine(model, eos_token_ids=eos, layout=layout)
+    if pg_collection.pp.size() != 1:
+        raise ConfigError(f"the native rollout engine runs at pp=1, got mesh.rollout.pp={pg_collection.pp.size()}")
+    from transformers import AutoConfig
+
+    from rlhf.models.builder import build_gpt
+    from rlhf.models.hf_load import load_hf_weights
+    from rlhf.rollout.native.engine import NativeEngine
+
+    hf_config = AutoConfig.from_pretrained(hf_path)
+    model = build_gpt(hf_config, pg_collection)
+    load_hf_weights(model, hf_path)
+    return NativeEngine(model, vocab_size=hf_config.vocab_size, config=config.native, eos_token_ids=eos,
+                        layout=layout, tp_group=pg_collection.tp)

@@ -1,0 +1,63 @@
+"""A preallocated KV cache of `num_slots` sequences x `max_seq_len` positions, one K and V per layer.
+
+Sized once from config so a rollout never grows memory; a request that cannot fit is a ConfigError
+raised before any compute (`check_fits`), never an out-of-memory in the middle of a step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf.errors import ConfigError
+
+
+class KVCache:
+    """keys[layer] and values[layer] are [num_slots, num_kv_heads, max_seq_len, head_dim]."""
+
+    def __init__(self, *, num_layers: int, num_slots: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.num_layers, self.num_slots, self.max_seq_len = num_layers, num_slots, max_seq_len
+        self.shape = (num_slots, num_kv_heads, max_seq_len, head_dim)
+        self.dtype, self.device = dtype, device
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.allocate()
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.keys)
+
+    @property
+    def num_bytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return 2 * self.num_layers * numel * torch.tensor([], dtype=self.dtype).element_size()
+
+    def allocate(self) -> None:
+        if self.allocated:
+            return
+        self.keys = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.values = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+
+    def release(self) -> None:
+        self.keys, self.values = [], []
+
+    def copy_slot(self, src: int, dst_slots: list[int], length: int) -> None:
+        """Share a prefilled prompt with the other samples of that prompt (no recompute)."""
+        if not dst_slots:
+            return
+        dst = torch.tensor(dst_slots, device=self.device)
+        for cache in (*self.keys, *self.values):
+            cache[dst, :, :length] = cache[src, :, :length]
+
+    def check_fits(self, longest_prompt: int, max_new_tokens: int, samples_per_prompt: int) -> None:
+        needed = longest_prompt + max_new_tokens
+        if needed > self.max_seq_len:
+            raise ConfigError(
+                f"a prompt of {longest_prompt} tokens + max_new_tokens={max_new_tokens} needs {needed} KV-cache "
+                f"positions but rollout max_seq_len={self.max_seq_len}; raise max_seq_len or shorten prompts/"
+                "max_new_tokens")
+        if samples_per_prompt > self.num_slots:
+            raise ConfigError(f"n={samples_per_prompt} samples per prompt need {samples_per_prompt} KV-cache slots "
+                              f"but rollout max_batch_size={self.num_slots}; raise max_batch_size or lower n")

@@ -1,0 +1,58 @@
+"""Choose the next token from full-vocabulary logits and report its raw and temperature-scaled logprobs.
+
+Filters apply in the order `transformers` and vLLM use: temperature, then top-k, then top-p. Sampling uses
+the exponential-race form of a categorical draw (argmax of p / Exp(1)), driven by an explicit generator so
+every TP rank of a replica, holding identical logits and an identically seeded generator, picks the same
+token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlhf.rollout.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Sampled:
+    tokens_k: torch.Tensor
+    logprobs_k: torch.Tensor  # log_softmax(logits)[token]
+    scaled_logprobs_k: torch.Tensor  # log_softmax(logits / temperature)[token]
+
+
+def sample(logits_kv: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> Sampled:
+    raw_kv = torch.log_softmax(logits_kv, dim=-1)
+    if params.greedy:
+        tokens_k = logits_kv.argmax(dim=-1)
+        logprobs_k = raw_kv.gather(-1, tokens_k[:, None]).squeeze(-1)
+        return Sampled(tokens_k, logprobs_k, logprobs_k)
+    scaled_kv = logits_kv / params.temperature if params.temperature != 1.0 else logits_kv
+    filtered_kv = _top_p(_top_k(scaled_kv, params.top_k), params.top_p)
+    probs_kv = torch.softmax(filtered_kv, dim=-1)
+    race_kv = torch.empty_like(probs_kv).exponential_(generator=generator)
+    tokens_k = (probs_kv / race_kv).argmax(dim=-1)
+    logprobs_k = raw_kv.gather(-1, tokens_k[:, None]).squeeze(-1)
+    scaled_lp_k = (logprobs_k if params.temperature == 1.0
+                   else torch.log_softmax(scaled_kv, dim=-1).gather(-1, tokens_k[:, None]).squeeze(-1))
+    return Sampled(tokens_k, logprobs_k, scaled_lp_k)
+
+
+def _top_k(logits_kv: torch.Tensor, top_k: int) -> torch.Tensor:
+    if top_k <= 0 or top_k >= logits_kv.shape[-1]:
+        return logits_kv
+    kth_k1 = torch.topk(logits_kv, top_k, dim=-1).values[:, -1:]
+    return logits_kv.masked_fill(logits_kv < kth_k1, float("-inf"))
+
+
+def _top_p(logits_kv: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches `top_p` (at least one)."""
+    if top_p >= 1.0:
+        return logits_kv
+    sorted_kv, order_kv = torch.sort(logits_kv, dim=-1, descending=False)
+    cumulative_kv = torch.softmax(sorted_kv, dim=-1).cumsum(dim=-1)
+    drop_sorted_kv = cumulative_kv <= 1.0 - top_p
+    drop_sorted_kv[:, -1] = False
+    drop_kv = drop_sorted_kv.scatter(-1, order_kv, drop_sorted_kv)
+    return logits_kv.masked_fill(drop_kv, float("-inf"))

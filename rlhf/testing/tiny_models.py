@@ -1,0 +1,40 @@
+"""Tiny randomly initialised HF causal LMs (Llama- and Qwen2-style) for tests and benchmarks; no downloads."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config
+
+FAMILIES = ("llama", "qwen2")
+
+
+def tiny_hf_config(family: str, *, vocab_size: int = 101, hidden_size: int = 64, num_layers: int = 2,
+                   num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
+                   tie_word_embeddings: bool | None = None) -> PretrainedConfig:
+    """Llama: untied, no qkv bias; Qwen2: tied embeddings and qkv bias (each family's distinctive traits)."""
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                  intermediate_size=intermediate_size, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=bool(tie_word_embeddings), rope_theta=10000.0)
+    if family == "qwen2":
+        tie = True if tie_word_embeddings is None else tie_word_embeddings
+        return Qwen2Config(**common, tie_word_embeddings=tie, rope_theta=1000000.0)
+    raise ValueError(f"unknown tiny model family {family!r}; choose from {FAMILIES}")
+
+
+def tiny_hf_model(family: str, seed: int = 0, **config_overrides) -> torch.nn.Module:
+    """A fp32 eval-mode model with weights scaled up so greedy outputs depend on the input."""
+    torch.manual_seed(seed)
+    config = tiny_hf_config(family, **config_overrides)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.2 if "embed" in name else 0.08)
+            elif "bias" in name:
+                param.normal_(0.0, 0.05)
+            else:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+    return model.eval()
