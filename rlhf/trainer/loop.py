@@ -31,7 +31,7 @@ from rlhf.step import RLStack, rl_step
 from rlhf.trainer.config import check_batch_sizes
 from rlhf.trainer.roles import CriticRole, PolicyRole
 from rlhf.trainer.scoring import Scorer
-from rlhf.trainer.sync import CopySync, SharedWeights
+from rlhf.trainer.sync import SharedWeights
 from rlhf.trainer.validate import validate
 
 log = get_logger("trainer")
@@ -113,24 +113,29 @@ class Trainer:
         return loader
 
     def _build_rollout(self, actor: PolicyRole):
-        """Colocated native rollout in the actor's own layout shares its parameters (a free sync)."""
+        """The rollout engine on its mesh and how the actor's weights reach it after each update.
+
+        Colocated native rollout in the actor's own layout shares its parameters (a free sync); any other
+        layout or engine gets its own copy, refreshed by the planned, bucketed resharding (`rlhf.reshard`).
+        """
         cfg, mesh = self.cfg, self.meshes["rollout"]
-        same_layout = mesh.layout == self.meshes["actor"].layout
-        if not same_layout:
-            raise ConfigError(
-                f"mesh.rollout ({mesh.layout.describe()}) differs from mesh.actor ({self.meshes['actor'].layout.describe()}); "
-                "resharding between different layouts is not wired into the trainer yet: use the same tp and ranks")
-        if not mesh.is_member:
-            return None, SharedWeights(None)
-        if cfg.rollout.engine == "native":
+        actor_layout = self.meshes["actor"].layout
+        if mesh.layout == actor_layout and cfg.rollout.engine == "native":
+            if not mesh.is_member:
+                return None, SharedWeights(None)
             from rlhf.rollout.native.engine import NativeEngine
 
             engine = NativeEngine(actor.model, vocab_size=actor.vocab_size, config=cfg.rollout.native,
                                   eos_token_ids=eos_token_ids(cfg.model.path), layout=engine_layout(mesh.pgs),
                                   tp_group=mesh.pgs.tp)
             return engine, SharedWeights(engine)
-        engine = build_engine(cfg.rollout, cfg.model.path, mesh.pgs)
-        return engine, CopySync(actor.model, engine)
+        from rlhf.reshard.sync import WeightSync
+
+        engine = build_engine(cfg.rollout, cfg.model.path, mesh.pgs) if mesh.is_member else None
+        sync = WeightSync(actor.model, actor_layout, mesh.layout, engine,
+                          hf_config=AutoConfig.from_pretrained(cfg.model.path), verify=cfg.comm.verify,
+                          hf_names=cfg.rollout.engine != "native")
+        return engine, sync
 
     # -- state -----------------------------------------------------------------------------------------------
     def _state(self, step: int) -> dict:

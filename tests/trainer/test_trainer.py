@@ -51,6 +51,8 @@ def test_grpo_tp2_dp2_and_ppo_split_placement_on_4_ranks(tiny, tmp_path):
 
 
 def _resume_runs(paths, root):
+    from pathlib import Path
+
     from fixtures import trainer_config
 
     from rlhf.trainer.export import export_checkpoint
@@ -60,7 +62,14 @@ def _resume_runs(paths, root):
     resumed = run_trainer(paths, f"{root}/split", ["trainer.total_steps=6", "checkpoint.every=3", "run.name=r"])
     cfg = trainer_config(paths, f"{root}/full", ["run.name=r"])
     export_checkpoint(cfg, f"{root}/full/r/checkpoints/step_6", f"{root}/exported")
-    return full, resumed
+    length_reward = Path(root) / "length_reward.py"  # a dense signal, so the update really moves the weights
+    length_reward.write_text("def score(data_source, solution, ground_truth, extra_info):\n"
+                             "    return float(len(solution) % 2)\n")
+    resharded = run_trainer(paths, f"{root}/reshard", ["mesh.actor.tp=2", "mesh.rollout.tp=1", "run.name=x",
+                                                       "actor.optim.lr=0.05", "comm.verify=true",
+                                                       "trainer.total_steps=3", "reward.by_source={}",
+                                                       f"reward.function={length_reward}:score"])
+    return full, resumed, resharded
 
 
 def _comparable(row):
@@ -68,7 +77,7 @@ def _comparable(row):
 
 
 def test_resume_reproduces_the_uninterrupted_run(tiny, tmp_path):
-    full, resumed = run_distributed(_resume_runs, 2, tiny, str(tmp_path), timeout_s=400)[0]
+    full, resumed, resharded = run_distributed(_resume_runs, 2, tiny, str(tmp_path), timeout_s=500)[0]
     assert [row["step"] for row in resumed] == [4, 5, 6]
     assert [_comparable(r) for r in full[4:]] == [_comparable(r) for r in resumed]
     assert sorted(p.name for p in (tmp_path / "split/r/checkpoints").iterdir()) == ["latest", "step_3", "step_6"]
@@ -82,6 +91,10 @@ def test_resume_reproduces_the_uninterrupted_run(tiny, tmp_path):
     key, megatron_key = "model.layers.1.mlp.down_proj.weight", "decoder.layers.1.mlp.linear_fc2.weight"
     assert not torch.equal(exported[key], initial[key])  # weight decay moved it even at zero advantage
     assert torch.equal(exported[key], trained[megatron_key])
+    # Actor tp2 -> rollout tp1 x dp2 goes through the planned resharding: after updates (a large lr moves the
+    # weights), the rollout engine still samples with exactly the actor's weights.
+    assert all(row["rollout/logprob_diff_max"] < 1e-4 for row in resharded[1:])
+    assert resharded[-1]["actor/grad_norm"] > 0
 
 
 def test_reward_function_raising_names_the_sample_and_saves_nothing(tiny, tmp_path):
