@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 from rlhf.config import RlhfConfig, load_config
 
@@ -18,3 +20,23 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> RlhfConfig:
     return load_config(RlhfConfig, args.config, args.overrides)
+
+
+def run_in_world(cfg: RlhfConfig, prefix: str, body: Callable[[RlhfConfig, Any], Any],
+                 preflight: Callable[[RlhfConfig, int], None] | None = None) -> None:
+    """Start the world, check inputs (before any folder exists), open the run folder, run `body(cfg, run_dir)`;
+    a failure is logged with its traceback to every rank's log before it propagates."""
+    from rlhf.dist.runtime import distributed
+    from rlhf.run_dir import close_run, get_logger, setup_run
+
+    with distributed(cfg.dist.backend, timeout_s=cfg.dist.timeout_s, seed=cfg.dist.seed) as runtime:
+        if preflight is not None:
+            preflight(cfg, runtime.world_size)
+        run_dir = setup_run(cfg.run, cfg, prefix=prefix)
+        try:
+            body(cfg, run_dir)
+        except Exception:
+            get_logger(prefix).exception("%s failed", prefix)
+            raise
+        finally:
+            close_run()

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from rlhf.cli.common import add_config_args, config_from_args
-from rlhf.dist.runtime import distributed
-from rlhf.run_dir import close_run, get_logger, setup_run
+from rlhf.cli.common import add_config_args, config_from_args, run_in_world
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -18,15 +16,5 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     from rlhf.trainer.loop import Trainer, preflight
 
-    cfg = config_from_args(args)
-    with distributed(cfg.dist.backend, timeout_s=cfg.dist.timeout_s, seed=cfg.dist.seed) as runtime:
-        preflight(cfg, runtime.world_size)
-        run_dir = setup_run(cfg.run, cfg, prefix="train")
-        try:
-            Trainer(cfg, run_dir).fit()
-        except Exception:
-            get_logger("train").exception("training failed")  # the traceback lands in rank<k>.log too
-            raise
-        finally:
-            close_run()
+    run_in_world(config_from_args(args), "train", lambda cfg, run_dir: Trainer(cfg, run_dir).fit(), preflight)
     return 0
