@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo doctor doctor-ranks test test-all bench bench-collectives clean
+.PHONY: install demo doctor doctor-ranks test test-all bench $(addprefix bench-,$(BENCHES)) clean
 
 install: $(STAMP)
 
@@ -40,8 +40,26 @@ test: install
 test-all: install
 	$(PY) -m pytest -q $(PYTEST_FLAGS) tests
 
+# Benchmarks: each runs a peer and rlhf side by side, prints a table, writes benchmarks/results/<name>.json.
+BENCHES := collectives reshard engine rollout e2e
+
 bench-collectives: install
 	$(PY) benchmarks/bench_collectives.py
+
+bench-reshard: install
+	$(PY) benchmarks/bench_reshard.py
+
+bench-engine: install
+	$(PY) benchmarks/bench_engine.py
+
+bench-rollout: install
+	$(PY) benchmarks/bench_rollout.py
+
+bench-e2e: install
+	$(PY) benchmarks/bench_e2e_vs_trl.py
+
+bench: $(addprefix bench-,$(BENCHES))
+	$(PY) benchmarks/summary.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
