@@ -49,10 +49,13 @@ def _training_logprobs(model, pgs, vocab_size, prompt, response, temperature):
 
 def _check_family(family, path, expected_greedy, eos):
     """Everything one rank checks for one model; returns what must agree across TP ranks."""
-    engine, model, pgs = _native_engine(path, 101, (eos,), max_batch_size=3)  # 3 slots < 5 prompts: refill
+    engine, model, pgs = _native_engine(path, 101, (eos[0],), max_batch_size=3)  # 3 slots < 5 prompts: refill
     batch = PromptBatch.from_token_lists(PROMPTS)
     greedy = engine.generate(batch, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0))
-    assert [greedy.response(i) for i in range(len(PROMPTS))] == expected_greedy, family
+    assert [greedy.response(i) for i in range(len(PROMPTS))] == expected_greedy[0], family
+    first_stop = engine.generate(batch, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0,
+                                                       stop_token_ids=(eos[1],)))
+    assert [first_stop.response(i) for i in range(len(PROMPTS))] == expected_greedy[1], family
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.7, top_p=0.95, n=3, seed=11)
     sampled = engine.generate(batch, params)
     again = engine.generate(batch, params)
@@ -75,7 +78,8 @@ def _world(paths, expected, eos_by_family):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """HF folders plus HF greedy outputs, with EOS chosen as a token that some rows emit mid-way."""
+    """HF folders plus HF greedy outputs for two stop tokens: one that some rows emit mid-way (as EOS) and
+    one that a row emits first (as a stop token: a row of length 1)."""
     paths, expected, eos_by_family = {}, {}, {}
     for family in FAMILIES:
         model = tiny_hf_model(family, seed=3)
@@ -83,12 +87,16 @@ def reference(tmp_path_factory):
         model.save_pretrained(path)
         batch = PromptBatch.from_token_lists(PROMPTS)
         free = HFEngine(model).generate(batch, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0))
-        eos = free.response(0)[3]
+        eos, first = free.response(0)[3], free.response(1)[0]
         stopped = HFEngine(model, eos_token_ids=(eos,)).generate(
             batch, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0))
         assert FinishReason.STOP in stopped.finish_reasons and FinishReason.LENGTH in stopped.finish_reasons
-        paths[family], eos_by_family[family] = path, eos
-        expected[family] = [stopped.response(i) for i in range(len(PROMPTS))]
+        at_first = HFEngine(model, eos_token_ids=(eos,)).generate(
+            batch, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, stop_token_ids=(first,)))
+        assert at_first.response(1) == [first]
+        paths[family], eos_by_family[family] = path, (eos, first)
+        expected[family] = ([stopped.response(i) for i in range(len(PROMPTS))],
+                            [at_first.response(i) for i in range(len(PROMPTS))])
     return paths, expected, eos_by_family
 
 
