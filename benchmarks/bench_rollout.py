@@ -98,7 +98,8 @@ def _time_generate(engine, batch: PromptBatch, params: SamplingParams) -> tuple[
     return time.perf_counter() - start, int(out.response_lengths_r.sum())
 
 
-def bench_model(name: str, args, workdir: str) -> list[dict]:
+def bench_model(name: str, args, workdir: str, peaks: list[float]) -> list[dict]:
+    """Alternating native/hf repeats; the matmul peak is re-measured every repeat (same load conditions)."""
     from transformers import AutoConfig
 
     path = _model_folder(name, workdir)
@@ -112,6 +113,7 @@ def bench_model(name: str, args, workdir: str) -> list[dict]:
     tokens = {}
     order = list(engines)
     for repeat in range(args.repeats):
+        peaks.append(matmul_peak_gflops(repeats=3))
         for key in (order if repeat % 2 == 0 else order[::-1]):
             seconds, tokens[key] = _time_generate(engines[key], batch, params)
             times[key].append(seconds)
@@ -149,16 +151,20 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--max-seq-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads; 1 by default: on a shared 2-core host OpenMP spinning at 2 threads "
+                             "makes every engine's timings collapse and swing")
     parser.add_argument("--mcore", action="store_true", help="also time megatron-core's static inference forward")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     _init_world()
-    peak = matmul_peak_gflops()
+    peaks: list[float] = []
     with tempfile.TemporaryDirectory() as workdir:
-        rows = [row for name in args.models for row in bench_model(name, args, workdir)]
-    print(f"fp32 matmul peak (2048^3, {args.threads} threads): {peak:.1f} GFLOP/s")
+        rows = [row for name in args.models for row in bench_model(name, args, workdir, peaks)]
+    peak = statistics.median(peaks)
+    print(f"fp32 matmul peak (2048^3, {args.threads} threads, median of {len(peaks)}): {peak:.1f} GFLOP/s "
+          f"(range {min(peaks):.1f}-{max(peaks):.1f})")
     print(f"{'model':8} {'engine':13} {'tok/s':>9} {'ms/step':>9} {'GFLOP/s':>8} {'of peak':>8}")
     for row in rows:
         print(f"{row['model']:8} {row['engine']:13} {row['tok_s']:9.0f} {row['ms_per_step']:9.2f} "

@@ -30,9 +30,10 @@ class Decoder:
     def __post_init__(self) -> None:
         positions = torch.arange(self.max_seq_len, dtype=torch.float32, device=self.params.inv_freq.device)
         freqs = torch.outer(positions, self.params.inv_freq.float())
-        angles = torch.cat([freqs, freqs], dim=-1)
         dtype = self.params.embedding.dtype
-        self.cos_td, self.sin_td = angles.cos().to(dtype), angles.sin().to(dtype)
+        self.cos_td = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(dtype)
+        # rotate_half(x) * sin == roll(x, d/2) * [-sin, sin]: the sign lives in the table, one op saved
+        self.sin_td = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(dtype)
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
@@ -105,12 +106,12 @@ class Decoder:
         num_slots = tokens_s.shape[0]
         span = int(positions_s.max()) + 1
         slot_ids = torch.arange(num_slots, device=tokens_s.device)
-        future_sl = torch.arange(span, device=tokens_s.device)[None, :] > positions_s[:, None]
-        mask_s11l = torch.zeros(future_sl.shape, dtype=self.cos_td.dtype, device=tokens_s.device)
-        mask_s11l = mask_s11l.masked_fill_(future_sl, float("-inf"))
-        mask_s11l = mask_s11l[:, None, None, :]
-        cos, sin = self.cos_td[positions_s][:, None, None, :], self.sin_td[positions_s][:, None, None, :]
         heads_per_group, scale = geo.num_heads // geo.num_groups, geo.head_dim ** -0.5
+        future_sl = torch.arange(span, device=tokens_s.device)[None, :] > positions_s[:, None]
+        mask_bhl = torch.zeros((num_slots, geo.num_groups, heads_per_group, span), dtype=self.cos_td.dtype,
+                               device=tokens_s.device)
+        mask_bhl = mask_bhl.masked_fill_(future_sl[:, None, None, :], float("-inf")).flatten(0, 1)
+        cos, sin = self.cos_td[positions_s][:, None, None, :], self.sin_td[positions_s][:, None, None, :]
         hidden = self.embed(tokens_s)
         for index, layer in enumerate(self.params.layers):
             normed = F.rms_norm(hidden, (hidden.shape[-1],), layer.input_norm, self.geometry.eps)
@@ -118,16 +119,16 @@ class Decoder:
             keys, values = cache.keys[index], cache.values[index]
             keys[slot_ids, :, positions_s] = rotated[:, :, heads_per_group]
             values[slot_ids, :, positions_s] = v
-            scores = torch.matmul(rotated[:, :, :heads_per_group] * scale,
-                                  keys[:num_slots, :, :span].transpose(-1, -2))
-            probs = torch.softmax(scores + mask_s11l, dim=-1)
-            attn = torch.matmul(probs, values[:num_slots, :, :span]).flatten(1)
+            q_bhd = rotated[:, :, :heads_per_group].flatten(0, 1)  # b = slot x group
+            scores = torch.baddbmm(mask_bhl, q_bhd, keys[:num_slots, :, :span].flatten(0, 1).transpose(1, 2),
+                                   alpha=scale)
+            probs = torch.softmax(scores, dim=-1)
+            attn = torch.bmm(probs, values[:num_slots, :, :span].flatten(0, 1)).view(num_slots, -1)
             hidden = hidden + self._all_reduce(F.linear(attn, layer.proj_weight))
             hidden = self._mlp_block(layer, hidden)
         return self.logits(hidden)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Megatron/HF non-interleaved RoPE: x * cos + rotate_half(x) * sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
