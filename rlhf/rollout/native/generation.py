@@ -44,6 +44,8 @@ class Generation:
         self.position_s = torch.zeros(self.num_slots, dtype=torch.long, device=device)
         self.slot_row = [-1] * self.num_slots
         self.slot_first_step = [0] * self.num_slots
+        self.deadlines: dict[int, list[int]] = {}  # decode step -> slots reaching max_new_tokens there
+        self.num_active, self.span = 0, 0  # occupied slots; 1 + the highest occupied slot
         self.steps: list[Sampled] = []
         self.finished: list[_Finished] = []
         self.reasons: list[FinishReason | None] = [None] * num_rows
@@ -55,10 +57,10 @@ class Generation:
         return [slot for slot, row in enumerate(self.slot_row) if row < 0]
 
     def run(self, policy_version: int) -> Rollouts:
-        while self.pending or any(row >= 0 for row in self.slot_row):
+        while self.pending or self.num_active:
             if self.pending and len(self.free_slots) >= self.params.n:
                 self._admit()  # may finish every admitted row at once (EOS first): loop again
-            elif any(row >= 0 for row in self.slot_row):
+            elif self.num_active:
                 self._decode()
         return self._rollouts(policy_version)
 
@@ -80,26 +82,33 @@ class Generation:
         self.token_s[slots_k] = picked.tokens_k
         self.position_s[slots_k] = lengths.repeat_interleave(n)
         stopped = self._stopped(picked.tokens_k)
+        first_step = len(self.steps)
+        self.num_active += len(slots)
         for index, (slot, row) in enumerate(zip(slots, rows)):
-            self.slot_row[slot], self.slot_first_step[slot] = row, len(self.steps)
+            self.slot_row[slot], self.slot_first_step[slot] = row, first_step
             if index in stopped or self.params.max_new_tokens == 1:
                 self._finish(slot, 1, index in stopped)
+            else:
+                self.deadlines.setdefault(first_step + self.params.max_new_tokens - 2, []).append(slot)
+        self.span = max(slot for slot, row in enumerate(self.slot_row) if row >= 0) + 1 if self.num_active else 0
 
     def _decode(self) -> None:
-        span = max(slot for slot, row in enumerate(self.slot_row) if row >= 0) + 1
+        """One token for every slot below `span` (free ones too: no compaction); finish rows that end here."""
+        span = self.span
         logits_kv = self.decoder.decode(self.token_s[:span], self.position_s[:span], self.cache)
         picked = sample(logits_kv, self.params, self.generator)
         self.token_s[:span] = picked.tokens_k
         self.position_s[:span] += 1
         step = len(self.steps)
         self.steps.append(picked)
-        stopped = self._stopped(picked.tokens_k)
-        for slot in range(span):
-            if self.slot_row[slot] < 0:
-                continue
-            length = step - self.slot_first_step[slot] + 2
-            if slot in stopped or length == self.params.max_new_tokens:
-                self._finish(slot, length, slot in stopped)
+        for slot in sorted(self._stopped(picked.tokens_k)):
+            if self.slot_row[slot] >= 0:
+                self._finish(slot, step - self.slot_first_step[slot] + 2, True)
+        for slot in self.deadlines.pop(step, []):
+            if self.slot_row[slot] >= 0 and self.slot_first_step[slot] + self.params.max_new_tokens - 2 == step:
+                self._finish(slot, self.params.max_new_tokens, False)
+        if self.num_active and self.slot_row[span - 1] < 0:
+            self.span = max(slot for slot, row in enumerate(self.slot_row) if row >= 0) + 1
 
     def _stopped(self, tokens_k: torch.Tensor) -> set[int]:
         if self.stops is None:
@@ -112,6 +121,7 @@ class Generation:
         self.finished.append(_Finished(row=row, slot=slot, first_step=self.slot_first_step[slot], length=length))
         self.reasons[row] = FinishReason.STOP if stopped else FinishReason.LENGTH
         self.slot_row[slot] = -1
+        self.num_active -= 1
 
     def _rollouts(self, policy_version: int) -> Rollouts:
         """Gather every row's tokens from the per-step records in one indexing op per field."""
