@@ -60,8 +60,8 @@ class Decoder:
         return shard[..., :self.geometry.vocab_size].float()
 
     def _qkv(self, layer: LayerParams, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Megatron's per-group QKV layout [q heads of the group, k, v] -> [..., groups, heads/group + 2, d]
-        with RoPE applied to the q and k heads (one pass for both)."""
+        """Megatron's per-group QKV layout [q heads of the group, k, v] -> RoPE'd [..., groups, heads/group + 1, d]
+        (the group's q heads, then its k; one pass for both) and v [..., groups, d]."""
         geo = self.geometry
         mixed = F.linear(x, layer.qkv_weight, layer.qkv_bias)
         heads_per_group = geo.num_heads // geo.num_groups
