@@ -19,6 +19,8 @@ from rlhf.rollout.native.sampler import Sampled, sample
 from rlhf.rollout.sampling_params import SamplingParams
 from rlhf.rollout.types import FinishReason, PromptBatch, Rollouts
 
+PREFILL_CHUNKS = 4  # prefill forwards per admission: less padding, still large matmuls
+
 
 @dataclass
 class _Finished:
@@ -70,8 +72,7 @@ class Generation:
         prompt_ids = [self.pending.popleft() for _ in range(min(len(self.pending), len(free) // n))]
         slots = free[:len(prompt_ids) * n]
         lengths = self.lengths_p[prompt_ids]
-        tokens = self.right_pt[prompt_ids, :int(lengths.max())]
-        logits_pv = self.decoder.prefill(tokens, lengths, torch.tensor(slots[::n], device=self.device), self.cache)
+        logits_pv = self._prefill(prompt_ids, lengths, slots[::n])
         for group, length in enumerate(lengths.tolist()):
             self.cache.copy_slot(slots[group * n], slots[group * n + 1:(group + 1) * n], length)
         picked = sample(logits_pv.repeat_interleave(n, dim=0), self.params, self.generator)
@@ -91,6 +92,21 @@ class Generation:
             else:
                 self.deadlines.setdefault(first_step + self.params.max_new_tokens - 2, []).append(slot)
         self.span = max(slot for slot, row in enumerate(self.slot_row) if row >= 0) + 1 if self.num_active else 0
+
+    def _prefill(self, prompt_ids: list[int], lengths: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        """Prefill in up to PREFILL_CHUNKS length-sorted chunks, so short prompts are not padded to the longest."""
+        order = sorted(range(len(prompt_ids)), key=lambda i: int(lengths[i]))
+        chunk_size = -(-len(order) // PREFILL_CHUNKS)
+        parts, positions = [], []
+        for start in range(0, len(order), chunk_size):
+            chunk = order[start:start + chunk_size]
+            chunk_lengths = lengths[chunk]
+            tokens = self.right_pt[[prompt_ids[i] for i in chunk], :int(chunk_lengths.max())]
+            slots_c = torch.tensor([slots[i] for i in chunk], device=self.device)
+            parts.append(self.decoder.prefill(tokens, chunk_lengths, slots_c, self.cache))
+            positions.extend(chunk)
+        logits_pv = torch.cat(parts)
+        return logits_pv[torch.tensor(positions).argsort()]
 
     def _decode(self) -> None:
         """One token for every slot below `span` (free ones too: no compaction); finish rows that end here."""
