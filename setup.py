@@ -22,9 +22,12 @@ setup(
         "tensorboard",
         "pyyaml",
         "tqdm",
+        "pyarrow",  # parquet datasets
+        "reasoning-gym==0.1.25",  # offline tasks + scorers (`rlhf data make`, reasoning-gym rewards)
+        "math-verify",  # checks boxed math answers for the math reward
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "pyarrow", "reasoning-gym", "matplotlib"],
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "matplotlib"],
         # apex is a source build from NVIDIA's repository (PyPI's `apex` is an unrelated package).
         "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "vllm"],
     },

@@ -18,6 +18,7 @@ from rlhf.algo.aggregation import GlobalCounts, LossAggMode, aggregate_loss
 from rlhf.algo.entropy import entropy_from_logits
 from rlhf.algo.groups import Groups
 from rlhf.algo.kl import (
+    KL_ESTIMATORS,
     KLConfig,
     KLController,
     KLControllerKind,
@@ -33,7 +34,7 @@ from rlhf.algo.running_stats import RunningMeanStd
 from rlhf.algo.value_loss import ValueLossConfig, ValueLossMetrics, explained_variance, value_loss
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "POLICY_LOSSES", "ActorLossInputs", "ActorLossMetrics", "AdvantageConfig",
+    "ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "POLICY_LOSSES", "ActorLossInputs", "ActorLossMetrics", "AdvantageConfig",
     "AdvantageInputs", "AdvantageKind", "AdvantageResult", "GlobalCounts", "Groups", "KLConfig", "KLController",
     "KLControllerKind", "KLEstimator", "KLInReward", "LossAggMode", "PolicyLossConfig", "PolicyLossKind",
     "PolicyLossMetrics", "RunningMeanStd", "ValueLossConfig", "ValueLossMetrics", "actor_loss", "aggregate_loss",

@@ -18,7 +18,7 @@ from torch import Tensor
 from rlhf.algo.groups import Groups
 from rlhf.algo.masked import check_finite, masked_whiten
 from rlhf.algo.registry import Registry, parse_kind
-from rlhf.errors import ConfigError
+from rlhf.errors import ConfigError, RlhfError
 
 
 class AdvantageKind(StrEnum):
@@ -95,7 +95,8 @@ def _validate(kind: AdvantageKind, inputs: AdvantageInputs) -> None:
     if kind is AdvantageKind.GAE:
         if inputs.values_bt is None or tuple(inputs.values_bt.shape) != shape:
             raise ConfigError(f"advantage estimator 'gae' needs values_bt of shape {shape} (a critic)")
-        check_finite("critic value", inputs.values_bt, inputs.response_mask_bt)
+        check_finite("critic value", inputs.values_bt, inputs.response_mask_bt, error=RlhfError,
+                     hint="the critic produced non-finite values (diverged?)")
     if kind is AdvantageKind.REMAX:
         if inputs.baseline_scores_b is None or tuple(inputs.baseline_scores_b.shape) != shape[:1]:
             raise ConfigError(f"advantage estimator 'remax' needs baseline_scores_b of shape {shape[:1]} "

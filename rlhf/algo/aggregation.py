@@ -1,8 +1,10 @@
 """Reduce a [B, T] per-token loss to a scalar with GLOBAL token/sequence counts.
 
 Every mode divides by counts of the whole global batch (all micro-batches on all DP ranks), so summing the
-per-shard losses gives exactly the full-batch loss: the trainer sums micro-batch losses and SUMS gradients over
-DP (i.e. undoes a DDP mean by multiplying by the DP size). Metrics built the same way are "partial sums" too.
+per-shard losses gives exactly the full-batch loss; metrics built the same way are "partial sums" too.
+The trainer must therefore SUM micro-batch gradients and DP gradients. megatron-core 0.16.1 (2-tuple loss_func,
+calculate_per_token_loss=False) divides each micro-batch loss by num_microbatches and DDP averages over DP, so
+scale the share by num_microbatches * dp_size before handing it to the schedule.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ k3 = exp(-log r) + log r - 1 (non-negative, low variance; clamped like verl's `l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -14,7 +15,7 @@ import torch
 from torch import Tensor
 
 from rlhf.algo.aggregation import GlobalCounts, LossAggMode, aggregate_loss, parse_agg_mode
-from rlhf.algo.registry import parse_kind
+from rlhf.algo.registry import Registry, parse_kind
 from rlhf.errors import ConfigError
 
 K3_LOG_RATIO_CLAMP = 20.0
@@ -80,24 +81,39 @@ class KLConfig:
         return not self.in_reward and self.coef > 0.0
 
 
+KLEstimatorFn = Callable[[Tensor], Tensor]
+KL_ESTIMATORS: Registry[KLEstimator, KLEstimatorFn] = Registry(KLEstimator, "KL estimator")
+
+
+@KL_ESTIMATORS.register(KLEstimator.K1)
+def _k1(log_ratio_bt: Tensor) -> Tensor:
+    return log_ratio_bt
+
+
+@KL_ESTIMATORS.register(KLEstimator.ABS)
+def _abs(log_ratio_bt: Tensor) -> Tensor:
+    return log_ratio_bt.abs()
+
+
+@KL_ESTIMATORS.register(KLEstimator.K2)
+def _k2(log_ratio_bt: Tensor) -> Tensor:
+    return 0.5 * log_ratio_bt.square()
+
+
+@KL_ESTIMATORS.register(KLEstimator.K3)
+def _k3(log_ratio_bt: Tensor) -> Tensor:
+    neg_log_ratio_bt = (-log_ratio_bt).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+    return (neg_log_ratio_bt.exp() - neg_log_ratio_bt - 1.0).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
+
+
 def kl_penalty(logprobs_bt: Tensor, ref_logprobs_bt: Tensor, estimator: KLEstimator, *,
                straight_through: bool = False) -> Tensor:
     """Per-token KL estimate [B, T]; with straight_through the value is kept and the gradient is k2's."""
     log_ratio_bt = logprobs_bt - ref_logprobs_bt
-    if estimator is KLEstimator.K1:
-        kl_bt = log_ratio_bt
-    elif estimator is KLEstimator.ABS:
-        kl_bt = log_ratio_bt.abs()
-    elif estimator is KLEstimator.K2:
-        kl_bt = 0.5 * log_ratio_bt.square()
-    elif estimator is KLEstimator.K3:
-        neg_log_ratio_bt = (-log_ratio_bt).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
-        kl_bt = (neg_log_ratio_bt.exp() - neg_log_ratio_bt - 1.0).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
-    else:
-        raise AssertionError(f"unhandled KL estimator {estimator}")
+    kl_bt = KL_ESTIMATORS.get(estimator)(log_ratio_bt)
     if not straight_through:
         return kl_bt
-    k2_bt = 0.5 * log_ratio_bt.square()
+    k2_bt = _k2(log_ratio_bt)
     return kl_bt.detach() + (k2_bt - k2_bt.detach())
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlhf.errors import RewardError
+from rlhf.errors import RewardError, RlhfError
 
 
 def _all_reduce_sum(values: Tensor, group: dist.ProcessGroup | None) -> Tensor:
@@ -43,14 +43,13 @@ def masked_whiten(x_bt: Tensor, mask_bt: Tensor, *, group: dist.ProcessGroup | N
     return torch.where(mask, whitened, torch.zeros_like(whitened)).to(x_bt.dtype)
 
 
-def check_finite(name: str, x: Tensor, mask: Tensor | None = None) -> None:
-    """Raise RewardError naming the samples (batch rows) where `x` is NaN/inf under `mask`."""
+def check_finite(name: str, x: Tensor, mask: Tensor | None = None, *, error: type[RlhfError] = RewardError,
+                 hint: str = "fix the reward source (a non-finite reward must never be silently trained on)") -> None:
+    """Raise `error` naming the samples (batch rows) where `x` is NaN/inf under `mask`."""
     bad = ~torch.isfinite(x)
     if mask is not None:
         bad = bad & mask.bool()
     if bool(bad.any()):
         rows = bad.reshape(bad.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
-        shown = rows[:8]
         more = f" and {len(rows) - 8} more" if len(rows) > 8 else ""
-        raise RewardError(f"{name} is NaN/inf for sample(s) {shown}{more}; fix the reward source "
-                          f"(a non-finite reward must never be silently trained on)")
+        raise error(f"{name} is NaN/inf for sample(s) {rows[:8]}{more}; {hint}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import types
 import typing
 from pathlib import Path
@@ -31,6 +32,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     args = typing.get_args(tp)
     if tp is Any:
         return value
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return value  # the owning dataclass parses it (with its own did-you-mean)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None

@@ -78,18 +78,20 @@ def plan_buckets(specs: Sequence[TensorSpec], min_bucket_bytes: int) -> tuple[Bu
 
     A tensor of at least `min_bucket_bytes` gets a bucket of its own. Dtypes go in the order of their names.
     """
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for index, spec in enumerate(specs):
+        by_dtype.setdefault(spec.dtype, []).append(index)
     buckets: list[Bucket] = []
-    for dtype in sorted({spec.dtype for spec in specs}, key=str):
+    for dtype in sorted(by_dtype, key=str):
         pending: list[int] = []
         pending_bytes = 0
-        for index, spec in enumerate(specs):
-            if spec.dtype != dtype:
-                continue
-            if spec.nbytes >= min_bucket_bytes:
+        for index in by_dtype[dtype]:
+            nbytes = specs[index].nbytes
+            if nbytes >= min_bucket_bytes:
                 buckets.append(_bucket(specs, dtype, [index]))
                 continue
             pending.append(index)
-            pending_bytes += spec.nbytes
+            pending_bytes += nbytes
             if pending_bytes >= min_bucket_bytes:
                 buckets.append(_bucket(specs, dtype, pending))
                 pending, pending_bytes = [], 0

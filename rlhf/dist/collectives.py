@@ -41,8 +41,11 @@ class _Call:
         self.names, self.tensors = canonical_entries(tensors)
         self.specs = specs_of(self.names, self.tensors)
         self.buckets = plan_buckets(self.specs, 0 if strategy == "plain" else bucket_bytes(min_bucket_mb))
-        self.label = f"{name}: {kind}({options}) [{strategy}] {len(self.specs)} tensors"
-        self.layout = CallLayout(call=f"{kind}({options})", specs=tuple(self.specs))
+        # Strategy and bucket size decide how many collectives run, so ranks must agree on them too.
+        sizing = "" if strategy == "plain" else f", min_bucket_mb={min_bucket_mb:g}"
+        call_text = f"{kind}({options}{', ' if options else ''}strategy={strategy}{sizing})"
+        self.label = f"{name}: {call_text} {len(self.specs)} tensors"
+        self.layout = CallLayout(call=call_text, specs=tuple(self.specs))
 
     def flat(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's tensors as one contiguous 1-D buffer (the tensor itself when alone and contiguous)."""
@@ -69,6 +72,7 @@ def _wait_all(works: list, call: _Call, timeout_s: float | None) -> None:
         wait(work, timeout_s, call.label)
 
 
+@torch.no_grad()
 def all_reduce(tensors: Tensors, *, op: ReduceName = "sum", group: dist.ProcessGroup | None = None,
                strategy: Strategy = "bucket", min_bucket_mb: float = 1.0, verify: bool = False,
                timeout_s: float | None = None, name: str = "all_reduce") -> Tensors:
@@ -112,6 +116,7 @@ def _reduce_scatter_all_gather(flats: list[torch.Tensor], call: _Call, op: dist.
         flat.copy_(buffer[:flat.numel()])
 
 
+@torch.no_grad()
 def all_gather(tensors: Sequence[torch.Tensor] | Mapping[str, torch.Tensor], *,
                group: dist.ProcessGroup | None = None, strategy: Strategy = "bucket",
                min_bucket_mb: float = 1.0, verify: bool = False, timeout_s: float | None = None,
@@ -139,6 +144,7 @@ def all_gather(tensors: Sequence[torch.Tensor] | Mapping[str, torch.Tensor], *,
     return gathered
 
 
+@torch.no_grad()
 def broadcast(tensors: Tensors, *, src: int, group: dist.ProcessGroup | None = None,
               strategy: Strategy = "bucket", min_bucket_mb: float = 1.0, verify: bool = False,
               timeout_s: float | None = None, name: str = "broadcast") -> Tensors:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from rlhf.dist.collectives import all_reduce
 from rlhf.dist.fingerprint import collective_device
 from rlhf.errors import CollectiveMismatchError
+from rlhf.platform import synchronize
 
 ProbeStatus = Literal["PASS", "HANG", "MISMATCH"]
 _STRATEGIES = ("plain", "bucket", "rs_ag")
@@ -67,6 +68,7 @@ def run_probe(group: dist.ProcessGroup | None = None, num_tensors: int = 2000,
             return ProbeResult(status="MISMATCH", detail=str(exc), timings_s=timings_s)
         except TimeoutError as exc:
             return ProbeResult(status="HANG", detail=f"{exc} (probe timeout {timeout_s:g}s)", timings_s=timings_s)
+        synchronize()
         timings_s[strategy] = time.perf_counter() - started
         wrong = next((i for i, (got, want) in enumerate(zip(outputs, expected)) if not torch.equal(got, want)), None)
         if wrong is not None:

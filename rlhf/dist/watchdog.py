@@ -8,6 +8,8 @@ How every rank ends up non-zero: with a `store`, the first rank to expire posts 
 rank's watchdog sees it within `poll_s`, dumps its own stacks, acknowledges and exits (each waits, bounded,
 for all acks first, so the store host outlives the dumps). Without a store, gloo peers blocked on the dead
 rank fail with "Connection closed by peer", and ranks not blocked reach their own deadline.
+Backstop: if the watchdog thread itself cannot run (a C call holding the GIL), faulthandler's C-level timer
+dumps the stacks to the same log and exits 1, `backstop_grace_s` after the phase deadline.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -35,9 +38,9 @@ class Watchdog:
 
     def __init__(self, *, timeout_s: float, log_file: str | os.PathLike, group: dist.ProcessGroup | None = None,
                  collective_timeout_s: float | None = None, store: dist.Store | None = None,
-                 poll_s: float = 1.0, ack_wait_s: float = 10.0) -> None:
+                 poll_s: float = 1.0, ack_wait_s: float = 10.0, backstop_grace_s: float = 60.0) -> None:
         for label, value in (("comm.step_timeout_s", timeout_s), ("collective_timeout_s", collective_timeout_s),
-                             ("poll_s", poll_s)):
+                             ("poll_s", poll_s), ("backstop_grace_s", backstop_grace_s)):
             if value is not None and not value > 0:
                 raise ConfigError(f"watchdog {label}={value!r} must be a positive number of seconds")
         self.timeout_s = timeout_s
@@ -47,12 +50,14 @@ class Watchdog:
         self.store = store
         self.poll_s = poll_s
         self.ack_wait_s = ack_wait_s
+        self.backstop_grace_s = backstop_grace_s
         self.rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         self.world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
         self._lock = threading.Lock()
         self._phase: tuple[str, float, float] | None = None  # name, started (monotonic), deadline in s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._backstop_log = None
         set_async_error_handling_env()
 
     def __enter__(self) -> Watchdog:
@@ -64,6 +69,7 @@ class Watchdog:
 
     def start(self) -> None:
         self._stop.clear()
+        self._backstop_log = open(self.log_file, "a")  # noqa: SIM115 - held open for faulthandler's timer
         self._thread = threading.Thread(target=self._run, name="rlhf-watchdog", daemon=True)
         self._thread.start()
 
@@ -72,23 +78,40 @@ class Watchdog:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._backstop_log is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self._backstop_log.close()
+            self._backstop_log = None
 
     @contextmanager
     def phase(self, name: str, timeout_s: float | None = None) -> Iterator[None]:
         """Run the block under a deadline (`timeout_s`, default the watchdog's)."""
         with self._lock:
-            outer, self._phase = self._phase, (name, time.monotonic(), timeout_s or self.timeout_s)
+            outer = self._phase
+            self._set_phase((name, time.monotonic(), timeout_s or self.timeout_s))
         try:
             yield
         finally:
             with self._lock:
-                self._phase = outer
+                self._set_phase(outer)
 
     def beat(self) -> None:
         """Report progress inside a long phase: its deadline restarts from now."""
         with self._lock:
             if self._phase is not None:
-                self._phase = (self._phase[0], time.monotonic(), self._phase[2])
+                self._set_phase((self._phase[0], time.monotonic(), self._phase[2]))
+
+    def _set_phase(self, phase: tuple[str, float, float] | None) -> None:
+        """Switch phase (caller holds the lock) and re-arm the faulthandler backstop for its deadline."""
+        self._phase = phase
+        if self._backstop_log is None:
+            return
+        if phase is None:
+            faulthandler.cancel_dump_traceback_later()
+            return
+        remaining_s = phase[2] - (time.monotonic() - phase[1])
+        faulthandler.dump_traceback_later(max(remaining_s, 0.0) + self.backstop_grace_s, exit=True,
+                                          file=self._backstop_log)
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -130,19 +153,30 @@ class Watchdog:
         return f"aborting because {cause.decode() if cause else 'a peer aborted'}"
 
     def _fire(self, reason: str, status: dict) -> None:
-        if self.store is not None:
-            self._store_call(self.store.set, f"{_PREFIX}/abort", f"rank {self.rank}: {reason}")
-        with open(self.log_file, "a") as log:
-            log.write(f"[rlhf watchdog] rank {self.rank} pid {os.getpid()}: {reason}\n"
-                      f"[rlhf watchdog] {_describe(status)}\n")
-            log.write(self._peer_report())
-            log.flush()
-            faulthandler.dump_traceback(file=log, all_threads=True)
-            log.flush()
+        """Post the abort, write the evidence, let peers dump theirs, abort the group; always exit."""
+        try:
+            if self.store is not None:
+                self._store_call(self.store.set, f"{_PREFIX}/abort", f"rank {self.rank}: {reason}")
+            self._write_report(reason, status)
+            self._await_peers()
+            _abort_group(self.group)
+        finally:
+            os._exit(EXIT_CODE)
+
+    def _write_report(self, reason: str, status: dict) -> None:
+        try:
+            log = open(self.log_file, "a")  # noqa: SIM115 - closed below; stderr when the log is unwritable
+        except OSError:
+            log = sys.stderr
+        log.write(f"[rlhf watchdog] rank {self.rank} pid {os.getpid()}: {reason}\n"
+                  f"[rlhf watchdog] {_describe(status)}\n")
+        log.write(self._peer_report())
+        log.flush()
+        faulthandler.dump_traceback(file=log, all_threads=True)
+        log.flush()
+        if log is not sys.stderr:
             os.fsync(log.fileno())
-        self._await_peers()
-        _abort_group(self.group)
-        os._exit(EXIT_CODE)
+            log.close()
 
     def _peer_report(self) -> str:
         if self.store is None:
@@ -187,7 +221,7 @@ def _abort_group(group: dist.ProcessGroup | None) -> None:
     """Abort the process group (unblocks NCCL peers' kernels), but never let the abort itself hang the exit."""
     if not dist.is_initialized():
         return
-    # torch has no public abort; `_abort_process_group` is the c10d entry point torchft and Megatron use.
+    # torch 2.13 has no public abort; `_abort_process_group` is c10d's own (private) entry point.
     worker = threading.Thread(target=_try_abort, args=(group,), daemon=True)
     worker.start()
     worker.join(timeout=5.0)

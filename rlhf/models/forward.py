@@ -4,6 +4,7 @@ full vocab is never gathered), values, and forward(-backward) over megatron's pi
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -29,10 +30,11 @@ class _ShiftedLogits:
     vocab_start: int
 
 
-def _shift(logits_bsv: torch.Tensor, tp_group: dist.ProcessGroup, vocab_size: int) -> _ShiftedLogits:
+def _shift(logits_bsv: torch.Tensor, tp_group: dist.ProcessGroup, vocab_size: int,
+           temperature: float) -> _ShiftedLogits:
     local_vocab = logits_bsv.shape[-1]
     vocab_start = tp_group.rank() * local_vocab
-    logits_bsv = logits_bsv.float()
+    logits_bsv = logits_bsv.float() / temperature
     if vocab_start + local_vocab > vocab_size:  # padding columns never take part in a softmax
         is_pad = torch.arange(vocab_start, vocab_start + local_vocab, device=logits_bsv.device) >= vocab_size
         logits_bsv = logits_bsv.masked_fill(is_pad, float("-inf"))
@@ -44,9 +46,13 @@ def _shift(logits_bsv: torch.Tensor, tp_group: dist.ProcessGroup, vocab_size: in
 
 
 def token_logprobs(logits_bsv: torch.Tensor, tokens_bs: torch.Tensor, tp_group: dist.ProcessGroup,
-                   vocab_size: int) -> torch.Tensor:
-    """log softmax(logits)[token] per position, from this rank's vocab shard; differentiable, [b, s] fp32."""
-    shifted = _shift(logits_bsv, tp_group, vocab_size)
+                   vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[token] per position from this rank's vocab shard; differentiable.
+
+    `tokens_bs[:, t]` is scored against `logits_bsv[:, t]`: pass the next tokens (labels), not the inputs.
+    Returns [b, s] fp32.
+    """
+    shifted = _shift(logits_bsv, tp_group, vocab_size, temperature)
     local = tokens_bs - shifted.vocab_start
     owned = (local >= 0) & (local < logits_bsv.shape[-1])
     picked = shifted.shifted_bsv.gather(-1, local.clamp(0, logits_bsv.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
@@ -54,13 +60,28 @@ def token_logprobs(logits_bsv: torch.Tensor, tokens_bs: torch.Tensor, tp_group: 
     return target - shifted.sum_exp_bs.log()
 
 
-def token_entropy(logits_bsv: torch.Tensor, tp_group: dist.ProcessGroup, vocab_size: int) -> torch.Tensor:
-    """Entropy of softmax(logits) per position, from this rank's vocab shard; differentiable, [b, s] fp32."""
-    shifted = _shift(logits_bsv, tp_group, vocab_size)
+def token_entropy(logits_bsv: torch.Tensor, tp_group: dist.ProcessGroup, vocab_size: int,
+                  temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) per position from this rank's vocab shard; [b, s] fp32."""
+    shifted = _shift(logits_bsv, tp_group, vocab_size, temperature)
     finite = shifted.shifted_bsv.masked_fill(shifted.shifted_bsv.isinf(), 0.0)
     weighted = reduce_from_tensor_model_parallel_region((shifted.shifted_bsv.exp() * finite).sum(-1),
                                                         group=tp_group)
     return shifted.sum_exp_bs.log() - weighted / shifted.sum_exp_bs
+
+
+def padded_inputs(valid_bs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position_ids_bs, attention_mask_b1ss) for a batch with padding anywhere (`valid_bs` True on tokens).
+
+    Positions count valid tokens only; the mask (True = blocked) is causal and hides padded keys, so each
+    sequence sees exactly what it would see unpadded. Fully padded rows attend to themselves only.
+    """
+    positions_bs = (valid_bs.long().cumsum(dim=1) - 1).clamp(min=0)
+    seq = valid_bs.shape[1]
+    causal_ss = torch.ones(seq, seq, dtype=torch.bool, device=valid_bs.device).tril()
+    allowed_bss = causal_ss.unsqueeze(0) & valid_bs.unsqueeze(1)
+    allowed_bss |= torch.eye(seq, dtype=torch.bool, device=valid_bs.device).unsqueeze(0)
+    return positions_bs, ~allowed_bss.unsqueeze(1)
 
 
 def _forward_step(loss_fn: LossFn, num_micro_batches: int, data_iterator: Any, model: Any) -> tuple:
@@ -69,7 +90,7 @@ def _forward_step(loss_fn: LossFn, num_micro_batches: int, data_iterator: Any, m
     positions_bs = getattr(micro_batch, "position_ids_bs", None)
     if positions_bs is None:
         positions_bs = torch.arange(tokens_bs.shape[1], device=tokens_bs.device).expand_as(tokens_bs)
-    output = model(tokens_bs, positions_bs, attention_mask=None)
+    output = model(tokens_bs, positions_bs, attention_mask=getattr(micro_batch, "attention_mask_b1ss", None))
 
     def loss(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict]:
         value, metrics = loss_fn(output_tensor, micro_batch)
@@ -83,7 +104,8 @@ def forward_backward(model: Any, micro_batches: list, loss_fn: LossFn, pg_collec
                      forward_only: bool = False) -> list[dict]:
     """Run `micro_batches` through megatron's schedule (1F1B when pp > 1); returns loss_fn's metrics dicts.
 
-    Each micro-batch has `tokens_bs` (and optionally `position_ids_bs`); all share one shape.
+    Each micro-batch has `tokens_bs` and optionally `position_ids_bs` and `attention_mask_b1ss` (True =
+    blocked; see `padded_inputs`; default: plain causal); all share one shape. `forward_only` runs without grad.
     `loss_fn(output, micro_batch) -> (loss, metrics)` runs on the last stage, `output` being this rank's
     vocab shard of the logits [b, s, v/tp] (or values [b, s, 1]); gradients accumulate into `.grad`
     (or `.main_grad` under megatron DDP) with `loss` taken as-is. Other stages get an empty list.
@@ -97,7 +119,8 @@ def forward_backward(model: Any, micro_batches: list, loss_fn: LossFn, pg_collec
     schedule = get_forward_backward_func(pp_size=pp, vp_size=None)
     p2p = P2PCommunicator(pp_group=pg_collection.pp, config=model.config) if pp > 1 else None
     extra = {"p2p_communicator": p2p} if p2p is not None else {}
-    return schedule(forward_step_func=partial(_forward_step, loss_fn, len(micro_batches)),
-                    data_iterator=iter(micro_batches), model=[model], num_microbatches=len(micro_batches),
-                    seq_length=seq_length, micro_batch_size=batch_size, forward_only=forward_only,
-                    pg_collection=pg_collection, **extra)
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        return schedule(forward_step_func=partial(_forward_step, loss_fn, len(micro_batches)),
+                        data_iterator=iter(micro_batches), model=[model], num_microbatches=len(micro_batches),
+                        seq_length=seq_length, micro_batch_size=batch_size, forward_only=forward_only,
+                        pg_collection=pg_collection, **extra)

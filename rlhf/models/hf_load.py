@@ -46,10 +46,12 @@ class HfFolder:
         return self._handles[file]
 
     def slice(self, name: str) -> Any:
+        """A lazy slice of tensor `name`: indexing it reads only the selected rows/columns from disk."""
         return self._handle(name).get_slice(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.slice(name).get_shape())
+        """From the file header; reads no tensor data."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
 
 
 def folder_head(folder: HfFolder, value_head: bool) -> str:
@@ -82,12 +84,26 @@ def model_layout(model: Any) -> tuple[ParallelLayout, int, int]:
     return ParallelLayout(tp=groups.tp.size(), pp=groups.pp.size()), groups.tp.rank(), groups.pp.rank()
 
 
+# The Transformer-Engine spec fuses the pre-attention/pre-MLP norms into the following linear layer.
+TE_NORM_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                 "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+
+
+def _module_name(params: dict, local_name: str) -> str:
+    if local_name in params:
+        return local_name
+    for local_suffix, te_suffix in TE_NORM_NAMES.items():
+        if local_name.endswith(local_suffix):
+            return local_name[: -len(local_suffix)] + te_suffix
+    return local_name
+
+
 def stage_params(model: Any, specs: list[ParamSpec]) -> list[tuple[ParamSpec, torch.nn.Parameter]]:
     """This rank's (spec, parameter) pairs; asserts the model has exactly the parameters the specs list."""
     layout, _, pp_rank = model_layout(model)
     per_stage = model.rlhf_spec.num_layers // layout.pp
     params = dict(model.named_parameters())
-    mine = [(p, params[p.local_name(per_stage)]) for p in specs if p.pp_stage == pp_rank]
+    mine = [(p, params[_module_name(params, p.local_name(per_stage))]) for p in specs if p.pp_stage == pp_rank]
     assert len(mine) == len(params), (sorted(params), [p.name for p, _ in mine])
     return mine
 

@@ -35,6 +35,9 @@ class ParamSpec:
     layer: int | None = None
     tied_copy: bool = False  # last stage's copy of tied embeddings: loaded, never exported
 
+    def __post_init__(self) -> None:
+        assert self.kind in KINDS, self.kind
+
     def local_name(self, layers_per_stage: int) -> str:
         if self.layer is None:
             return self.name

@@ -89,8 +89,13 @@ def reset_peak_memory() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def set_async_error_handling_env() -> None:
+    """Make NCCL surface errors/timeouts as exceptions instead of hanging (read at process-group init)."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    os.environ.setdefault("NCCL_ASYNC_ERROR_HANDLING", "1")
+
+
 def prepare_backend_env(backend: str) -> None:
-    """Before init: make NCCL surface errors/timeouts as exceptions instead of hanging (nothing for gloo)."""
+    """Before init: the NCCL error-handling switches (nothing for gloo)."""
     if backend == "nccl":
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        os.environ.setdefault("NCCL_ASYNC_ERROR_HANDLING", "1")
+        set_async_error_handling_env()

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlhf.algo import AdvantageConfig, AdvantageInputs, Groups, compute_advantages, scores_to_token_rewards
-from rlhf.errors import ConfigError, RewardError
+from rlhf.errors import ConfigError, RewardError, RlhfError
 
 T = torch.tensor
 
@@ -115,6 +115,14 @@ def test_nan_reward_names_the_sample():
         compute_advantages(AdvantageConfig(kind="grpo"), inputs)
     assert str(err.value) == ("token reward is NaN/inf for sample(s) [2]; fix the reward source "
                               "(a non-finite reward must never be silently trained on)")
+
+
+def test_nan_critic_value_is_reported():
+    values = torch.zeros(2, 2)
+    values[1, 1] = float("inf")
+    inputs = AdvantageInputs(token_rewards_bt=torch.zeros(2, 2), values_bt=values, response_mask_bt=torch.ones(2, 2))
+    with pytest.raises(RlhfError, match="critic value is NaN/inf for sample\\(s\\) \\[1\\]; the critic produced"):
+        compute_advantages(AdvantageConfig(kind="gae"), inputs)
 
 
 def test_missing_inputs_are_config_errors():

@@ -3,7 +3,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf.algo import GlobalCounts, LossAggMode, PolicyLossConfig, aggregate_loss
+from rlhf.algo import (
+    GlobalCounts,
+    KLConfig,
+    LossAggMode,
+    PolicyLossConfig,
+    ValueLossConfig,
+    aggregate_loss,
+    kl_loss,
+    policy_loss,
+    value_loss,
+)
 from rlhf.errors import ConfigError
 
 T = torch.tensor
@@ -79,4 +89,36 @@ def test_shard_losses_with_global_counts_sum_to_full_batch_loss(batch, mode):
         total = total + aggregate_loss(shard_loss, mask[rows, :shard_width], mode=mode, counts=counts, norm_length=7)
     (shard_grad,) = torch.autograd.grad(total, weight)
     assert abs(total.item() - full.item()) <= 1e-6
+    torch.testing.assert_close(shard_grad, full_grad, atol=1e-6, rtol=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sharded_batches(), st.sampled_from(list(LossAggMode)), st.sampled_from(["ppo", "gspo"]))
+def test_policy_value_kl_losses_and_metrics_are_shard_invariant(batch, mode, kind):
+    lengths, width, order, cuts, seed = batch
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {name: torch.randn(len(lengths), width, generator=gen, dtype=torch.float64) * 0.3
+               for name in ["old", "adv", "ref", "values", "old_values", "returns"]}
+    theta = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+    mask = _mask(lengths, width).double()
+    counts = GlobalCounts.of(mask)
+    policy_config = PolicyLossConfig(kind=kind, agg=mode, agg_norm_length=7, clip_low=0.05, clip_high=0.1)
+    value_config = ValueLossConfig(agg=mode, agg_norm_length=7, clip_range_value=0.1)
+    kl_config = KLConfig(estimator="k3", coef=0.1, agg=mode, agg_norm_length=7)
+
+    def losses(rows):
+        t = {name: value[rows] for name, value in tensors.items()}
+        logp = t["old"] + theta * t["adv"]
+        pg, pg_metrics = policy_loss(logp, t["old"], t["adv"], mask[rows], policy_config, counts)
+        vf, vf_metrics = value_loss(t["values"] * theta, t["old_values"], t["returns"], mask[rows], value_config,
+                                    counts)
+        kl, _ = kl_loss(logp, t["ref"], mask[rows], kl_config, counts)
+        return torch.stack([pg + vf + kl, pg_metrics.pg_clipfrac, pg_metrics.ppo_kl, vf_metrics.vf_clipfrac])
+
+    full = losses(slice(None))
+    (full_grad,) = torch.autograd.grad(full[0], theta)
+    shards = [losses(T(order[a:b], dtype=torch.long)) for a, b in zip([0, *cuts], [*cuts, len(order)])]
+    total = torch.stack(shards).sum(dim=0)
+    (shard_grad,) = torch.autograd.grad(total[0], theta)
+    torch.testing.assert_close(total.detach(), full.detach(), atol=1e-6, rtol=0)
     torch.testing.assert_close(shard_grad, full_grad, atol=1e-6, rtol=0)

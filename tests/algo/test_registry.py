@@ -1,6 +1,14 @@
 import pytest
 
-from rlhf.algo import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, AdvantageConfig, AdvantageKind, PolicyLossKind
+from rlhf.algo import (
+    ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    AdvantageConfig,
+    AdvantageKind,
+    KLEstimator,
+    PolicyLossKind,
+)
 from rlhf.algo.advantages import grpo
 from rlhf.algo.registry import Registry
 from rlhf.errors import ConfigError
@@ -9,6 +17,7 @@ from rlhf.errors import ConfigError
 def test_every_kind_is_registered():
     assert ADVANTAGE_ESTIMATORS.kinds() == list(AdvantageKind)
     assert POLICY_LOSSES.kinds() == list(PolicyLossKind)
+    assert KL_ESTIMATORS.kinds() == list(KLEstimator)
 
 
 def test_lookup_by_name_and_enum_give_the_same_function():

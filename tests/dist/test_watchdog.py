@@ -69,7 +69,8 @@ def test_induced_hang_ends_all_ranks_non_zero_with_stacks_and_peer_heartbeats(tm
     assert "_stuck_in_reward_fn" in logs[STUCK_RANK]
     assert "in-flight collective: none" in logs[STUCK_RANK]
     for rank in set(range(WORLD_SIZE)) - {STUCK_RANK}:
-        assert "in-flight collective: metrics: all_reduce(op=sum) [bucket] 2 tensors" in logs[rank], logs[rank]
+        assert ("in-flight collective: metrics: all_reduce(op=sum, strategy=bucket, min_bucket_mb=1) 2 tensors"
+                in logs[rank]), logs[rank]
         assert "in all_reduce" in logs[rank]
 
 
@@ -83,3 +84,50 @@ def test_without_a_store_all_ranks_still_exit_non_zero(tmp_path):
 def test_bad_deadline_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"watchdog comm.step_timeout_s=0 must be a positive number"):
         Watchdog(timeout_s=0, log_file=tmp_path / "x.log")
+
+
+def _gil_held_past_deadline(log_file: str) -> None:
+    """The Python watchdog thread never gets to check (poll 1000 s); only the faulthandler backstop can act."""
+    watchdog = Watchdog(timeout_s=0.5, log_file=log_file, poll_s=1000.0, backstop_grace_s=0.5)
+    with watchdog, watchdog.phase("generate"):
+        time.sleep(3600)
+
+
+def test_backstop_dumps_and_exits_when_the_watchdog_thread_cannot_run(tmp_path):
+    log_file = tmp_path / "rank0.log"
+    proc = mp.get_context("spawn").Process(target=_gil_held_past_deadline, args=(str(log_file),), daemon=True)
+    proc.start()
+    proc.join(timeout=60)
+    if proc.is_alive():
+        proc.kill()
+    assert proc.exitcode == 1
+    text = log_file.read_text()
+    assert text.startswith("Timeout (0:00:") and "_gil_held_past_deadline" in text, text
+
+
+def _beats_then_stuck_collective(log_file: str) -> None:
+    """Beats keep a 2 s phase alive for 2.4 s of work; then a collective outlives its own 1 s deadline."""
+    from rlhf.dist import inflight
+
+    with Watchdog(timeout_s=2.0, collective_timeout_s=1.0, log_file=log_file, poll_s=0.1) as watchdog:
+        with watchdog.phase("update_actor"):
+            for _ in range(8):
+                time.sleep(0.3)  # one micro-batch of work
+                watchdog.beat()
+        with inflight.track("weight_sync: broadcast(src=0, strategy=bucket, min_bucket_mb=1) 7 tensors"):
+            time.sleep(3600)
+
+
+def test_beats_extend_a_phase_and_a_stuck_collective_fires_on_its_own_deadline(tmp_path):
+    log_file = tmp_path / "rank0.log"
+    proc = mp.get_context("spawn").Process(target=_beats_then_stuck_collective, args=(str(log_file),), daemon=True)
+    proc.start()
+    proc.join(timeout=60)
+    if proc.is_alive():
+        proc.kill()
+    assert proc.exitcode == EXIT_CODE
+    text = log_file.read_text()
+    assert text.startswith("[rlhf watchdog] rank 0 pid ")
+    assert ": collective 'weight_sync: broadcast(src=0, strategy=bucket, min_bucket_mb=1) 7 tensors' exceeded its " \
+           "1s deadline\n[rlhf watchdog] no phase; in-flight collective: weight_sync: broadcast" in text, text
+    assert "no store: peer heartbeats unknown" in text and "_beats_then_stuck_collective" in text

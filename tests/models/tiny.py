@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
 
 VOCAB = 101  # not divisible by 2 or 4: exercises vocab padding
 
@@ -30,16 +34,27 @@ def qwen2_config(**overrides) -> Qwen2Config:
     return Qwen2Config(**values)
 
 
+def mistral_config(**overrides) -> MistralConfig:
+    """Mistral without sliding window: 8 heads / 2 kv heads, head_dim 16 != hidden / heads."""
+    values = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                  sliding_window=None, tie_word_embeddings=False)
+    values.update(overrides)
+    return MistralConfig(**values)
+
+
 def save_hf_model(config, path: str, seed: int = 0, dtype=torch.float32):
     """Build a random HF model (biases and norms randomised too, so every tensor matters) and save it."""
     torch.manual_seed(seed)
-    model_class = Qwen2ForCausalLM if config.model_type == "qwen2" else LlamaForCausalLM
+    model_class = {"qwen2": Qwen2ForCausalLM, "mistral": MistralForCausalLM}.get(config.model_type, LlamaForCausalLM)
     model = model_class(config).to(dtype)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 param.normal_(1.0 if "norm" in name else 0.0, 0.1)
     model.save_pretrained(path)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"model_max_length": 64}, f)  # stands in for the tokenizer files export must copy
     return model
 
 

@@ -1,0 +1,70 @@
+"""`rlhf convert hf-to-ckpt | ckpt-to-hf`: HF folder <-> rlhf's sharded model checkpoint.
+
+Run it as one process, or under torchrun/srun for a sharded layout (world = tp * pp * dp; dp replicas
+beyond the first only check). Every rank reads only the slices it owns.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from transformers import AutoConfig
+
+from rlhf.dist.groups import build_layout_groups
+from rlhf.dist.layout import ParallelLayout
+from rlhf.dist.runtime import distributed
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("convert", help="convert HF weights to an rlhf checkpoint and back")
+    directions = parser.add_subparsers(dest="direction", required=True, metavar="direction")
+    to_ckpt = directions.add_parser("hf-to-ckpt", help="HF safetensors folder -> sharded rlhf checkpoint")
+    to_ckpt.add_argument("--hf", required=True, help="HF model folder (config.json + safetensors)")
+    to_ckpt.add_argument("--out", required=True, help="checkpoint folder to create (must not exist)")
+    to_ckpt.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the checkpoint")
+    to_ckpt.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the checkpoint")
+    to_ckpt.add_argument("--value-head", action="store_true",
+                         help="critic/reward model: scalar head from score.weight, or fresh from a causal LM")
+    to_hf = directions.add_parser("ckpt-to-hf", help="sharded rlhf checkpoint -> HF safetensors folder")
+    to_hf.add_argument("--ckpt", required=True, help="rlhf checkpoint folder (from hf-to-ckpt or training)")
+    to_hf.add_argument("--out", required=True, help="HF folder to create (must not exist)")
+    to_hf.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from this HF folder")
+    to_hf.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                       help="dtype of the exported tensors (default: the dtype of the HF folder converted from)")
+    return parser
+
+
+def _hf_to_ckpt(args: argparse.Namespace, world_size: int) -> None:
+    from rlhf.models.builder import build_gpt
+    from rlhf.models.hf_load import load_hf_weights
+    from rlhf.models.mcore_ckpt import save_model_shards
+
+    config = AutoConfig.from_pretrained(args.hf)
+    layout = ParallelLayout.for_world(world_size, tp=args.tp, pp=args.pp, what="convert")
+    model = build_gpt(config, build_layout_groups(layout), value_head=args.value_head)
+    load_hf_weights(model, args.hf)
+    save_model_shards(model, args.out)
+
+
+def _ckpt_to_hf(args: argparse.Namespace, world_size: int) -> None:
+    from rlhf.models.builder import build_gpt
+    from rlhf.models.hf_export import export_hf
+    from rlhf.models.mcore_ckpt import load_model_shards, read_meta
+
+    meta = read_meta(args.ckpt)
+    config = AutoConfig.for_model(**meta["hf_config"])
+    layout = ParallelLayout.for_world(world_size, tp=meta["tp"], pp=meta["pp"], what="convert")
+    model = build_gpt(config, build_layout_groups(layout), value_head=meta["value_head"])
+    load_model_shards(model, args.ckpt)
+    dtype = DTYPES[args.dtype] if args.dtype else getattr(config, "dtype", None)
+    export_hf(model, args.out, tokenizer_dir=args.tokenizer_dir, dtype=dtype)
+
+
+def run(args: argparse.Namespace) -> int:
+    with distributed("auto") as runtime:
+        convert = _hf_to_ckpt if args.direction == "hf-to-ckpt" else _ckpt_to_hf
+        convert(args, runtime.env.world_size)
+    return 0

@@ -1,0 +1,1 @@
+"""Prompt datasets: verl-schema records, tokenization with a length policy, DP-sharded sampling, making."""

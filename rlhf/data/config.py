@@ -1,0 +1,35 @@
+"""The `data` config section: which prompt files, how long a prompt may be, and how steps draw prompts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rlhf.errors import ConfigError
+
+Truncation = Literal["error", "filter", "left", "right"]
+TRUNCATIONS: tuple[str, ...] = Truncation.__args__
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Prompts over `max_prompt_length` tokens raise (`error`), are dropped (`filter`), or lose their `left`
+    or `right` end. Each step draws `prompts_per_step` prompts over all DP ranks, from a `seed`ed order."""
+
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    max_prompt_length: int = 512
+    truncation: Truncation = "error"
+    prompts_per_step: int = 8
+    seed: int = 0
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_prompt_length < 1:
+            raise ConfigError(f"data.max_prompt_length={self.max_prompt_length} must be >= 1")
+        if self.truncation not in TRUNCATIONS:
+            raise ConfigError(f"data.truncation={self.truncation!r} is not one of {', '.join(TRUNCATIONS)}")
+        if self.prompts_per_step < 1:
+            raise ConfigError(f"data.prompts_per_step={self.prompts_per_step} must be >= 1")
+        if self.seed < 0:
+            raise ConfigError(f"data.seed={self.seed} must be >= 0")

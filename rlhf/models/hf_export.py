@@ -1,0 +1,109 @@
+"""Export a megatron model on any tp x pp layout back to an HF folder that `transformers` loads.
+
+Collective over every rank of the model's layout. Parameters are gathered over tp one at a time; the
+tp-rank-0 of each stage in dp replica 0 writes its own safetensors shards, then stage 0 writes the index,
+config and tokenizer files. Everything goes to `<out>.partial` first and is renamed at the end, so a
+failed export leaves no folder behind at `out`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from rlhf.errors import ConfigError
+from rlhf.models.hf_load import INDEX_FILE, param_specs_for, stage_params
+from rlhf.models.shard_rules import merge_shards
+from rlhf.models.spec import CAUSAL_LM_ARCHS, SEQ_CLS_ARCHS
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json", "generation_config.json")
+
+
+class _ShardWriter:
+    """Buffers HF tensors and writes a safetensors file each time the buffer passes `max_bytes`."""
+
+    def __init__(self, folder: str, stage: int, max_bytes: int) -> None:
+        self.folder, self.stage, self.max_bytes = folder, stage, max_bytes
+        self.buffer: dict[str, torch.Tensor] = {}
+        self.weight_map: dict[str, str] = {}
+        self.num_files = 0
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.buffer.update({name: t.detach().cpu().contiguous() for name, t in tensors.items()})
+        if sum(t.numel() * t.element_size() for t in self.buffer.values()) >= self.max_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        name = f"model-stage{self.stage:03d}-{self.num_files:05d}.safetensors"
+        save_file(self.buffer, os.path.join(self.folder, name), metadata={"format": "pt"})
+        self.weight_map.update({tensor: name for tensor in self.buffer})
+        self.buffer, self.num_files = {}, self.num_files + 1
+
+
+def _hf_config_for_export(model: Any, dtype: torch.dtype) -> Any:
+    config = model.rlhf_hf_config.__class__.from_dict(model.rlhf_hf_config.to_dict())
+    archs = SEQ_CLS_ARCHS if model.rlhf_value_head else CAUSAL_LM_ARCHS
+    config.architectures = [next(arch for arch, kind in archs.items() if kind == model.rlhf_spec.model_type)]
+    if model.rlhf_value_head:
+        config.num_labels = 1
+    config.dtype = dtype
+    return config
+
+
+def _write_metadata(model: Any, folder: str, weight_map: dict[str, str], tokenizer_dir: str | None,
+                    dtype: torch.dtype) -> None:
+    total = sum(os.path.getsize(os.path.join(folder, f)) for f in set(weight_map.values()))
+    with open(os.path.join(folder, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    _hf_config_for_export(model, dtype).save_pretrained(folder)
+    for name in TOKENIZER_FILES if tokenizer_dir else ():
+        source = os.path.join(tokenizer_dir, name)
+        if os.path.exists(source):
+            shutil.copyfile(source, os.path.join(folder, name))
+
+
+def export_hf(model: Any, out_dir: str, *, tokenizer_dir: str | None = None, dtype: torch.dtype | None = None,
+              max_shard_bytes: int = 2 << 30) -> None:
+    """Write `model` (this rank's part of it; call on every rank of its layout) as an HF folder `out_dir`.
+
+    Tensors are cast to `dtype` (default: the model's own) as they are written.
+    """
+    if os.path.exists(out_dir):
+        raise ConfigError(f"export folder {out_dir} already exists; choose a new folder")
+    groups = model.pg_collection
+    tp_group, pp_group = groups.tp, groups.pp
+    dtype = dtype or next(model.parameters()).dtype
+    is_writer = tp_group.rank() == 0 and groups.dp.rank() == 0
+    staging = out_dir.rstrip("/") + ".partial"
+    if is_writer and pp_group.rank() == 0 and os.path.exists(staging):
+        shutil.rmtree(staging)
+    dist.barrier(group=groups.mp)  # these two barriers: every rank of the layout has checked `out_dir`
+    dist.barrier(group=groups.dp)  # (and the stale staging folder is gone) before anyone writes
+    writer = _ShardWriter(staging, pp_group.rank(), max_shard_bytes)
+    if is_writer:
+        os.makedirs(staging, exist_ok=True)
+    for param_spec, param in stage_params(model, param_specs_for(model)):
+        if param_spec.tied_copy:
+            continue
+        shards = [torch.empty_like(param) for _ in range(tp_group.size())]
+        dist.all_gather(shards, param.detach().contiguous(), group=tp_group)
+        if is_writer:
+            merged = merge_shards(param_spec, shards, model.rlhf_spec)
+            writer.add({name: tensor.to(dtype) for name, tensor in merged.items()})
+    writer.flush()
+    maps: list[Any] = [None] * pp_group.size()
+    dist.all_gather_object(maps, writer.weight_map, group=pp_group)
+    if is_writer and pp_group.rank() == 0:
+        _write_metadata(model, staging, {k: v for m in maps for k, v in m.items()}, tokenizer_dir, dtype)
+        os.rename(staging, out_dir)
+    dist.barrier(group=groups.mp)

@@ -1,0 +1,151 @@
+"""Rule rewards dispatched on each sample's `data_source`; every sample is scored exactly once.
+
+A scorer has verl's `compute_score` signature: `fn(data_source, solution_str, ground_truth, extra_info) ->
+float` (or a dict with a "score"). A scorer that raises, or returns NaN/inf or a non-number, is a
+`RewardError` naming the sample — never a silent 0.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlhf.data.records import PromptRecord
+from rlhf.errors import ConfigError, RewardError
+from rlhf.rewards.inputs import RewardInputs
+from rlhf.rewards.remote import RemoteReward, RemoteRewardConfig
+from rlhf.rewards.user_fn import load_user_function
+
+Scorer = Callable[[str, str, "str | None", dict], Any]
+
+BUILTINS = {
+    "gsm8k": "rlhf.rewards.gsm8k:score_gsm8k",
+    "math": "rlhf.rewards.math:score_math",
+    "reasoning_gym": "rlhf.rewards.reasoning_gym:score_reasoning_gym",
+    "reasoning_gym_exact": "rlhf.rewards.reasoning_gym:score_reasoning_gym_exact",
+}
+DEFAULT_BY_SOURCE = {
+    "openai/gsm8k": "gsm8k", "gsm8k": "gsm8k",
+    "lighteval/MATH": "math", "DigitalLearningGmbH/MATH-lighteval": "math", "HuggingFaceH4/MATH-500": "math",
+    "math": "math",
+    "reasoning_gym/*": "reasoning_gym",
+}
+
+
+def _is_user_spec(name: str) -> bool:
+    return ".py:" in name
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    """`by_source` maps data_source patterns (fnmatch, e.g. `reasoning_gym/*`) to a built-in name or a
+    `file.py:fn`; `function` is used for every source no pattern matches; the built-in table comes last.
+    With `remote` set, every sample is scored by that HTTP service instead."""
+
+    function: str | None = None
+    by_source: dict[str, str] = field(default_factory=dict)
+    remote: RemoteRewardConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.remote is not None and (self.function or self.by_source):
+            raise ConfigError("reward.remote scores every sample; unset reward.function and reward.by_source "
+                              "or drop reward.remote")
+        named = [(f"reward.by_source[{pattern!r}]", name) for pattern, name in self.by_source.items()]
+        if self.function is not None:
+            named.append(("reward.function", self.function))
+        for label, name in named:
+            if name not in BUILTINS and not _is_user_spec(name):
+                raise ConfigError(f"{label}={name!r} is neither a built-in reward "
+                                  f"({', '.join(BUILTINS)}) nor 'path/to/file.py:function_name'")
+
+
+def build_reward(config: RewardConfig) -> RuleReward | RemoteReward:
+    """The reward the config asks for; both kinds score with `score(samples, responses) -> rewards_b`."""
+    return RemoteReward(config.remote) if config.remote is not None else RuleReward(config)
+
+
+def _match(table: dict[str, str], data_source: str) -> str | None:
+    if data_source in table:
+        return table[data_source]
+    return next((name for pattern, name in table.items() if fnmatch.fnmatchcase(data_source, pattern)), None)
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    return " ".join(text.split())[:limit]
+
+
+def _as_float(value: Any) -> float | None:
+    """The reward as a float, or None when it is not a number (dicts carry it under "score")."""
+    if isinstance(value, dict):
+        value = value.get("score")
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    try:
+        return float(value) if not isinstance(value, (str, bytes)) else None
+    except (TypeError, ValueError):
+        return None
+
+
+class RuleReward:
+    """Scores batches of responses with the scorer each sample's data_source resolves to."""
+
+    def __init__(self, config: RewardConfig) -> None:
+        self.config = config
+        self._loaded: dict[str, Scorer] = {}
+        for name in [config.function, *config.by_source.values()]:
+            if name is not None:
+                self._load(name)  # a bad user file fails at start-up, not at the first batch
+
+    def _load(self, name: str) -> Scorer:
+        if name not in self._loaded:
+            if _is_user_spec(name):
+                self._loaded[name] = load_user_function(name)
+            else:
+                module, _, attribute = BUILTINS[name].partition(":")
+                self._loaded[name] = getattr(importlib.import_module(module), attribute)
+        return self._loaded[name]
+
+    def scorer_name(self, data_source: str) -> str:
+        """The built-in name or `file.py:fn` a data_source resolves to; unknown sources are a ConfigError."""
+        name = _match(self.config.by_source, data_source) or self.config.function \
+            or _match(DEFAULT_BY_SOURCE, data_source)
+        if name is None:
+            raise ConfigError(f"no reward function for data_source {data_source!r}; map it in reward.by_source "
+                              f"to one of {', '.join(BUILTINS)} or 'file.py:fn', or set reward.function")
+        return name
+
+    def check_sources(self, data_sources: Iterable[str]) -> None:
+        """Resolve every distinct data_source up front so a dataset with an unknown one fails before training."""
+        for data_source in sorted(set(data_sources)):
+            self._load(self.scorer_name(data_source))
+
+    def score(self, samples: Sequence[PromptRecord] | RewardInputs, responses: Sequence[str]) -> torch.Tensor:
+        """One float32 reward per response (`rewards_b`); sample i pairs `samples[i]` with `responses[i]`."""
+        inputs = samples if isinstance(samples, RewardInputs) else RewardInputs.from_records(samples)
+        if len(inputs.data_sources) != len(responses):
+            raise RewardError(f"got {len(responses)} responses for {len(inputs.data_sources)} samples")
+        rewards_b = torch.empty(len(responses), dtype=torch.float32)
+        for i, response in enumerate(responses):
+            rewards_b[i] = self._score_one(inputs, i, response)
+        return rewards_b
+
+    def _score_one(self, inputs: RewardInputs, i: int, response: str) -> float:
+        data_source = inputs.data_sources[i]
+        where = f"reward for sample {i} (index {inputs.indices[i]}, data_source {data_source!r})"
+        scorer = self._load(self.scorer_name(data_source))
+        try:
+            value = scorer(data_source, response, inputs.ground_truths[i], inputs.extra_infos[i])
+        except Exception as error:
+            raise RewardError(f"{where} raised {type(error).__name__}: {_one_line(str(error))}") from error
+        reward = _as_float(value)
+        if reward is None:
+            raise RewardError(f"{where} returned {_one_line(repr(value), 80)} ({type(value).__name__}), not a number")
+        if not math.isfinite(reward):
+            raise RewardError(f"{where} returned {reward}")
+        return reward

@@ -1,0 +1,90 @@
+"""Bad input is a one-line error naming the tensor or number, raised before anything is loaded or written."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import GPT2Config, MistralConfig
+
+from rlhf.dist.layout import ParallelLayout
+from rlhf.errors import CheckpointError, ConfigError
+from rlhf.models.hf_load import HfFolder, check_folder
+from rlhf.models.param_specs import param_specs
+from rlhf.models.spec import ModelSpec
+from tests.models.tiny import llama_config, qwen2_config, save_hf_model
+
+
+def _one_line(error: pytest.ExceptionInfo) -> str:
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def test_unsupported_architecture_is_named():
+    with pytest.raises(ConfigError) as error:
+        ModelSpec.from_hf(GPT2Config())
+    assert _one_line(error).startswith("unsupported architecture model_type='gpt2'")
+    config = llama_config(architectures=["LlamaForTokenClassification"])
+    with pytest.raises(ConfigError, match=re.escape("unsupported architecture 'LlamaForTokenClassification'")):
+        ModelSpec.from_hf(config)
+    with pytest.raises(ConfigError, match="unsupported hidden_act='gelu'"):
+        ModelSpec.from_hf(llama_config(hidden_act="gelu"))
+    with pytest.raises(ConfigError, match="unsupported sliding_window=4096 for mistral"):
+        ModelSpec.from_hf(MistralConfig(sliding_window=4096))
+
+
+@pytest.mark.parametrize("tp,pp,message", [
+    (4, 1, "tp=4 does not divide num_key_value_heads=2; choose tp among the divisors of 2"),
+    (3, 1, "tp=3 does not divide num_attention_heads=4; choose tp among the divisors of 4"),
+    (1, 3, "pp=3 does not divide num_hidden_layers=4; choose pp among the divisors of 4"),
+])
+def test_layout_that_does_not_divide_the_model_is_rejected(tp, pp, message):
+    with pytest.raises(ConfigError) as error:
+        param_specs(llama_config(), ParallelLayout(tp=tp, pp=pp))
+    assert _one_line(error) == message
+
+
+def test_vocab_is_padded_to_a_multiple_of_tp():
+    specs = {p.name: p for p in param_specs(qwen2_config(), ParallelLayout(tp=4, pp=2))}
+    assert specs["embedding.word_embeddings.weight"].full_shape == (104, 64)
+    assert specs["output_layer.weight"].tied_copy and specs["output_layer.weight"].pp_stage == 1
+    assert specs["decoder.layers.1.self_attention.linear_qkv.bias"].shard_shape(4) == (48,)
+
+
+@pytest.fixture()
+def hf_folder(tmp_path):
+    path = str(tmp_path / "llama")
+    save_hf_model(llama_config(num_hidden_layers=2), path)
+    return path
+
+
+def _rewrite(path: str, edit) -> None:
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
+     "is missing tensor 'model.layers.1.mlp.up_proj.weight' (config expects shape [96, 64])"),
+    (lambda t: t.__setitem__("model.layers.2.mlp.up_proj.weight", torch.zeros(96, 64)),
+     "has unexpected tensor 'model.layers.2.mlp.up_proj.weight' (not in a llama model with 2 layers)"),
+    (lambda t: t.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(16, 64)),
+     "tensor 'model.layers.0.self_attn.k_proj.weight' in {path} has shape [16, 64], config expects [32, 64]"),
+])
+def test_bad_hf_folder_names_the_tensor(hf_folder, edit, message):
+    _rewrite(hf_folder, edit)
+    spec = ModelSpec.from_hf(llama_config(num_hidden_layers=2))
+    with pytest.raises(CheckpointError) as error:
+        check_folder(HfFolder(hf_folder), spec)
+    assert message.format(path=hf_folder) in _one_line(error)
+
+
+def test_folder_without_weights_is_named(tmp_path):
+    with pytest.raises(CheckpointError, match="has neither model.safetensors nor model.safetensors.index.json"):
+        HfFolder(str(tmp_path))

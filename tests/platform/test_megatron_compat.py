@@ -1,0 +1,42 @@
+"""The CPU adapter for megatron-core: idempotent, scoped to megatron modules, torch's own factories untouched.
+
+Runs in a fresh process (it patches process-wide state) via `run_distributed(..., backend="none")`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf.testing.distributed import run_distributed
+
+
+def _probe() -> dict:
+    import megatron.core.pipeline_parallel.schedules as schedules
+    import megatron.core.tensor_parallel.random as mp_random
+
+    from rlhf.platform import megatron_compat
+
+    original_zeros = torch.zeros
+    megatron_compat.apply()
+    megatron_compat.apply()
+    torch.manual_seed(7)
+    expected_state = torch.get_rng_state()
+    return {
+        "torch_zeros_untouched": torch.zeros is original_zeros,
+        "megatron_cuda_zeros_device": str(schedules.torch.zeros(2, device="cuda").device),
+        "megatron_cuda_ordinal_device": str(schedules.torch.empty(2, device=0).device),
+        "proxy_isinstance": isinstance(torch.ones(1), schedules.torch.Tensor),
+        "type_name": torch.ones(1).type(),
+        "type_conversion": torch.ones(1).type(torch.float64).dtype == torch.float64,
+        "cuda_identity": (lambda t: t.cuda() is t)(torch.ones(1)),
+        "rng_redirected": torch.equal(mp_random._get_cuda_rng_state(), expected_state),
+        "current_device": str(torch.cuda.current_device()),
+    }
+
+
+def test_apply_adapts_megatron_only_and_is_idempotent():
+    probe = run_distributed(_probe, 1, backend="none", timeout_s=120)[0]
+    assert probe == {"torch_zeros_untouched": True, "megatron_cuda_zeros_device": "cpu",
+                     "megatron_cuda_ordinal_device": "cpu", "proxy_isinstance": True,
+                     "type_name": "torch.cuda.FloatTensor", "type_conversion": True, "cuda_identity": True,
+                     "rng_redirected": True, "current_device": "cpu"}
