@@ -89,6 +89,17 @@ def reset_peak_memory() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def offload_device() -> torch.device:
+    """Where offloaded params and optimizer state wait between phases: host memory."""
+    return torch.device("cpu")
+
+
+def release_cached_memory() -> None:
+    """Return freed accelerator memory to the driver (after an offload); nothing to do on CPU."""
+    if has_accelerator():
+        torch.cuda.empty_cache()
+
+
 def set_async_error_handling_env() -> None:
     """Make NCCL surface errors/timeouts as exceptions instead of hanging (read at process-group init)."""
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")

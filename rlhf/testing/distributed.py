@@ -63,6 +63,9 @@ def _collect_stacks(procs: list, stack_dir: str) -> str:
     parts = []
     for rank in range(len(procs)):
         path = os.path.join(stack_dir, f"rank{rank}.stacks")
+        if not os.path.exists(path):
+            parts.append(f"--- rank {rank} stacks ---\n(no stacks: the rank had not started yet)")
+            continue
         with open(path) as f:
             text = f.read().strip()
         parts.append(f"--- rank {rank} stacks ---\n{text or '(exited, no stack)'}")

@@ -1,0 +1,148 @@
+"""SFT train step: rlhf `TrainEngine` (megatron DDP + optimizer + schedule) vs transformers + torch AdamW.
+
+Same HF weights, same global batch split into the same micro-batches, same loss (answer-token NLL over the
+global token count), AdamW with the same hyperparameters, clip 1.0, fp32, one gloo rank, one thread each.
+Sides alternate step by step; the table shows median seconds per step and the largest loss difference
+between the two trajectories (they train the same model the same way, so it stays small).
+Writes benchmarks/results/engine.json (summary: peer step time / rlhf step time, > 1 means rlhf is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from rlhf.testing.distributed import run_distributed
+
+LR, BETAS, EPS, CLIP = 1e-4, (0.9, 0.95), 1e-8, 1.0
+
+
+def model_config(args: argparse.Namespace) -> LlamaConfig:
+    return LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 8 * 8,
+                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                       num_key_value_heads=args.heads // 2, max_position_embeddings=args.seq,
+                       tie_word_embeddings=False)
+
+
+def make_batch(args: argparse.Namespace, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)
+    position = torch.arange(args.seq).unsqueeze(0)
+    answer_start = torch.randint(args.seq // 4, args.seq // 2, (args.batch, 1), generator=generator)
+    return tokens, (position >= answer_start).long()
+
+
+class PeerTrainer:
+    """transformers model + torch AdamW with grad accumulation: what a plain PyTorch SFT loop does."""
+
+    def __init__(self, path: str) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        decay = [p for p in self.model.parameters() if p.dim() > 1]
+        no_decay = [p for p in self.model.parameters() if p.dim() <= 1]
+        self.optimizer = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+                                           lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
+
+    def step(self, tokens: torch.Tensor, mask: torch.Tensor, num_micro_batches: int) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        count = mask[:, 1:].sum()
+        total = 0.0
+        for micro_tokens, micro_mask in zip(tokens.chunk(num_micro_batches), mask.chunk(num_micro_batches)):
+            logprobs = torch.log_softmax(self.model(micro_tokens).logits[:, :-1].float(), dim=-1)
+            picked = logprobs.gather(-1, micro_tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+            loss = -(picked * micro_mask[:, 1:]).sum() / count
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)
+        self.optimizer.step()
+        return total
+
+
+def _bench_rank(path: str, args: argparse.Namespace) -> list[dict]:
+    from transformers import AutoConfig
+
+    from rlhf.dist.groups import build_layout_groups
+    from rlhf.dist.layout import ParallelLayout
+    from rlhf.models.builder import build_gpt
+    from rlhf.models.hf_load import load_hf_weights
+    from rlhf.train.config import OptimConfig
+    from rlhf.train.engine import TrainEngine
+    from rlhf.train.sft import sft_micro_batches, sft_step
+
+    groups = build_layout_groups(ParallelLayout(tp=1, pp=1, dp=1))
+    model = build_gpt(AutoConfig.from_pretrained(path), groups)
+    load_hf_weights(model, path)
+    engine = TrainEngine(model, groups, OptimConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, clip_grad=CLIP,
+                                                    total_steps=args.steps + 1))
+    peer = PeerTrainer(path)
+    records = []
+    for step in range(args.steps + 1):  # step 0 is warm-up, not recorded
+        tokens, mask = make_batch(args, seed=step)
+        sides = ("rlhf", "peer") if step % 2 == 0 else ("peer", "rlhf")
+        for side in sides:
+            started = time.perf_counter()
+            if side == "rlhf":
+                batches = sft_micro_batches(tokens, mask, dp_rank=0, dp_size=1, num_micro_batches=args.micro_batches)
+                loss = sft_step(engine, batches).loss
+            else:
+                loss = peer.step(tokens, mask, args.micro_batches)
+            if step > 0:
+                records.append({"side": side, "step": step, "time_s": time.perf_counter() - started, "loss": loss})
+    return records
+
+
+def summarize(records: list[dict], args: argparse.Namespace) -> tuple[list[dict], dict]:
+    tokens_per_step = args.batch * args.seq
+    rows = []
+    for side in ("peer", "rlhf"):
+        times = [r["time_s"] for r in records if r["side"] == side]
+        rows.append({"side": side, "median_s": statistics.median(times), "min_s": min(times),
+                     "tokens_per_s": tokens_per_step / statistics.median(times), "times_s": times,
+                     "losses": [r["loss"] for r in records if r["side"] == side]})
+    peer, rlhf = rows
+    loss_diff = max(abs(a - b) for a, b in zip(peer["losses"], rlhf["losses"]))
+    return rows, {"step_time_peer_over_rlhf": peer["median_s"] / rlhf["median_s"], "max_loss_diff": loss_diff}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine.json"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as path:
+        torch.manual_seed(0)
+        LlamaForCausalLM(model_config(args)).save_pretrained(path)
+        records = run_distributed(_bench_rank, 1, path, args, timeout_s=3600)[0]
+    rows, summary = summarize(records, args)
+    print(f"{'side':>6} {'median s/step':>14} {'min s':>8} {'tokens/s':>9}")
+    for row in rows:
+        print(f"{row['side']:>6} {row['median_s']:>14.3f} {row['min_s']:>8.3f} {row['tokens_per_s']:>9.0f}")
+    for key, value in summary.items():
+        print(f"{key}: {value:.3g}")
+    result = {"name": "engine", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "machine": {"cores": os.cpu_count(), "threads": 1, "torch": torch.__version__,
+                          "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0]},
+              "config": {k: v for k, v in vars(args).items() if k != "out"} | {"lr": LR, "clip": CLIP},
+              "rows": rows, "summary": summary}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

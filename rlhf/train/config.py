@@ -1,0 +1,63 @@
+"""Optimizer, LR schedule, clipping and non-finite policy of one trained role, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhf.errors import ConfigError
+
+DECAY_STYLES = ("constant", "linear", "cosine")
+NAN_POLICIES = ("skip", "abort")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW + warmup/decay LR schedule. `total_steps=0` means the trainer supplies the step count."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    decay_style: str = "constant"
+    total_steps: int = 0
+    clip_grad: float = 1.0
+    nan_policy: str = "skip"
+    use_distributed_optimizer: bool = False
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)
+        if not self.lr > 0:
+            raise ConfigError(f"optim.lr={self.lr} must be > 0")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}]")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optim.weight_decay={self.weight_decay} must be >= 0")
+        if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
+            raise ConfigError(f"optim.betas={list(self.betas)} must be two numbers in [0, 1)")
+        if not self.eps > 0:
+            raise ConfigError(f"optim.eps={self.eps} must be > 0")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+        if self.decay_style not in DECAY_STYLES:
+            raise ConfigError(f"optim.decay_style={self.decay_style!r} is not one of {', '.join(DECAY_STYLES)}")
+        if self.total_steps < 0:
+            raise ConfigError(f"optim.total_steps={self.total_steps} must be >= 0 (0: the trainer's step count)")
+        if self.total_steps and self.warmup_steps >= self.total_steps:
+            raise ConfigError(f"optim.warmup_steps={self.warmup_steps} must be < optim.total_steps="
+                              f"{self.total_steps}")
+        if self.clip_grad < 0:
+            raise ConfigError(f"optim.clip_grad={self.clip_grad} must be >= 0 (0 disables clipping)")
+        if self.nan_policy not in NAN_POLICIES:
+            raise ConfigError(f"optim.nan_policy={self.nan_policy!r} is not one of {', '.join(NAN_POLICIES)}")
+
+    def resolved_total_steps(self, trainer_total_steps: int | None) -> int:
+        """The schedule length: `total_steps`, else the trainer's count (one of them must be set)."""
+        total = self.total_steps or (trainer_total_steps or 0)
+        if total <= 0:
+            raise ConfigError("optim.total_steps=0 and the trainer gave no step count; set optim.total_steps")
+        if self.warmup_steps >= total:
+            raise ConfigError(f"optim.warmup_steps={self.warmup_steps} must be < the {total} total steps")
+        return total

@@ -1,0 +1,196 @@
+"""`TrainEngine`: one megatron model chunk trained with megatron's DDP, optimizer, scheduler and schedules.
+
+Loss contract: `loss_fn(output, micro_batch) -> (loss, metrics)` and gradients are d(sum of every loss value
+on every micro-batch and every DP rank). Nothing is averaged: not over micro-batches (the schedule's 1/M is
+undone), not over DP (the model's `calculate_per_token_loss` is set, so megatron DDP sums grads across DP
+instead of pre-scaling them by 1/dp). A loss normalised by the GLOBAL token count therefore gives the same
+gradient for any DP size and micro-batching; a per-micro-batch mean must be divided by the caller.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from rlhf.errors import RlhfError
+from rlhf.models.forward import LossFn, forward_backward
+from rlhf.platform import current_device, megatron_compat
+from rlhf.train import offload as offload_lib
+from rlhf.train.config import OptimConfig
+from rlhf.train.optim import build_optimizer, build_scheduler
+from rlhf.train.state import load_optimizer_state, optimizer_state
+
+ForwardFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict]]
+
+
+class NonFiniteError(RlhfError, RuntimeError):
+    """A train step produced a NaN/inf loss or gradient under `nan_policy="abort"`; names role and step."""
+
+
+@dataclass
+class StepResult:
+    """One optimizer step: global loss (summed over micro-batches and DP), pre-clip grad norm, the LR used."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    skipped: bool
+    num_zeros: int
+    metrics: list[dict] = field(default_factory=list)
+
+
+class TrainEngine:
+    """Trains one role's model chunk (actor, critic) on its explicit process groups."""
+
+    def __init__(self, model: torch.nn.Module, pg_collection: ProcessGroupCollection, config: OptimConfig, *,
+                 name: str = "actor", total_steps: int | None = None) -> None:
+        megatron_compat.apply()
+        self.name, self.config, self.pg_collection = name, config, pg_collection
+        model.config.calculate_per_token_loss = True  # DDP sums grads over DP (see module docstring)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, average_in_collective=False,
+            use_distributed_optimizer=config.use_distributed_optimizer, check_for_nan_in_grad=False)
+        self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model,
+                                             pg_collection=pg_collection)
+        self.optimizer = build_optimizer(config, self.model, pg_collection)
+        self.scheduler = build_scheduler(config, self.optimizer, config.resolved_total_steps(total_steps))
+        self.num_steps = 0
+        self._offloaded: offload_lib.Offloaded | None = None
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The wrapped megatron model (for weight export and resharding)."""
+        return self.model.module
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step will use."""
+        return self.optimizer.param_groups[0]["lr"]
+
+    def forward_only(self, micro_batches: list, fn: ForwardFn) -> list[dict]:
+        """`fn(output, micro_batch) -> (unused_scalar, outputs)` per micro-batch, no grad; last pp stage only.
+
+        Other pipeline stages return an empty list (the caller broadcasts what it needs).
+        """
+        self._check_loaded()
+        with torch.no_grad():
+            return forward_backward(self.model, micro_batches, fn, self.pg_collection, forward_only=True)
+
+    def forward_bs(self, micro_batches: list, fn: Callable[[torch.Tensor, Any], torch.Tensor]) -> torch.Tensor:
+        """`fn(output, micro_batch) -> [b, n]` per micro-batch (e.g. token logprobs or values), no grad,
+        concatenated over micro-batches to [rows, n] fp32 and returned on EVERY pipeline stage."""
+        results = self.forward_only(micro_batches, lambda output, batch: (output.new_zeros(()),
+                                                                          {"bs": fn(output, batch)}))
+        pp_group = self.pg_collection.pp
+        values_bn = torch.cat([r["bs"].float() for r in results]) if results else None
+        if pp_group.size() == 1:
+            return values_bn
+        last = dist.get_global_rank(pp_group, pp_group.size() - 1)
+        shape = torch.tensor(values_bn.shape if values_bn is not None else (0, 0), dtype=torch.int64)
+        dist.broadcast(shape, src=last, group=pp_group)
+        if values_bn is None:
+            values_bn = torch.empty(tuple(shape.tolist()), dtype=torch.float32, device=current_device())
+        dist.broadcast(values_bn, src=last, group=pp_group)
+        return values_bn
+
+    def train_step(self, micro_batches: list, loss_fn: LossFn) -> StepResult:
+        """Zero grads, fwd+bwd over `micro_batches`, reduce over DP, check finiteness, clip, step, schedule."""
+        self._check_loaded()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses: list[torch.Tensor] = []
+
+        def recording_loss(output: torch.Tensor, micro_batch: Any) -> tuple[torch.Tensor, dict]:
+            value, metrics = loss_fn(output, micro_batch)
+            losses.append(value.detach().float())
+            return value, metrics
+
+        metrics = forward_backward(self.model, micro_batches, recording_loss, self.pg_collection)
+        finalize_model_grads([self.model], None, pg_collection=self.pg_collection)
+        loss = self._global_loss(losses)
+        self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        lr = self.lr
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self._on_non_finite(loss, grad_norm)
+            return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, skipped=True, num_zeros=0, metrics=metrics)
+        self._clip(grad_norm)
+        num_zeros = self._count_zeros()
+        self.optimizer.step_with_ready_grads()
+        self.scheduler.step(increment=1)
+        self.num_steps += 1
+        return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, skipped=False, num_zeros=num_zeros,
+                          metrics=metrics)
+
+    def _global_loss(self, losses: list[torch.Tensor]) -> float:
+        """Sum of this step's loss values over micro-batches and DP, known to every rank of the role."""
+        pp_group, dp_group = self.pg_collection.pp, self.pg_collection.dp
+        total = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float32)
+        total = total.to(torch.float64)
+        dist.all_reduce(total, group=dp_group)
+        if pp_group.size() > 1:
+            dist.broadcast(total, src=dist.get_global_rank(pp_group, pp_group.size() - 1), group=pp_group)
+        return float(total)
+
+    def _on_non_finite(self, loss: float, grad_norm: float) -> None:
+        what = "loss" if not math.isfinite(loss) else "gradient norm"
+        where = f"{self.name} train step {self.num_steps + 1}: non-finite {what} (loss={loss}, grad_norm={grad_norm})"
+        if self.config.nan_policy == "abort":
+            raise NonFiniteError(f"{where}; aborting as optim.nan_policy='abort' (set 'skip' to skip such steps)")
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def _clip(self, grad_norm: float) -> None:
+        if self.config.clip_grad <= 0:
+            return
+        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            params = optimizer.get_parameters()
+            if params:
+                clip_grad_by_total_norm_fp32(params, self.config.clip_grad, grad_norm)
+
+    def _count_zeros(self) -> int:
+        # per part: ChainedOptimizer.count_zeros omits the tp group and falls back to megatron's globals
+        return int(sum(part.count_zeros() for part in getattr(self.optimizer, "chained_optimizers",
+                                                                [self.optimizer])))
+
+    def state_dict(self) -> dict:
+        """This rank's model, optimizer and scheduler state (for a per-rank checkpoint file).
+
+        Tensors alias the live state: serialise it before the next step.
+        """
+        self._check_loaded()
+        return {"model": self.model.module.state_dict(), "optimizer": optimizer_state(self.optimizer),
+                "scheduler": self.scheduler.state_dict(), "num_steps": self.num_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` saved, on the same layout; the next step is bitwise the uninterrupted one."""
+        self._check_loaded()
+        self.model.module.load_state_dict(state["model"], strict=True)
+        load_optimizer_state(self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.num_steps = state["num_steps"]
+
+    def offload(self) -> None:
+        """With `optim.offload`: free params, grads and optimizer state from the device, keeping a host copy.
+
+        Call it when the role's phase ends (e.g. before rollout); without `optim.offload` it does nothing.
+        """
+        if self.config.offload and self._offloaded is None:
+            self._offloaded = offload_lib.offload(self.model, self.optimizer)
+
+    def reload(self) -> None:
+        """Bring back what `offload` moved; grads come back zeroed."""
+        if self._offloaded is not None:
+            offload_lib.reload(self.model, self._offloaded)
+            self._offloaded = None
+
+    def _check_loaded(self) -> None:
+        if self._offloaded is not None:
+            raise RuntimeError(f"the {self.name} engine is offloaded; call reload() before using it")

@@ -1,0 +1,63 @@
+"""Supervised fine-tuning on answer tokens: the loss, the micro-batch split, and one step on a `TrainEngine`.
+
+The loss is the token-mean NLL over the answer tokens of the GLOBAL batch, computed as a token sum divided by
+the global answer-token count, so it is exact for any DP size and micro-batching (see `rlhf.train.engine`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from rlhf.errors import ConfigError
+from rlhf.models.forward import token_logprobs
+from rlhf.train.engine import StepResult, TrainEngine
+
+
+@dataclass
+class SftMicroBatch:
+    """Right-padded prompt+answer rows; `answer_mask_bs` is 1 on the answer tokens the loss predicts."""
+
+    tokens_bs: torch.Tensor
+    answer_mask_bs: torch.Tensor
+    num_global_answer_tokens: int
+
+
+def sft_micro_batches(tokens_bs: torch.Tensor, answer_mask_bs: torch.Tensor, *, dp_rank: int, dp_size: int,
+                      num_micro_batches: int) -> list[SftMicroBatch]:
+    """This DP rank's contiguous rows of the GLOBAL batch, split into micro-batches carrying the global count."""
+    num_rows = tokens_bs.shape[0]
+    if num_rows % (dp_size * num_micro_batches):
+        raise ConfigError(f"global batch of {num_rows} rows does not split into dp={dp_size} x "
+                          f"{num_micro_batches} micro-batches; make the batch size a multiple of "
+                          f"{dp_size * num_micro_batches}")
+    count = int(answer_mask_bs[:, 1:].sum())  # position 0 is never predicted
+    if count == 0:
+        raise ConfigError("the SFT batch has no answer tokens after the first position; check answer_mask_bs")
+    rows = slice(dp_rank * num_rows // dp_size, (dp_rank + 1) * num_rows // dp_size)
+    return [SftMicroBatch(tokens_bs=tokens, answer_mask_bs=mask, num_global_answer_tokens=count)
+            for tokens, mask in zip(tokens_bs[rows].chunk(num_micro_batches),
+                                    answer_mask_bs[rows].chunk(num_micro_batches))]
+
+
+def sft_loss(tp_group: dist.ProcessGroup, vocab_size: int) -> Callable:
+    """loss_fn for `TrainEngine.train_step`: -sum(log p(answer token | prefix)) / global answer-token count."""
+
+    def loss_fn(logits_bsv: torch.Tensor, batch: SftMicroBatch) -> tuple[torch.Tensor, dict]:
+        next_tokens_bs = torch.roll(batch.tokens_bs, shifts=-1, dims=1)
+        weights_bs = torch.roll(batch.answer_mask_bs, shifts=-1, dims=1).float()
+        weights_bs[:, -1] = 0.0  # the last position predicts nothing
+        logprobs_bs = token_logprobs(logits_bsv, next_tokens_bs, tp_group, vocab_size)
+        nll_sum = -(logprobs_bs * weights_bs).sum()
+        return nll_sum / batch.num_global_answer_tokens, {"sft/nll_sum": nll_sum.detach(),
+                                                          "sft/num_tokens": weights_bs.sum()}
+
+    return loss_fn
+
+
+def sft_step(engine: TrainEngine, micro_batches: list[SftMicroBatch]) -> StepResult:
+    """One optimizer step of SFT; `StepResult.loss` is the global batch's token-mean answer NLL."""
+    return engine.train_step(micro_batches, sft_loss(engine.pg_collection.tp, engine.module.rlhf_spec.vocab_size))
