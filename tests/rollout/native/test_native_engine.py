@@ -24,7 +24,7 @@ def _lifecycle(path):
     from rlhf.rollout.vllm_engine import hf_named_weights
     from tests_native_helpers import native_engine
 
-    engine, model = native_engine(path, max_batch_size=4, max_seq_len=16)
+    engine, model, _ = native_engine(path, max_batch_size=4, max_seq_len=16)
     batch = PromptBatch.from_token_lists(PROMPTS)
     first = engine.generate(batch, GREEDY)
     reference = first.response_tokens_rt.tolist()

@@ -19,24 +19,6 @@ PROMPTS = [[5, 17, 33, 8, 90, 4, 61], [9, 40], [71, 3, 3, 3, 12, 60, 11, 23, 54,
 MAX_NEW = 12
 
 
-def _native_engine(path, vocab_size, eos, max_batch_size):
-    from transformers import AutoConfig
-
-    from rlhf.dist.groups import build_layout_groups
-    from rlhf.dist.layout import ParallelLayout
-    from rlhf.models.builder import build_gpt
-    from rlhf.models.hf_load import load_hf_weights
-    from rlhf.rollout.factory import engine_layout
-    from rlhf.rollout.native import NativeEngine, NativeEngineConfig
-
-    pgs = build_layout_groups(ParallelLayout(tp=dist.get_world_size()))
-    model = build_gpt(AutoConfig.from_pretrained(path), pgs)
-    load_hf_weights(model, path)
-    engine = NativeEngine(model, vocab_size=vocab_size, eos_token_ids=eos, layout=engine_layout(pgs),
-                          tp_group=pgs.tp, config=NativeEngineConfig(max_batch_size=max_batch_size, max_seq_len=32))
-    return engine, model, pgs
-
-
 def _training_logprobs(model, pgs, vocab_size, prompt, response, temperature):
     from rlhf.models.forward import token_logprobs
 
@@ -49,7 +31,9 @@ def _training_logprobs(model, pgs, vocab_size, prompt, response, temperature):
 
 def _check_family(family, path, expected_greedy, eos):
     """Everything one rank checks for one model; returns what must agree across TP ranks."""
-    engine, model, pgs = _native_engine(path, 101, (eos[0],), max_batch_size=3)  # 3 slots < 5 prompts: refill
+    from tests_native_helpers import native_engine
+
+    engine, model, pgs = native_engine(path, max_batch_size=3, max_seq_len=32, eos=(eos[0],))  # 3 slots: refill
     batch = PromptBatch.from_token_lists(PROMPTS)
     greedy = engine.generate(batch, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0))
     assert [greedy.response(i) for i in range(len(PROMPTS))] == expected_greedy[0], family

@@ -1,4 +1,4 @@
-"""Build a native engine on this rank's world (tp = world size) from an HF folder, for the native tests."""
+"""Build a native engine on this rank's world (tp = world size) from an HF folder: (engine, model, groups)."""
 
 import torch.distributed as dist
 
@@ -20,4 +20,4 @@ def native_engine(path, *, max_batch_size, max_seq_len, eos=()):
     engine = NativeEngine(model, vocab_size=hf_config.vocab_size, eos_token_ids=eos, layout=engine_layout(pgs),
                           tp_group=pgs.tp,
                           config=NativeEngineConfig(max_batch_size=max_batch_size, max_seq_len=max_seq_len))
-    return engine, model
+    return engine, model, pgs
