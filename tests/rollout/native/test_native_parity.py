@@ -7,7 +7,6 @@ forward's within 1e-5, seeded sampling reproducible and identical on every TP ra
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from rlhf.rollout.hf_engine import HFEngine
 from rlhf.rollout.sampling_params import SamplingParams
