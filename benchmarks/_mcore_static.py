@@ -14,8 +14,8 @@ from megatron.core.inference.contexts import StaticInferenceContext
 from rlhf.rollout.types import PromptBatch
 
 
-def time_static_decode(model: torch.nn.Module, batch: PromptBatch, new_tokens: int) -> float:
-    """Seconds for one prefill of the batch plus `new_tokens` decode forwards."""
+def time_static_decode(model: torch.nn.Module, batch: PromptBatch, new_tokens: int) -> tuple[float, float]:
+    """Seconds for one prefill of the batch plus `new_tokens - 1` decode forwards, and for the prefill alone."""
     width = int(batch.prompt_lengths_b.min())
     tokens = batch.prompt_tokens_bt[:, -width:]
     context = StaticInferenceContext(tokens.shape[0], width + new_tokens)
@@ -23,9 +23,10 @@ def time_static_decode(model: torch.nn.Module, batch: PromptBatch, new_tokens: i
     with torch.inference_mode():
         logits = model(tokens, torch.arange(width)[None].expand_as(tokens), None, inference_context=context,
                        runtime_gather_output=True)
+        prefill_s = time.perf_counter() - start
         for step in range(new_tokens - 1):
             context.sequence_len_offset += tokens.shape[1]
             tokens = logits[:, -1].argmax(-1, keepdim=True)
             positions = torch.full_like(tokens, width + step)
             logits = model(tokens, positions, None, inference_context=context, runtime_gather_output=True)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, prefill_s

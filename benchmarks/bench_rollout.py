@@ -4,6 +4,7 @@ Two models: a tiny Qwen2-style model and SmolLM2-135M. Batch of 32 prompts, 64 s
 ignored so both engines do the same work), alternating repeats, medians. Optionally (`--mcore`) megatron-core's
 own static-KV-cache inference forward (GPTModel + StaticInferenceContext, argmax only: a lower bound on its
 cost) as the evaluated alternative. Prints a table and writes benchmarks/results/rollout.json.
+ms per decode step = (time for all new tokens - time for the first token alone, i.e. prefill) / (new - 1).
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def _time_generate(engine, batch: PromptBatch, params: SamplingParams) -> tuple[
     return time.perf_counter() - start, int(out.response_lengths_r.sum())
 
 
-def bench_model(name: str, args, workdir: str) -> list[dict]:
+def bench_model(name: str, args, workdir: str, peaks: list[float]) -> list[dict]:
+    """Alternating native/hf repeats; the matmul peak is re-measured every repeat (same load conditions)."""
     from transformers import AutoConfig
 
     path = _model_folder(name, workdir)
@@ -108,24 +110,31 @@ def bench_model(name: str, args, workdir: str) -> list[dict]:
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0, ignore_eos=True)
     for engine in engines.values():
         engine.generate(batch, SamplingParams(max_new_tokens=2, temperature=1.0, ignore_eos=True))  # warm-up
+    first_token = SamplingParams(max_new_tokens=1, temperature=1.0, seed=0, ignore_eos=True)
     times: dict[str, list[float]] = {key: [] for key in engines}
+    prefill: dict[str, list[float]] = {key: [] for key in engines}
     tokens = {}
     order = list(engines)
     for repeat in range(args.repeats):
+        peaks.append(matmul_peak_gflops(repeats=3))
         for key in (order if repeat % 2 == 0 else order[::-1]):
             seconds, tokens[key] = _time_generate(engines[key], batch, params)
             times[key].append(seconds)
+            prefill[key].append(_time_generate(engines[key], batch, first_token)[0])
     if args.mcore:
         from _mcore_static import time_static_decode
 
-        times["mcore_static"] = [time_static_decode(engines["native"].model, batch, args.new_tokens)
-                                 for _ in range(args.repeats)]
+        runs = [time_static_decode(engines["native"].model, batch, args.new_tokens) for _ in range(args.repeats)]
+        times["mcore_static"], prefill["mcore_static"] = [t for t, _ in runs], [p for _, p in runs]
         tokens["mcore_static"] = tokens["native"]
     flops = _batch_flops(config, batch, args.new_tokens)
-    return [dict(model=name, engine=key, tokens=tokens[key], seconds=times[key],
-                 tok_s=tokens[key] / statistics.median(times[key]),
-                 ms_per_step=1e3 * statistics.median(times[key]) / args.new_tokens,
-                 model_gflop_s=flops / statistics.median(times[key]) / 1e9) for key in times]
+    rows = []
+    for key in times:
+        total, first = statistics.median(times[key]), statistics.median(prefill[key])
+        rows.append(dict(model=name, engine=key, tokens=tokens[key], seconds=times[key], tok_s=tokens[key] / total,
+                         prefill_ms=1e3 * first, ms_per_decode_step=1e3 * (total - first) / (args.new_tokens - 1),
+                         model_gflop_s=flops / total / 1e9))
+    return rows
 
 
 def _summary(rows: list[dict], peak: float) -> dict:
@@ -149,20 +158,24 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--max-seq-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads; 1 by default: on a shared 2-core host OpenMP spinning at 2 threads "
+                             "makes every engine's timings collapse and swing")
     parser.add_argument("--mcore", action="store_true", help="also time megatron-core's static inference forward")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     _init_world()
-    peak = matmul_peak_gflops()
+    peaks: list[float] = []
     with tempfile.TemporaryDirectory() as workdir:
-        rows = [row for name in args.models for row in bench_model(name, args, workdir)]
-    print(f"fp32 matmul peak (2048^3, {args.threads} threads): {peak:.1f} GFLOP/s")
-    print(f"{'model':8} {'engine':13} {'tok/s':>9} {'ms/step':>9} {'GFLOP/s':>8} {'of peak':>8}")
+        rows = [row for name in args.models for row in bench_model(name, args, workdir, peaks)]
+    peak = statistics.median(peaks)
+    print(f"fp32 matmul peak (2048^3, {args.threads} threads, median of {len(peaks)}): {peak:.1f} GFLOP/s "
+          f"(range {min(peaks):.1f}-{max(peaks):.1f})")
+    print(f"{'model':8} {'engine':13} {'tok/s':>9} {'prefill ms':>10} {'ms/decode':>9} {'GFLOP/s':>8} {'of peak':>8}")
     for row in rows:
-        print(f"{row['model']:8} {row['engine']:13} {row['tok_s']:9.0f} {row['ms_per_step']:9.2f} "
-              f"{row['model_gflop_s']:8.2f} {row['model_gflop_s'] / peak:8.1%}")
+        print(f"{row['model']:8} {row['engine']:13} {row['tok_s']:9.0f} {row['prefill_ms']:10.1f} "
+              f"{row['ms_per_decode_step']:9.2f} {row['model_gflop_s']:8.2f} {row['model_gflop_s'] / peak:8.1%}")
     summary = _summary(rows, peak)
     print(json.dumps(summary, indent=1))
     result = {"name": "rollout", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -1,108 +1,169 @@
-"""One `generate` call of the native engine: slot bookkeeping, prefill admission, decode steps, output rows."""
+"""One `generate` call of the native engine: slot bookkeeping, prefill admission, decode steps, output rows.
+
+Per decode step the only tensor work besides the forward and the sampler is two in-place updates and (with
+stop tokens) one membership test; sampled tokens are kept per step and gathered into rows once at the end.
+Slot lifetimes (start step, max_new_tokens deadline) are tracked in Python.
+"""
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from rlhf.rollout.native.forward import Decoder
 from rlhf.rollout.native.kv_cache import KVCache
-from rlhf.rollout.native.sampler import sample
+from rlhf.rollout.native.sampler import Sampled, sample
 from rlhf.rollout.sampling_params import SamplingParams
 from rlhf.rollout.types import FinishReason, PromptBatch, Rollouts
 
+PREFILL_CHUNKS = 4  # prefill forwards per admission: less padding, still large matmuls
+
+
+@dataclass
+class _Finished:
+    row: int
+    slot: int
+    first_step: int  # decode step holding the row's 2nd token
+    length: int
+
 
 class Generation:
-    """Rollout row r = prompt * n + sample; slot s holds row `row_s[s]` (-1 when free)."""
+    """Rollout row r = prompt * n + sample; `slot_row[s]` is the row slot s decodes (-1 when free)."""
 
     def __init__(self, decoder: Decoder, cache: KVCache, prompts: PromptBatch, params: SamplingParams,
                  stops: tuple[int, ...], generator: torch.Generator) -> None:
         self.decoder, self.cache, self.prompts, self.params = decoder, cache, prompts, params
         self.generator = generator
-        device = cache.device
-        num_rows, width = prompts.num_prompts * params.n, params.max_new_tokens
-        self.tokens_rt = torch.full((num_rows, width), prompts.pad_token_id, dtype=torch.long, device=device)
-        self.logprobs_rt = torch.zeros((num_rows, width), dtype=torch.float32, device=device)
-        self.scaled_logprobs_rt = torch.zeros_like(self.logprobs_rt)
-        self.lengths_r = torch.zeros(num_rows, dtype=torch.long)
+        self.device = device = cache.device
+        num_rows, self.num_slots = prompts.num_prompts * params.n, cache.num_slots
+        self.first_rt = [torch.zeros(num_rows, dtype=dtype, device=device)
+                         for dtype in (torch.long, torch.float32, torch.float32)]  # tokens/logprobs at step 0
+        self.stops = torch.tensor(stops, dtype=torch.long, device=device) if stops else None
+        self.token_s = torch.zeros(self.num_slots, dtype=torch.long, device=device)
+        self.position_s = torch.zeros(self.num_slots, dtype=torch.long, device=device)
+        self.slot_row = [-1] * self.num_slots
+        self.slot_first_step = [0] * self.num_slots
+        self.deadlines: dict[int, list[int]] = {}  # decode step -> slots reaching max_new_tokens there
+        self.num_active, self.span = 0, 0  # occupied slots; 1 + the highest occupied slot
+        self.steps: list[Sampled] = []
+        self.finished: list[_Finished] = []
         self.reasons: list[FinishReason | None] = [None] * num_rows
-        self.stops = torch.tensor(stops, dtype=torch.long, device=device)
-        num_slots = cache.num_slots
-        self.row_s = torch.full((num_slots,), -1, dtype=torch.long, device=device)
-        self.token_s = torch.zeros(num_slots, dtype=torch.long, device=device)
-        self.position_s = torch.zeros(num_slots, dtype=torch.long, device=device)
-        self.generated_s = torch.zeros(num_slots, dtype=torch.long, device=device)
-        self.free = list(range(num_slots))
-        self.num_active = 0
         self.pending = deque(range(prompts.num_prompts))
-        self.right_pt, self.lengths_p = _right_aligned_to_left(prompts, device)
+        self.right_pt, self.lengths_p = _left_aligned(prompts, device)
+
+    @property
+    def free_slots(self) -> list[int]:
+        return [slot for slot, row in enumerate(self.slot_row) if row < 0]
 
     def run(self, policy_version: int) -> Rollouts:
         while self.pending or self.num_active:
-            if self.pending and len(self.free) >= self.params.n:
-                self._admit()
-            if self.num_active:
+            if self.pending and len(self.free_slots) >= self.params.n:
+                self._admit()  # may finish every admitted row at once (EOS first): loop again
+            elif self.num_active:
                 self._decode()
-        n = self.params.n
-        return Rollouts(response_tokens_rt=self.tokens_rt, response_logprobs_rt=self.logprobs_rt,
-                        response_scaled_logprobs_rt=self.scaled_logprobs_rt, response_lengths_r=self.lengths_r,
-                        finish_reasons=list(self.reasons),
-                        prompt_index_r=torch.arange(self.prompts.num_prompts).repeat_interleave(n),
-                        policy_version=policy_version, pad_token_id=self.prompts.pad_token_id)
+        return self._rollouts(policy_version)
 
     def _admit(self) -> None:
         """Prefill as many waiting prompts as there are free groups of n slots; copy each to its samples."""
-        n = self.params.n
-        count = min(len(self.pending), len(self.free) // n)
-        prompt_ids = [self.pending.popleft() for _ in range(count)]
-        self.free.sort()
-        slots, self.free = self.free[:count * n], self.free[count * n:]
+        n, free = self.params.n, self.free_slots
+        prompt_ids = [self.pending.popleft() for _ in range(min(len(self.pending), len(free) // n))]
+        slots = free[:len(prompt_ids) * n]
         lengths = self.lengths_p[prompt_ids]
-        tokens = self.right_pt[prompt_ids, :int(lengths.max())]
-        logits_pv = self.decoder.prefill(tokens, lengths, torch.tensor(slots[::n]), self.cache)
+        logits_pv = self._prefill(prompt_ids, lengths, slots[::n])
         for group, length in enumerate(lengths.tolist()):
             self.cache.copy_slot(slots[group * n], slots[group * n + 1:(group + 1) * n], length)
-        slots_k = torch.tensor(slots, device=self.row_s.device)
-        self.row_s[slots_k] = (torch.tensor(prompt_ids)[:, None] * n + torch.arange(n)).flatten()
+        picked = sample(logits_pv.repeat_interleave(n, dim=0), self.params, self.generator)
+        rows = [prompt * n + j for prompt in prompt_ids for j in range(n)]
+        rows_k, slots_k = torch.tensor(rows, device=self.device), torch.tensor(slots, device=self.device)
+        for buffer, values in zip(self.first_rt, (picked.tokens_k, picked.logprobs_k, picked.scaled_logprobs_k)):
+            buffer[rows_k] = values
+        self.token_s[slots_k] = picked.tokens_k
         self.position_s[slots_k] = lengths.repeat_interleave(n)
-        self.generated_s[slots_k] = 0
+        stopped = self._stopped(picked.tokens_k)
+        first_step = len(self.steps)
         self.num_active += len(slots)
-        self._record(slots_k, logits_pv.repeat_interleave(n, dim=0))
+        for index, (slot, row) in enumerate(zip(slots, rows)):
+            self.slot_row[slot], self.slot_first_step[slot] = row, first_step
+            if index in stopped or self.params.max_new_tokens == 1:
+                self._finish(slot, 1, index in stopped)
+            else:
+                self.deadlines.setdefault(first_step + self.params.max_new_tokens - 2, []).append(slot)
+        self.span = max(slot for slot, row in enumerate(self.slot_row) if row >= 0) + 1 if self.num_active else 0
+
+    def _prefill(self, prompt_ids: list[int], lengths: torch.Tensor, slots: list[int]) -> torch.Tensor:
+        """Prefill in up to PREFILL_CHUNKS length-sorted chunks, so short prompts are not padded to the longest."""
+        order = sorted(range(len(prompt_ids)), key=lambda i: int(lengths[i]))
+        chunk_size = -(-len(order) // PREFILL_CHUNKS)
+        parts, positions = [], []
+        for start in range(0, len(order), chunk_size):
+            chunk = order[start:start + chunk_size]
+            chunk_lengths = lengths[chunk]
+            tokens = self.right_pt[[prompt_ids[i] for i in chunk], :int(chunk_lengths.max())]
+            slots_c = torch.tensor([slots[i] for i in chunk], device=self.device)
+            parts.append(self.decoder.prefill(tokens, chunk_lengths, slots_c, self.cache))
+            positions.extend(chunk)
+        logits_pv = torch.cat(parts)
+        return logits_pv[torch.tensor(positions).argsort()]
 
     def _decode(self) -> None:
-        occupied = (self.row_s >= 0).nonzero().squeeze(-1)
-        span = int(occupied[-1]) + 1
-        logits_kv = self.decoder.decode(self.token_s[:span], self.position_s[:span], self.cache, occupied)
-        self.position_s[occupied] += 1
-        self._record(occupied, logits_kv)
-
-    def _record(self, slots_k: torch.Tensor, logits_kv: torch.Tensor) -> None:
-        """Sample one token per slot, write it to the slot's row, and free the slots that finished."""
+        """One token for every slot below `span` (free ones too: no compaction); finish rows that end here."""
+        span = self.span
+        logits_kv = self.decoder.decode(self.token_s[:span], self.position_s[:span], self.cache)
         picked = sample(logits_kv, self.params, self.generator)
-        rows_k, steps_k = self.row_s[slots_k], self.generated_s[slots_k]
-        self.tokens_rt[rows_k, steps_k] = picked.tokens_k
-        self.logprobs_rt[rows_k, steps_k] = picked.logprobs_k
-        self.scaled_logprobs_rt[rows_k, steps_k] = picked.scaled_logprobs_k
-        self.generated_s[slots_k] = steps_k + 1
-        self.token_s[slots_k] = picked.tokens_k
-        stopped_k = torch.isin(picked.tokens_k, self.stops)
-        done_k = stopped_k | (steps_k + 1 >= self.params.max_new_tokens)
-        if not bool(done_k.any()):
-            return
-        for slot, row, steps, stopped in zip(slots_k[done_k].tolist(), rows_k[done_k].tolist(),
-                                             steps_k[done_k].tolist(), stopped_k[done_k].tolist()):
-            self.lengths_r[row] = steps + 1
-            self.reasons[row] = FinishReason.STOP if stopped else FinishReason.LENGTH
-            self.free.append(slot)
-        done_slots = slots_k[done_k]
-        self.row_s[done_slots] = -1
-        self.position_s[done_slots] = 0
-        self.token_s[done_slots] = 0
-        self.num_active -= len(done_slots)
+        self.token_s[:span] = picked.tokens_k
+        self.position_s[:span] += 1
+        step = len(self.steps)
+        self.steps.append(picked)
+        for slot in sorted(self._stopped(picked.tokens_k)):
+            if self.slot_row[slot] >= 0:
+                self._finish(slot, step - self.slot_first_step[slot] + 2, True)
+        for slot in self.deadlines.pop(step, []):
+            if self.slot_row[slot] >= 0 and self.slot_first_step[slot] + self.params.max_new_tokens - 2 == step:
+                self._finish(slot, self.params.max_new_tokens, False)
+        if self.num_active and self.slot_row[span - 1] < 0:
+            self.span = max(slot for slot, row in enumerate(self.slot_row) if row >= 0) + 1
+
+    def _stopped(self, tokens_k: torch.Tensor) -> set[int]:
+        if self.stops is None:
+            return set()
+        hits_k = torch.isin(tokens_k, self.stops)
+        return set(hits_k.nonzero().squeeze(-1).tolist()) if bool(hits_k.any()) else set()
+
+    def _finish(self, slot: int, length: int, stopped: bool) -> None:
+        row = self.slot_row[slot]
+        self.finished.append(_Finished(row=row, slot=slot, first_step=self.slot_first_step[slot], length=length))
+        self.reasons[row] = FinishReason.STOP if stopped else FinishReason.LENGTH
+        self.slot_row[slot] = -1
+        self.num_active -= 1
+
+    def _rollouts(self, policy_version: int) -> Rollouts:
+        """Gather every row's tokens from the per-step records in one indexing op per field."""
+        num_rows, width = len(self.reasons), self.params.max_new_tokens
+        order = sorted(self.finished, key=lambda f: f.row)
+        lengths_r = torch.tensor([f.length for f in order], dtype=torch.long)
+        mask_rt = torch.arange(width)[None, :] < lengths_r[:, None]
+        outputs = [first[:, None].expand(num_rows, width).clone() for first in self.first_rt]
+        if self.steps and width > 1:
+            steps_r = torch.tensor([f.first_step for f in order])[:, None] + torch.arange(width - 1)[None, :]
+            steps_r = steps_r.clamp(max=len(self.steps) - 1)
+            slots_r = torch.tensor([f.slot for f in order])[:, None]
+            for output, field in zip(outputs, ("tokens_k", "logprobs_k", "scaled_logprobs_k")):
+                stacked = torch.stack([F.pad(getattr(s, field), (0, self.num_slots - s.tokens_k.shape[0]))
+                                       for s in self.steps])
+                output[:, 1:] = stacked[steps_r, slots_r]
+        tokens_rt, logprobs_rt, scaled_rt = (torch.where(mask_rt, output, 0) for output in outputs)
+        n = self.params.n
+        return Rollouts(response_tokens_rt=tokens_rt.masked_fill(~mask_rt, self.prompts.pad_token_id),
+                        response_logprobs_rt=logprobs_rt, response_scaled_logprobs_rt=scaled_rt,
+                        response_lengths_r=lengths_r, finish_reasons=list(self.reasons),
+                        prompt_index_r=torch.arange(self.prompts.num_prompts).repeat_interleave(n),
+                        policy_version=policy_version, pad_token_id=self.prompts.pad_token_id)
 
 
-def _right_aligned_to_left(prompts: PromptBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _left_aligned(prompts: PromptBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompts -> prompts starting at column 0 (positions then equal column indices)."""
     width = prompts.prompt_tokens_bt.shape[1]
     lengths_p = prompts.prompt_lengths_b.to(torch.long)

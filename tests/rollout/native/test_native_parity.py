@@ -7,7 +7,6 @@ forward's within 1e-5, seeded sampling reproducible and identical on every TP ra
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from rlhf.rollout.hf_engine import HFEngine
 from rlhf.rollout.sampling_params import SamplingParams
@@ -17,24 +16,6 @@ from rlhf.testing.tiny_models import FAMILIES, tiny_hf_model
 
 PROMPTS = [[5, 17, 33, 8, 90, 4, 61], [9, 40], [71, 3, 3, 3, 12, 60, 11, 23, 54, 7, 99], [44], [13, 14, 15]]
 MAX_NEW = 12
-
-
-def _native_engine(path, vocab_size, eos, max_batch_size):
-    from transformers import AutoConfig
-
-    from rlhf.dist.groups import build_layout_groups
-    from rlhf.dist.layout import ParallelLayout
-    from rlhf.models.builder import build_gpt
-    from rlhf.models.hf_load import load_hf_weights
-    from rlhf.rollout.factory import engine_layout
-    from rlhf.rollout.native import NativeEngine, NativeEngineConfig
-
-    pgs = build_layout_groups(ParallelLayout(tp=dist.get_world_size()))
-    model = build_gpt(AutoConfig.from_pretrained(path), pgs)
-    load_hf_weights(model, path)
-    engine = NativeEngine(model, vocab_size=vocab_size, eos_token_ids=eos, layout=engine_layout(pgs),
-                          tp_group=pgs.tp, config=NativeEngineConfig(max_batch_size=max_batch_size, max_seq_len=32))
-    return engine, model, pgs
 
 
 def _training_logprobs(model, pgs, vocab_size, prompt, response, temperature):
@@ -49,10 +30,15 @@ def _training_logprobs(model, pgs, vocab_size, prompt, response, temperature):
 
 def _check_family(family, path, expected_greedy, eos):
     """Everything one rank checks for one model; returns what must agree across TP ranks."""
-    engine, model, pgs = _native_engine(path, 101, (eos,), max_batch_size=3)  # 3 slots < 5 prompts: refill
+    from tests_native_helpers import native_engine
+
+    engine, model, pgs = native_engine(path, max_batch_size=3, max_seq_len=32, eos=(eos[0],))  # 3 slots: refill
     batch = PromptBatch.from_token_lists(PROMPTS)
     greedy = engine.generate(batch, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0))
-    assert [greedy.response(i) for i in range(len(PROMPTS))] == expected_greedy, family
+    assert [greedy.response(i) for i in range(len(PROMPTS))] == expected_greedy[0], family
+    first_stop = engine.generate(batch, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0,
+                                                       stop_token_ids=(eos[1],)))
+    assert [first_stop.response(i) for i in range(len(PROMPTS))] == expected_greedy[1], family
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.7, top_p=0.95, n=3, seed=11)
     sampled = engine.generate(batch, params)
     again = engine.generate(batch, params)
@@ -75,7 +61,8 @@ def _world(paths, expected, eos_by_family):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """HF folders plus HF greedy outputs, with EOS chosen as a token that some rows emit mid-way."""
+    """HF folders plus HF greedy outputs for two stop tokens: one that some rows emit mid-way (as EOS) and
+    one that a row emits first (as a stop token: a row of length 1)."""
     paths, expected, eos_by_family = {}, {}, {}
     for family in FAMILIES:
         model = tiny_hf_model(family, seed=3)
@@ -83,12 +70,16 @@ def reference(tmp_path_factory):
         model.save_pretrained(path)
         batch = PromptBatch.from_token_lists(PROMPTS)
         free = HFEngine(model).generate(batch, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0))
-        eos = free.response(0)[3]
+        eos, first = free.response(0)[3], free.response(1)[0]
         stopped = HFEngine(model, eos_token_ids=(eos,)).generate(
             batch, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0))
         assert FinishReason.STOP in stopped.finish_reasons and FinishReason.LENGTH in stopped.finish_reasons
-        paths[family], eos_by_family[family] = path, eos
-        expected[family] = [stopped.response(i) for i in range(len(PROMPTS))]
+        at_first = HFEngine(model, eos_token_ids=(eos,)).generate(
+            batch, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, stop_token_ids=(first,)))
+        assert at_first.response(1) == [first]
+        paths[family], eos_by_family[family] = path, (eos, first)
+        expected[family] = ([stopped.response(i) for i in range(len(PROMPTS))],
+                            [at_first.response(i) for i in range(len(PROMPTS))])
     return paths, expected, eos_by_family
 
 

@@ -1,0 +1,62 @@
+"""`rlhf generate` end to end on 2 ranks (dp=2): JSONL rows in dataset order, greedy equal to transformers."""
+
+import json
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from rlhf.rollout.hf_engine import HFEngine
+from rlhf.rollout.sampling_params import SamplingParams
+from rlhf.rollout.types import PromptBatch
+from rlhf.testing.distributed import run_distributed
+from rlhf.testing.tiny_models import tiny_hf_model
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 +-=?"
+
+
+def _save_char_tokenizer(path):
+    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{ch: i + 3 for i, ch in enumerate(ALPHABET)}}
+    vocab.update({f"<extra{i}>": i for i in range(len(vocab), 101)})
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
+                                        eos_token="<eos>")
+    tokenizer.save_pretrained(path)
+    return tokenizer
+
+
+def _run_cli(argv):
+    from rlhf.cli.main import main
+
+    return main(argv)
+
+
+def test_generate_writes_jsonl_in_dataset_order(tmp_path):
+    model_dir, data, out = tmp_path / "model", tmp_path / "prompts.jsonl", tmp_path / "out" / "gen.jsonl"
+    model = tiny_hf_model("llama", seed=2)
+    model.save_pretrained(model_dir)
+    tokenizer = _save_char_tokenizer(model_dir)
+    prompts = ["1+2=", "what is 7-3?", "abc", "99+1=", "x"]
+    with data.open("w") as f:
+        for i, text in enumerate(prompts):
+            f.write(json.dumps({"prompt": text, "data_source": "toy", "reward_model": {"ground_truth": str(i)}}) + "\n")
+    argv = ["generate", "--model", str(model_dir), "--data", str(data), "--out", str(out), "--temperature", "0",
+            "--max-new-tokens", "5", "--batch-size", "2"]
+    assert run_distributed(_run_cli, 2, argv, backend="none", timeout_s=180) == [0, 0]
+
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in rows] == list(range(5))
+    assert [r["prompt"] for r in rows] == prompts and rows[3]["ground_truth"] == "3"
+    token_lists = [tokenizer.encode(p) for p in prompts]
+    expected = HFEngine(model, eos_token_ids=(2,)).generate(PromptBatch.from_token_lists(token_lists),
+                                                            SamplingParams(max_new_tokens=5, temperature=0.0))
+    for i, row in enumerate(rows):
+        assert row["prompt_tokens"] == token_lists[i]
+        assert row["tokens"] == expected.response(i)
+        assert row["finish_reason"] == expected.finish_reasons[i].value
+        assert len(row["logprobs"]) == len(row["tokens"]) and all(lp <= 0 for lp in row["logprobs"])
+        assert row["response"] == tokenizer.decode(row["tokens"], skip_special_tokens=True)
+        torch.testing.assert_close(torch.tensor(row["logprobs"]),
+                                   expected.response_logprobs_rt[i, :len(row["tokens"])], atol=1e-5, rtol=0)
