@@ -39,3 +39,12 @@ def test_error_on_one_rank_fails_with_its_traceback():
 def test_hang_fails_with_stacks():
     with pytest.raises(DistributedTestError, match=r"(?s)ranks \[0\] did not finish.*_rank0_hangs"):
         run_distributed(_rank0_hangs, 2, timeout_s=15)
+
+
+def _tensor_result():
+    return {"t": torch.arange(4.0) * dist.get_rank()}
+
+
+def test_tensor_results_survive_the_rank_exiting():
+    results = run_distributed(_tensor_result, 2, timeout_s=60)
+    assert torch.equal(results[1]["t"], torch.arange(4.0))

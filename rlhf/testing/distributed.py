@@ -9,6 +9,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -45,7 +46,9 @@ def _child(rank: int, world_size: int, port: int, backend: str, stack_dir: str, 
     try:
         if backend != "none":
             dist.init_process_group(backend, rank=rank, world_size=world_size)
-        value = fn(*args, **kwargs)
+        # Plain pickle copies tensor data into the message; the queue's own reducer would share it through
+        # a socket that vanishes when this process exits.
+        value = pickle.dumps(fn(*args, **kwargs))
         results.put((rank, "ok", value, time.time()))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, "error", traceback.format_exc(), time.time()))
@@ -126,7 +129,7 @@ def _gather(procs: list, results: Any, world_size: int, timeout_s: float, stack_
                 deadline = min(deadline, time.monotonic() + 10.0)
             continue
         if status == "ok":
-            values[rank] = payload
+            values[rank] = pickle.loads(payload)
         else:
             errors[rank] = payload
             failed_at[rank] = when
