@@ -25,7 +25,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--out", required=True, help="output JSONL")
     parser.add_argument("--engine", choices=("native", "hf", "vllm"), default="native")
     parser.add_argument("--tp", type=int, default=1, help="rollout tensor parallelism (dp = world / tp)")
-    parser.add_argument("--prompt-key", default="prompt")
     parser.add_argument("--limit", type=int, default=None, help="only the first N prompts")
     parser.add_argument("--batch-size", type=int, default=32, help="prompts per generate call per replica")
     parser.add_argument("--max-seq-len", type=int, default=1024, help="KV-cache positions per sequence")
@@ -62,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from rlhf.dist.groups import build_layout_groups
     from rlhf.dist.layout import ParallelLayout
     from rlhf.rollout.factory import RolloutConfig, build_engine
-    from rlhf.rollout.prompts_io import read_prompts
+    from rlhf.data.records import read_records
 
     layout = ParallelLayout.for_world(dist.get_world_size(), tp=args.tp, what="rollout layout (--tp)")
     pg_collection = build_layout_groups(layout)
@@ -71,35 +70,36 @@ def run(args: argparse.Namespace) -> int:
                                                      max_seq_len=args.max_seq_len))
     engine = build_engine(config, args.model, pg_collection)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    rows = read_prompts(args.data, args.prompt_key, args.limit)
+    rows = read_records(args.data, require_ground_truth=False)[:args.limit]
     mine = rows[engine.layout.dp_rank::engine.layout.dp]
     records = _generate_all(engine, tokenizer, mine, params, args.batch_size)
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(records if engine.layout.tp_rank == 0 else [], gathered, dst=0)
     if dist.get_rank() == 0:
-        from rlhf.rollout.prompts_io import write_jsonl
-
         merged = sorted((r for part in gathered for r in part), key=lambda r: (r["index"], r["sample"]))
-        write_jsonl(args.out, merged)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("".join(json.dumps(record) + "\n" for record in merged))
         print(json.dumps({"prompts": len(rows), "rollouts": len(merged), "out": args.out}))
     dist.destroy_process_group()
     return 0
 
 
 def _generate_all(engine, tokenizer, rows, params: SamplingParams, batch_size: int) -> list[dict]:
-    from rlhf.rollout.prompts_io import encode
+    from rlhf.data.tokenize import encode_prompt
     from rlhf.rollout.types import PromptBatch
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     records = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
-        token_lists = [encode(row.prompt, tokenizer) for row in chunk]
+        token_lists = [encode_prompt(row.prompt, tokenizer) for row in chunk]
         out = engine.generate(PromptBatch.from_token_lists(token_lists, pad_token_id=pad), params)
         for r in range(out.num_rollouts):
             row = chunk[int(out.prompt_index_r[r])]
             response = out.response(r)
-            records.append(dict(index=row.index, sample=r % params.n, uid=row.uid, data_source=row.data_source,
+            uid = str(row.extra_info.get("uid", row.extra_info.get("index", row.index)))
+            records.append(dict(index=row.index, sample=r % params.n, uid=uid, data_source=row.data_source,
                                 ground_truth=row.ground_truth, prompt=row.prompt,
                                 response=tokenizer.decode(response, skip_special_tokens=True),
                                 prompt_tokens=token_lists[int(out.prompt_index_r[r])], tokens=response,
