@@ -69,15 +69,20 @@ def _resume_runs(paths, root):
                                                        "actor.optim.lr=0.05", "comm.verify=true",
                                                        "trainer.total_steps=3", "reward.by_source={}",
                                                        f"reward.function={length_reward}:score"])
-    return full, resumed, resharded
+    others = {kind: run_trainer(paths, f"{root}/{kind}", [f"algo.advantage.kind={kind}", "run.name=k",
+                                                          "trainer.total_steps=1", "trainer.val_before_train=false",
+                                                          "reward.by_source={}",
+                                                          f"reward.function={length_reward}:score"])
+              for kind in ("rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")}
+    return full, resumed, resharded, others
 
 
 def _comparable(row):
     return {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/throughput"))}
 
 
-def test_resume_reproduces_the_uninterrupted_run(tiny, tmp_path):
-    full, resumed, resharded = run_distributed(_resume_runs, 2, tiny, str(tmp_path), timeout_s=500)[0]
+def test_resume_export_reshard_and_every_estimator(tiny, tmp_path):
+    full, resumed, resharded, others = run_distributed(_resume_runs, 2, tiny, str(tmp_path), timeout_s=500)[0]
     assert [row["step"] for row in resumed] == [4, 5, 6]
     assert [_comparable(r) for r in full[4:]] == [_comparable(r) for r in resumed]
     assert sorted(p.name for p in (tmp_path / "split/r/checkpoints").iterdir()) == ["latest", "step_3", "step_6"]
@@ -95,6 +100,9 @@ def test_resume_reproduces_the_uninterrupted_run(tiny, tmp_path):
     # weights), the rollout engine still samples with exactly the actor's weights.
     assert all(row["rollout/logprob_diff_max"] < 1e-4 for row in resharded[1:])
     assert resharded[-1]["actor/grad_norm"] > 0
+    # The other estimators run end to end too (ReMax also generates a greedy baseline per prompt).
+    for kind, history in others.items():
+        assert history[-1]["actor/grad_norm"] > 0 and math.isfinite(history[-1]["actor/pg_loss"]), kind
 
 
 def test_reward_function_raising_names_the_sample_and_saves_nothing(tiny, tmp_path):
