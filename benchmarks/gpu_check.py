@@ -53,7 +53,8 @@ def mcore_model(path: str, groups, dtype: torch.dtype):
     from rlhf.models.builder import build_gpt
     from rlhf.models.hf_load import load_hf_weights
 
-    model = build_gpt(AutoConfig.from_pretrained(path), groups, params_dtype=dtype)
+    # build_gpt leaves megatron's torch-norm weights on the CPU when CUDA is present: move the whole model.
+    model = build_gpt(AutoConfig.from_pretrained(path), groups, params_dtype=dtype).to(platform.current_device())
     load_hf_weights(model, path)
     return model
 
@@ -97,12 +98,21 @@ def timed(fn, repeats: int) -> list[float]:
     return times
 
 
+def hf_generate(model, batch, params) -> None:
+    """Plain `model.generate` (sampling, EOS suppressed by min_new_tokens): the HF baseline, no logprobs."""
+    device = platform.current_device()
+    width = batch.prompt_tokens_bt.shape[1]
+    mask_bt = (torch.arange(width)[None, :] >= width - batch.prompt_lengths_b[:, None]).long()
+    model.generate(input_ids=batch.prompt_tokens_bt.to(device), attention_mask=mask_bt.to(device), do_sample=True,
+                   temperature=params.temperature, top_k=0, max_new_tokens=params.max_new_tokens,
+                   min_new_tokens=params.max_new_tokens, pad_token_id=batch.pad_token_id)
+
+
 def engines_bench(path: str, groups, dtype: torch.dtype, args) -> dict:
-    """Native engine (megatron model + KV cache) vs HF generate: same weights, prompts, sampled tokens."""
+    """Native engine (megatron model + KV cache, returns logprobs too) vs HF generate: same weights/prompts."""
     from transformers import AutoConfig
 
     from rlhf.rollout.factory import engine_layout
-    from rlhf.rollout.hf_engine import HFEngine
     from rlhf.rollout.native.engine import NativeEngine, NativeEngineConfig
     from rlhf.rollout.sampling_params import SamplingParams
 
@@ -112,16 +122,17 @@ def engines_bench(path: str, groups, dtype: torch.dtype, args) -> dict:
     native = NativeEngine(mcore_model(path, groups, dtype).eval(), vocab_size=config.vocab_size,
                           config=NativeEngineConfig(max_batch_size=args.gen_batch, max_seq_len=64 + args.gen_tokens),
                           eos_token_ids=(), layout=engine_layout(groups), tp_group=None)
-    engines = {"native": native, "hf": HFEngine(hf_model(path, dtype))}
-    times: dict[str, list[float]] = {k: [] for k in engines}
-    for engine in engines.values():
-        engine.generate(batch, SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True))
+    hf = hf_model(path, dtype)
+    runs = {"native": lambda: native.generate(batch, params), "hf": lambda: hf_generate(hf, batch, params)}
+    for run in runs.values():
+        run()  # warm-up at full length
+    times: dict[str, list[float]] = {key: [] for key in runs}
     for repeat in range(args.repeats):
-        for key in (list(engines) if repeat % 2 == 0 else list(engines)[::-1]):
-            times[key] += timed(lambda: engines[key].generate(batch, params), 1)
+        for key in (list(runs) if repeat % 2 == 0 else list(runs)[::-1]):
+            times[key] += timed(runs[key], 1)
     tokens = args.gen_batch * args.gen_tokens
     row = {"dtype": str(dtype), "batch": args.gen_batch, "new_tokens": args.gen_tokens, "seconds": times}
-    for key in engines:
+    for key in runs:
         row[f"{key}_tok_s"] = tokens / statistics.median(times[key])
     row["native_over_hf"] = row["native_tok_s"] / row["hf_tok_s"]
     return row
@@ -167,12 +178,15 @@ def matmul_tflops(dtype: torch.dtype, size: int = 8192) -> float:
 
 
 def run_check(results: dict, name: str, fn, *args) -> None:
+    if not any(name.startswith(prefix) for prefix in results["config"]["only"]):
+        return
     start = time.perf_counter()
     try:
         results[name] = fn(*args)
     except Exception as err:  # a failed check is recorded and the others still run
         results[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
     results[name]["check_s"] = time.perf_counter() - start
+    Path(results["config"]["out"]).write_text(json.dumps(results, indent=1) + "\n")  # partial results survive
     print(f"[gpu_check] {name}: {json.dumps({k: v for k, v in results[name].items() if k != 'seconds'})[:800]}",
           flush=True)
 
@@ -185,6 +199,8 @@ def main() -> None:
     parser.add_argument("--train-batch", type=int, default=8)
     parser.add_argument("--train-seq", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", nargs="+", default=["matmul", "parity", "engine", "train"],
+                        help="run the checks whose names start with these prefixes")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on any device (tests the script on CPU)")
     args = parser.parse_args()
     big_config = QWEN2_05B
@@ -200,6 +216,7 @@ def main() -> None:
     results: dict = {"name": "gpu_check", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                      "machine": {"device": platform.device_name(), "torch": torch.__version__,
                                  "cuda": torch.version.cuda}, "config": vars(args)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with distributed("auto", timeout_s=600) as _, tempfile.TemporaryDirectory() as workdir:
         groups = build_layout_groups(ParallelLayout())
         root = Path(workdir)
@@ -215,7 +232,6 @@ def main() -> None:
         for dtype in (torch.bfloat16, torch.float32):
             run_check(results, f"engine_qwen2_05b_{str(dtype)[6:]}", engines_bench, big, groups, dtype, args)
         run_check(results, "train_mfu_qwen2_05b_bf16", train_mfu, big, groups, args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print(f"[gpu_check] wrote {args.out}")
 

@@ -64,7 +64,9 @@ class Generation:
         for group, length in enumerate(lengths.tolist()):
             self.cache.copy_slot(slots[group * n], slots[group * n + 1:(group + 1) * n], length)
         slots_k = torch.tensor(slots, device=self.row_s.device)
-        self.row_s[slots_k] = (torch.tensor(prompt_ids)[:, None] * n + torch.arange(n)).flatten()
+        device = self.row_s.device
+        self.row_s[slots_k] = (torch.tensor(prompt_ids, device=device)[:, None] * n
+                               + torch.arange(n, device=device)).flatten()
         self.position_s[slots_k] = lengths.repeat_interleave(n)
         self.generated_s[slots_k] = 0
         self.num_active += len(slots)
