@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             close_run()
         if run_dir.is_rank0:
-            result = throughput(profile.steps, cfg)
+            result = throughput(profile.steps, cfg.data.prompts_per_step * cfg.sampling.n, runtime.world_size)
             result["advice"] = advice(result["gen_over_train_time"])
             (run_dir.path / "bench.json").write_text(json.dumps(result, indent=1) + "\n")
             print(format_result(result))

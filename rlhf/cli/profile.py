@@ -34,7 +34,7 @@ def check_steps(steps: int, warmup: int) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from rlhf.profiling.runner import phase_summary, run_profiled_steps
+    from rlhf.profiling.runner import run_profiled_steps
     from rlhf.trainer.loop import preflight
 
     check_steps(args.steps, args.warmup)

@@ -65,10 +65,9 @@ def phase_summary(steps: list[dict[str, float]]) -> dict:
             "coverage": covered}
 
 
-def throughput(steps: list[dict[str, float]], cfg: RlhfConfig) -> dict:
+def throughput(steps: list[dict[str, float]], rollouts_per_step: int, world_size: int) -> dict:
     """Rollout tokens/s (generated tokens / gen time) vs training tokens/s (all tokens / train phases' time)."""
-    rollouts = cfg.data.prompts_per_step * cfg.sampling.n
-    generated = [s["response_length/mean"] * rollouts for s in steps]
+    generated = [s["response_length/mean"] * rollouts_per_step for s in steps]
     total = [s["perf/total_num_tokens"] for s in steps]
     gen_s = [s["timing_s/gen"] for s in steps]
     train_s = [sum(s.get(f"timing_s/{n}", 0.0) for n in TRAIN_PHASES) for s in steps]
@@ -78,4 +77,4 @@ def throughput(steps: list[dict[str, float]], cfg: RlhfConfig) -> dict:
             "gen_s": statistics.median(gen_s), "train_s": statistics.median(train_s),
             "gen_over_train_time": statistics.median(g / t for g, t in zip(gen_s, train_s)),
             "generated_tokens_per_step": statistics.median(generated),
-            "total_tokens_per_step": statistics.median(total), "world_size": dist.get_world_size()}
+            "total_tokens_per_step": statistics.median(total), "world_size": world_size}
