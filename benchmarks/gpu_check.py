@@ -215,7 +215,7 @@ def main() -> None:
 
     results: dict = {"name": "gpu_check", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                      "machine": {"device": platform.device_name(), "torch": torch.__version__,
-                                 "cuda": torch.version.cuda}, "config": vars(args)}
+                                 "toolkit": torch.version.cuda}, "config": vars(args)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with distributed("auto", timeout_s=600) as _, tempfile.TemporaryDirectory() as workdir:
         groups = build_layout_groups(ParallelLayout())
