@@ -22,6 +22,8 @@ import torch.distributed as dist
 Reduce = Literal["mean", "sum", "max", "min"]
 # Role metrics that are the same on every contributor (not shard sums).
 _SHARED_SUFFIXES = ("grad_norm", "lr", "skipped_steps", "kl_coef")
+# Objects with `enter(name)` / `exit(name, seconds)` told about every timer (`rlhf profile` installs them).
+TIMER_OBSERVERS: list = []
 
 
 class StepMetrics:
@@ -50,11 +52,16 @@ class StepMetrics:
     @contextmanager
     def timer(self, name: str) -> Iterator[None]:
         """Wall time of the block as `timing_s/<name>` (max over ranks: the slowest rank sets the pace)."""
+        for observer in TIMER_OBSERVERS:
+            observer.enter(name)
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.add(f"timing_s/{name}", time.perf_counter() - start, "max")
+            seconds = time.perf_counter() - start
+            self.add(f"timing_s/{name}", seconds, "max")
+            for observer in reversed(TIMER_OBSERVERS):
+                observer.exit(name, seconds)
 
     def local(self) -> dict[str, float]:
         return {name: value for name, (value, _) in self._values.items()}

@@ -59,7 +59,8 @@ def rl_step(stack: RLStack, prompts: PromptStep, step: int) -> StepMetrics:
     with metrics.timer("step"):
         with metrics.timer("gen"):
             local = generate_and_score(stack, prompts, step)
-        batch = gather_global_batch(local, len(prompts.records), stack.rollout_layout)
+        with metrics.timer("gather"):
+            batch = gather_global_batch(local, len(prompts.records), stack.rollout_layout)
         with metrics.timer("old_log_prob"):
             batch.old_logprobs_bt = stack.actor.logprobs(batch, stack.actor_update.micro_batch_size)
         if stack.ref is not None:

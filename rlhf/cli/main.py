@@ -20,6 +20,8 @@ COMMANDS = {
     "data": "rlhf.cli.data",
     "convert": "rlhf.cli.convert",
     "generate": "rlhf.cli.generate",
+    "profile": "rlhf.cli.profile",
+    "bench": "rlhf.cli.bench",
 }
 
 

@@ -25,7 +25,9 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class SamplingConfig:
-    """Training rollouts (`n` samples per prompt) and validation decoding (greedy by default)."""
+    """Training rollouts (`n` samples per prompt) and validation decoding (greedy by default).
+
+    `ignore_eos` makes training rollouts always run `max_new_tokens` (fixed-length benchmarks)."""
 
     n: int = 4
     max_new_tokens: int = 64
@@ -35,6 +37,7 @@ class SamplingConfig:
     seed: int = 0
     val_n: int = 1
     val_temperature: float = 0.0
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         self.train_params(0)
@@ -43,7 +46,8 @@ class SamplingConfig:
     def train_params(self, step: int) -> SamplingParams:
         """Fresh seed per step (same on every rank; engines mix in their DP rank)."""
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, n=self.n, seed=self.seed + 1_000 * step)
+                              top_k=self.top_k, n=self.n, seed=self.seed + 1_000 * step,
+                              ignore_eos=self.ignore_eos)
 
     def val_params(self, step: int) -> SamplingParams:
         greedy = self.val_temperature == 0

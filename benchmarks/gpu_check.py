@@ -1,0 +1,240 @@
+"""Every GPU check in one process (run by benchmarks/gpu_check.sh): model parity on the accelerator in fp32 and
+bf16, native engine vs `transformers.generate` tokens/s on a ~0.5B Qwen2 config, and a train step's MFU.
+
+Each check records its numbers or its error, so one failure does not hide the others; the JSON goes to
+`$OUT/gpu_check.json` (or `--out`). Random weights throughout: these are speed and numerics checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_rollout import _prompts, flops_per_token  # noqa: E402
+
+from rlhf import platform  # noqa: E402
+
+H200_BF16_DENSE_TFLOPS = 989.0  # datasheet dense bf16 peak (no sparsity)
+QWEN2_05B = dict(vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                 intermediate_size=4864)
+
+
+def save_model(family: str, path: Path, *, scaled: bool = True, **config) -> str:
+    """Tiny models get the scaled-up test init; large ones HF's own init (std 0.02), so logits stay sane."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.testing.tiny_models import tiny_hf_config, tiny_hf_model
+
+    torch.manual_seed(0)
+    model = (tiny_hf_model(family, seed=0, **config) if scaled else
+             AutoModelForCausalLM.from_config(tiny_hf_config(family, **config), dtype=torch.float32))
+    model.config.max_position_embeddings = 2048
+    model.save_pretrained(path)
+    return str(path)
+
+
+def mcore_model(path: str, groups, dtype: torch.dtype):
+    from transformers import AutoConfig
+
+    from rlhf.models.builder import build_gpt
+    from rlhf.models.hf_load import load_hf_weights
+
+    # build_gpt leaves megatron's torch-norm weights on the CPU when CUDA is present: move the whole model.
+    model = build_gpt(AutoConfig.from_pretrained(path), groups, params_dtype=dtype).to(platform.current_device())
+    load_hf_weights(model, path)
+    return model
+
+
+def hf_model(path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(platform.current_device()).eval()
+
+
+@torch.no_grad()
+def parity(path: str, groups, dtype: torch.dtype, vocab: int) -> dict:
+    """Max |logit| and |logprob| difference of rlhf's megatron model vs HF, both in `dtype` on the device,
+    and each against HF fp32 (the reference)."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, vocab, (4, 128), generator=generator).to(platform.current_device())
+    positions = torch.arange(128, device=tokens.device).expand_as(tokens)
+    ref = hf_model(path, torch.float32)(tokens).logits.float()
+    hf = hf_model(path, dtype)(tokens).logits.float()
+    model = mcore_model(path, groups, dtype).eval()
+    ours = model(tokens, positions, attention_mask=None).float()[..., :vocab]
+
+    def lp(logits_bsv):
+        return torch.log_softmax(logits_bsv[:, :-1], -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+    return {"dtype": str(dtype), "max_abs_logit_rlhf_vs_hf": float((ours - hf).abs().max()),
+            "max_abs_logit_rlhf_vs_hf_fp32": float((ours - ref).abs().max()),
+            "max_abs_logit_hf_vs_hf_fp32": float((hf - ref).abs().max()),
+            "max_abs_logprob_rlhf_vs_hf": float((lp(ours) - lp(hf)).abs().max()),
+            "logit_scale": float(ref.abs().max())}
+
+
+def timed(fn, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        platform.synchronize()
+        start = time.perf_counter()
+        fn()
+        platform.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def hf_generate(model, batch, params) -> None:
+    """Plain `model.generate` (sampling, EOS suppressed by min_new_tokens): the HF baseline, no logprobs."""
+    device = platform.current_device()
+    width = batch.prompt_tokens_bt.shape[1]
+    mask_bt = (torch.arange(width)[None, :] >= width - batch.prompt_lengths_b[:, None]).long()
+    model.generate(input_ids=batch.prompt_tokens_bt.to(device), attention_mask=mask_bt.to(device), do_sample=True,
+                   temperature=params.temperature, top_k=0, max_new_tokens=params.max_new_tokens,
+                   min_new_tokens=params.max_new_tokens, pad_token_id=batch.pad_token_id)
+
+
+def engines_bench(path: str, groups, dtype: torch.dtype, args) -> dict:
+    """Native engine (megatron model + KV cache, returns logprobs too) vs HF generate: same weights/prompts."""
+    from transformers import AutoConfig
+
+    from rlhf.rollout.factory import engine_layout
+    from rlhf.rollout.native.engine import NativeEngine, NativeEngineConfig
+    from rlhf.rollout.sampling_params import SamplingParams
+
+    config = AutoConfig.from_pretrained(path)
+    batch = _prompts(config.vocab_size, args.gen_batch, seed=0)
+    params = SamplingParams(max_new_tokens=args.gen_tokens, temperature=1.0, seed=0, ignore_eos=True)
+    native = NativeEngine(mcore_model(path, groups, dtype).eval(), vocab_size=config.vocab_size,
+                          config=NativeEngineConfig(max_batch_size=args.gen_batch, max_seq_len=64 + args.gen_tokens),
+                          eos_token_ids=(), layout=engine_layout(groups), tp_group=None)
+    hf = hf_model(path, dtype)
+    runs = {"native": lambda: native.generate(batch, params), "hf": lambda: hf_generate(hf, batch, params)}
+    for run in runs.values():
+        run()  # warm-up at full length
+    times: dict[str, list[float]] = {key: [] for key in runs}
+    for repeat in range(args.repeats):
+        for key in (list(runs) if repeat % 2 == 0 else list(runs)[::-1]):
+            times[key] += timed(runs[key], 1)
+    tokens = args.gen_batch * args.gen_tokens
+    row = {"dtype": str(dtype), "batch": args.gen_batch, "new_tokens": args.gen_tokens, "seconds": times}
+    for key in runs:
+        row[f"{key}_tok_s"] = tokens / statistics.median(times[key])
+    row["native_over_hf"] = row["native_tok_s"] / row["hf_tok_s"]
+    return row
+
+
+def train_mfu(path: str, groups, args) -> dict:
+    """bf16 forward+backward+AdamW on the 0.5B config through megatron's schedule; MFU vs the bf16 peak."""
+    from transformers import AutoConfig
+
+    from rlhf.models.forward import forward_backward, token_logprobs
+
+    config = AutoConfig.from_pretrained(path)
+    model = mcore_model(path, groups, torch.bfloat16).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=platform.has_accelerator())
+    tokens = torch.randint(3, config.vocab_size, (args.train_batch, args.train_seq), device=platform.current_device())
+
+    class MicroBatch:
+        tokens_bs = tokens
+
+    def loss_fn(logits_bsv, micro_batch):
+        return -token_logprobs(logits_bsv, micro_batch.tokens_bs, groups.tp, config.vocab_size).float().mean(), {}
+
+    def step():
+        forward_backward(model, [MicroBatch()], loss_fn, groups)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    timed(step, 2)
+    times = timed(step, args.repeats)
+    flops = 3 * args.train_batch * args.train_seq * flops_per_token(config, args.train_seq / 2)
+    seconds = statistics.median(times)
+    return {"batch": args.train_batch, "seq": args.train_seq, "seconds": times, "tflop_s": flops / seconds / 1e12,
+            "mfu_vs_989": flops / seconds / 1e12 / H200_BF16_DENSE_TFLOPS,
+            "tokens_per_s": args.train_batch * args.train_seq / seconds,
+            "peak_memory_gib": platform.peak_memory_bytes() / 2**30}
+
+
+def matmul_tflops(dtype: torch.dtype, size: int = 8192) -> float:
+    a = torch.randn(size, size, dtype=dtype, device=platform.current_device())
+    b = torch.randn(size, size, dtype=dtype, device=platform.current_device())
+    a @ b
+    return 2 * size**3 / statistics.median(timed(lambda: a @ b, 10)) / 1e12
+
+
+def run_check(results: dict, name: str, fn, *args) -> None:
+    if not any(name.startswith(prefix) for prefix in results["config"]["only"]):
+        return
+    start = time.perf_counter()
+    try:
+        results[name] = fn(*args)
+    except Exception as err:  # a failed check is recorded and the others still run
+        results[name] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+    results[name]["check_s"] = time.perf_counter() - start
+    Path(results["config"]["out"]).write_text(json.dumps(results, indent=1) + "\n")  # partial results survive
+    print(f"[gpu_check] {name}: {json.dumps({k: v for k, v in results[name].items() if k != 'seconds'})[:800]}",
+          flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"), "gpu_check.json"))
+    parser.add_argument("--gen-batch", type=int, default=64)
+    parser.add_argument("--gen-tokens", type=int, default=128)
+    parser.add_argument("--train-batch", type=int, default=8)
+    parser.add_argument("--train-seq", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", nargs="+", default=["matmul", "parity", "engine", "train"],
+                        help="run the checks whose names start with these prefixes")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on any device (tests the script on CPU)")
+    args = parser.parse_args()
+    big_config = QWEN2_05B
+    if args.smoke:
+        big_config = dict(QWEN2_05B, vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128)
+        args.gen_batch, args.gen_tokens, args.train_batch, args.train_seq, args.repeats = 4, 8, 2, 32, 1
+    elif not platform.has_accelerator():
+        raise SystemExit("gpu_check: no accelerator visible; run this on a GPU machine (or pass --smoke)")
+    from rlhf.dist.groups import build_layout_groups
+    from rlhf.dist.layout import ParallelLayout
+    from rlhf.dist.runtime import distributed
+
+    results: dict = {"name": "gpu_check", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                     "machine": {"device": platform.device_name(), "torch": torch.__version__,
+                                 "toolkit": torch.version.cuda}, "config": vars(args)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with distributed("auto", timeout_s=600) as _, tempfile.TemporaryDirectory() as workdir:
+        groups = build_layout_groups(ParallelLayout())
+        root = Path(workdir)
+        tiny = {fam: save_model(fam, root / fam) for fam in ("llama", "qwen2")}
+        big = save_model("qwen2", root / "qwen2_05b", scaled=False, **big_config)
+        run_check(results, "matmul_bf16", lambda: {"tflop_s": matmul_tflops(torch.bfloat16, 256 if args.smoke else 8192)})
+        for fam, path in tiny.items():
+            for dtype in (torch.float32, torch.bfloat16):
+                run_check(results, f"parity_{fam}_{str(dtype)[6:]}", parity, path, groups, dtype, 101)
+        for dtype in (torch.float32, torch.bfloat16):
+            run_check(results, f"parity_qwen2_05b_{str(dtype)[6:]}", parity, big, groups, dtype,
+                      big_config["vocab_size"])
+        for dtype in (torch.bfloat16, torch.float32):
+            run_check(results, f"engine_qwen2_05b_{str(dtype)[6:]}", engines_bench, big, groups, dtype, args)
+        run_check(results, "train_mfu_qwen2_05b_bf16", train_mfu, big, groups, args)
+    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    print(f"[gpu_check] wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""`rlhf bench`: rollout tokens/s vs training tokens/s for a config, and what their ratio suggests."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rlhf.cli.common import add_config_args, config_from_args
+from rlhf.cli.profile import check_steps
+from rlhf.dist.runtime import distributed
+from rlhf.run_dir import close_run, setup_run
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("bench", help="rollout vs training throughput of a config")
+    add_config_args(parser)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    return parser
+
+
+def advice(gen_over_train: float) -> str:
+    """Which side to give more ranks, from the time the step spends generating vs training."""
+    if gen_over_train > 1.5:
+        return "rollout-bound: generation takes longer than training; give rollout more ranks (or a faster engine)"
+    if gen_over_train < 1 / 1.5:
+        return "training-bound: training takes longer than generation; give the trained roles more ranks"
+    return "balanced: generation and training take similar time"
+
+
+def run(args: argparse.Namespace) -> int:
+    from rlhf.profiling.runner import run_profiled_steps, throughput
+    from rlhf.trainer.loop import preflight
+
+    check_steps(args.steps, args.warmup)
+    cfg = config_from_args(args)
+    with distributed(cfg.dist.backend, timeout_s=cfg.dist.timeout_s, seed=cfg.dist.seed) as runtime:
+        preflight(cfg, runtime.world_size)
+        run_dir = setup_run(cfg.run, cfg, prefix="bench")
+        try:
+            profile = run_profiled_steps(cfg, run_dir, steps=args.steps, warmup=args.warmup, counters=False)
+        finally:
+            close_run()
+        if run_dir.is_rank0:
+            result = throughput(profile.steps, cfg.data.prompts_per_step * cfg.sampling.n, runtime.world_size)
+            result["advice"] = advice(result["gen_over_train_time"])
+            (run_dir.path / "bench.json").write_text(json.dumps(result, indent=1) + "\n")
+            print(format_result(result))
+            print(f"wrote {run_dir.path / 'bench.json'}")
+    return 0
+
+
+def format_result(r: dict) -> str:
+    return "\n".join([
+        f"{'':10} {'tokens/s':>10} {'s/step':>8}  (world {r['world_size']})",
+        f"{'rollout':10} {r['rollout_tok_s']:10.0f} {r['gen_s']:8.3f}  ({r['generated_tokens_per_step']:.0f} generated)",
+        f"{'training':10} {r['train_tok_s']:10.0f} {r['train_s']:8.3f}  ({r['total_tokens_per_step']:.0f} prompt+response)",
+        f"rollout/training time ratio {r['gen_over_train_time']:.2f}: {r['advice']}"])

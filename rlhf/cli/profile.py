@@ -1,0 +1,101 @@
+"""`rlhf profile`: N RL steps of a config with per-phase time, peak memory and collective counters.
+
+Rank 0 prints a table (phase seconds and share of the step, peak memory, collectives per phase) and writes
+`profile.json` in the run folder; `--trace` adds a torch profiler chrome trace per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rlhf.cli.common import add_config_args, config_from_args
+from rlhf.dist.runtime import distributed
+from rlhf.errors import ConfigError
+from rlhf.run_dir import close_run, setup_run
+
+_MIB = 2**20
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("profile", help="where one RL step's time, memory and communication go")
+    add_config_args(parser)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    parser.add_argument("--trace", action="store_true", help="write a torch profiler trace per rank")
+    return parser
+
+
+def check_steps(steps: int, warmup: int) -> None:
+    if steps < 1 or warmup < 0:
+        raise ConfigError(f"--steps={steps} must be >= 1 and --warmup={warmup} >= 0")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from rlhf.profiling.runner import run_profiled_steps
+    from rlhf.trainer.loop import preflight
+
+    check_steps(args.steps, args.warmup)
+    cfg = config_from_args(args)
+    with distributed(cfg.dist.backend, timeout_s=cfg.dist.timeout_s, seed=cfg.dist.seed) as runtime:
+        preflight(cfg, runtime.world_size)
+        run_dir = setup_run(cfg.run, cfg, prefix="profile")
+        try:
+            profile = run_profiled_steps(cfg, run_dir, steps=args.steps, warmup=args.warmup, counters=True,
+                                         trace_dir=run_dir.path if args.trace else None)
+            per_rank: list = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, {"memory": profile.memory.peak_bytes, "comm": profile.comm.rows()})
+        finally:
+            close_run()
+        if run_dir.is_rank0:
+            report = build_report(profile.steps, per_rank, args.steps)
+            (run_dir.path / "profile.json").write_text(json.dumps(report, indent=1) + "\n")
+            print(format_report(report))
+            print(f"wrote {run_dir.path / 'profile.json'}")
+    return 0
+
+
+def build_report(steps: list[dict], per_rank: list[dict], timed_steps: int) -> dict:
+    """Phases (max over ranks per step, median over steps), memory (max over ranks), collectives per step."""
+    from rlhf.profiling.runner import phase_summary
+
+    memory: dict[str, int] = {}
+    for rank in per_rank:
+        for name, value in rank["memory"].items():
+            memory[name] = max(memory.get(name, 0), value)
+    comm: dict[tuple[str, str], dict] = {}
+    for rank in per_rank:
+        for row in rank["comm"]:
+            entry = comm.setdefault((row["phase"], row["op"]), {"calls": 0, "bytes": 0, "seconds_max_rank": 0.0})
+            entry["calls"] += row["calls"] / timed_steps
+            entry["bytes"] += row["bytes"] / timed_steps
+            entry["seconds_max_rank"] = max(entry["seconds_max_rank"], row["seconds"] / timed_steps)
+    return {"timed_steps": timed_steps, "world_size": len(per_rank), **phase_summary(steps),
+            "peak_memory_bytes": memory,
+            "collectives_per_step": [{"phase": p, "op": o, **v} for (p, o), v in sorted(comm.items())],
+            "steps": steps}
+
+
+def format_report(report: dict) -> str:
+    lines = [f"{report['timed_steps']} timed steps on {report['world_size']} rank(s): "
+             f"step {report['step_s']:.3f} s (median); phases account for {report['coverage']:.1%}",
+             f"{'phase':15} {'seconds':>9} {'share':>7} {'peak MiB':>9} {'colls':>6} {'coll MiB':>9} {'coll s':>8}"]
+    by_phase: dict[str, list[float]] = {}
+    for row in report["collectives_per_step"]:
+        agg = by_phase.setdefault(row["phase"], [0, 0, 0.0])
+        agg[0] += row["calls"]
+        agg[1] += row["bytes"]
+        agg[2] += row["seconds_max_rank"]
+    for name, seconds in report["phases_s"].items():
+        calls, nbytes, comm_s = by_phase.get(name, [0, 0, 0.0])
+        lines.append(f"{name:15} {seconds:9.3f} {report['share'][name]:7.1%} "
+                     f"{report['peak_memory_bytes'].get(name, 0) / _MIB:9.1f} {calls:6.0f} {nbytes / _MIB:9.2f} "
+                     f"{comm_s:8.3f}")
+    lines.append(f"{'step':15} {report['step_s']:9.3f} {1:7.1%} {report['peak_memory_bytes'].get('step', 0) / _MIB:9.1f}")
+    lines.append("collectives per step (sum over ranks; time = slowest rank):")
+    for row in report["collectives_per_step"]:
+        lines.append(f"  {row['phase']:15} {row['op']:24} calls {row['calls']:7.1f}  MiB {row['bytes'] / _MIB:9.3f}  "
+                     f"s {row['seconds_max_rank']:.4f}")
+    return "\n".join(lines)

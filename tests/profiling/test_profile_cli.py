@@ -1,0 +1,85 @@
+"""`rlhf profile` and `rlhf bench` on a tiny GRPO config, 2 gloo ranks in one launched world."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf.testing.distributed import run_distributed
+from tests.trainer.fixtures import make_tiny_setup
+
+
+def _config_file(paths: dict[str, str], root: Path, kl_coef: float) -> str:
+    data = {
+        "dist": {"backend": "gloo", "timeout_s": 60},
+        "run": {"output_dir": str(root / "runs"), "name": "p"},
+        "model": {"path": paths["model"]},
+        "data": {"train_files": [paths["train"]], "prompts_per_step": 4, "max_prompt_length": 16},
+        "sampling": {"n": 4, "max_new_tokens": 6, "ignore_eos": True},
+        "algo": {"advantage": {"kind": "grpo"}, "kl": {"coef": kl_coef}},
+        "reward": {"by_source": {"reasoning_gym/*": "reasoning_gym_exact"}},
+        "actor": {"optim": {"lr": 1e-3}, "micro_batch_size": 4},
+        "rollout": {"native": {"max_batch_size": 16, "max_seq_len": 32}},
+        "trainer": {"total_steps": 100, "tensorboard": False},
+    }
+    path = root / f"cfg_{kl_coef}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _run_both(profile_cfg: str, bench_cfg: str) -> int:
+    from rlhf.cli.main import main
+
+    assert main(["profile", "--config", profile_cfg, "--steps", "2", "--warmup", "1", "--trace",
+                 "run.name=prof"]) == 0
+    return main(["bench", "--config", bench_cfg, "--steps", "2", "--warmup", "0", "run.name=bench"])
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("profile")
+    paths = make_tiny_setup(root)
+    codes = run_distributed(_run_both, 2, _config_file(paths, root, 0.1), _config_file(paths, root, 0.0),
+                            timeout_s=240)
+    assert codes == [0, 0]
+    return root / "runs"
+
+
+def test_profile_phases_account_for_the_step(outputs, capsys):
+    report = json.loads((outputs / "prof" / "profile.json").read_text())
+    assert report["world_size"] == 2 and report["timed_steps"] == 2 and len(report["steps"]) == 2
+    assert set(report["phases_s"]) == {"gen", "gather", "old_log_prob", "ref", "adv", "update_actor",
+                                       "update_weights"}
+    assert report["coverage"] >= 0.95
+    assert sum(report["phases_s"].values()) <= report["step_s"] * 1.001
+    assert all(report["peak_memory_bytes"][name] > 0 for name in report["phases_s"])
+
+
+def test_profile_counts_the_gradient_all_reduce(outputs):
+    report = json.loads((outputs / "prof" / "profile.json").read_text())
+    rows = {(r["phase"], r["op"]): r for r in report["collectives_per_step"]}
+    # The batch exchange runs once per step on each rank; actor DP=2 all-reduces gradients in update_actor.
+    update_ops = {op for phase, op in rows if phase == "update_actor"}
+    assert update_ops & {"all_reduce", "reduce_scatter_tensor"}, rows.keys()
+    grads = sum(r["bytes"] for (phase, op), r in rows.items()
+                if phase == "update_actor" and op in ("all_reduce", "reduce_scatter_tensor"))
+    assert grads > 0
+    assert all(r["calls"] > 0 and r["seconds_max_rank"] >= 0 for r in rows.values())
+
+
+def test_profile_writes_a_trace_per_rank(outputs):
+    for rank in (0, 1):
+        trace = json.loads((outputs / "prof" / f"trace_rank{rank}.json").read_text())
+        assert trace["traceEvents"]
+
+
+def test_bench_reports_both_throughputs(outputs):
+    result = json.loads((outputs / "bench" / "bench.json").read_text())
+    # 4 prompts x 4 samples x 6 tokens with EOS ignored: every response is full length.
+    assert result["generated_tokens_per_step"] == 96
+    assert result["rollout_tok_s"] == pytest.approx(96 / result["gen_s"], rel=0.5)
+    assert result["train_tok_s"] > 0 and result["world_size"] == 2
+    assert result["advice"].split(":")[0] in ("rollout-bound", "training-bound", "balanced")
