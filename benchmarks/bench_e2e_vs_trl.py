@@ -105,7 +105,8 @@ def rlhf_config(model_path: str, prompts: Path, beta: float, lr: float, run_root
         "sampling": {"n": GROUP, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
         "algo": {"advantage": {"kind": "grpo"}, "kl": {"coef": beta}},
         "reward": {"by_source": {"reasoning_gym/*": "reasoning_gym_exact"}},
-        "actor": {"optim": {"lr": lr}, "micro_batch_size": PROMPTS * GROUP},
+        "actor": {"optim": {"lr": lr}, "micro_batch_size": PROMPTS * GROUP,
+                  "recompute_old_logprobs": False},  # on-policy, as TRL with num_iterations=1
         "rollout": {"native": {"max_batch_size": PROMPTS * GROUP, "max_seq_len": 64 + NEW_TOKENS}},
         "trainer": {"total_steps": 10_000, "tensorboard": False, "plot": False, "val_before_train": False},
     }

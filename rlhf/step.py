@@ -61,8 +61,9 @@ def rl_step(stack: RLStack, prompts: PromptStep, step: int) -> StepMetrics:
             local = generate_and_score(stack, prompts, step)
         with metrics.timer("gather"):
             batch = gather_global_batch(local, len(prompts.records), stack.rollout_layout)
-        with metrics.timer("old_log_prob"):
-            batch.old_logprobs_bt = stack.actor.logprobs(batch, stack.actor_update.micro_batch_size)
+        if needs_old_logprobs(stack):
+            with metrics.timer("old_log_prob"):
+                batch.old_logprobs_bt = stack.actor.logprobs(batch, stack.actor_update.micro_batch_size)
         if stack.ref is not None:
             with metrics.timer("ref"):
                 batch.ref_logprobs_bt = stack.ref.logprobs(batch, stack.actor_update.micro_batch_size)
@@ -80,6 +81,11 @@ def rl_step(stack: RLStack, prompts: PromptStep, step: int) -> StepMetrics:
             stack.weight_sync.sync()
     record_batch_metrics(metrics, batch, stack)
     return metrics
+
+
+def needs_old_logprobs(stack: RLStack) -> bool:
+    """Skipped only when the update is strictly on-policy and nothing else (KL in reward) reads them."""
+    return stack.actor_update.recompute_old_logprobs or stack.algo.kl.use_in_reward
 
 
 def generate_and_score(stack: RLStack, prompts: PromptStep, step: int) -> TrainBatch | None:
@@ -128,7 +134,6 @@ def record_batch_metrics(metrics: StepMetrics, batch: TrainBatch, stack: RLStack
     """Metrics of the global batch (identical on every rank, so rank 0 reports them)."""
     mask = batch.response_mask_bt
     lengths = batch.response_lengths_b.float()
-    diff_bt = (batch.rollout_logprobs_bt - batch.old_logprobs_bt).abs() * mask
     num_tokens = int(batch.prompt_lengths_b.sum() + batch.response_lengths_b.sum())
     step_s = metrics.local()["timing_s/step"]
     world = dist.get_world_size()
@@ -142,11 +147,13 @@ def record_batch_metrics(metrics: StepMetrics, batch: TrainBatch, stack: RLStack
         "response_length/min": float(lengths.min()),
         "response_length/clip_ratio": float((lengths >= stack.sampling.max_new_tokens).float().mean()),
         "prompt_length/mean": float(batch.prompt_lengths_b.float().mean()),
-        "rollout/logprob_diff_mean": _masked_mean(diff_bt, mask),
-        "rollout/logprob_diff_max": float(diff_bt.max()),
         "perf/total_num_tokens": float(num_tokens),
         "perf/throughput": num_tokens / max(step_s, 1e-9) / world,
     }
+    if batch.old_logprobs_bt is not None:
+        diff_bt = (batch.rollout_logprobs_bt - batch.old_logprobs_bt).abs() * mask
+        values["rollout/logprob_diff_mean"] = _masked_mean(diff_bt, mask)
+        values["rollout/logprob_diff_max"] = float(diff_bt.max())
     if batch.values_bt is not None:
         values["critic/values/mean"] = _masked_mean(batch.values_bt, mask)
         values["critic/returns/mean"] = _masked_mean(batch.returns_bt, mask)

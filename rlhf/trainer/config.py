@@ -79,17 +79,23 @@ class UpdateConfig:
     """One trained role: optimizer, and how each step's batch is split (epochs x mini-batches x micro-batches).
 
     Every mini-batch is one optimizer step; `micro_batch_size` sequences go through one forward per DP rank.
+    `recompute_old_logprobs=False` (actor, strictly on-policy: one epoch, one mini-batch) skips the separate
+    old-logprob forward: the update's own logprobs, detached, are the old ones (ratio exactly 1, same gradient).
     """
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     epochs: int = 1
     mini_batches: int = 1
     micro_batch_size: int = 8
+    recompute_old_logprobs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("epochs", "mini_batches", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if not self.recompute_old_logprobs and (self.epochs, self.mini_batches) != (1, 1):
+            raise ConfigError(f"recompute_old_logprobs=false needs one on-policy update per batch, got epochs="
+                              f"{self.epochs} and mini_batches={self.mini_batches}; set both to 1 or keep true")
 
 
 @dataclass(kw_only=True)

@@ -143,7 +143,8 @@ class PolicyRole(ModelRole):
                 with torch.no_grad():
                     entropy_bt = gather_response(token_entropy(logits_bsv.detach(), self.tp_group,
                                                                self.vocab_size), mb)
-            inputs = ActorLossInputs(logprobs_bt=logp_bt, old_logprobs_bt=mb.old_logprobs_bt,
+            old_bt = mb.old_logprobs_bt if mb.old_logprobs_bt is not None else logp_bt.detach()  # on-policy
+            inputs = ActorLossInputs(logprobs_bt=logp_bt, old_logprobs_bt=old_bt,
                                      advantages_bt=mb.advantages_bt, response_mask_bt=mb.response_mask_bt,
                                      ref_logprobs_bt=mb.ref_logprobs_bt if use_kl_loss else None,
                                      entropy_bt=entropy_bt)

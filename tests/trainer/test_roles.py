@@ -46,13 +46,29 @@ def _update_at(paths, layouts_and_micro):
         role = PolicyRole("actor", mesh, paths["model"], total_steps=4,
                           update=UpdateConfig(micro_batch_size=micro, optim=OptimConfig(lr=1e-3)))
         out.append(role.update(fixed_batch(), AlgoConfig()))
-    return out
+    # Skipping the old-logprob forward (on-policy) must give the update the recomputed path gives.
+    layout = ParallelLayout(dp=2)
+    on_policy = []
+    for recompute in (True, False):
+        mesh = RoleMesh("actor", layout, build_layout_groups(layout, cache))
+        role = PolicyRole("actor", mesh, paths["model"], total_steps=4,
+                          update=UpdateConfig(micro_batch_size=2, optim=OptimConfig(lr=1e-3),
+                                              recompute_old_logprobs=recompute))
+        batch = fixed_batch()
+        batch.old_logprobs_bt = role.logprobs(batch, 2) if recompute else None
+        on_policy.append(role.update(batch, AlgoConfig()))
+    return out, on_policy
 
 
 def test_loss_is_the_same_for_dp1_dp2_and_micro_batching(tiny):
     runs = [(ParallelLayout(dp=1), 8), (ParallelLayout(dp=1), 2), (ParallelLayout(dp=2), 4),
             (ParallelLayout(dp=2), 1), (ParallelLayout(tp=2), 4)]
-    results = run_distributed(_update_at, 2, tiny, runs, timeout_s=300)
+    both = run_distributed(_update_at, 2, tiny, runs, timeout_s=300)
+    results = [b[0] for b in both]
+    recomputed, skipped = both[0][1]
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert skipped[key] == pytest.approx(recomputed[key], abs=1e-6), key
+    assert skipped["actor/ppo_kl"] == 0.0
     by_run = [{**results[0][i], **results[1][i]} for i in range(len(runs))]
     # DP shards report shares; the world sum of the shares is the mini-batch value.
     dp2 = [{k: results[0][i][k] + results[1][i][k] if not k.endswith(("grad_norm", "lr", "skipped_steps"))
