@@ -79,6 +79,9 @@ def build_gpt(hf_config: Any, pg_collection: ProcessGroupCollection, *, pre_proc
                      pre_process=pre_process, post_process=post_process, parallel_output=True,
                      share_embeddings_and_output_weights=spec.tie_embeddings and not value_head,
                      position_embedding_type="rope", rotary_base=spec.rope_theta, pg_collection=pg_collection)
+    # The local spec's torch norms are built on the host even when the linear layers are on the accelerator
+    # (found by benchmarks/gpu_check on an H200); one move puts every parameter and buffer on the device.
+    model.to(current_device())
     model.rotary_pos_emb.inv_freq = spec.inv_freq().to(model.rotary_pos_emb.inv_freq.device)
     if value_head and post_process:
         head = ValueHead(spec.hidden_size, init_std=spec.initializer_range, seed=seed, dtype=params_dtype)
