@@ -1,6 +1,7 @@
 """One RL step, in data-flow order (DESIGN.md §2):
 
-    PromptBatch ──► rollout.generate ──► Rollouts ──► reward ──► TrainBatch (global, on every rank)
+    PromptBatch ──► rollout.generate ──► Rollouts ──► rule reward ──► TrainBatch (global, on every rank)
+                ──► reward model (on its mesh, when configured)
                 ──► actor old logprobs · ref logprobs · critic values
                 ──► advantages (GAE | GRPO | RLOO | REINFORCE++ | ReMax), KL in reward
                 ──► actor.update · critic.update
@@ -29,7 +30,7 @@ from rlhf.rollout.types import PromptBatch
 from rlhf.trainer.batch import TrainBatch, build_train_batch
 from rlhf.trainer.config import AlgoConfig, SamplingConfig, UpdateConfig
 from rlhf.trainer.exchange import gather_global_batch, is_contributor
-from rlhf.trainer.roles import CriticRole, PolicyRole
+from rlhf.trainer.roles import CriticRole, PolicyRole, RewardModelRole
 from rlhf.trainer.scoring import Scorer
 from rlhf.trainer.sync import WeightSync
 
@@ -51,6 +52,7 @@ class RLStack:
     critic_update: UpdateConfig
     kl_controller: KLController
     pad_token_id: int
+    reward_model: RewardModelRole | None = None
 
 
 def rl_step(stack: RLStack, prompts: PromptStep, step: int) -> StepMetrics:
@@ -61,6 +63,9 @@ def rl_step(stack: RLStack, prompts: PromptStep, step: int) -> StepMetrics:
             local = generate_and_score(stack, prompts, step)
         with metrics.timer("gather"):
             batch = gather_global_batch(local, len(prompts.records), stack.rollout_layout)
+        if stack.reward_model is not None:
+            with metrics.timer("reward"):
+                batch.scores_b = stack.reward_model.scores(batch, stack.actor_update.micro_batch_size)
         if needs_old_logprobs(stack):
             with metrics.timer("old_log_prob"):
                 batch.old_logprobs_bt = stack.actor.logprobs(batch, stack.actor_update.micro_batch_size)
@@ -98,6 +103,8 @@ def generate_and_score(stack: RLStack, prompts: PromptStep, step: int) -> TrainB
     if not is_contributor(stack.rollout_layout, dist.get_rank()):
         return None
     batch = build_train_batch(prompt_batch, rollouts)
+    if stack.reward_model is not None:
+        return batch  # scored by the reward model on its own mesh, after the gather
     batch.scores_b = stack.scorer.score(prompts.records, rollouts)
     if stack.algo.advantage.kind == AdvantageKind.REMAX:
         greedy = stack.rollout.generate(prompt_batch, SamplingParams(

@@ -46,13 +46,18 @@ def _is_user_spec(name: str) -> bool:
 class RewardConfig:
     """`by_source` maps data_source patterns (fnmatch, e.g. `reasoning_gym/*`) to a built-in name or a
     `file.py:fn`; `function` is used for every source no pattern matches; the built-in table comes last.
-    With `remote` set, every sample is scored by that HTTP service instead."""
+    With `remote` set, every sample is scored by that HTTP service instead. With `model_path` (an HF
+    sequence-classification folder) a reward model on the reward mesh scores training rollouts; the rule
+    functions then serve validation only."""
 
     function: str | None = None
     by_source: dict[str, str] = field(default_factory=dict)
     remote: RemoteRewardConfig | None = None
+    model_path: str = ""
 
     def __post_init__(self) -> None:
+        if self.model_path and self.remote is not None:
+            raise ConfigError("reward.model_path and reward.remote both score every sample; keep one")
         if self.remote is not None and (self.function or self.by_source):
             raise ConfigError("reward.remote scores every sample; unset reward.function and reward.by_source "
                               "or drop reward.remote")

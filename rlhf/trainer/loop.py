@@ -1,7 +1,7 @@
 """The RL trainer: builds every role on its mesh, then runs `rl_step` with validation, metrics and checkpoints.
 
     Trainer(cfg, run_dir).fit()
-      build: meshes -> actor / ref / critic / rollout engine (+ weight sync) -> data -> reward
+      build: meshes -> data -> reward -> actor / ref / critic / reward model / rollout engine (+ weight sync)
       loop:  resume? -> validate -> [rl_step -> reduce metrics -> log -> validate? -> checkpoint?]* -> plot
 """
 
@@ -17,6 +17,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
 from rlhf import platform
+from rlhf.algo.advantages import AdvantageKind
 from rlhf.algo.kl import KLController
 from rlhf.checkpoint import CheckpointManager
 from rlhf.config.schema import RlhfConfig
@@ -29,7 +30,7 @@ from rlhf.rollout.factory import build_engine, engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
 from rlhf.step import RLStack, rl_step
 from rlhf.trainer.config import check_batch_sizes
-from rlhf.trainer.roles import CriticRole, PolicyRole
+from rlhf.trainer.roles import CriticRole, PolicyRole, RewardModelRole
 from rlhf.trainer.scoring import Scorer
 from rlhf.trainer.sync import SharedWeights
 from rlhf.trainer.validate import validate
@@ -39,9 +40,9 @@ CONSOLE_KEYS = {"critic/score/mean": "reward", "val/score/mean@1": "val", "actor
                 "actor/entropy": "entropy", "response_length/mean": "resp_len", "timing_s/step": "step_s"}
 
 
-def _model_dims(path: str) -> ModelDims:
+def _model_dims(path: str, label: str = "model.path") -> ModelDims:
     if not path or not Path(path).is_dir():
-        raise ConfigError(f"model.path={path!r} is not a folder; point it at an HF model folder "
+        raise ConfigError(f"{label}={path!r} is not a folder; point it at an HF model folder "
                           "(config.json + safetensors), e.g. one written by `rlhf sft`")
     hf_config = AutoConfig.from_pretrained(path)
     return ModelDims(hf_config.num_hidden_layers, hf_config.num_attention_heads,
@@ -52,7 +53,22 @@ def _mesh_config(cfg: RlhfConfig):
     """The mesh config with exactly the roles the algorithm uses (ref only with KL, critic only with GAE)."""
     algo = cfg.algo
     needed = {"actor", "rollout"} | ({"ref"} if algo.uses_ref else set()) | ({"critic"} if algo.uses_critic else set())
+    if cfg.reward.model_path:
+        needed.add("reward")
     return dataclasses.replace(cfg.mesh, roles=[role for role in ROLES if role in needed])
+
+
+def _role_dims(cfg: RlhfConfig) -> dict[str, ModelDims]:
+    """Models that differ from the policy (critic, reward model) are checked against their own sizes."""
+    dims = {}
+    if cfg.algo.uses_critic and cfg.model.critic_path:
+        dims["critic"] = _model_dims(cfg.model.critic_path, "model.critic_path")
+    if cfg.reward.model_path:
+        if cfg.algo.advantage.kind == AdvantageKind.REMAX:
+            raise ConfigError("algo.advantage.kind=remax scores a greedy baseline with rule rewards; it cannot "
+                              "be combined with reward.model_path yet")
+        dims["reward"] = _model_dims(cfg.reward.model_path, "reward.model_path")
+    return dims
 
 
 def _check_batches(cfg: RlhfConfig, layouts: dict) -> None:
@@ -65,10 +81,12 @@ def _check_batches(cfg: RlhfConfig, layouts: dict) -> None:
 
 def preflight(cfg: RlhfConfig, world_size: int) -> None:
     """Every input check that needs no process group, run before the run folder exists: bad input writes nothing."""
-    layouts = plan_meshes(_mesh_config(cfg), world_size, _model_dims(cfg.model.path))
+    layouts = plan_meshes(_mesh_config(cfg), world_size, _model_dims(cfg.model.path), _role_dims(cfg))
     _check_batches(cfg, layouts)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     records = load_prompts(cfg.data.train_files, tokenizer, cfg.data).records
+    if cfg.reward.model_path:
+        records = []  # the reward model scores training; rule rewards only score validation
     if cfg.data.val_files:
         records += load_prompts(cfg.data.val_files, tokenizer, cfg.data, label="data.val_files").records
     Scorer(cfg.reward, tokenizer).check_sources(records)
@@ -79,14 +97,15 @@ class Trainer:
         self.cfg, self.run_dir = cfg, run_dir
         algo = cfg.algo
         self.meshes: RoleMeshes = build_role_meshes(_mesh_config(cfg), _model_dims(cfg.model.path),
-                                                    timeout_s=cfg.dist.timeout_s)
+                                                    timeout_s=cfg.dist.timeout_s, role_dims=_role_dims(cfg))
         _check_batches(cfg, {role: mesh.layout for role, mesh in self.meshes.meshes.items()})
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         self.loader = self._build_data()
         self.scorer = Scorer(cfg.reward, self.tokenizer)
-        self.scorer.check_sources(self.loader.prompts.records + (self.val.records if self.val else []))
+        self.scorer.check_sources(([] if cfg.reward.model_path else self.loader.prompts.records)
+                                  + (self.val.records if self.val else []))
         optimizer_steps = cfg.trainer.total_steps * cfg.actor.epochs * cfg.actor.mini_batches
         actor = PolicyRole("actor", self.meshes["actor"], cfg.model.path, update=cfg.actor,
                            total_steps=optimizer_steps, recompute=cfg.model.recompute, seed=cfg.dist.seed)
@@ -96,11 +115,14 @@ class Trainer:
                              update=cfg.critic, value_head=True, seed=cfg.dist.seed + 1,
                              total_steps=cfg.trainer.total_steps * cfg.critic.epochs * cfg.critic.mini_batches)
                   if algo.uses_critic else None)
+        reward_model = (RewardModelRole("reward", self.meshes["reward"], cfg.reward.model_path, update=None,
+                                        total_steps=0, value_head=True) if cfg.reward.model_path else None)
         engine, weight_sync = self._build_rollout(actor)
         self.stack = RLStack(rollout=engine, rollout_layout=self.meshes["rollout"].layout, scorer=self.scorer,
                              actor=actor, ref=ref, critic=critic, weight_sync=weight_sync, algo=algo,
                              sampling=cfg.sampling, actor_update=cfg.actor, critic_update=cfg.critic,
-                             kl_controller=KLController.from_config(algo.kl), pad_token_id=self.pad_token_id)
+                             kl_controller=KLController.from_config(algo.kl), pad_token_id=self.pad_token_id,
+                             reward_model=reward_model)
         self.checkpoints = CheckpointManager(run_dir.path / "checkpoints", cfg.checkpoint.keep_last)
         self.sink = MetricsSink(run_dir.path, enabled=run_dir.is_rank0, tensorboard=cfg.trainer.tensorboard)
 

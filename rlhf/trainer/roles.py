@@ -171,3 +171,14 @@ class CriticRole(ModelRole):
             return loss, {k: float(v) for k, v in metrics.as_dict("critic/").items()}
 
         return self._train(batch, loss_fn, "critic/")
+
+
+class RewardModelRole(ModelRole):
+    """A frozen reward model (value head): the sequence reward is its value at the last response token."""
+
+    def scores(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
+        def fn(values_bs1: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
+            last_b = (mb.prompt_lengths_b + mb.response_lengths_b - 1).clamp(max=mb.tokens_bs.shape[1] - 1)
+            return values_bs1.squeeze(-1).float().gather(1, last_b[:, None]).squeeze(1)
+
+        return self._forward(batch, micro_batch_size, fn)

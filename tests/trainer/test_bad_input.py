@@ -60,6 +60,14 @@ def test_unknown_reward_source_and_algorithm(tiny, tmp_path):
         trainer_config(tiny, str(tmp_path), ["algo.advantage.kind=ppo2"])
 
 
+def test_reward_model_conflicts(tiny, tmp_path):
+    with pytest.raises(ConfigError, match=r"^algo\.advantage\.kind=remax scores a greedy baseline with rule rewards"):
+        preflight(trainer_config(tiny, str(tmp_path), ["algo.advantage.kind=remax",
+                                                       f"reward.model_path={tiny['model']}"]), world_size=1)
+    with pytest.raises(ConfigError, match=r"^reward\.model_path='/nope' is not a folder"):
+        preflight(trainer_config(tiny, str(tmp_path), ["reward.model_path=/nope"]), world_size=1)
+
+
 def test_cli_one_line_error_and_nothing_written(tiny, tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model: {{path: {tiny['model']}}}\ndata: {{train_files: [{tiny['train']}], prompts_per_step: 4}}\n"

@@ -78,3 +78,31 @@ def test_loss_is_the_same_for_dp1_dp2_and_micro_batching(tiny):
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl", "actor/entropy"):
             assert other[key] == pytest.approx(reference[key], abs=1e-6), key
     assert reference["actor/pg_loss"] != 0.0
+
+
+def _reward_scores(paths, reward_path):
+    from rlhf.trainer.roles import RewardModelRole
+
+    cache = GroupCache()
+    out = []
+    for layout in (ParallelLayout(dp=2), ParallelLayout(tp=2)):
+        mesh = RoleMesh("reward", layout, build_layout_groups(layout, cache))
+        role = RewardModelRole("reward", mesh, reward_path, update=None, total_steps=0, value_head=True)
+        out.append(role.scores(fixed_batch(), 2).tolist())
+    return out
+
+
+def test_reward_model_scores_match_transformers_at_dp2_and_tp2(tiny, tmp_path):
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(tiny["model"], num_labels=1, pad_token_id=0)
+    torch.manual_seed(3)
+    hf = AutoModelForSequenceClassification.from_config(config).float().eval()
+    hf.save_pretrained(tmp_path / "rm")
+    dp2, tp2 = run_distributed(_reward_scores, 2, tiny, str(tmp_path / "rm"), timeout_s=300)[0]
+    batch = fixed_batch()
+    with torch.no_grad():
+        expected = [hf(batch.tokens_bs[i:i + 1, :int(batch.prompt_lengths_b[i] + batch.response_lengths_b[i])])
+                    .logits[0, 0].item() for i in range(batch.size)]
+    assert dp2 == pytest.approx(expected, abs=1e-5)
+    assert tp2 == pytest.approx(expected, abs=1e-5)

@@ -18,7 +18,7 @@ def tiny(tmp_path_factory):
     return make_tiny_setup(tmp_path_factory.mktemp("tiny"))
 
 
-def _four_rank_runs(paths, root):
+def _four_rank_runs(paths, root, reward_model):
     grpo = run_trainer(paths, f"{root}/grpo", [
         "mesh.actor.tp=2", "mesh.rollout.tp=2", "mesh.ref.tp=2", "algo.kl.coef=0.01", "run.name=grpo"])
     ppo = run_trainer(paths, f"{root}/ppo", [
@@ -26,12 +26,20 @@ def _four_rank_runs(paths, root):
         "mesh.critic={ranks: [2, 4]}", "algo.advantage.kind=gae", "algo.advantage.lam=0.95",
         "algo.kl.coef=0.05", "algo.kl.in_reward=true", "mesh.ref={tp: 1, ranks: [0, 2]}", "run.name=ppo",
         "actor.epochs=2", "actor.mini_batches=2"])
-    return grpo, ppo
+    rm = run_trainer(paths, f"{root}/rm", [
+        "mesh.placement=split", "mesh.actor={ranks: [0, 2]}", "mesh.rollout={ranks: [0, 2]}",
+        "mesh.reward={tp: 2, ranks: [2, 4]}", f"reward.model_path={reward_model}", "run.name=rm"])
+    return grpo, ppo, rm
 
 
 def test_grpo_tp2_dp2_and_ppo_split_placement_on_4_ranks(tiny, tmp_path):
-    results = run_distributed(_four_rank_runs, 4, tiny, str(tmp_path), timeout_s=400)
-    grpo, ppo = results[0]
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    rm_config = AutoConfig.from_pretrained(tiny["model"], num_labels=1, pad_token_id=0)
+    AutoModelForSequenceClassification.from_config(rm_config).float().save_pretrained(tmp_path / "reward_model")
+    results = run_distributed(_four_rank_runs, 4, tiny, str(tmp_path), str(tmp_path / "reward_model"),
+                              timeout_s=400)
+    grpo, ppo, rm = results[0]
     assert results[1] == results[0], "every rank sees the same reduced metrics"
     assert [row["step"] for row in grpo] == [0, 1, 2]
     for row in grpo[1:] + ppo[1:]:
@@ -45,6 +53,9 @@ def test_grpo_tp2_dp2_and_ppo_split_placement_on_4_ranks(tiny, tmp_path):
                 "actor/reward_kl_penalty"):
         assert key in ppo[1], key
     assert "val/score/mean@1" in grpo[-1]
+    # A reward model on its own ranks (2-3, tp2) scores the rollouts made on ranks 0-1; validation keeps the rule.
+    assert "timing_s/reward" in rm[1] and rm[1]["critic/score/max"] != rm[1]["critic/score/min"]
+    assert "val/score/mean@1" in rm[-1]
     logged = read_jsonl(tmp_path / "grpo/grpo/metrics.jsonl")
     assert [row["step"] for row in logged] == [0, 1, 2]
     assert (tmp_path / "ppo/ppo/checkpoints/step_2/meta.json").is_file()
