@@ -100,15 +100,17 @@ def generate_and_score(stack: RLStack, prompts: PromptStep, step: int) -> TrainB
     prompt_batch = PromptBatch.from_token_lists(prompts.token_ids, pad_token_id=stack.pad_token_id)
     params = stack.sampling.train_params(step)
     rollouts = stack.rollout.generate(prompt_batch, params)
+    greedy = None
+    if stack.algo.advantage.kind == AdvantageKind.REMAX:  # every TP rank generates: it is collective
+        greedy = stack.rollout.generate(prompt_batch, SamplingParams(
+            max_new_tokens=params.max_new_tokens, temperature=0.0, seed=params.seed))
     if not is_contributor(stack.rollout_layout, dist.get_rank()):
         return None
     batch = build_train_batch(prompt_batch, rollouts)
     if stack.reward_model is not None:
         return batch  # scored by the reward model on its own mesh, after the gather
     batch.scores_b = stack.scorer.score(prompts.records, rollouts)
-    if stack.algo.advantage.kind == AdvantageKind.REMAX:
-        greedy = stack.rollout.generate(prompt_batch, SamplingParams(
-            max_new_tokens=params.max_new_tokens, temperature=0.0, seed=params.seed))
+    if greedy is not None:
         batch.baseline_scores_b = stack.scorer.score(prompts.records, greedy)[rollouts.prompt_index_r]
     return batch
 

@@ -29,7 +29,10 @@ def _four_rank_runs(paths, root, reward_model):
     rm = run_trainer(paths, f"{root}/rm", [
         "mesh.placement=split", "mesh.actor={ranks: [0, 2]}", "mesh.rollout={ranks: [0, 2]}",
         "mesh.reward={tp: 2, ranks: [2, 4]}", f"reward.model_path={reward_model}", "run.name=rm"])
-    return grpo, ppo, rm
+    remax = run_trainer(paths, f"{root}/remax", ["mesh.actor.tp=2", "mesh.rollout.tp=2", "run.name=remax",
+                                                 "algo.advantage.kind=remax", "trainer.total_steps=1",
+                                                 "trainer.val_before_train=false"])
+    return grpo, ppo, rm, remax
 
 
 def test_grpo_tp2_dp2_and_ppo_split_placement_on_4_ranks(tiny, tmp_path):
@@ -39,7 +42,7 @@ def test_grpo_tp2_dp2_and_ppo_split_placement_on_4_ranks(tiny, tmp_path):
     AutoModelForSequenceClassification.from_config(rm_config).float().save_pretrained(tmp_path / "reward_model")
     results = run_distributed(_four_rank_runs, 4, tiny, str(tmp_path), str(tmp_path / "reward_model"),
                               timeout_s=400)
-    grpo, ppo, rm = results[0]
+    grpo, ppo, rm, remax = results[0]
     assert results[1] == results[0], "every rank sees the same reduced metrics"
     assert [row["step"] for row in grpo] == [0, 1, 2]
     for row in grpo[1:] + ppo[1:]:
@@ -56,6 +59,7 @@ def test_grpo_tp2_dp2_and_ppo_split_placement_on_4_ranks(tiny, tmp_path):
     # A reward model on its own ranks (2-3, tp2) scores the rollouts made on ranks 0-1; validation keeps the rule.
     assert "timing_s/reward" in rm[1] and rm[1]["critic/score/max"] != rm[1]["critic/score/min"]
     assert "val/score/mean@1" in rm[-1]
+    assert math.isfinite(remax[-1]["actor/pg_loss"]), "ReMax's greedy baseline runs on every TP rank"
     logged = read_jsonl(tmp_path / "grpo/grpo/metrics.jsonl")
     assert [row["step"] for row in logged] == [0, 1, 2]
     assert (tmp_path / "ppo/ppo/checkpoints/step_2/meta.json").is_file()
