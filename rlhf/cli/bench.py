@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from rlhf.cli.common import add_config_args, config_from_args
+from rlhf.cli.common import add_config_args, config_from_args, run_in_world
 from rlhf.cli.profile import check_steps
-from rlhf.dist.runtime import distributed
-from rlhf.run_dir import close_run, setup_run
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -29,24 +27,24 @@ def advice(gen_over_train: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
     from rlhf.profiling.runner import run_profiled_steps, throughput
     from rlhf.trainer.loop import preflight
 
     check_steps(args.steps, args.warmup)
-    cfg = config_from_args(args)
-    with distributed(cfg.dist.backend, timeout_s=cfg.dist.timeout_s, seed=cfg.dist.seed) as runtime:
-        preflight(cfg, runtime.world_size)
-        run_dir = setup_run(cfg.run, cfg, prefix="bench")
-        try:
-            profile = run_profiled_steps(cfg, run_dir, steps=args.steps, warmup=args.warmup, counters=False)
-        finally:
-            close_run()
+
+    def body(cfg, run_dir) -> None:
+        profile = run_profiled_steps(cfg, run_dir, steps=args.steps, warmup=args.warmup, counters=False)
         if run_dir.is_rank0:
-            result = throughput(profile.steps, cfg.data.prompts_per_step * cfg.sampling.n, runtime.world_size)
+            rollouts = cfg.data.prompts_per_step * cfg.sampling.n
+            result = throughput(profile.steps, rollouts, dist.get_world_size())
             result["advice"] = advice(result["gen_over_train_time"])
             (run_dir.path / "bench.json").write_text(json.dumps(result, indent=1) + "\n")
             print(format_result(result))
             print(f"wrote {run_dir.path / 'bench.json'}")
+
+    run_in_world(config_from_args(args), "bench", body, preflight)
     return 0
 
 

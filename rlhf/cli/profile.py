@@ -9,10 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from rlhf.cli.common import add_config_args, config_from_args
-from rlhf.dist.runtime import distributed
+from rlhf.cli.common import add_config_args, config_from_args, run_in_world
 from rlhf.errors import ConfigError
-from rlhf.run_dir import close_run, setup_run
 
 _MIB = 2**20
 
@@ -38,22 +36,19 @@ def run(args: argparse.Namespace) -> int:
     from rlhf.trainer.loop import preflight
 
     check_steps(args.steps, args.warmup)
-    cfg = config_from_args(args)
-    with distributed(cfg.dist.backend, timeout_s=cfg.dist.timeout_s, seed=cfg.dist.seed) as runtime:
-        preflight(cfg, runtime.world_size)
-        run_dir = setup_run(cfg.run, cfg, prefix="profile")
-        try:
-            profile = run_profiled_steps(cfg, run_dir, steps=args.steps, warmup=args.warmup, counters=True,
-                                         trace_dir=run_dir.path if args.trace else None)
-            per_rank: list = [None] * dist.get_world_size()
-            dist.all_gather_object(per_rank, {"memory": profile.memory.peak_bytes, "comm": profile.comm.rows()})
-        finally:
-            close_run()
+
+    def body(cfg, run_dir) -> None:
+        profile = run_profiled_steps(cfg, run_dir, steps=args.steps, warmup=args.warmup, counters=True,
+                                     trace_dir=run_dir.path if args.trace else None)
+        per_rank: list = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, {"memory": profile.memory.peak_bytes, "comm": profile.comm.rows()})
         if run_dir.is_rank0:
             report = build_report(profile.steps, per_rank, args.steps)
             (run_dir.path / "profile.json").write_text(json.dumps(report, indent=1) + "\n")
             print(format_report(report))
             print(f"wrote {run_dir.path / 'profile.json'}")
+
+    run_in_world(config_from_args(args), "profile", body, preflight)
     return 0
 
 

@@ -54,7 +54,11 @@ def test_profile_phases_account_for_the_step(outputs, capsys):
     assert set(report["phases_s"]) == {"gen", "gather", "old_log_prob", "ref", "adv", "update_actor",
                                        "update_weights"}
     assert report["coverage"] >= 0.95
-    assert sum(report["phases_s"].values()) <= report["step_s"] * 1.001
+    # Each phase time is its slowest rank's, so the phases of one step may add up to a little more than the
+    # step's own (slowest-rank) time when different ranks are slowest in different phases; never much more.
+    for step in report["steps"]:
+        phases = sum(v for k, v in step.items() if k.startswith("timing_s/") and k != "timing_s/step")
+        assert phases <= step["timing_s/step"] * 1.05
     assert all(report["peak_memory_bytes"][name] > 0 for name in report["phases_s"])
 
 
