@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
         profile = run_profiled_steps(cfg, run_dir, steps=args.steps, warmup=args.warmup, counters=True,
                                      trace_dir=run_dir.path if args.trace else None)
         per_rank: list = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, {"memory": profile.memory.peak_bytes, "comm": profile.comm.rows()})
+        dist.all_gather_object(per_rank, {"memory": profile.memory.peak_bytes, "comm": profile.comm.rows(),
+                                          "timings": profile.local_timings})
         if run_dir.is_rank0:
             report = build_report(profile.steps, per_rank, args.steps)
             (run_dir.path / "profile.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -70,7 +71,7 @@ def build_report(steps: list[dict], per_rank: list[dict], timed_steps: int) -> d
     return {"timed_steps": timed_steps, "world_size": len(per_rank), **phase_summary(steps),
             "peak_memory_bytes": memory,
             "collectives_per_step": [{"phase": p, "op": o, **v} for (p, o), v in sorted(comm.items())],
-            "steps": steps}
+            "steps": steps, "per_rank_timings": [rank["timings"] for rank in per_rank]}
 
 
 def format_report(report: dict) -> str:

@@ -15,16 +15,17 @@ from rlhf.profiling.phases import PhaseMemory
 from rlhf.run_dir import RunDir
 
 # Phases of `rl_step`, in order; `step` is their enclosing wall time.
-PHASES = ("gen", "gather", "old_log_prob", "ref", "values", "adv", "update_actor", "update_critic",
+PHASES = ("gen", "gather", "reward", "old_log_prob", "ref", "values", "adv", "update_actor", "update_critic",
           "update_weights")
-TRAIN_PHASES = ("old_log_prob", "ref", "values", "update_actor", "update_critic")
+TRAIN_PHASES = ("reward", "old_log_prob", "ref", "values", "update_actor", "update_critic")
 
 
 class StepProfile:
-    """What the timed steps recorded on this rank: reduced step metrics, phase memory, collectives."""
+    """What the timed steps recorded: reduced step metrics, this rank's own timings, phase memory, collectives."""
 
     def __init__(self) -> None:
         self.steps: list[dict[str, float]] = []
+        self.local_timings: list[dict[str, float]] = []
         self.memory = PhaseMemory()
         self.comm = CollectiveCounter(self.memory.current_phase)
 
@@ -48,6 +49,7 @@ def run_profiled_steps(cfg: RlhfConfig, run_dir: RunDir, *, steps: int, warmup: 
         for index in range(warmup + 1, warmup + steps + 1):
             metrics = rl_step(trainer.stack, trainer.loader.next_step(), index)
             profile.steps.append(metrics.reduced())
+            profile.local_timings.append({k: v for k, v in metrics.local().items() if k.startswith("timing_s/")})
     if tracer is not None:
         trace_dir.mkdir(parents=True, exist_ok=True)
         tracer.export_chrome_trace(str(trace_dir / f"trace_rank{dist.get_rank()}.json"))

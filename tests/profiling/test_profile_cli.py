@@ -54,11 +54,14 @@ def test_profile_phases_account_for_the_step(outputs, capsys):
     assert set(report["phases_s"]) == {"gen", "gather", "old_log_prob", "ref", "adv", "update_actor",
                                        "update_weights"}
     assert report["coverage"] >= 0.95
-    # Each phase time is its slowest rank's, so the phases of one step may add up to a little more than the
-    # step's own (slowest-rank) time when different ranks are slowest in different phases; never much more.
-    for step in report["steps"]:
-        phases = sum(v for k, v in step.items() if k.startswith("timing_s/") and k != "timing_s/step")
-        assert phases <= step["timing_s/step"] * 1.05
+    # On one rank the phases run one after another inside the step's timer, so they never add up to more
+    # than that rank's step time (the reduced `steps` take each phase's slowest rank, which may differ).
+    assert len(report["per_rank_timings"]) == 2
+    for rank_steps in report["per_rank_timings"]:
+        assert len(rank_steps) == 2
+        for step in rank_steps:
+            phases = sum(v for k, v in step.items() if k != "timing_s/step")
+            assert 0 < phases <= step["timing_s/step"]
     assert all(report["peak_memory_bytes"][name] > 0 for name in report["phases_s"])
 
 
