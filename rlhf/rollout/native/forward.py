@@ -2,7 +2,9 @@
 
 It computes what megatron-core's GPTModel forward computes for the same parameters (RMSNorm, grouped QKV,
 RoPE, causal GQA attention, SwiGLU, tied or untied vocab-parallel output), reading and writing the KV
-cache, with the TP all-reduces/all-gathers done on the group passed in.
+cache, with the TP all-reduces/all-gathers done on the group passed in. The linear layers run on weights
+prepared once per policy version by the platform door (`rlhf.platform.linear`: oneDNN-packed on CPU), so
+`prepare(version)` must run before a forward whenever the weights changed.
 """
 
 from __future__ import annotations
@@ -13,27 +15,76 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rlhf.platform.linear import PreparedLinear, PreparedSwiGLU
 from rlhf.rollout.native.kv_cache import KVCache
 from rlhf.rollout.native.params import DecoderGeometry, DecoderParams, LayerParams
 
 
+@dataclass(frozen=True)
+class _PreparedLayer:
+    input_norm: torch.Tensor
+    qkv: PreparedLinear
+    proj: PreparedLinear
+    mlp_norm: torch.Tensor
+    swiglu: PreparedSwiGLU
+    fc2: PreparedLinear
+
+
+def _prepare_layer(layer: LayerParams, pack: bool, batch_hint: int) -> _PreparedLayer:
+    return _PreparedLayer(input_norm=layer.input_norm,
+                          qkv=PreparedLinear(layer.qkv_weight, layer.qkv_bias, pack=pack, batch_hint=batch_hint),
+                          proj=PreparedLinear(layer.proj_weight, pack=pack, batch_hint=batch_hint),
+                          mlp_norm=layer.mlp_norm,
+                          swiglu=PreparedSwiGLU(layer.fc1_weight, pack=pack, batch_hint=batch_hint),
+                          fc2=PreparedLinear(layer.fc2_weight, pack=pack, batch_hint=batch_hint))
+
+
 @dataclass
 class Decoder:
-    """Parameters + geometry + RoPE tables + TP group: everything a forward step needs."""
+    """Parameters + geometry + RoPE tables + TP group: everything a forward step needs.
+
+    `pack_weights`: let the platform lay weights out for its fastest kernel (a copy of the weights, rebuilt
+    by `prepare` when the policy version changes); `batch_hint` is the decode batch that layout targets.
+    """
 
     params: DecoderParams
     geometry: DecoderGeometry
     tp_group: dist.ProcessGroup | None
     tp_size: int
     max_seq_len: int
+    pack_weights: bool = True
+    batch_hint: int = 32
 
     def __post_init__(self) -> None:
+        self.layers: tuple[_PreparedLayer, ...] = ()
+        self.output: PreparedLinear | None = None
+        self.prepared_version: int | None = None
         positions = torch.arange(self.max_seq_len, dtype=torch.float32, device=self.params.inv_freq.device)
         freqs = torch.outer(positions, self.params.inv_freq.float())
         dtype = self.params.embedding.dtype
         self.cos_td = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(dtype)
         # rotate_half(x) * sin == roll(x, d/2) * [-sin, sin]: the sign lives in the table, one op saved
         self.sin_td = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(dtype)
+
+    def prepare(self, version: int) -> None:
+        """(Re)build the prepared weights unless they were built at weights `version`."""
+        if version == self.prepared_version:
+            return
+        self.release()
+        pack, hint = self.pack_weights, self.batch_hint
+        self.layers = tuple(_prepare_layer(layer, pack, hint) for layer in self.params.layers)
+        self.output = PreparedLinear(self.params.output, pack=pack, batch_hint=hint)
+        self.prepared_version = version
+
+    def release(self) -> None:
+        """Drop the prepared weights (their packed copies); `prepare` rebuilds them."""
+        self.layers, self.output, self.prepared_version = (), None, None
+
+    def _residual_linear(self, linear: PreparedLinear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + x @ W^T, the partial products summed over TP first (fused into the GEMM at tp=1)."""
+        if self.tp_size == 1:
+            return linear.add_to(residual, x)
+        return residual + self._all_reduce(linear(x))
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
@@ -52,27 +103,26 @@ class Decoder:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary fp32 logits (padding rows of the vocab dropped) on every TP rank."""
         normed = F.rms_norm(hidden, (hidden.shape[-1],), self.params.final_norm, self.geometry.eps)
-        shard = F.linear(normed, self.params.output)
+        shard = self.output(normed)
         if self.tp_size > 1:
             parts = [torch.empty_like(shard) for _ in range(self.tp_size)]
             dist.all_gather(parts, shard.contiguous(), group=self.tp_group)
             shard = torch.cat(parts, dim=-1)
         return shard[..., :self.geometry.vocab_size].float()
 
-    def _qkv(self, layer: LayerParams, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, layer: _PreparedLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Megatron's per-group QKV layout [q heads of the group, k, v] -> RoPE'd [..., groups, heads/group + 1, d]
         (the group's q heads, then its k; one pass for both) and v [..., groups, d]."""
         geo = self.geometry
-        mixed = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+        mixed = layer.qkv(x)
         heads_per_group = geo.num_heads // geo.num_groups
         mixed = mixed.view(*x.shape[:-1], geo.num_groups, heads_per_group + 2, geo.head_dim)
         rotated = _rope(mixed[..., :heads_per_group + 1, :], cos, sin)
         return rotated, mixed[..., heads_per_group + 1, :]
 
-    def _mlp_block(self, layer: LayerParams, hidden: torch.Tensor) -> torch.Tensor:
+    def _mlp_block(self, layer: _PreparedLayer, hidden: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(hidden, (hidden.shape[-1],), layer.mlp_norm, self.geometry.eps)
-        gate, up = F.linear(normed, layer.fc1_weight).chunk(2, dim=-1)
-        return hidden + self._all_reduce(F.linear(F.silu(gate) * up, layer.fc2_weight))
+        return self._residual_linear(layer.fc2, layer.swiglu(normed), hidden)
 
     def prefill(self, tokens_pl: torch.Tensor, lengths_p: torch.Tensor, slots_p: torch.Tensor,
                 cache: KVCache) -> torch.Tensor:
@@ -84,7 +134,7 @@ class Decoder:
         cos, sin = self.cos_td[:width, None, None, :], self.sin_td[:width, None, None, :]
         heads_per_group = self.geometry.num_heads // self.geometry.num_groups
         hidden = self.embed(tokens_pl)
-        for index, layer in enumerate(self.params.layers):
+        for index, layer in enumerate(self.layers):
             normed = F.rms_norm(hidden, (hidden.shape[-1],), layer.input_norm, self.geometry.eps)
             rotated, v = self._qkv(layer, normed, cos, sin)
             q = rotated[..., :heads_per_group, :].flatten(2, 3).transpose(1, 2)
@@ -92,7 +142,7 @@ class Decoder:
             cache.keys[index][slots_p, :, :width] = k
             cache.values[index][slots_p, :, :width] = v
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_p1ll, enable_gqa=True)
-            hidden = hidden + self._all_reduce(F.linear(attn.transpose(1, 2).flatten(2), layer.proj_weight))
+            hidden = self._residual_linear(layer.proj, attn.transpose(1, 2).flatten(2), hidden)
             hidden = self._mlp_block(layer, hidden)
         last_ph = hidden[torch.arange(hidden.shape[0]), lengths_p - 1]
         return self.logits(last_ph)
@@ -113,7 +163,7 @@ class Decoder:
         mask_bhl = mask_bhl.masked_fill_(future_sl[:, None, None, :], float("-inf")).flatten(0, 1)
         cos, sin = self.cos_td[positions_s][:, None, None, :], self.sin_td[positions_s][:, None, None, :]
         hidden = self.embed(tokens_s)
-        for index, layer in enumerate(self.params.layers):
+        for index, layer in enumerate(self.layers):
             normed = F.rms_norm(hidden, (hidden.shape[-1],), layer.input_norm, self.geometry.eps)
             rotated, v = self._qkv(layer, normed, cos, sin)  # [S, G, hpg + 1, d], [S, G, d]
             keys, values = cache.keys[index], cache.values[index]
@@ -124,7 +174,7 @@ class Decoder:
                                    alpha=scale)
             probs = torch.softmax(scores, dim=-1)
             attn = torch.bmm(probs, values[:num_slots, :, :span].flatten(0, 1)).view(num_slots, -1)
-            hidden = hidden + self._all_reduce(F.linear(attn, layer.proj_weight))
+            hidden = self._residual_linear(layer.proj, attn, hidden)
             hidden = self._mlp_block(layer, hidden)
         return self.logits(hidden)
 

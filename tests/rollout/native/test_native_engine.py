@@ -21,12 +21,15 @@ def _raises(fn, message):
 
 
 def _lifecycle(path):
+    from rlhf.platform import linear
     from rlhf.rollout.vllm_engine import hf_named_weights
     from tests_native_helpers import native_engine
 
+    linear.MIN_PACKED_NUMEL = 0  # pack even the tiny model's weights: re-packing after updates is under test
     engine, model, _ = native_engine(path, max_batch_size=4, max_seq_len=16)
     batch = PromptBatch.from_token_lists(PROMPTS)
     first = engine.generate(batch, GREEDY)
+    assert engine.decoder.layers[0].qkv.packed is not None and engine.decoder.output.packed is not None
     reference = first.response_tokens_rt.tolist()
     _raises(lambda: engine.generate(batch, SamplingParams(max_new_tokens=13)),
             r"a prompt of 4 tokens \+ max_new_tokens=13 needs 17 KV-cache positions but rollout max_seq_len=16")
@@ -57,6 +60,19 @@ def _lifecycle(path):
     changed = engine.generate(batch, GREEDY)
     assert changed.policy_version == version + 1
 
+    # Shared weights: the optimizer updates parameters in place and the sync bumps policy_version; the
+    # next generate must re-pack (checked against the unpacked path on the same weights).
+    with torch.no_grad():
+        model.decoder.layers[0].mlp.linear_fc2.weight.mul_(-3.0)
+    engine.policy_version += 1
+    repacked = engine.generate(batch, GREEDY)
+    engine.decoder.pack_weights = False
+    engine.policy_version += 1
+    unpacked = engine.generate(batch, GREEDY)
+    assert engine.decoder.layers[0].qkv.packed is None
+    assert repacked.response_tokens_rt.tolist() == unpacked.response_tokens_rt.tolist() != reference
+    assert torch.allclose(repacked.response_logprobs_rt, unpacked.response_logprobs_rt, atol=1e-5)
+
     hf_names = dict(hf_named_weights(full.items(), model.rlhf_hf_config))
     same_tokens = changed.response_tokens_rt.tolist() == reference  # logits x2 keeps every argmax
     sharper = bool((changed.response_logprobs_rt > first.response_logprobs_rt).all())
@@ -75,3 +91,5 @@ def test_lifecycle_and_hf_name_mapping(tmp_path):
 def test_config_validation():
     with pytest.raises(ConfigError, match=r"rollout max_seq_len=0 must be a positive integer"):
         NativeEngineConfig(max_seq_len=0)
+    with pytest.raises(ConfigError, match=r"rollout pack_weights='yes' must be true or false"):
+        NativeEngineConfig(pack_weights="yes")
