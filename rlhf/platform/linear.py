@@ -30,7 +30,7 @@ class PreparedLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True,
                  batch_hint: int = 32) -> None:
         self.weight, self.bias = weight, bias
-        self.out_features = weight.shape[0]
+        self.weight_t = weight.t()
         self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
                        if pack and can_pack(weight) else None)
 
@@ -44,7 +44,7 @@ class PreparedLinear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
         if x.dim() == 2 and self.bias is None:
-            return torch.addmm(residual, x, self.weight.t())
+            return torch.addmm(residual, x, self.weight_t)
         return residual + F.linear(x, self.weight, self.bias)
 
     def _silu(self, x: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,10 @@ class Decoder:
         self.cos_td = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(dtype)
         # rotate_half(x) * sin == roll(x, d/2) * [-sin, sin]: the sign lives in the table, one op saved
         self.sin_td = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(dtype)
+        self.rope_t2d = torch.stack([self.cos_td, self.sin_td], dim=1)  # one gather per decode step
+        self._arange = torch.arange(max(self.max_seq_len, self.batch_hint), device=positions.device)
+        self._neg_inf = torch.tensor(float("-inf"), dtype=dtype, device=positions.device)
+        self._zero = torch.zeros((), dtype=dtype, device=positions.device)
 
     def prepare(self, version: int) -> None:
         """(Re)build the prepared weights unless they were built at weights `version`."""
@@ -150,30 +154,29 @@ class Decoder:
     def decode(self, tokens_s: torch.Tensor, positions_s: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One token for each of the first S slots at `positions_s` -> logits [S, V] (free slots compute too).
 
-        Attention is written out (q·K, mask, softmax, ·V per query group): for one query token it is several
-        times faster on CPU than the fused SDPA kernel."""
+        Attention is written out (q·K, mask, softmax, ·V per query group, b = slot x group): for one query
+        token it is several times faster on CPU than the fused SDPA kernel. Small models are bound by the
+        number of ops per step, so per-step tensors (mask, RoPE rows) are built once and shared by all layers.
+        """
         geo = self.geometry
-        num_slots = tokens_s.shape[0]
-        span = int(positions_s.max()) + 1
-        slot_ids = torch.arange(num_slots, device=tokens_s.device)
+        num_slots, span = tokens_s.shape[0], int(positions_s.max()) + 1
         heads_per_group, scale = geo.num_heads // geo.num_groups, geo.head_dim ** -0.5
-        future_sl = torch.arange(span, device=tokens_s.device)[None, :] > positions_s[:, None]
-        mask_bhl = torch.zeros((num_slots, geo.num_groups, heads_per_group, span), dtype=self.cos_td.dtype,
-                               device=tokens_s.device)
-        mask_bhl = mask_bhl.masked_fill_(future_sl[:, None, None, :], float("-inf")).flatten(0, 1)
-        cos, sin = self.cos_td[positions_s][:, None, None, :], self.sin_td[positions_s][:, None, None, :]
+        future_bl = self._arange[:span] > positions_s.repeat_interleave(geo.num_groups)[:, None]
+        mask_b1l = torch.where(future_bl, self._neg_inf, self._zero)[:, None, :]
+        cos, sin = self.rope_t2d[positions_s][:, :, None, None, :].unbind(1)
+        slot_ids = self._arange[:num_slots]
         hidden = self.embed(tokens_s)
         for index, layer in enumerate(self.layers):
-            normed = F.rms_norm(hidden, (hidden.shape[-1],), layer.input_norm, self.geometry.eps)
+            normed = F.rms_norm(hidden, (hidden.shape[-1],), layer.input_norm, geo.eps)
             rotated, v = self._qkv(layer, normed, cos, sin)  # [S, G, hpg + 1, d], [S, G, d]
             keys, values = cache.keys[index], cache.values[index]
             keys[slot_ids, :, positions_s] = rotated[:, :, heads_per_group]
             values[slot_ids, :, positions_s] = v
-            q_bhd = rotated[:, :, :heads_per_group].flatten(0, 1)  # b = slot x group
-            scores = torch.baddbmm(mask_bhl, q_bhd, keys[:num_slots, :, :span].flatten(0, 1).transpose(1, 2),
-                                   alpha=scale)
-            probs = torch.softmax(scores, dim=-1)
-            attn = torch.bmm(probs, values[:num_slots, :, :span].flatten(0, 1)).view(num_slots, -1)
+            q_bhd = rotated[:, :, :heads_per_group].flatten(0, 1)
+            keys_bld, values_bld = cache.flat_keys[index], cache.flat_values[index]
+            b = num_slots * geo.num_groups
+            scores = torch.baddbmm(mask_b1l, q_bhd, keys_bld[:b, :span].transpose(1, 2), alpha=scale)
+            attn = torch.bmm(torch.softmax(scores, dim=-1), values_bld[:b, :span]).view(num_slots, -1)
             hidden = self._residual_linear(layer.proj, attn, hidden)
             hidden = self._mlp_block(layer, hidden)
         return self.logits(hidden)
@@ -181,4 +184,4 @@ class Decoder:
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Megatron/HF non-interleaved RoPE: x * cos + rotate_half(x) * sin."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)

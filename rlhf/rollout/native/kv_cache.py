@@ -12,7 +12,8 @@ from rlhf.errors import ConfigError
 
 
 class KVCache:
-    """keys[layer] and values[layer] are [num_slots, num_kv_heads, max_seq_len, head_dim]."""
+    """keys[layer] and values[layer] are [num_slots, num_kv_heads, max_seq_len, head_dim]; flat_keys[layer]
+    and flat_values[layer] view them as [num_slots * num_kv_heads, max_seq_len, head_dim] (attention batches)."""
 
     def __init__(self, *, num_layers: int, num_slots: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -21,6 +22,8 @@ class KVCache:
         self.dtype, self.device = dtype, device
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.flat_keys: list[torch.Tensor] = []
+        self.flat_values: list[torch.Tensor] = []
         self.allocate()
 
     @property
@@ -39,9 +42,11 @@ class KVCache:
             return
         self.keys = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.values = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.flat_keys = [cache.flatten(0, 1) for cache in self.keys]
+        self.flat_values = [cache.flatten(0, 1) for cache in self.values]
 
     def release(self) -> None:
-        self.keys, self.values = [], []
+        self.keys, self.values, self.flat_keys, self.flat_values = [], [], [], []
 
     def copy_slot(self, src: int, dst_slots: list[int], length: int) -> None:
         """Share a prefilled prompt with the other samples of that prompt (no recompute)."""

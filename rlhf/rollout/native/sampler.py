@@ -3,7 +3,8 @@
 Filters apply in the order `transformers` and vLLM use: temperature, then top-k, then top-p. A draw is an
 inverse-CDF lookup (one uniform number per row: far cheaper on CPU than `multinomial` or an exponential
 race over the vocabulary), driven by an explicit generator so every TP rank of a replica, holding identical
-logits and an identically seeded generator, picks the same token.
+logits and an identically seeded generator, picks the same token. Over a large vocabulary the lookup is
+two-level (block sums, then one block's CDF), which avoids a sequential cumsum over every token.
 """
 
 from __future__ import annotations
@@ -11,8 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from rlhf.rollout.sampling_params import SamplingParams
+
+BLOCK = 256  # tokens per block of the two-level draw
+TWO_LEVEL_MIN_VOCAB = 8 * BLOCK
 
 
 @dataclass(frozen=True)
@@ -23,20 +28,23 @@ class Sampled:
 
 
 def sample(logits_kv: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> Sampled:
-    raw_kv = torch.log_softmax(logits_kv, dim=-1)
     if params.greedy:
         tokens_k = logits_kv.argmax(dim=-1)
-        logprobs_k = raw_kv.gather(-1, tokens_k[:, None]).squeeze(-1)
+        logprobs_k = torch.log_softmax(logits_kv, dim=-1).gather(-1, tokens_k[:, None]).squeeze(-1)
         return Sampled(tokens_k, logprobs_k, logprobs_k)
-    scaled_kv = logits_kv / params.temperature if params.temperature != 1.0 else logits_kv
     unfiltered = params.top_k == -1 and params.top_p == 1.0
     if unfiltered and params.temperature == 1.0:
-        probs_kv = raw_kv.exp()
-    else:
-        probs_kv = torch.softmax(scaled_kv if unfiltered else _top_p(_top_k(scaled_kv, params.top_k), params.top_p),
-                                 dim=-1)
+        # The draw's distribution is the raw one, so every drawn token has probability > 0 and its log is
+        # the raw logprob: one softmax pass serves both.
+        probs_kv = torch.softmax(logits_kv, dim=-1)
+        tokens_k = _inverse_cdf(probs_kv, generator)
+        logprobs_k = probs_kv.gather(-1, tokens_k[:, None]).squeeze(-1).log()
+        return Sampled(tokens_k, logprobs_k, logprobs_k)
+    scaled_kv = logits_kv / params.temperature if params.temperature != 1.0 else logits_kv
+    probs_kv = torch.softmax(scaled_kv if unfiltered else _top_p(_top_k(scaled_kv, params.top_k), params.top_p),
+                             dim=-1)
     tokens_k = _inverse_cdf(probs_kv, generator)
-    logprobs_k = raw_kv.gather(-1, tokens_k[:, None]).squeeze(-1)
+    logprobs_k = torch.log_softmax(logits_kv, dim=-1).gather(-1, tokens_k[:, None]).squeeze(-1)
     scaled_lp_k = (logprobs_k if params.temperature == 1.0
                    else torch.log_softmax(scaled_kv, dim=-1).gather(-1, tokens_k[:, None]).squeeze(-1))
     return Sampled(tokens_k, logprobs_k, scaled_lp_k)
@@ -44,10 +52,33 @@ def sample(logits_kv: torch.Tensor, params: SamplingParams, generator: torch.Gen
 
 def _inverse_cdf(probs_kv: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Token i with cdf[i-1] <= u < cdf[i]: zero-probability (filtered) tokens are never chosen."""
-    cdf_kv = probs_kv.cumsum(dim=-1)
     uniform_k1 = torch.rand((probs_kv.shape[0], 1), generator=generator, device=probs_kv.device,
-                            dtype=cdf_kv.dtype) * cdf_kv[:, -1:]
-    return torch.searchsorted(cdf_kv, uniform_k1, right=True).squeeze(-1).clamp_(max=probs_kv.shape[-1] - 1)
+                            dtype=probs_kv.dtype)
+    if probs_kv.shape[-1] >= TWO_LEVEL_MIN_VOCAB:
+        return _two_level_draw(probs_kv, uniform_k1)
+    cdf_kv = probs_kv.cumsum(dim=-1)
+    return _lookup(cdf_kv, uniform_k1 * cdf_kv[:, -1:])
+
+
+def _lookup(cdf_kn: torch.Tensor, target_k1: torch.Tensor) -> torch.Tensor:
+    """First index whose cdf exceeds the target; the target is kept below the total so that rounding can
+    never land on a zero-probability tail."""
+    below_total_k1 = torch.minimum(target_k1, cdf_kn[:, -1:].nextafter(torch.zeros_like(target_k1)))
+    return torch.searchsorted(cdf_kn, below_total_k1, right=True).squeeze(-1)
+
+
+def _two_level_draw(probs_kv: torch.Tensor, uniform_k1: torch.Tensor) -> torch.Tensor:
+    """Pick a block of BLOCK tokens by its mass, then a token inside it by the remaining mass."""
+    rows, vocab = probs_kv.shape
+    num_blocks = -(-vocab // BLOCK)
+    padded_kv = F.pad(probs_kv, (0, num_blocks * BLOCK - vocab)) if vocab % BLOCK else probs_kv
+    blocks_knb = padded_kv.view(rows, num_blocks, BLOCK)
+    block_cdf_kn = blocks_knb.sum(dim=-1).cumsum(dim=-1)
+    block_k = _lookup(block_cdf_kn, uniform_k1 * block_cdf_kn[:, -1:])
+    before_k1 = torch.where(block_k[:, None] > 0, block_cdf_kn.gather(-1, (block_k[:, None] - 1).clamp(min=0)), 0.0)
+    inner_cdf_kb = blocks_knb[torch.arange(rows, device=probs_kv.device), block_k].cumsum(dim=-1)
+    offset_k = _lookup(inner_cdf_kb, uniform_k1 * block_cdf_kn[:, -1:] - before_k1)
+    return block_k * BLOCK + offset_k
 
 
 def _top_k(logits_kv: torch.Tensor, top_k: int) -> torch.Tensor:

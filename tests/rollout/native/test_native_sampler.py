@@ -41,3 +41,22 @@ def test_greedy_and_scaled_logprobs():
     expected = torch.log_softmax(logits / 2.0, -1).gather(-1, hot.tokens_k[:, None])[:, 0]
     torch.testing.assert_close(hot.scaled_logprobs_k, expected)
     assert all(tok in logits[row].topk(3).indices.tolist() for row, tok in enumerate(hot.tokens_k.tolist()))
+
+
+@pytest.mark.parametrize("vocab", [8 * 256, 5000])
+def test_two_level_draw_follows_the_distribution_and_never_picks_filtered_tokens(vocab):
+    # Mass on a few tokens spread over blocks (first, last and a partial last block), the rest filtered.
+    logits = torch.full((vocab,), -30.0)
+    hot = torch.tensor([0, 255, 256, 1234, vocab - 1])
+    logits[hot] = torch.tensor([1.0, 0.0, 2.0, 0.5, 1.5])
+    logits = logits.repeat(20000, 1)
+    params = SamplingParams(max_new_tokens=1, temperature=1.0, top_k=5)
+    drawn = sample(logits, params, torch.Generator().manual_seed(3))
+    assert set(drawn.tokens_k.unique().tolist()) == set(hot.tolist())
+    freq = torch.bincount(drawn.tokens_k, minlength=vocab)[hot].float() / 20000
+    torch.testing.assert_close(freq, torch.softmax(logits[0, hot], -1), atol=0.015, rtol=0)
+    again = sample(logits, params, torch.Generator().manual_seed(3))
+    assert torch.equal(drawn.tokens_k, again.tokens_k)
+    unfiltered = sample(logits[:2000], SamplingParams(max_new_tokens=1), torch.Generator().manual_seed(4))
+    torch.testing.assert_close(unfiltered.logprobs_k,
+                               torch.log_softmax(logits[:2000], -1).gather(-1, unfiltered.tokens_k[:, None])[:, 0])
