@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from rlhf.platform.linear import PreparedLinear, PreparedSwiGLU
 from rlhf.rollout.native.kv_cache import KVCache
+from rlhf.rollout.native.prefill_plan import overhead_tokens
 from rlhf.rollout.native.params import DecoderGeometry, DecoderParams, LayerParams
 
 
@@ -69,6 +70,9 @@ class Decoder:
         self._arange = torch.arange(max(self.max_seq_len, self.batch_hint), device=positions.device)
         self._neg_inf = torch.tensor(float("-inf"), dtype=dtype, device=positions.device)
         self._zero = torch.zeros((), dtype=dtype, device=positions.device)
+        layer = self.params.layers[0]
+        self.prefill_overhead_tokens = overhead_tokens(
+            sum(w.numel() for w in (layer.qkv_weight, layer.proj_weight, layer.fc1_weight, layer.fc2_weight)))
 
     def prepare(self, version: int) -> None:
         """(Re)build the prepared weights unless they were built at weights `version`."""

@@ -15,12 +15,10 @@ import torch.nn.functional as F
 
 from rlhf.rollout.native.forward import Decoder
 from rlhf.rollout.native.kv_cache import KVCache
+from rlhf.rollout.native.prefill_plan import plan_chunks
 from rlhf.rollout.native.sampler import Sampled, sample
 from rlhf.rollout.sampling_params import SamplingParams
 from rlhf.rollout.types import FinishReason, PromptBatch, Rollouts
-
-PREFILL_CHUNKS = 4  # prefill forwards per admission: less padding, still large matmuls
-
 
 @dataclass
 class _Finished:
@@ -94,18 +92,15 @@ class Generation:
         self.span = max(slot for slot, row in enumerate(self.slot_row) if row >= 0) + 1 if self.num_active else 0
 
     def _prefill(self, prompt_ids: list[int], lengths: torch.Tensor, slots: list[int]) -> torch.Tensor:
-        """Prefill in up to PREFILL_CHUNKS length-sorted chunks, so short prompts are not padded to the longest."""
-        order = sorted(range(len(prompt_ids)), key=lambda i: int(lengths[i]))
-        chunk_size = -(-len(order) // PREFILL_CHUNKS)
+        """Prefill in length-sorted chunks (`plan_chunks`: padding saved vs. per-forward overhead)."""
         parts, positions = [], []
-        for start in range(0, len(order), chunk_size):
-            chunk = order[start:start + chunk_size]
+        for chunk in plan_chunks(lengths.tolist(), self.decoder.prefill_overhead_tokens):
             chunk_lengths = lengths[chunk]
             tokens = self.right_pt[[prompt_ids[i] for i in chunk], :int(chunk_lengths.max())]
             slots_c = torch.tensor([slots[i] for i in chunk], device=self.device)
             parts.append(self.decoder.prefill(tokens, chunk_lengths, slots_c, self.cache))
             positions.extend(chunk)
-        logits_pv = torch.cat(parts)
+        logits_pv = torch.cat(parts) if len(parts) > 1 else parts[0]
         return logits_pv[torch.tensor(positions).argsort()]
 
     def _decode(self) -> None:
