@@ -116,7 +116,9 @@ class Decoder:
             parts = [torch.empty_like(shard) for _ in range(self.tp_size)]
             dist.all_gather(parts, shard.contiguous(), group=self.tp_group)
             shard = torch.cat(parts, dim=-1)
-        return shard[..., :self.geometry.vocab_size].float()
+        if shard.shape[-1] != self.geometry.vocab_size:
+            shard = shard[..., :self.geometry.vocab_size]
+        return shard if shard.dtype == torch.float32 else shard.float()
 
     def _qkv(self, layer: _PreparedLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Megatron's per-group QKV layout [q heads of the group, k, v] -> RoPE'd [..., groups, heads/group + 1, d]
