@@ -109,7 +109,9 @@ class Generation:
         logits_kv = self.decoder.decode(self.token_s[:span], self.position_s[:span], self.cache)
         picked = sample(logits_kv, self.params, self.generator)
         self.token_s[:span] = picked.tokens_k
-        self.position_s[:span] += 1
+        # Free slots below `span` are decoded too (their output is dropped); clamping keeps their position
+        # inside the cache however long they stay free, while live rows never reach the clamp (check_fits).
+        self.position_s[:span].add_(1).clamp_(max=self.cache.max_seq_len - 1)
         step = len(self.steps)
         self.steps.append(picked)
         for slot in sorted(self._stopped(picked.tokens_k)):
@@ -132,6 +134,7 @@ class Generation:
         self.finished.append(_Finished(row=row, slot=slot, first_step=self.slot_first_step[slot], length=length))
         self.reasons[row] = FinishReason.STOP if stopped else FinishReason.LENGTH
         self.slot_row[slot] = -1
+        self.position_s[slot] = 0  # a free slot must not widen the attention span
         self.num_active -= 1
 
     def _rollouts(self, policy_version: int) -> Rollouts:
