@@ -157,15 +157,16 @@ class Decoder:
         last_ph = hidden[torch.arange(hidden.shape[0]), lengths_p - 1]
         return self.logits(last_ph)
 
-    def decode(self, tokens_s: torch.Tensor, positions_s: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def decode(self, tokens_s: torch.Tensor, positions_s: torch.Tensor, context: int, cache: KVCache) -> torch.Tensor:
         """One token for each of the first S slots at `positions_s` -> logits [S, V] (free slots compute too).
+        `context` (the caller's Python int, so no device sync) is 1 + the highest position a live slot holds.
 
         Attention is written out (q·K, mask, softmax, ·V per query group, b = slot x group): for one query
         token it is several times faster on CPU than the fused SDPA kernel. Small models are bound by the
         number of ops per step, so per-step tensors (mask, RoPE rows) are built once and shared by all layers.
         """
         geo = self.geometry
-        num_slots, span = tokens_s.shape[0], int(positions_s.max()) + 1
+        num_slots, span = tokens_s.shape[0], context
         heads_per_group, scale = geo.num_heads // geo.num_groups, geo.head_dim ** -0.5
         future_bl = self._arange[:span] > positions_s.repeat_interleave(geo.num_groups)[:, None]
         mask_b1l = torch.where(future_bl, self._neg_inf, self._zero)[:, None, :]

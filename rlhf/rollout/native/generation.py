@@ -44,6 +44,8 @@ class Generation:
         self.position_s = torch.zeros(self.num_slots, dtype=torch.long, device=device)
         self.slot_row = [-1] * self.num_slots
         self.slot_first_step = [0] * self.num_slots
+        self.slot_offset = [0] * self.num_slots  # a live slot's position at decode step t is offset + t
+        self.max_offset = 0  # over live slots: decode step t attends max_offset + t + 1 cache positions
         self.deadlines: dict[int, list[int]] = {}  # decode step -> slots reaching max_new_tokens there
         self.num_active, self.span = 0, 0  # occupied slots; 1 + the highest occupied slot
         self.steps: list[Sampled] = []
@@ -83,13 +85,21 @@ class Generation:
         stopped = self._stopped(picked.tokens_k)
         first_step = len(self.steps)
         self.num_active += len(slots)
+        slot_lengths = [length for length in lengths.tolist() for _ in range(n)]
         for index, (slot, row) in enumerate(zip(slots, rows)):
             self.slot_row[slot], self.slot_first_step[slot] = row, first_step
+            self.slot_offset[slot] = slot_lengths[index] - first_step
             if index in stopped or self.params.max_new_tokens == 1:
                 self._finish(slot, 1, index in stopped)
             else:
                 self.deadlines.setdefault(first_step + self.params.max_new_tokens - 2, []).append(slot)
-        self.span = max(slot for slot, row in enumerate(self.slot_row) if row >= 0) + 1 if self.num_active else 0
+        self._live_changed()
+
+    def _live_changed(self) -> None:
+        """After admissions or finishes: the slot span and the attended context of the live slots."""
+        live = [slot for slot, row in enumerate(self.slot_row) if row >= 0]
+        self.span = live[-1] + 1 if live else 0
+        self.max_offset = max((self.slot_offset[slot] for slot in live), default=0)
 
     def _prefill(self, prompt_ids: list[int], lengths: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """Prefill in length-sorted chunks (`plan_chunks`: padding saved vs. per-forward overhead)."""
@@ -105,23 +115,24 @@ class Generation:
 
     def _decode(self) -> None:
         """One token for every slot below `span` (free ones too: no compaction); finish rows that end here."""
-        span = self.span
-        logits_kv = self.decoder.decode(self.token_s[:span], self.position_s[:span], self.cache)
+        span, step = self.span, len(self.steps)
+        context = self.max_offset + step + 1
+        logits_kv = self.decoder.decode(self.token_s[:span], self.position_s[:span], context, self.cache)
         picked = sample(logits_kv, self.params, self.generator)
         self.token_s[:span] = picked.tokens_k
         # Free slots below `span` are decoded too (their output is dropped); clamping keeps their position
         # inside the cache however long they stay free, while live rows never reach the clamp (check_fits).
         self.position_s[:span].add_(1).clamp_(max=self.cache.max_seq_len - 1)
-        step = len(self.steps)
         self.steps.append(picked)
+        finished_before = len(self.finished)
         for slot in sorted(self._stopped(picked.tokens_k)):
             if self.slot_row[slot] >= 0:
                 self._finish(slot, step - self.slot_first_step[slot] + 2, True)
         for slot in self.deadlines.pop(step, []):
             if self.slot_row[slot] >= 0 and self.slot_first_step[slot] + self.params.max_new_tokens - 2 == step:
                 self._finish(slot, self.params.max_new_tokens, False)
-        if self.num_active and self.slot_row[span - 1] < 0:
-            self.span = max(slot for slot, row in enumerate(self.slot_row) if row >= 0) + 1
+        if len(self.finished) != finished_before:
+            self._live_changed()
 
     def _stopped(self, tokens_k: torch.Tensor) -> set[int]:
         if self.stops is None:

@@ -1,5 +1,5 @@
-"""Slot bookkeeping of one `generate` with scripted tokens: refill, stops, lengths, and a slot that stays
-free while another row runs on never reads or writes past the KV cache."""
+"""Slot bookkeeping of one `generate` with scripted tokens: refill, stops, lengths, the attended context,
+and a slot that stays free while another row runs on never reads or writes past the KV cache."""
 
 import torch
 
@@ -19,12 +19,14 @@ class _Decoder:
 
     def __init__(self) -> None:
         self.positions: list[int] = []
+        self.contexts: list[int] = []
 
     def prefill(self, tokens_pl, lengths_p, slots_p, cache):
         return torch.zeros(tokens_pl.shape[0], VOCAB)
 
-    def decode(self, tokens_s, positions_s, cache):
+    def decode(self, tokens_s, positions_s, context, cache):
         self.positions.extend(positions_s.tolist())
+        self.contexts.append(context)
         return torch.zeros(tokens_s.shape[0], VOCAB)
 
 
@@ -52,3 +54,5 @@ def test_a_slot_left_free_stays_inside_the_cache(monkeypatch):
     assert [out.response(i) for i in range(3)] == [[1, 1, 1, 1], [1, 1, STOP], [1, 1, 1, 1]]
     assert out.finish_reasons == [FinishReason.LENGTH, FinishReason.STOP, FinishReason.LENGTH]
     assert max(decoder.positions) < MAX_SEQ and len(decoder.positions) == 10  # 5 steps x 2 slots
+    # Attended context = 1 + the highest live position: P0 at 6, 7, 8, then P2 alone at 3, 4.
+    assert decoder.contexts == [7, 8, 9, 4, 5]
