@@ -120,9 +120,11 @@ class Generation:
         logits_kv = self.decoder.decode(self.token_s[:span], self.position_s[:span], context, self.cache)
         picked = sample(logits_kv, self.params, self.generator)
         self.token_s[:span] = picked.tokens_k
-        # Free slots below `span` are decoded too (their output is dropped); clamping keeps their position
-        # inside the cache however long they stay free, while live rows never reach the clamp (check_fits).
-        self.position_s[:span].add_(1).clamp_(max=self.cache.max_seq_len - 1)
+        positions = self.position_s[:span].add_(1)
+        if self.num_active < span:
+            # Free slots below `span` are decoded too (their output is dropped); clamping keeps their position
+            # inside the cache however long they stay free, while live rows never reach it (check_fits).
+            positions.clamp_(max=self.cache.max_seq_len - 1)
         self.steps.append(picked)
         finished_before = len(self.finished)
         for slot in sorted(self._stopped(picked.tokens_k)):

@@ -37,34 +37,33 @@ def sample(logits_kv: torch.Tensor, params: SamplingParams, generator: torch.Gen
         # The draw's distribution is the raw one, so every drawn token has probability > 0 and its log is
         # the raw logprob: one softmax pass serves both.
         probs_kv = torch.softmax(logits_kv, dim=-1)
-        tokens_k = _inverse_cdf(probs_kv, generator)
-        logprobs_k = probs_kv.gather(-1, tokens_k[:, None]).squeeze(-1).log()
-        return Sampled(tokens_k, logprobs_k, logprobs_k)
+        tokens_k1 = _inverse_cdf(probs_kv, generator)
+        logprobs_k = probs_kv.gather(-1, tokens_k1).log_().view(-1)
+        return Sampled(tokens_k1.view(-1), logprobs_k, logprobs_k)
     scaled_kv = logits_kv / params.temperature if params.temperature != 1.0 else logits_kv
     probs_kv = torch.softmax(scaled_kv if unfiltered else _top_p(_top_k(scaled_kv, params.top_k), params.top_p),
                              dim=-1)
-    tokens_k = _inverse_cdf(probs_kv, generator)
-    logprobs_k = torch.log_softmax(logits_kv, dim=-1).gather(-1, tokens_k[:, None]).squeeze(-1)
+    tokens_k1 = _inverse_cdf(probs_kv, generator)
+    logprobs_k = torch.log_softmax(logits_kv, dim=-1).gather(-1, tokens_k1).view(-1)
     scaled_lp_k = (logprobs_k if params.temperature == 1.0
-                   else torch.log_softmax(scaled_kv, dim=-1).gather(-1, tokens_k[:, None]).squeeze(-1))
-    return Sampled(tokens_k, logprobs_k, scaled_lp_k)
+                   else torch.log_softmax(scaled_kv, dim=-1).gather(-1, tokens_k1).view(-1))
+    return Sampled(tokens_k1.view(-1), logprobs_k, scaled_lp_k)
 
 
 def _inverse_cdf(probs_kv: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Token i with cdf[i-1] <= u < cdf[i]: zero-probability (filtered) tokens are never chosen."""
+    """Token i [K, 1] with cdf[i-1] <= u < cdf[i]: zero-probability (filtered) tokens are never chosen."""
     uniform_k1 = torch.rand((probs_kv.shape[0], 1), generator=generator, device=probs_kv.device,
                             dtype=probs_kv.dtype)
     if probs_kv.shape[-1] >= TWO_LEVEL_MIN_VOCAB:
         return _two_level_draw(probs_kv, uniform_k1)
     cdf_kv = probs_kv.cumsum(dim=-1)
-    return _lookup(cdf_kv, uniform_k1 * cdf_kv[:, -1:])
+    return torch.searchsorted(cdf_kv, uniform_k1 * _below(cdf_kv[:, -1:]), right=True)
 
 
-def _lookup(cdf_kn: torch.Tensor, target_k1: torch.Tensor) -> torch.Tensor:
-    """First index whose cdf exceeds the target; the target is kept below the total so that rounding can
-    never land on a zero-probability tail."""
-    below_total_k1 = torch.minimum(target_k1, cdf_kn[:, -1:].nextafter(torch.zeros_like(target_k1)))
-    return torch.searchsorted(cdf_kn, below_total_k1, right=True).squeeze(-1)
+def _below(total_k1: torch.Tensor) -> torch.Tensor:
+    """The float just below each total: u in [0, 1) times it rounds strictly below the total, so a lookup
+    never runs past the last token with probability > 0 (as `u * total` could, by rounding up)."""
+    return total_k1.nextafter(total_k1.new_zeros(()))
 
 
 def _two_level_draw(probs_kv: torch.Tensor, uniform_k1: torch.Tensor) -> torch.Tensor:
@@ -74,11 +73,13 @@ def _two_level_draw(probs_kv: torch.Tensor, uniform_k1: torch.Tensor) -> torch.T
     padded_kv = F.pad(probs_kv, (0, num_blocks * BLOCK - vocab)) if vocab % BLOCK else probs_kv
     blocks_knb = padded_kv.view(rows, num_blocks, BLOCK)
     block_cdf_kn = blocks_knb.sum(dim=-1).cumsum(dim=-1)
-    block_k = _lookup(block_cdf_kn, uniform_k1 * block_cdf_kn[:, -1:])
-    before_k1 = torch.where(block_k[:, None] > 0, block_cdf_kn.gather(-1, (block_k[:, None] - 1).clamp(min=0)), 0.0)
-    inner_cdf_kb = blocks_knb[torch.arange(rows, device=probs_kv.device), block_k].cumsum(dim=-1)
-    offset_k = _lookup(inner_cdf_kb, uniform_k1 * block_cdf_kn[:, -1:] - before_k1)
-    return block_k * BLOCK + offset_k
+    target_k1 = uniform_k1 * _below(block_cdf_kn[:, -1:])
+    block_k1 = torch.searchsorted(block_cdf_kn, target_k1, right=True)
+    before_k1 = torch.where(block_k1 > 0, block_cdf_kn.gather(-1, (block_k1 - 1).clamp(min=0)), 0.0)
+    inner_cdf_kb = blocks_knb[torch.arange(rows, device=probs_kv.device), block_k1.view(-1)].cumsum(dim=-1)
+    # The block's own cumsum may end a rounding error below its sum: keep the target under it.
+    inner_k1 = torch.minimum(target_k1 - before_k1, _below(inner_cdf_kb[:, -1:]))
+    return block_k1 * BLOCK + torch.searchsorted(inner_cdf_kb, inner_k1, right=True)
 
 
 def _top_k(logits_kv: torch.Tensor, top_k: int) -> torch.Tensor:
