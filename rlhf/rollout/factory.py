@@ -11,8 +11,9 @@ from rlhf.rollout.native.engine import NativeEngineConfig
 from rlhf.rollout.vllm_engine import VllmEngineConfig
 
 ENGINES = ("native", "hf", "vllm")
-# What the engine frees between rollouts (`sleep`): nothing, its KV cache, or the KV cache and its weights.
-SLEEP_MODES = ("auto", "off", "kv_cache", "kv_cache_and_weights")
+# What the engine frees between rollouts (`sleep`): nothing, its KV cache, or the KV cache and its weights
+# (`none`, not `off`: YAML reads a bare off as false).
+SLEEP_MODES = ("auto", "none", "kv_cache", "kv_cache_and_weights")
 
 
 @dataclass(kw_only=True)
@@ -24,7 +25,7 @@ class RolloutConfig:
     """
 
     engine: Literal["native", "hf", "vllm"] = "native"
-    sleep: Literal["auto", "off", "kv_cache", "kv_cache_and_weights"] = "auto"
+    sleep: Literal["auto", "none", "kv_cache", "kv_cache_and_weights"] = "auto"
     native: NativeEngineConfig = field(default_factory=NativeEngineConfig)
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
 
@@ -33,17 +34,17 @@ class RolloutConfig:
             raise ConfigError(f"rollout.engine={self.engine!r} is not one of {', '.join(ENGINES)}")
         if self.sleep not in SLEEP_MODES:
             raise ConfigError(f"rollout.sleep={self.sleep!r} is not one of {', '.join(SLEEP_MODES)} (auto: "
-                              "kv_cache_and_weights for vllm, kv_cache for native on an accelerator, else off)")
+                              "kv_cache_and_weights for vllm, kv_cache for native on an accelerator, else none)")
 
     def resolved_sleep(self, *, accelerator: bool) -> str:
         """`auto` -> vllm: kv_cache_and_weights (the sync re-pushes every weight, a host copy would be wasted);
-        native: kv_cache on an accelerator, off on CPU (nothing to share there; re-allocating costs time);
-        hf: off (it keeps no KV cache between calls)."""
+        native: kv_cache on an accelerator, none on CPU (nothing to share there; re-allocating costs time);
+        hf: none (it keeps no KV cache between calls)."""
         if self.sleep != "auto":
             return self.sleep
         if self.engine == "vllm":
             return "kv_cache_and_weights"
-        return "kv_cache" if self.engine == "native" and accelerator else "off"
+        return "kv_cache" if self.engine == "native" and accelerator else "none"
 
 
 def engine_layout(pg_collection: Any) -> EngineLayout:
