@@ -42,10 +42,18 @@ def _fit(paths, root, overrides):
     cfg = trainer_config(paths, root, overrides)
     preflight(cfg, dist.get_world_size())
     trainer = Trainer(cfg, setup_run(cfg.run, cfg))
-    stack, calls = trainer.stack, []
+    stack, calls, resident = trainer.stack, [], []
     engine = stack.rollout
     for name in ("generate", "sleep", "wake", "load_weights"):
         setattr(engine, name, _record(calls, name, getattr(engine, name)))
+    recorded_generate = engine.generate
+
+    def generate(*args):  # what the training roles hold on this rank while the engine generates
+        resident.append({role.name: _resident_bytes(role) for role in (stack.actor, stack.critic, stack.ref)
+                         if role is not None})
+        return recorded_generate(*args)
+
+    engine.generate = generate
     for role in (stack.actor, stack.critic, stack.ref):
         if role is not None:
             role.offload = _record(calls, f"{role.name}.offload", role.offload)
@@ -67,14 +75,24 @@ def _fit(paths, root, overrides):
     engine.wake()
     return {"history": history, "weights": weights, "calls": calls, "cache_after_fit": cache_after_fit,
             "cache_after_wake": engine.cache.allocated and engine.cache.keys[0].shape == engine.cache.shape,
-            "at_sync": at_sync, "optimizer_state": _optimizer_state_bytes(stack.actor)}
+            "at_sync": at_sync, "resident": resident, "optimizer_state": _optimizer_state_bytes(stack.actor)}
 
 
-def _optimizer_state_bytes(actor):
-    inner = actor.engine.optimizer
+def _resident_bytes(role):
+    """Bytes of parameters, grad buffers and optimizer state this role holds on this rank."""
+    params = sum(p.untyped_storage().nbytes() for p in role.model.parameters())
+    if role.engine is None:
+        return {"params": params}
+    grads = sum(b.grad_data.untyped_storage().nbytes() for b in role.engine.model.buffers)
+    return {"params": params, "grads": grads, "state": _optimizer_state_bytes(role)}
+
+
+def _optimizer_state_bytes(role):
+    """Adam moments (the scalar step counters stay resident: a few bytes)."""
+    inner = role.engine.optimizer
     parts = getattr(inner, "chained_optimizers", [inner])
     return sum(t.untyped_storage().nbytes() for part in parts for state in part.optimizer.state.values()
-               for t in state.values() if hasattr(t, "untyped_storage"))
+               for t in state.values() if hasattr(t, "untyped_storage") and t.numel() > 1)
 
 
 def _runs(paths, root):
@@ -125,6 +143,17 @@ def test_native_engine_frees_its_kv_cache_between_steps_and_wake_reallocates_it(
         assert rank["ppo_on"]["at_sync"] == [(False, True)] * 2
         # Validation (no sync follows it) keeps the weights: the last validation left them in place.
         assert rank["ppo_on"]["cache_after_fit"] is False and rank["ppo_on"]["cache_after_wake"] is True
+
+
+def test_offloaded_roles_hold_nothing_while_the_engine_generates(world):
+    for rank in world:
+        # step 2's rollout (index 1 is step 1's, index 0 validation) without offload: everything resident
+        off = rank["grpo_off"]["resident"][2]
+        assert off["actor"]["state"] > 0 and off["actor"]["grads"] > 0 and off["ref"]["params"] > 0
+        for on in rank["grpo_on"]["resident"]:
+            assert on == {"actor": {"params": off["actor"]["params"], "grads": 0, "state": 0}, "ref": {"params": 0}}
+        zero = {"params": 0, "grads": 0, "state": 0}
+        assert all(on == {"actor": zero, "critic": zero} for on in rank["ppo_on"]["resident"])
 
 
 def test_call_order_of_one_step(world):
