@@ -7,8 +7,9 @@
 Why this order: the sync pushes weights into the engine, so an engine that slept with its weights released
 (`rollout.sleep=kv_cache_and_weights`, vLLM level 2) gets its weight memory back first (vLLM refuses a push
 into sleeping weights); only weights — the KV cache returns at the next rollout, so it never coexists with
-grads and optimizer state. Offloaded: roles that hold a model on this rank *and* share it with the rollout
-mesh (split placement: no overlap, nothing to do). Each phase records `memory/<phase>/{allocated,peak}_gb`.
+grads and optimizer state. Offloaded: roles that hold a model on this rank when this rank also generates
+(split placement: no overlap, nothing to do). Each phase records `memory/<phase>/{allocated,peak}_gb`
+(under `rlhf profile`, whose phase meter also resets the accelerator peak, a peak covers the phase's tail).
 """
 
 from __future__ import annotations
@@ -16,18 +17,27 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rlhf import platform
 from rlhf.errors import ConfigError
 from rlhf.metrics import StepMetrics
 from rlhf.rollout.engine import RolloutEngine
 
+if TYPE_CHECKING:
+    from rlhf.dist.meshes import RoleMesh
+
 GB = 1024**3
 SLEEPS = ("none", "kv_cache", "kv_cache_and_weights")
 
 
-class Offloadable(Protocol):
+class OffloadableRole(Protocol):
+    """A model role (`trainer.roles.ModelRole`) as the phases see it."""
+
+    name: str
+    mesh: RoleMesh  # `.is_member`: whether this rank holds the role's model
+    offloads: bool  # whether `offload` frees anything (optim.offload, ref.offload, reward.model_offload)
+
     def offload(self, *, keep_params: bool = False) -> None:
         """Free this role's device memory (keeping its parameters with `keep_params`), with a host copy."""
 
@@ -40,7 +50,7 @@ class ParkedRole:
     """A role offloaded during the rollout phase; `keep_params` when the rollout engine generates with them."""
 
     name: str
-    role: Offloadable
+    role: OffloadableRole
     keep_params: bool = False
 
 
@@ -112,9 +122,9 @@ def _measured(metrics: StepMetrics | None, phase: str) -> Iterator[None]:
     metrics.add(f"memory/{phase}/peak_gb", max(start, platform.peak_since_reset_bytes()) / GB, "max")
 
 
-def plan_memory_phases(*, engine: RolloutEngine | None, roles: Mapping[str, object | None], on_rollout_mesh: bool,
-                       sleep: str, weights_shared: bool) -> MemoryPhases:
-    """This rank's phases: roles (name -> `ModelRole` or None) that offload and also live on the rollout mesh.
+def plan_memory_phases(*, engine: RolloutEngine | None, roles: Mapping[str, OffloadableRole | None],
+                       on_rollout_mesh: bool, sleep: str, weights_shared: bool) -> MemoryPhases:
+    """This rank's phases: the roles (None: not configured) that offload and also live on the rollout mesh.
 
     With `weights_shared` (the native engine reads the actor's parameters) the actor keeps its parameters.
     """
