@@ -49,12 +49,12 @@ def _fit(paths, root, overrides):
     recorded_generate = engine.generate
 
     def generate(*args):  # what the training roles hold on this rank while the engine generates
-        resident.append({role.name: _resident_bytes(role) for role in (stack.actor, stack.critic, stack.ref)
-                         if role is not None})
+        resident.append({role.name: _resident_bytes(role) for role in (stack.actor, stack.critic, stack.ref,
+                                                                         stack.reward_model) if role is not None})
         return recorded_generate(*args)
 
     engine.generate = generate
-    for role in (stack.actor, stack.critic, stack.ref):
+    for role in (stack.actor, stack.critic, stack.ref, stack.reward_model):
         if role is not None:
             role.offload = _record(calls, f"{role.name}.offload", role.offload)
             role.reload = _record(calls, f"{role.name}.reload", role.reload)
@@ -95,7 +95,7 @@ def _optimizer_state_bytes(role):
                for t in state.values() if hasattr(t, "untyped_storage") and t.numel() > 1)
 
 
-def _runs(paths, root):
+def _runs(paths, root, reward_model):
     reward = Path(root) / "length_reward.py"  # a dense signal, so every update really moves the weights
     reward.write_text("def score(data_source, solution, ground_truth, extra_info):\n"
                       "    return float(len(solution) % 2)\n")
@@ -104,19 +104,27 @@ def _runs(paths, root):
         "grpo_off": GRPO + ["rollout.sleep=none"],
         "grpo_on": GRPO + ON + ["rollout.sleep=kv_cache"],
         "ppo_off": PPO + ["rollout.sleep=none"],
-        "ppo_on": PPO + ON + ["rollout.sleep=kv_cache_and_weights"]}.items()}
+        "ppo_on": PPO + ON + ["rollout.sleep=kv_cache_and_weights"],
+        "rm_off": [f"reward.model_path={reward_model}", "rollout.sleep=none"],
+        "rm_on": [f"reward.model_path={reward_model}", "reward.model_offload=true", "rollout.sleep=kv_cache"],
+    }.items()}
 
 
 @pytest.fixture(scope="module")
 def world(tiny, tmp_path_factory):
-    return run_distributed(_runs, 2, tiny, str(tmp_path_factory.mktemp("runs")), timeout_s=500)
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    root = tmp_path_factory.mktemp("runs")
+    rm_config = AutoConfig.from_pretrained(tiny["model"], num_labels=1, pad_token_id=0)
+    AutoModelForSequenceClassification.from_config(rm_config).float().save_pretrained(root / "reward_model")
+    return run_distributed(_runs, 2, tiny, str(root), str(root / "reward_model"), timeout_s=500)
 
 
 def _comparable(history):
     return [{k: v for k, v in row.items() if not k.startswith(NOT_COMPARED)} for row in history]
 
 
-@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+@pytest.mark.parametrize("algo", ["grpo", "ppo", "rm"])
 def test_offload_and_sleep_change_no_metric_and_no_weight(world, algo):
     import torch
 
@@ -154,6 +162,9 @@ def test_offloaded_roles_hold_nothing_while_the_engine_generates(world):
             assert on == {"actor": {"params": off["actor"]["params"], "grads": 0, "state": 0}, "ref": {"params": 0}}
         zero = {"params": 0, "grads": 0, "state": 0}
         assert all(on == {"actor": zero, "critic": zero} for on in rank["ppo_on"]["resident"])
+        # A colocated reward model parks its weights (the actor, without optim.offload, keeps everything).
+        assert rank["rm_off"]["resident"][2]["reward"]["params"] > 0
+        assert all(on["reward"] == {"params": 0} and on["actor"]["state"] > 0 for on in rank["rm_on"]["resident"][2:])
 
 
 def test_call_order_of_one_step(world):
