@@ -205,6 +205,17 @@ class Trainer:
         log.info("resumed from %s (step %d)", path, state["step"])
         return state["step"]
 
+    def _push_initial_weights(self) -> None:
+        """An engine with its own weights (a resharded copy, or vLLM's dummy init) takes the actor's current (maybe
+        resumed) ones before the first rollout; the policy version stays what the checkpoint (or 0) says."""
+        if isinstance(self.stack.weight_sync, SharedWeights):
+            return
+        engine = self.stack.rollout
+        version = engine.policy_version if engine is not None else 0
+        self.stack.weight_sync.sync()
+        if engine is not None:
+            engine.policy_version = version
+
     # -- loop ------------------------------------------------------------------------------------------------
     def validate(self, step: int) -> dict[str, float]:
         if self.val is None:
@@ -218,6 +229,7 @@ class Trainer:
     def fit(self) -> list[dict]:
         cfg = self.cfg.trainer
         start = self._resume()
+        self._push_initial_weights()
         history = []
         if start == 0 and cfg.val_before_train and self.val is not None:
             values = {"step": 0, **self.validate(0)}

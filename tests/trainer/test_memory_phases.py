@@ -148,7 +148,8 @@ def test_native_engine_frees_its_kv_cache_between_steps_and_wake_reallocates_it(
         assert rank["grpo_on"]["cache_after_fit"] is False and rank["grpo_on"]["cache_after_wake"] is True
         # Shared with the actor: the weights stay; an own copy is dropped until the sync refills it.
         assert rank["grpo_on"]["at_sync"] == [(False, False)] * 2
-        assert rank["ppo_on"]["at_sync"] == [(False, True)] * 2
+        # (the first sync is the initial push into the engine's own copy, before any rollout: engine awake)
+        assert rank["ppo_on"]["at_sync"] == [(True, False)] + [(False, True)] * 2
         # Validation (no sync follows it) keeps the weights: the last validation left them in place.
         assert rank["ppo_on"]["cache_after_fit"] is False and rank["ppo_on"]["cache_after_wake"] is True
 
@@ -167,17 +168,24 @@ def test_offloaded_roles_hold_nothing_while_the_engine_generates(world):
         assert all(on["reward"] == {"params": 0} and on["actor"]["state"] > 0 for on in rank["rm_on"]["resident"][2:])
 
 
+def _step_2_rollout(calls):
+    """Index of step 2's generate: the first after step 1's sync (the last two syncs are the steps')."""
+    syncs = [i for i, call in enumerate(calls) if call == "sync"]
+    return calls.index("generate", syncs[-2])
+
+
 def test_call_order_of_one_step(world):
     # Colocated, shared weights: the actor keeps its parameters (the engine reads them), the ref parks.
     calls = world[0]["grpo_on"]["calls"]
-    first = calls.index("generate", calls.index("sync"))  # step 2's rollout (after step 1's sync)
+    first = _step_2_rollout(calls)
     assert calls[first - 3:calls.index("sync", first) + 1] == [
         ("actor.offload", ("keep_params", True)), ("ref.offload", ("keep_params", False)), "wake",
         "generate", ("sleep", ("release_weights", False)), "actor.reload", "ref.reload",
         ("wake", ("kv_cache", False)), "sync"]
     # Own copy of the weights (resharded): they are dropped at sleep and re-acquired before the push.
     calls = world[0]["ppo_on"]["calls"]
-    first = calls.index("generate", calls.index("sync"))
+    assert calls[:2] == ["sync", "load_weights"], "the engine's own copy gets the actor's weights first"
+    first = _step_2_rollout(calls)
     step = calls[first - 3:calls.index("sync", first) + 1]
     assert step[:6] == [("actor.offload", ("keep_params", False)), ("critic.offload", ("keep_params", False)),
                         "wake", "generate", ("sleep", ("release_weights", True)), "actor.reload"]
