@@ -103,7 +103,7 @@ class MemoryPhases:
                 self.engine.wake(kv_cache=False)
             yield
 
-    def _timer(self, metrics: StepMetrics | None, name: str):
+    def _timer(self, metrics: StepMetrics | None, name: str) -> AbstractContextManager[None]:
         active = self.sleeps or self.roles
         return metrics.timer(name) if metrics is not None and active else nullcontext()
 
