@@ -1,18 +1,18 @@
-"""One RL step, in data-flow order (DESIGN.md §2):
+"""One RL step, in data-flow order (DESIGN.md §2), inside the colocated memory phases (`trainer/memory.py`):
 
-    PromptBatch ──► rollout.generate ──► Rollouts ──► rule reward ──► TrainBatch (global, on every rank)
-                ──► reward model (on its mesh, when configured)
-                ──► actor old logprobs · ref logprobs · critic values
-                ──► advantages (GAE | GRPO | RLOO | REINFORCE++ | ReMax), KL in reward
-                ──► actor.update · critic.update
-                ──► weight sync actor ─► rollout engine, policy version + 1
+  rollout │ PromptBatch ──► rollout.generate ──► Rollouts ──► rule reward ──► TrainBatch (global, on every rank)
+  train   │             ──► reward model (on its mesh, when configured)
+          │             ──► actor old logprobs · ref logprobs · critic values
+          │             ──► advantages (GAE | GRPO | RLOO | REINFORCE++ | ReMax), KL in reward
+          │             ──► actor.update · critic.update
+  sync    │             ──► weight sync actor ─► rollout engine, policy version + 1
 
 Heavy work lives in the stages; this file only sequences them and records verl-named metrics.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from rlhf.rollout.types import PromptBatch
 from rlhf.trainer.batch import TrainBatch, build_train_batch
 from rlhf.trainer.config import AlgoConfig, SamplingConfig, UpdateConfig
 from rlhf.trainer.exchange import gather_global_batch, is_contributor
+from rlhf.trainer.memory import MemoryPhases
 from rlhf.trainer.roles import CriticRole, PolicyRole, RewardModelRole
 from rlhf.trainer.scoring import Scorer
 from rlhf.trainer.sync import WeightSync
@@ -53,39 +54,48 @@ class RLStack:
     kl_controller: KLController
     pad_token_id: int
     reward_model: RewardModelRole | None = None
+    memory: MemoryPhases = field(default_factory=MemoryPhases)
 
 
 def rl_step(stack: RLStack, prompts: PromptStep, step: int) -> StepMetrics:
     """Run one step on this rank; returns this rank's (unreduced) metrics."""
     metrics = StepMetrics()
     with metrics.timer("step"):
-        with metrics.timer("gen"):
+        with stack.memory.rollout(metrics), metrics.timer("gen"):
             local = generate_and_score(stack, prompts, step)
-        with metrics.timer("gather"):
-            batch = gather_global_batch(local, len(prompts.records), stack.rollout_layout)
-        if stack.reward_model is not None:
-            with metrics.timer("reward"):
-                batch.scores_b = stack.reward_model.scores(batch, stack.actor_update.micro_batch_size)
-        if needs_old_logprobs(stack):
-            with metrics.timer("old_log_prob"):
-                batch.old_logprobs_bt = stack.actor.logprobs(batch, stack.actor_update.micro_batch_size)
-        if stack.ref is not None:
-            with metrics.timer("ref"):
-                batch.ref_logprobs_bt = stack.ref.logprobs(batch, stack.actor_update.micro_batch_size)
-        if stack.critic is not None:
-            with metrics.timer("values"):
-                batch.values_bt = stack.critic.values(batch, stack.critic_update.micro_batch_size)
-        with metrics.timer("adv"):
-            add_advantages(batch, stack, metrics)
-        with metrics.timer("update_actor"):
-            metrics.update_from_shards(stack.actor.update(batch, stack.algo))
-        if stack.critic is not None:
-            with metrics.timer("update_critic"):
-                metrics.update_from_shards(stack.critic.update(batch, stack.algo))
-        with metrics.timer("update_weights"):
+        with stack.memory.training(metrics):
+            batch = score_and_update(stack, local, len(prompts.records), metrics)
+        with stack.memory.weight_sync(metrics), metrics.timer("update_weights"):
             stack.weight_sync.sync()
     record_batch_metrics(metrics, batch, stack)
     return metrics
+
+
+def score_and_update(stack: RLStack, local: TrainBatch | None, num_prompts: int,
+                     metrics: StepMetrics) -> TrainBatch:
+    """The global batch, scored by every model role, with advantages; then the actor and critic updates."""
+    with metrics.timer("gather"):
+        batch = gather_global_batch(local, num_prompts, stack.rollout_layout)
+    if stack.reward_model is not None:
+        with metrics.timer("reward"):
+            batch.scores_b = stack.reward_model.scores(batch, stack.actor_update.micro_batch_size)
+    if needs_old_logprobs(stack):
+        with metrics.timer("old_log_prob"):
+            batch.old_logprobs_bt = stack.actor.logprobs(batch, stack.actor_update.micro_batch_size)
+    if stack.ref is not None:
+        with metrics.timer("ref"):
+            batch.ref_logprobs_bt = stack.ref.logprobs(batch, stack.actor_update.micro_batch_size)
+    if stack.critic is not None:
+        with metrics.timer("values"):
+            batch.values_bt = stack.critic.values(batch, stack.critic_update.micro_batch_size)
+    with metrics.timer("adv"):
+        add_advantages(batch, stack, metrics)
+    with metrics.timer("update_actor"):
+        metrics.update_from_shards(stack.actor.update(batch, stack.algo))
+    if stack.critic is not None:
+        with metrics.timer("update_critic"):
+            metrics.update_from_shards(stack.critic.update(batch, stack.algo))
+    return batch
 
 
 def needs_old_logprobs(stack: RLStack) -> bool:

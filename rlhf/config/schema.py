@@ -11,7 +11,8 @@ from rlhf.dist.meshes import MeshConfig
 from rlhf.rewards.registry import RewardConfig
 from rlhf.rollout.factory import RolloutConfig
 from rlhf.run_dir import RunConfig
-from rlhf.trainer.config import AlgoConfig, ModelConfig, SamplingConfig, SftConfig, TrainerConfig, UpdateConfig
+from rlhf.trainer.config import (AlgoConfig, ModelConfig, RefConfig, SamplingConfig, SftConfig, TrainerConfig,
+                                 UpdateConfig)
 
 
 @dataclass(kw_only=True)
@@ -27,6 +28,7 @@ class RlhfConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     actor: UpdateConfig = field(default_factory=UpdateConfig)
     critic: UpdateConfig = field(default_factory=UpdateConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

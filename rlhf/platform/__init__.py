@@ -89,6 +89,20 @@ def reset_peak_memory() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def allocated_memory_bytes() -> int:
+    """Memory held now: the accelerator allocator's live bytes, or this process's resident set size on CPU."""
+    if has_accelerator():
+        return int(torch.cuda.memory_allocated())
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def peak_since_reset_bytes() -> int:
+    """Peak accelerator memory since `reset_peak_memory`; on CPU, where no peak can be reset, the current RSS."""
+    return peak_memory_bytes() if has_accelerator() else allocated_memory_bytes()
+
+
 def offload_device() -> torch.device:
     """Where offloaded params and optimizer state wait between phases: host memory."""
     return torch.device("cpu")

@@ -48,14 +48,18 @@ class RewardConfig:
     `file.py:fn`; `function` is used for every source no pattern matches; the built-in table comes last.
     With `remote` set, every sample is scored by that HTTP service instead. With `model_path` (an HF
     sequence-classification folder) a reward model on the reward mesh scores training rollouts; the rule
-    functions then serve validation only."""
+    functions then serve validation only. `model_offload` parks its weights on the host during rollouts."""
 
     function: str | None = None
     by_source: dict[str, str] = field(default_factory=dict)
     remote: RemoteRewardConfig | None = None
     model_path: str = ""
+    model_offload: bool = False
 
     def __post_init__(self) -> None:
+        if self.model_offload and not self.model_path:
+            raise ConfigError("reward.model_offload=true needs a reward model to offload; set reward.model_path "
+                              "or drop reward.model_offload")
         if self.model_path and self.remote is not None:
             raise ConfigError("reward.model_path and reward.remote both score every sample; keep one")
         if self.remote is not None and (self.function or self.by_source):

@@ -37,5 +37,8 @@ class RolloutEngine(Protocol):
     def sleep(self, release_weights: bool = False) -> None:
         """Free the KV cache (and the weights when asked) so training can use the memory."""
 
-    def wake(self) -> None:
-        """Re-acquire what `sleep` released; weights released by sleep must be re-loaded before generating."""
+    def wake(self, kv_cache: bool = True) -> None:
+        """Re-acquire what `sleep` released; weights released by sleep must be re-loaded before generating.
+
+        `kv_cache=False` re-acquires weight memory only (before a weight push, while training state is resident).
+        """

@@ -11,19 +11,40 @@ from rlhf.rollout.native.engine import NativeEngineConfig
 from rlhf.rollout.vllm_engine import VllmEngineConfig
 
 ENGINES = ("native", "hf", "vllm")
+# What the engine frees between rollouts (`sleep`): nothing, its KV cache, or the KV cache and its weights
+# (`none`, not `off`: YAML reads a bare off as false).
+SLEEP_MODES = ("auto", "none", "kv_cache", "kv_cache_and_weights")
 
 
 @dataclass(kw_only=True)
 class RolloutConfig:
-    """`engine`: native (megatron model, CPU and GPU), vllm (colocated, GPU), hf (reference, tp=1)."""
+    """`engine`: native (megatron model, CPU and GPU), vllm (colocated, GPU), hf (reference, tp=1).
+
+    `sleep`: what the engine frees after each rollout so training can use the memory (see `resolved_sleep`);
+    `kv_cache_and_weights` also drops its weights, which the next weight sync refills.
+    """
 
     engine: Literal["native", "hf", "vllm"] = "native"
+    sleep: Literal["auto", "none", "kv_cache", "kv_cache_and_weights"] = "auto"
     native: NativeEngineConfig = field(default_factory=NativeEngineConfig)
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ConfigError(f"rollout.engine={self.engine!r} is not one of {', '.join(ENGINES)}")
+        if self.sleep not in SLEEP_MODES:
+            raise ConfigError(f"rollout.sleep={self.sleep!r} is not one of {', '.join(SLEEP_MODES)} (auto: "
+                              "kv_cache_and_weights for vllm, kv_cache for native on an accelerator, else none)")
+
+    def resolved_sleep(self, *, accelerator: bool) -> str:
+        """`auto` -> vllm: kv_cache_and_weights (the sync re-pushes every weight, a host copy would be wasted);
+        native: kv_cache on an accelerator, none on CPU (nothing to share there; re-allocating costs time);
+        hf: none (it keeps no KV cache between calls)."""
+        if self.sleep != "auto":
+            return self.sleep
+        if self.engine == "vllm":
+            return "kv_cache_and_weights"
+        return "kv_cache" if self.engine == "native" and accelerator else "none"
 
 
 def engine_layout(pg_collection: Any) -> EngineLayout:

@@ -87,6 +87,7 @@ class HFEngine:
             self.model.to_empty(device="meta")
             self._weights_released = True
 
-    def wake(self) -> None:
+    def wake(self, kv_cache: bool = True) -> None:
+        """Re-allocate released weights (uninitialised until `load_weights`); there is no KV cache to restore."""
         if self._weights_released:
             self.model.to_empty(device=current_device())

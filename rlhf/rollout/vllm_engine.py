@@ -3,8 +3,8 @@
 Written against vLLM's documented API (PLATFORM.md) and exercised only with a stand-in so far: it has not
 yet run against a real vLLM. vLLM is imported lazily; without it, a ConfigError says how to install it.
 Weights arrive in HF names (full tensors; vLLM shards them for its own tp). Sequence around training,
-following the memory-friendly order: `sleep(release_weights=True)` -> train -> `wake()` (weights only)
--> `load_weights(...)` -> the KV cache is re-acquired by the next `generate`.
+following the memory-friendly order (`rlhf.trainer.memory`): `sleep(release_weights=True)` -> train ->
+`wake(kv_cache=False)` -> `load_weights(...)` -> `wake()` (KV cache; else re-acquired by the next `generate`).
 """
 
 from __future__ import annotations
@@ -88,11 +88,15 @@ class VllmEngine:
         self.llm.sleep(level=2 if release_weights else 1)
         self._asleep = {"weights", "kv_cache"}
 
-    def wake(self) -> None:
-        """Re-acquire weight memory only; the KV cache comes back lazily at the next generate."""
+    def wake(self, kv_cache: bool = True) -> None:
+        """Re-acquire weight memory, then the KV cache unless `kv_cache=False` (before a weight push; the next
+        generate re-acquires it lazily)."""
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
+        if kv_cache and "kv_cache" in self._asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep.discard("kv_cache")
 
 
 def vllm_model(llm: Any) -> torch.nn.Module:

@@ -177,13 +177,14 @@ class TrainEngine:
         self.scheduler.load_state_dict(state["scheduler"])
         self.num_steps = state["num_steps"]
 
-    def offload(self) -> None:
+    def offload(self, *, keep_params: bool = False) -> None:
         """With `optim.offload`: free params, grads and optimizer state from the device, keeping a host copy.
 
         Call it when the role's phase ends (e.g. before rollout); without `optim.offload` it does nothing.
+        `keep_params` keeps the parameters resident (a colocated rollout engine reads them).
         """
         if self.config.offload and self._offloaded is None:
-            self._offloaded = offload_lib.offload(self.model, self.optimizer)
+            self._offloaded = offload_lib.offload(self.model, self.optimizer, keep_params=keep_params)
 
     def reload(self) -> None:
         """Bring back what `offload` moved; grads come back zeroed."""

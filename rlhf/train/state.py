@@ -47,6 +47,16 @@ def load_optimizer_state(optimizer: MegatronOptimizer, states: list[dict]) -> No
             with torch.no_grad():  # it copies into views of leaf params
                 part.load_parameter_state_from_dp_reshardable(state["param_state"])
             _unshare_steps(part.optimizer)
+        _own_storages(part.optimizer)
+
+
+def _own_storages(inner: torch.optim.Optimizer) -> None:
+    """State tensors adopted from `torch.load` live in fixed-size storages that offload cannot free in place
+    (`UntypedStorage.resize_` refuses them): give each its own allocation."""
+    for param_state in inner.state.values():
+        for key, value in param_state.items():
+            if isinstance(value, torch.Tensor) and not value.untyped_storage().resizable():
+                param_state[key] = value.clone()
 
 
 def _unshare_steps(inner: torch.optim.Optimizer) -> None:

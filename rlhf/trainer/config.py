@@ -99,6 +99,13 @@ class UpdateConfig:
 
 
 @dataclass(kw_only=True)
+class RefConfig:
+    """The frozen reference policy: `offload` parks its weights on the host while the rollout engine runs."""
+
+    offload: bool = False
+
+
+@dataclass(kw_only=True)
 class TrainerConfig:
     """The loop: steps, validation cadence, logging."""
 

@@ -30,6 +30,7 @@ from rlhf.rollout.factory import build_engine, engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
 from rlhf.step import RLStack, rl_step
 from rlhf.trainer.config import check_batch_sizes
+from rlhf.trainer.memory import check_sleep, plan_memory_phases
 from rlhf.trainer.roles import CriticRole, PolicyRole, RewardModelRole
 from rlhf.trainer.scoring import Scorer
 from rlhf.trainer.sync import SharedWeights
@@ -79,10 +80,20 @@ def _check_batches(cfg: RlhfConfig, layouts: dict) -> None:
                               update=getattr(cfg, role))
 
 
+def _shares_weights(cfg: RlhfConfig, layouts: dict) -> bool:
+    """The colocated native engine in the actor's own layout generates with the actor's parameter tensors."""
+    return cfg.rollout.engine == "native" and layouts["rollout"] == layouts["actor"]
+
+
+def _sleep(cfg: RlhfConfig) -> str:
+    return cfg.rollout.resolved_sleep(accelerator=platform.has_accelerator())
+
+
 def preflight(cfg: RlhfConfig, world_size: int) -> None:
     """Every input check that needs no process group, run before the run folder exists: bad input writes nothing."""
     layouts = plan_meshes(_mesh_config(cfg), world_size, _model_dims(cfg.model.path), _role_dims(cfg))
     _check_batches(cfg, layouts)
+    check_sleep(_sleep(cfg), _shares_weights(cfg, layouts))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     records = load_prompts(cfg.data.train_files, tokenizer, cfg.data).records
     if cfg.reward.model_path:
@@ -110,19 +121,25 @@ class Trainer:
         actor = PolicyRole("actor", self.meshes["actor"], cfg.model.path, update=cfg.actor,
                            total_steps=optimizer_steps, recompute=cfg.model.recompute, seed=cfg.dist.seed)
         ref = (PolicyRole("ref", self.meshes["ref"], cfg.model.path, update=None, total_steps=0,
-                          seed=cfg.dist.seed) if algo.uses_ref else None)
+                          seed=cfg.dist.seed, offload_frozen=cfg.ref.offload) if algo.uses_ref else None)
         critic = (CriticRole("critic", self.meshes["critic"], cfg.model.critic_path or cfg.model.path,
                              update=cfg.critic, value_head=True, seed=cfg.dist.seed + 1,
                              total_steps=cfg.trainer.total_steps * cfg.critic.epochs * cfg.critic.mini_batches)
                   if algo.uses_critic else None)
         reward_model = (RewardModelRole("reward", self.meshes["reward"], cfg.reward.model_path, update=None,
-                                        total_steps=0, value_head=True) if cfg.reward.model_path else None)
+                                        total_steps=0, value_head=True, offload_frozen=cfg.reward.model_offload)
+                        if cfg.reward.model_path else None)
         engine, weight_sync = self._build_rollout(actor)
+        layouts = {role: mesh.layout for role, mesh in self.meshes.meshes.items()}
+        memory = plan_memory_phases(engine=engine, roles={"actor": actor, "critic": critic, "ref": ref,
+                                                          "reward": reward_model},
+                                    on_rollout_mesh=self.meshes["rollout"].is_member, sleep=_sleep(cfg),
+                                    weights_shared=_shares_weights(cfg, layouts))
         self.stack = RLStack(rollout=engine, rollout_layout=self.meshes["rollout"].layout, scorer=self.scorer,
                              actor=actor, ref=ref, critic=critic, weight_sync=weight_sync, algo=algo,
                              sampling=cfg.sampling, actor_update=cfg.actor, critic_update=cfg.critic,
                              kl_controller=KLController.from_config(algo.kl), pad_token_id=self.pad_token_id,
-                             reward_model=reward_model)
+                             reward_model=reward_model, memory=memory)
         self.checkpoints = CheckpointManager(run_dir.path / "checkpoints", cfg.checkpoint.keep_last)
         self.sink = MetricsSink(run_dir.path, enabled=run_dir.is_rank0, tensorboard=cfg.trainer.tensorboard)
 
@@ -142,7 +159,7 @@ class Trainer:
         """
         cfg, mesh = self.cfg, self.meshes["rollout"]
         actor_layout = self.meshes["actor"].layout
-        if mesh.layout == actor_layout and cfg.rollout.engine == "native":
+        if _shares_weights(cfg, {"rollout": mesh.layout, "actor": actor_layout}):
             if not mesh.is_member:
                 return None, SharedWeights(None)
             from rlhf.rollout.native.engine import NativeEngine
@@ -188,18 +205,31 @@ class Trainer:
         log.info("resumed from %s (step %d)", path, state["step"])
         return state["step"]
 
+    def _push_initial_weights(self) -> None:
+        """An engine with its own weights (a resharded copy, or vLLM's dummy init) takes the actor's current (maybe
+        resumed) ones before the first rollout; the policy version stays what the checkpoint (or 0) says."""
+        if isinstance(self.stack.weight_sync, SharedWeights):
+            return
+        engine = self.stack.rollout
+        version = engine.policy_version if engine is not None else 0
+        self.stack.weight_sync.sync()
+        if engine is not None:
+            engine.policy_version = version
+
     # -- loop ------------------------------------------------------------------------------------------------
     def validate(self, step: int) -> dict[str, float]:
         if self.val is None:
             return {}
         native = self.cfg.rollout.native
         chunk = max(1, native.max_batch_size // max(1, self.cfg.sampling.val_n))
-        return validate(self.stack.rollout, self.stack.rollout_layout, self.val, self.scorer,
-                        self.cfg.sampling.val_params(step), chunk, self.pad_token_id)
+        with self.stack.memory.rollout(sync_follows=False):
+            return validate(self.stack.rollout, self.stack.rollout_layout, self.val, self.scorer,
+                            self.cfg.sampling.val_params(step), chunk, self.pad_token_id)
 
     def fit(self) -> list[dict]:
         cfg = self.cfg.trainer
         start = self._resume()
+        self._push_initial_weights()
         history = []
         if start == 0 and cfg.val_before_train and self.val is not None:
             values = {"step": 0, **self.validate(0)}

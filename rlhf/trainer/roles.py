@@ -19,6 +19,7 @@ from rlhf.dist.meshes import RoleMesh
 from rlhf.models.builder import build_gpt
 from rlhf.models.forward import forward_backward, token_entropy, token_logprobs
 from rlhf.models.hf_load import load_hf_weights
+from rlhf.train import offload as offload_lib
 from rlhf.train.engine import TrainEngine
 from rlhf.trainer.batch import TrainBatch, gather_response
 from rlhf.trainer.config import AlgoConfig, UpdateConfig
@@ -34,10 +35,13 @@ class ModelRole:
     """A megatron GPT (LM or value head) on one role mesh, optionally trained by a `TrainEngine`."""
 
     def __init__(self, name: str, mesh: RoleMesh, hf_path: str, *, update: UpdateConfig | None,
-                 total_steps: int, value_head: bool = False, recompute: bool = False, seed: int = 1234) -> None:
+                 total_steps: int, value_head: bool = False, recompute: bool = False, seed: int = 1234,
+                 offload_frozen: bool = False) -> None:
         self.name, self.mesh, self.update_config = name, mesh, update
         self.model: torch.nn.Module | None = None
         self.engine: TrainEngine | None = None
+        self.offload_frozen = offload_frozen and update is None
+        self._parked: offload_lib.Offloaded | None = None
         if not mesh.is_member:
             return
         hf_config = AutoConfig.from_pretrained(hf_path)
@@ -64,9 +68,33 @@ class ModelRole:
     def tp_group(self):
         return self.mesh.pgs.tp
 
+    @property
+    def offloads(self) -> bool:
+        """Whether `offload` frees memory on this rank: a trained role with `optim.offload`, a frozen one with
+        `offload_frozen` (ref.offload, reward.model_offload)."""
+        if not self.mesh.is_member:
+            return False
+        return self.engine.config.offload if self.engine is not None else self.offload_frozen
+
+    def offload(self, *, keep_params: bool = False) -> None:
+        """Park this role's device memory on the host between its phases (see `offloads`)."""
+        if self.engine is not None:
+            self.engine.offload(keep_params=keep_params)
+        elif self.offload_frozen and self.model is not None and self._parked is None:
+            self._parked = offload_lib.offload_frozen(self.model)
+
+    def reload(self) -> None:
+        if self.engine is not None:
+            self.engine.reload()
+        elif self._parked is not None:
+            offload_lib.reload_frozen(self._parked)
+            self._parked = None
+
     def _forward(self, batch: TrainBatch, micro_batch_size: int,
                  fn: Callable[[torch.Tensor, TrainBatch], torch.Tensor]) -> torch.Tensor:
         """`fn(output, micro_batch) -> [b, T]` over this rank's DP shard, gathered to the whole batch `[B, T]`."""
+        if self._parked is not None:
+            raise RuntimeError(f"the {self.name} model is offloaded; call reload() before using it")
         local = None
         if self.mesh.is_member:
             shard = batch.shard(self.dp_rank, self.dp_size)

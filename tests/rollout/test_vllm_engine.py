@@ -93,13 +93,15 @@ def test_sleep_wake_load_sequence():
         engine.generate(batch, params)
     with pytest.raises(RuntimeError, match="call wake\\(\\) first"):
         engine.load_weights([("model.norm.weight", torch.ones(2))])
-    engine.wake()
+    engine.wake(kv_cache=False)
     engine.load_weights(iter([("model.embed_tokens.weight", torch.ones(3, 2)), ("model.norm.weight", torch.ones(2))]))
     engine.generate(batch, params)
     engine.generate(batch, params)
     engine.sleep()
+    engine.wake()
+    engine.wake()  # already awake: no call
     names = [c[0] if c[0] != "sleep" and c[0] != "wake_up" else c for c in calls[1:]]
     assert names == [("sleep", 2), ("wake_up", ["weights"]), "load_weights", ("wake_up", ["kv_cache"]),
-                     "generate", "generate", ("sleep", 1)]
+                     "generate", "generate", ("sleep", 1), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"])]
     assert calls[3][1] == ["model.embed_tokens.weight", "model.norm.weight"]
     assert engine.policy_version == 1

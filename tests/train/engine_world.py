@@ -273,8 +273,26 @@ def check_offload(path: str, pg: dict) -> dict:
         for engine in (plain, cycled):
             engine.train_step(batches[1], _loss_fn(engine))
         results[distributed_optimizer] = {"freed": freed, "grads_freed": grads_freed,
-                                          "equal": _bitwise(_weights(plain), _weights(cycled))}
+                                          "equal": _bitwise(_weights(plain), _weights(cycled)),
+                                          "keep_params": _check_keep_params(path, pgs, batches, plain,
+                                                                            distributed_optimizer)}
     return results
+
+
+def _check_keep_params(path: str, pgs, batches: list, plain, distributed_optimizer: bool) -> dict:
+    """offload(keep_params=True) (a colocated engine reads the params) frees only optimizer state and grads."""
+    kept = _engine(path, pgs, use_distributed_optimizer=distributed_optimizer, offload=True)
+    kept.train_step(batches[0], _loss_fn(kept))
+    before = {name: param.clone() for name, param in kept.module.named_parameters()}
+    kept.offload(keep_params=True)
+    params_resident = all(torch.equal(param, before[name]) for name, param in kept.module.named_parameters())
+    state_freed = all(t.untyped_storage().nbytes() == 0 for t in _opt_tensors(kept, clone=False).values()
+                      if t.numel() > 1)
+    grads_freed = all(b.grad_data.untyped_storage().nbytes() == 0 for b in kept.model.buffers)
+    kept.reload()
+    kept.train_step(batches[1], _loss_fn(kept))
+    return {"params_resident": params_resident, "state_freed": state_freed, "grads_freed": grads_freed,
+            "equal": _bitwise(_weights(plain), _weights(kept))}
 
 
 def engine_world(path: str) -> dict:

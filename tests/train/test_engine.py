@@ -132,3 +132,5 @@ def test_offload_frees_storage_and_reload_is_bitwise(world, distributed_optimize
     for rank_result in world:
         result = rank_result["offload"][distributed_optimizer]
         assert result["freed"] and result["grads_freed"] and result["equal"]
+        assert result["keep_params"] == {"params_resident": True, "state_freed": True, "grads_freed": True,
+                                         "equal": True}

@@ -79,3 +79,12 @@ def test_cli_one_line_error_and_nothing_written(tiny, tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().splitlines()[-1].startswith("rlhf train: error: actor: 16 rollouts per step")
     assert not (tmp_path / "runs").exists()
+
+
+def test_dropping_weights_the_engine_shares_with_the_actor(tiny, tmp_path):
+    cfg = trainer_config(tiny, str(tmp_path), ["rollout.sleep=kv_cache_and_weights"])
+    with pytest.raises(ConfigError, match=r"^rollout\.sleep=kv_cache_and_weights would free the weights the native "
+                                          r"engine shares with the actor \(same layout\)"):
+        preflight(cfg, world_size=2)
+    preflight(trainer_config(tiny, str(tmp_path), ["rollout.sleep=kv_cache_and_weights", "mesh.actor.tp=2",
+                                                   "mesh.rollout.tp=1"]), world_size=2)

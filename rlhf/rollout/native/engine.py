@@ -127,5 +127,7 @@ class NativeEngine:
                 self._released_shapes[name] = param.shape
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
-    def wake(self) -> None:
-        self.cache.allocate()
+    def wake(self, kv_cache: bool = True) -> None:
+        """Re-allocate the KV cache (released weights come back through `load_weights`, which needs no wake)."""
+        if kv_cache:
+            self.cache.allocate()

@@ -1,0 +1,174 @@
+"""`MemoryPhases` with recording stand-ins (no processes): the call order of one step, what validation and
+split placement change, the metrics it records, and the config errors for nonsense values."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlhf.config import RlhfConfig, from_dict
+from rlhf.errors import ConfigError
+from rlhf.metrics import StepMetrics
+from rlhf.rewards.registry import RewardConfig
+from rlhf.rollout.factory import RolloutConfig
+from rlhf.rollout.sampling_params import SamplingParams
+from rlhf.rollout.types import PromptBatch
+from rlhf.rollout.vllm_engine import VllmEngine
+from rlhf.trainer.memory import MemoryPhases, ParkedRole, check_sleep, plan_memory_phases
+
+
+class RecordingEngine:
+    """Keeps vLLM's rules: no generate while asleep, no weight push into sleeping weights."""
+
+    def __init__(self, calls):
+        self.calls, self.asleep = calls, set()
+
+    def generate(self, prompts=None, params=None):
+        assert not self.asleep, f"generate while {self.asleep} sleep"
+        self.calls.append("generate")
+
+    def load_weights(self, weights):
+        assert "weights" not in self.asleep, "weights pushed into a sleeping engine"
+        self.calls.append("load_weights")
+
+    def sleep(self, release_weights=False):
+        self.calls.append(("sleep", release_weights))
+        self.asleep = {"kv_cache", "weights"}
+
+    def wake(self, kv_cache=True):
+        self.calls.append(("wake", kv_cache))
+        self.asleep -= {"weights", "kv_cache"} if kv_cache else {"weights"}
+
+
+class RecordingRole:
+    def __init__(self, name, calls, member=True, offloads=True):
+        self.name, self.calls, self.offloads = name, calls, offloads
+        self.mesh = SimpleNamespace(is_member=member)
+
+    def offload(self, *, keep_params=False):
+        self.calls.append((f"{self.name}.offload", keep_params))
+
+    def reload(self):
+        self.calls.append(f"{self.name}.reload")
+
+
+def _one_step(phases, engine, calls, metrics):
+    """What `rl_step` does, with a sync that pushes weights into the engine."""
+    with phases.rollout(metrics):
+        engine.generate()
+    with phases.training(metrics):
+        calls.append("update")
+    with phases.weight_sync(metrics):
+        engine.load_weights([])
+
+
+def test_step_order_with_released_weights_and_validation_keeping_them():
+    calls = []
+    engine = RecordingEngine(calls)
+    phases = plan_memory_phases(engine=engine, roles={"actor": RecordingRole("actor", calls),
+                                                      "critic": RecordingRole("critic", calls), "ref": None},
+                                on_rollout_mesh=True, sleep="kv_cache_and_weights", weights_shared=False)
+    metrics = StepMetrics()
+    for _ in range(2):
+        _one_step(phases, engine, calls, metrics)
+    step = [("actor.offload", False), ("critic.offload", False), ("wake", True), "generate", ("sleep", True),
+            "actor.reload", "critic.reload", "update", ("wake", False), "load_weights"]
+    assert calls == step * 2
+    calls.clear()
+    with phases.rollout(sync_follows=False):  # validation: nothing refills dropped weights, so keep them
+        engine.generate()
+    assert calls == [("actor.offload", False), ("critic.offload", False), ("wake", True), "generate",
+                     ("sleep", False), "actor.reload", "critic.reload"]
+    values = metrics.local()
+    for phase in ("rollout", "train", "sync"):
+        assert values[f"memory/{phase}/allocated_gb"] > 0 and values[f"memory/{phase}/peak_gb"] > 0
+    assert {"memory/asleep/allocated_gb", "timing_s/offload", "timing_s/reload"} <= set(values)
+
+
+def test_shared_weights_keep_the_actor_params_and_split_placement_is_a_no_op():
+    calls = []
+    actor, critic = RecordingRole("actor", calls), RecordingRole("critic", calls)
+    shared = plan_memory_phases(engine=RecordingEngine(calls), roles={"actor": actor, "critic": critic},
+                                on_rollout_mesh=True, sleep="kv_cache", weights_shared=True)
+    assert [(p.name, p.keep_params) for p in shared.roles] == [("actor", True), ("critic", False)]
+    # A role not on this rank, one that does not offload, or a rank off the rollout mesh: nothing to park.
+    roles = {"actor": RecordingRole("actor", calls, member=False),
+             "critic": RecordingRole("critic", calls, offloads=False)}
+    assert plan_memory_phases(engine=None, roles=roles, on_rollout_mesh=True, sleep="kv_cache",
+                              weights_shared=False).roles == []
+    split = plan_memory_phases(engine=None, roles={"actor": actor}, on_rollout_mesh=False, sleep="kv_cache",
+                               weights_shared=False)
+    metrics = StepMetrics()
+    _one_step(split, RecordingEngine(calls), calls, metrics)
+    assert calls == ["generate", "update", "load_weights"]
+    assert "timing_s/offload" not in metrics.local() and "memory/train/peak_gb" in metrics.local()
+
+
+def test_sleep_none_leaves_the_engine_alone():
+    calls = []
+    phases = MemoryPhases(RecordingEngine(calls), [ParkedRole("actor", RecordingRole("actor", calls))],
+                          sleep="none")
+    _one_step(phases, phases.engine, calls, None)
+    assert calls == [("actor.offload", False), "generate", "actor.reload", "update", "load_weights"]
+
+
+def _stand_in_vllm(calls):
+    class LLM:
+        def __init__(self, **kwargs):
+            model = SimpleNamespace(load_weights=lambda weights: calls.append("load_weights"))
+            self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(
+                worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))))
+
+        def generate(self, requests, sampling_params, use_tqdm):
+            calls.append("generate")
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[3], finish_reason="stop",
+                                                             logprobs=[{3: SimpleNamespace(logprob=-1.0)}])])]
+
+        def sleep(self, level):
+            calls.append(("sleep", level))
+
+        def wake_up(self, tags):
+            calls.append(("wake_up", tags))
+
+    return SimpleNamespace(LLM=LLM, SamplingParams=lambda **kw: kw)
+
+
+def test_vllm_adapter_in_the_phases_frees_weights_and_kv_and_takes_the_push():
+    calls = []
+    engine = VllmEngine("/m", vllm_module=_stand_in_vllm(calls))
+    phases = MemoryPhases(engine, sleep=RolloutConfig(engine="vllm").resolved_sleep(accelerator=True))
+    prompts, params = PromptBatch.from_token_lists([[1, 2]]), SamplingParams(max_new_tokens=2)
+    for _ in range(2):
+        with phases.rollout():
+            engine.generate(prompts, params)
+        with phases.weight_sync():
+            engine.load_weights([("model.norm.weight", torch.ones(2))])
+    step = [("sleep", 2), ("wake_up", ["weights"]), "load_weights", ("wake_up", ["kv_cache"]), "generate"]
+    assert calls == ["generate"] + step + [("sleep", 2), ("wake_up", ["weights"]), "load_weights"]
+
+
+def test_sleep_defaults_per_engine_and_device():
+    assert [RolloutConfig(engine=e).resolved_sleep(accelerator=a) for e in ("native", "vllm", "hf")
+            for a in (False, True)] == ["none", "kv_cache", "kv_cache_and_weights", "kv_cache_and_weights",
+                                        "none", "none"]
+    assert RolloutConfig(sleep="kv_cache").resolved_sleep(accelerator=False) == "kv_cache"
+
+
+def test_nonsense_sleep_and_offload_settings_are_config_errors():
+    with pytest.raises(ConfigError) as err:
+        RolloutConfig(sleep="always")
+    assert str(err.value) == ("rollout.sleep='always' is not one of auto, none, kv_cache, kv_cache_and_weights "
+                              "(auto: kv_cache_and_weights for vllm, kv_cache for native on an accelerator, else none)")
+    with pytest.raises(ConfigError) as err:
+        from_dict(RlhfConfig, {"rollout": {"sleep": False}})  # YAML's bare `off`
+    assert str(err.value) == ("rollout.sleep=False is not one of 'auto', 'none', 'kv_cache', "
+                              "'kv_cache_and_weights'")
+    with pytest.raises(ConfigError) as err:
+        check_sleep("kv_cache_and_weights", weights_shared=True)
+    assert str(err.value) == ("rollout.sleep=kv_cache_and_weights would free the weights the native engine "
+                              "shares with the actor (same layout); use rollout.sleep=kv_cache, or give "
+                              "mesh.rollout its own layout (e.g. another tp)")
+    with pytest.raises(ConfigError) as err:
+        RewardConfig(model_offload=True)
+    assert str(err.value) == ("reward.model_offload=true needs a reward model to offload; set "
+                              "reward.model_path or drop reward.model_offload")
