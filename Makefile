@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlhf-installed
 NPROC ?= 4
 DEMO_NPROC ?= 2
-BENCHES := collectives reshard engine rollout e2e
+BENCHES := collectives reshard engine rollout e2e memphase
 PYTEST_FLAGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -66,6 +66,9 @@ bench-rollout: install-bench
 
 bench-e2e: install-bench
 	$(PY) benchmarks/bench_e2e_vs_trl.py
+
+bench-memphase: install-bench
+	$(PY) benchmarks/bench_memphase.py
 
 bench: install-bench
 	$(PY) benchmarks/bench_all.py
