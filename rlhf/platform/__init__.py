@@ -84,9 +84,34 @@ def peak_memory_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+# Open `PeakWindow`s: a reset folds the peak so far into each of them first.
+_OPEN_WINDOWS: list[PeakWindow] = []
+
+
 def reset_peak_memory() -> None:
+    """Restart the allocator's peak; every open `PeakWindow` keeps the peak it had seen up to here."""
+    if _OPEN_WINDOWS:
+        now = peak_since_reset_bytes()
+        for window in _OPEN_WINDOWS:
+            window.peak = max(window.peak, now)
     if has_accelerator():
         torch.cuda.reset_peak_memory_stats()
+
+
+class PeakWindow:
+    """Peak memory between construction and `close()`, exact however windows nest or overlap (the profiler's
+    phases and the trainer's memory phases both reset the one allocator peak). On CPU, where no peak can be
+    reset: the largest resident set size seen at open, at each reset, and at close."""
+
+    def __init__(self) -> None:
+        reset_peak_memory()
+        self.peak = peak_since_reset_bytes()
+        _OPEN_WINDOWS.append(self)
+
+    def close(self) -> int:
+        self.peak = max(self.peak, peak_since_reset_bytes())
+        _OPEN_WINDOWS.remove(self)
+        return self.peak
 
 
 def allocated_memory_bytes() -> int:

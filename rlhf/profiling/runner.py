@@ -37,6 +37,7 @@ def run_profiled_steps(cfg: RlhfConfig, run_dir: RunDir, *, steps: int, warmup: 
     from rlhf.trainer.loop import Trainer
 
     trainer = Trainer(cfg, run_dir)
+    trainer.push_initial_weights()  # an engine with its own weights copy (resharded, vLLM) starts from the actor's
     profile = StepProfile()
     for index in range(1, warmup + 1):
         rl_step(trainer.stack, trainer.loader.next_step(), index).reduced()

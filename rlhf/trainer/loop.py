@@ -205,7 +205,7 @@ class Trainer:
         log.info("resumed from %s (step %d)", path, state["step"])
         return state["step"]
 
-    def _push_initial_weights(self) -> None:
+    def push_initial_weights(self) -> None:
         """An engine with its own weights (a resharded copy, or vLLM's dummy init) takes the actor's current (maybe
         resumed) ones before the first rollout; the policy version stays what the checkpoint (or 0) says."""
         if isinstance(self.stack.weight_sync, SharedWeights):
@@ -229,7 +229,7 @@ class Trainer:
     def fit(self) -> list[dict]:
         cfg = self.cfg.trainer
         start = self._resume()
-        self._push_initial_weights()
+        self.push_initial_weights()
         history = []
         if start == 0 and cfg.val_before_train and self.val is not None:
             values = {"step": 0, **self.validate(0)}

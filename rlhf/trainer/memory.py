@@ -115,11 +115,13 @@ def _measured(metrics: StepMetrics | None, phase: str) -> Iterator[None]:
     if metrics is None:
         yield
         return
-    platform.reset_peak_memory()
-    start = platform.allocated_memory_bytes()
-    yield
+    window = platform.PeakWindow()
+    try:
+        yield
+    finally:
+        peak = window.close()
     metrics.add(f"memory/{phase}/allocated_gb", platform.allocated_memory_bytes() / GB, "max")
-    metrics.add(f"memory/{phase}/peak_gb", max(start, platform.peak_since_reset_bytes()) / GB, "max")
+    metrics.add(f"memory/{phase}/peak_gb", peak / GB, "max")
 
 
 def plan_memory_phases(*, engine: RolloutEngine | None, roles: Mapping[str, OffloadableRole | None],
