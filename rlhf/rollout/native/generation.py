@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from rlhf.rollout.native.forward import Decoder
 from rlhf.rollout.native.kv_cache import KVCache
@@ -162,9 +162,8 @@ class Generation:
             steps_r = steps_r.clamp(max=len(self.steps) - 1)
             slots_r = torch.tensor([f.slot for f in order])[:, None]
             for output, field in zip(outputs, ("tokens_k", "logprobs_k", "scaled_logprobs_k")):
-                stacked = torch.stack([F.pad(getattr(s, field), (0, self.num_slots - s.tokens_k.shape[0]))
-                                       for s in self.steps])
-                output[:, 1:] = stacked[steps_r, slots_r]
+                stacked = pad_sequence([getattr(s, field) for s in self.steps], batch_first=True)  # [steps, span]
+                output[:, 1:] = stacked[steps_r, slots_r.clamp(max=stacked.shape[1] - 1)]
         tokens_rt, logprobs_rt, scaled_rt = (torch.where(mask_rt, output, 0) for output in outputs)
         n = self.params.n
         return Rollouts(response_tokens_rt=tokens_rt.masked_fill(~mask_rt, self.prompts.pad_token_id),
