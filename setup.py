@@ -12,6 +12,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["rlhf", "rlhf.*"]) + ["rlhf.kernels"],
     package_dir={"rlhf.kernels": "kernels"},
+    package_data={"rlhf.kernels": ["*.c"]},  # CPU kernel sources, compiled on first use
     install_requires=[
         TORCH,
         MEGATRON_CORE,

@@ -128,6 +128,16 @@ def peak_since_reset_bytes() -> int:
     return peak_memory_bytes() if has_accelerator() else allocated_memory_bytes()
 
 
+def fused_decode_attention(dtype: torch.dtype, device: torch.device):
+    """The fused decode-attention kernel for this device (`rlhf.kernels`), or None to use torch ops: today a
+    C kernel for fp32 on CPU, built on first use when a C compiler is present."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return None
+    from rlhf.kernels.cpu_decode_attention import load
+
+    return load()
+
+
 def offload_device() -> torch.device:
     """Where offloaded params and optimizer state wait between phases: host memory."""
     return torch.device("cpu")

@@ -30,19 +30,23 @@ class NativeEngineConfig:
 
     `pack_weights`: keep a copy of the weights in the platform's fastest GEMM layout (CPU: oneDNN blocked,
     1.3-1.7x faster decode); costs one weight-sized copy, rebuilt after each weight update.
+    `fused_kernels`: decode attention as one platform kernel where there is one (CPU fp32: a C kernel built
+    with gcc on first use; without a compiler the torch path runs).
     """
 
     max_batch_size: int = 64
     max_seq_len: int = 1024
     pack_weights: bool = True
+    fused_kernels: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"rollout {name}={value!r} must be a positive integer")
-        if not isinstance(self.pack_weights, bool):
-            raise ConfigError(f"rollout pack_weights={self.pack_weights!r} must be true or false")
+        for name in ("pack_weights", "fused_kernels"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"rollout {name}={getattr(self, name)!r} must be true or false")
 
 
 class NativeEngine:
@@ -60,7 +64,7 @@ class NativeEngine:
         params = decoder_params(model)
         self.decoder = Decoder(params=params, geometry=geometry, tp_group=tp_group, tp_size=layout.tp,
                                max_seq_len=config.max_seq_len, pack_weights=config.pack_weights,
-                               batch_hint=config.max_batch_size)
+                               batch_hint=config.max_batch_size, fused_kernels=config.fused_kernels)
         self.cache = KVCache(num_layers=geometry.num_layers, num_slots=config.max_batch_size,
                              num_kv_heads=geometry.num_groups, max_seq_len=config.max_seq_len,
                              head_dim=geometry.head_dim, dtype=params.embedding.dtype,

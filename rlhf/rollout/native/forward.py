@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rlhf import platform
 from rlhf.platform.linear import PreparedLinear, PreparedSwiGLU
 from rlhf.rollout.native.kv_cache import KVCache
 from rlhf.rollout.native.prefill_plan import overhead_tokens
@@ -46,6 +47,7 @@ class Decoder:
 
     `pack_weights`: let the platform lay weights out for its fastest kernel (a copy of the weights, rebuilt
     by `prepare` when the policy version changes); `batch_hint` is the decode batch that layout targets.
+    `fused_kernels`: decode attention (cache write + attention) in one platform kernel where there is one.
     """
 
     params: DecoderParams
@@ -55,6 +57,7 @@ class Decoder:
     max_seq_len: int
     pack_weights: bool = True
     batch_hint: int = 32
+    fused_kernels: bool = True
 
     def __post_init__(self) -> None:
         self.layers: tuple[_PreparedLayer, ...] = ()
@@ -70,6 +73,8 @@ class Decoder:
         self._arange = torch.arange(max(self.max_seq_len, self.batch_hint), device=positions.device)
         self._neg_inf = torch.tensor(float("-inf"), dtype=dtype, device=positions.device)
         self._zero = torch.zeros((), dtype=dtype, device=positions.device)
+        self.fused_attention = (platform.fused_decode_attention(dtype, positions.device) if self.fused_kernels
+                                else None)
         layer = self.params.layers[0]
         self.prefill_overhead_tokens = overhead_tokens(
             sum(w.numel() for w in (layer.qkv_weight, layer.proj_weight, layer.fc1_weight, layer.fc2_weight)))
@@ -161,32 +166,50 @@ class Decoder:
         """One token for each of the first S slots at `positions_s` -> logits [S, V] (free slots compute too).
         `context` (the caller's Python int, so no device sync) is 1 + the highest position a live slot holds.
 
-        Attention is written out (q·K, mask, softmax, ·V per query group, b = slot x group): for one query
-        token it is several times faster on CPU than the fused SDPA kernel. Small models are bound by the
-        number of ops per step, so per-step tensors (mask, RoPE rows) are built once and shared by all layers.
+        Small models are bound by the number of ops per step: with the platform's fused kernel, RoPE, the cache
+        write and attention are one call per layer; otherwise torch ops (`_torch_attention`).
         """
         geo = self.geometry
-        num_slots, span = tokens_s.shape[0], context
-        heads_per_group, scale = geo.num_heads // geo.num_groups, geo.head_dim ** -0.5
-        future_bl = self._arange[:span] > positions_s.repeat_interleave(geo.num_groups)[:, None]
-        mask_b1l = torch.where(future_bl, self._neg_inf, self._zero)[:, None, :]
-        cos, sin = self.rope_t2d[positions_s][:, :, None, None, :].unbind(1)
-        slot_ids = self._arange[:num_slots]
+        num_slots, heads_per_group = tokens_s.shape[0], geo.num_heads // geo.num_groups
+        cos_sin_s2d = self.rope_t2d[positions_s]
+        if self.fused_attention is not None:
+            def attend(index: int, normed: torch.Tensor) -> torch.Tensor:
+                layer = self.layers[index]
+                mixed = layer.qkv(normed).view(num_slots, geo.num_groups, heads_per_group + 2, geo.head_dim)
+                return self.fused_attention(mixed, cos_sin_s2d, cache.keys[index], cache.values[index], positions_s,
+                                            geo.head_dim ** -0.5)
+        else:
+            attend = self._torch_attention(positions_s, context, cos_sin_s2d, cache)
         hidden = self.embed(tokens_s)
         for index, layer in enumerate(self.layers):
             normed = F.rms_norm(hidden, (hidden.shape[-1],), layer.input_norm, geo.eps)
-            rotated, v = self._qkv(layer, normed, cos, sin)  # [S, G, hpg + 1, d], [S, G, d]
-            keys, values = cache.keys[index], cache.values[index]
-            keys[slot_ids, :, positions_s] = rotated[:, :, heads_per_group]
-            values[slot_ids, :, positions_s] = v
-            q_bhd = rotated[:, :, :heads_per_group].flatten(0, 1)
-            keys_bld, values_bld = cache.flat_keys[index], cache.flat_values[index]
-            b = num_slots * geo.num_groups
-            scores = torch.baddbmm(mask_b1l, q_bhd, keys_bld[:b, :span].transpose(1, 2), alpha=scale)
-            attn = torch.bmm(torch.softmax(scores, dim=-1), values_bld[:b, :span]).view(num_slots, -1)
-            hidden = self._residual_linear(layer.proj, attn, hidden)
+            hidden = self._residual_linear(layer.proj, attend(index, normed), hidden)
             hidden = self._mlp_block(layer, hidden)
         return self.logits(hidden)
+
+    def _torch_attention(self, positions_s: torch.Tensor, context: int, cos_sin_s2d: torch.Tensor, cache: KVCache):
+        """Decode attention in torch ops, written out (q·K with the mask fused into baddbmm, softmax, ·V per
+        slot x query group `b`): for one query token several times faster on CPU than SDPA. The per-step mask
+        and RoPE rows are built once and shared by every layer."""
+        geo = self.geometry
+        num_slots, heads_per_group = positions_s.shape[0], geo.num_heads // geo.num_groups
+        batch, scale = num_slots * geo.num_groups, geo.head_dim ** -0.5
+        future_bl = self._arange[:context] > positions_s.repeat_interleave(geo.num_groups)[:, None]
+        mask_b1l = torch.where(future_bl, self._neg_inf, self._zero)[:, None, :]
+        cos, sin = cos_sin_s2d[:, :, None, None, :].unbind(1)
+        slot_ids = self._arange[:num_slots]
+
+        def attend(index: int, normed: torch.Tensor) -> torch.Tensor:
+            rotated, v = self._qkv(self.layers[index], normed, cos, sin)  # [S, G, hpg + 1, d], [S, G, d]
+            cache.keys[index][slot_ids, :, positions_s] = rotated[:, :, heads_per_group]
+            cache.values[index][slot_ids, :, positions_s] = v
+            q_bhd = rotated[:, :, :heads_per_group].flatten(0, 1)
+            keys_bdl = cache.flat_keys[index][:batch, :context].transpose(1, 2)
+            scores = torch.baddbmm(mask_b1l, q_bhd, keys_bdl, alpha=scale)
+            attn = torch.bmm(torch.softmax(scores, dim=-1), cache.flat_values[index][:batch, :context])
+            return attn.view(num_slots, -1)
+
+        return attend
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -93,3 +93,5 @@ def test_config_validation():
         NativeEngineConfig(max_seq_len=0)
     with pytest.raises(ConfigError, match=r"rollout pack_weights='yes' must be true or false"):
         NativeEngineConfig(pack_weights="yes")
+    with pytest.raises(ConfigError, match=r"rollout fused_kernels=1 must be true or false"):
+        NativeEngineConfig(fused_kernels=1)

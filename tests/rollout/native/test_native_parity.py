@@ -28,14 +28,19 @@ def _training_logprobs(model, pgs, vocab_size, prompt, response, temperature):
     return logprobs[0, len(prompt) - 1:]
 
 
-def _check_family(family, path, expected_greedy, eos, packed):
+def _check_family(family, path, expected_greedy, eos, fast):
     """Everything one rank checks for one model; returns what must agree across TP ranks."""
+    import shutil
+
     from tests_native_helpers import native_engine
 
-    engine, model, pgs = native_engine(path, max_batch_size=3, max_seq_len=32, eos=(eos[0],))  # 3 slots: refill
+    engine, model, pgs = native_engine(path, max_batch_size=3, max_seq_len=32, eos=(eos[0],),  # 3 slots: refill
+                                       pack_weights=fast, fused_kernels=fast)
+    if fast and shutil.which("gcc"):
+        assert engine.decoder.fused_attention is not None
     batch = PromptBatch.from_token_lists(PROMPTS)
     greedy = engine.generate(batch, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0))
-    assert (engine.decoder.layers[0].swiglu.fused is None) == packed
+    assert (engine.decoder.layers[0].swiglu.fused is None) == fast
     assert [greedy.response(i) for i in range(len(PROMPTS))] == expected_greedy[0], family
     first_stop = engine.generate(batch, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0,
                                                        stop_token_ids=(eos[1],)))
@@ -55,12 +60,14 @@ def _check_family(family, path, expected_greedy, eos, packed):
     return greedy.response_tokens_rt.tolist(), sampled.response_tokens_rt.tolist(), sampled.finish_reasons
 
 
-def _world(paths, expected, eos_by_family, packed):
+def _world(paths, expected, eos_by_family, fast):
+    """`fast`: oneDNN-packed weights (forced: the tiny models are below the packing threshold) and the fused
+    decode-attention kernel; otherwise the plain torch reference path."""
     from rlhf.platform import linear
 
-    if packed:  # the tiny models' weights are below the packing threshold: force the packed (oneDNN) path
+    if fast:
         linear.MIN_PACKED_NUMEL = 0
-    return {family: _check_family(family, paths[family], expected[family], eos_by_family[family], packed)
+    return {family: _check_family(family, paths[family], expected[family], eos_by_family[family], fast)
             for family in FAMILIES}
 
 
@@ -88,9 +95,9 @@ def reference(tmp_path_factory):
     return paths, expected, eos_by_family
 
 
-@pytest.mark.parametrize("tp, packed", [(1, False), (1, True), (2, False), (2, True)])
-def test_native_matches_hf_and_training_forward(reference, tp, packed):
-    results = run_distributed(_world, tp, *reference, packed, timeout_s=300)
+@pytest.mark.parametrize("tp, fast", [(1, False), (1, True), (2, False), (2, True)])
+def test_native_matches_hf_and_training_forward(reference, tp, fast):
+    results = run_distributed(_world, tp, *reference, fast, timeout_s=300)
     for family in FAMILIES:
         for rank_result in results[1:]:
             assert rank_result[family] == results[0][family], family

@@ -3,7 +3,7 @@
 import torch.distributed as dist
 
 
-def native_engine(path, *, max_batch_size, max_seq_len, eos=()):
+def native_engine(path, *, max_batch_size, max_seq_len, eos=(), **config):
     from transformers import AutoConfig
 
     from rlhf.dist.groups import build_layout_groups
@@ -19,5 +19,5 @@ def native_engine(path, *, max_batch_size, max_seq_len, eos=()):
     load_hf_weights(model, path)
     engine = NativeEngine(model, vocab_size=hf_config.vocab_size, eos_token_ids=eos, layout=engine_layout(pgs),
                           tp_group=pgs.tp,
-                          config=NativeEngineConfig(max_batch_size=max_batch_size, max_seq_len=max_seq_len))
+                          config=NativeEngineConfig(max_batch_size=max_batch_size, max_seq_len=max_seq_len, **config))
     return engine, model, pgs

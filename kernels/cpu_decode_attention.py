@@ -1,0 +1,107 @@
+"""The fused CPU decode-attention kernel (`cpu_decode_attention.c`): build once per machine, load, call.
+
+A decode step of a small model is bound by the number of ops, and attention is the largest group of them
+(RoPE, two cache writes, a masked batched GEMM, softmax, another batched GEMM per layer). The kernel does all
+of it in one call per layer and visits only each slot's own positions. `load()` returns None when no C compiler is
+available or the build fails (the reason is logged once); callers then use their torch path.
+
+The shared object is compiled (for this CPU: -march=native) into `$RLHF_CACHE_DIR` (default ~/.cache/rlhf)/
+kernels/<hash of source, flags and CPU>/ and renamed into place, so ranks building at the same time never load
+a half-written file and a home folder shared by different CPUs never serves one the other's build.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+# -ffast-math (vectorised expf from libmvec, reassociated dot products) at compile time only: linking with it
+# would add crtfastmath.o, which turns on flush-to-zero for the whole process.
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-std=c11")
+LINK_FLAGS = ("-shared", "-lmvec", "-lm")
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+def _cpu_signature() -> str:
+    """Architecture plus the CPU's feature flags (Linux), which -march=native compiles for."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")),
+                     "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def _cache_dir() -> Path:
+    root = Path(os.environ.get("RLHF_CACHE_DIR", Path.home() / ".cache" / "rlhf"))
+    key = SOURCE.read_bytes() + " ".join(COMPILE_FLAGS + LINK_FLAGS).encode() + _cpu_signature().encode()
+    return root / "kernels" / hashlib.sha256(key).hexdigest()[:16]
+
+
+def _build(target: Path) -> None:
+    name = os.environ.get("CC", "gcc")
+    compiler = shutil.which(name)
+    if compiler is None:
+        raise RuntimeError(f"no C compiler {name!r} on PATH (set CC)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / target.name
+        for command in ([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+                        [compiler, str(obj), "-o", str(lib), *LINK_FLAGS]):
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-400:]}")
+        os.replace(lib, target)
+
+
+@functools.cache
+def load() -> DecodeAttention | None:
+    """The kernel, built on first use; None (logged once) when it cannot be built here."""
+    target = _cache_dir() / "cpu_decode_attention.so"
+    try:
+        if not target.exists():
+            _build(target)
+        return DecodeAttention(ctypes.CDLL(str(target)))
+    except (OSError, RuntimeError) as error:
+        log.warning("fused CPU decode attention unavailable, using torch ops: %s", error)
+        return None
+
+
+class DecodeAttention:
+    """attend(mixed [S,G,H+2,D] raw QKV, cos_sin [S,2,D], k_cache/v_cache [slots,G,L,D], positions [S], scale)
+    -> [S, G*H*D]: RoPE on q and k, k and v written at each slot's position, attention over its positions."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._fn = library.rlhf_decode_attention
+        self._fn.restype = None
+        self._fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR,
+                             _PTR]
+        self._scratch = torch.empty(0)
+
+    def __call__(self, mixed: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 positions: torch.Tensor, scale: float) -> torch.Tensor:
+        slots, groups, heads_and_kv, head_dim = mixed.shape
+        heads, max_len = heads_and_kv - 2, k_cache.shape[2]
+        assert mixed.is_contiguous() and cos_sin.is_contiguous() and positions.is_contiguous()
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and positions.dtype == torch.int64
+        assert mixed.dtype == cos_sin.dtype == k_cache.dtype == torch.float32
+        assert k_cache.shape[1:] == (groups, max_len, head_dim) and cos_sin.shape == (slots, 2, head_dim)
+        if self._scratch.numel() < heads * (max_len + head_dim):
+            self._scratch = torch.empty(heads * (max_len + head_dim))
+        out = torch.empty(slots, groups * heads * head_dim)
+        self._fn(mixed.data_ptr(), cos_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), positions.data_ptr(),
+                 slots, groups, heads, head_dim, max_len, scale, out.data_ptr(), self._scratch.data_ptr())
+        return out

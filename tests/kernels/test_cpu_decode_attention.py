@@ -1,0 +1,68 @@
+"""The fused CPU decode-attention kernel equals the torch decode path (RoPE, cache writes, GQA attention over
+each slot's own positions), builds into a fresh cache folder, and falls back to None without a compiler."""
+
+import shutil
+
+import pytest
+import torch
+
+from rlhf.kernels import cpu_decode_attention
+from rlhf.rollout.native.forward import _rope
+
+needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler on this machine")
+
+
+def _reference(mixed, cos_sin, k_cache, v_cache, positions, scale):
+    """What `Decoder._torch_attention` computes, on copies of the caches."""
+    slots, groups, heads = mixed.shape[0], mixed.shape[1], mixed.shape[2] - 2
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    cos, sin = cos_sin[:, :, None, None, :].unbind(1)
+    rotated = _rope(mixed[..., :heads + 1, :], cos, sin)
+    slot_ids = torch.arange(slots)
+    k_cache[slot_ids, :, positions] = rotated[:, :, heads]
+    v_cache[slot_ids, :, positions] = mixed[:, :, heads + 1]
+    context = int(positions.max()) + 1
+    future = torch.arange(context)[None, :] > positions.repeat_interleave(groups)[:, None]
+    mask = torch.where(future, float("-inf"), 0.0)[:, None, :]
+    scores = torch.baddbmm(mask, rotated[:, :, :heads].flatten(0, 1),
+                           k_cache[:slots].flatten(0, 1)[:, :context].transpose(1, 2), alpha=scale)
+    attn = torch.bmm(torch.softmax(scores, dim=-1), v_cache[:slots].flatten(0, 1)[:, :context])
+    return attn.reshape(slots, -1), k_cache, v_cache
+
+
+@needs_gcc
+@pytest.mark.parametrize("groups, heads, head_dim", [(2, 2, 16), (1, 4, 8), (3, 3, 64)])
+def test_kernel_equals_the_torch_path(groups, heads, head_dim):
+    kernel = cpu_decode_attention.load()
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(head_dim)
+    slots, cache_slots, max_len = 5, 7, 40
+    mixed = torch.randn(slots, groups, heads + 2, head_dim, generator=gen)
+    positions = torch.tensor([0, 39, 7, 1, 20])  # first position, last position, and some in between
+    angles = torch.rand(slots, head_dim // 2, generator=gen) * 6
+    cos_sin = torch.stack([torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1)], 1)
+    k_cache = torch.randn(cache_slots, groups, max_len, head_dim, generator=gen)
+    v_cache = torch.randn(cache_slots, groups, max_len, head_dim, generator=gen)
+    expected, expected_k, expected_v = _reference(mixed, cos_sin, k_cache, v_cache, positions, head_dim ** -0.5)
+    got = kernel(mixed, cos_sin, k_cache, v_cache, positions, head_dim ** -0.5)
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-6)
+    torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=1e-6)  # RoPE'd key written at each position
+    assert torch.equal(v_cache, expected_v)  # value copied as is; every other cache entry untouched
+
+
+@needs_gcc
+def test_builds_into_a_fresh_cache_and_falls_back_without_a_compiler(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path))
+    cpu_decode_attention.load.cache_clear()
+    try:
+        assert cpu_decode_attention.load() is not None
+        assert len(list(tmp_path.glob("kernels/*/cpu_decode_attention.so"))) == 1
+        # Built with -ffast-math but linked without it: loading it must not turn on flush-to-zero.
+        assert float(torch.tensor(1e-40) * 1.0) > 0
+        cpu_decode_attention.load.cache_clear()
+        monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "other"))
+        monkeypatch.setenv("CC", "no-such-compiler")
+        assert cpu_decode_attention.load() is None
+        assert "unavailable, using torch ops: no C compiler 'no-such-compiler' on PATH" in caplog.text
+    finally:
+        cpu_decode_attention.load.cache_clear()
