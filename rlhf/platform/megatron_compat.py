@@ -95,7 +95,11 @@ def _patch_torch() -> None:
 
 
 def _patch_megatron_modules() -> None:
-    """Swap `torch` for the CPU proxy in every loaded megatron.core module (new ones on each call)."""
+    """Swap `torch` for the CPU proxy in every loaded megatron.core module (new ones on each call; the scan of
+    sys.modules is skipped while no module was imported since the last one: it runs before every forward)."""
+    if _state.get("modules_seen") == len(sys.modules):
+        return
+    _state["modules_seen"] = len(sys.modules)
     proxy = _state.setdefault("proxy", _CpuTorch())
     for name, module in list(sys.modules.items()):
         if module is None or not name.startswith("megatron.core"):

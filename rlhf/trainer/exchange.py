@@ -55,6 +55,9 @@ def gather_global_batch(local: TrainBatch | None, num_prompts: int, layout: Para
     """Collective over the world: each replica's contributor sends its batch; all ranks get them concatenated
     in dp order."""
     rank = dist.get_rank()
+    if dist.get_world_size() == 1:
+        assert local is not None and layout.dp == 1
+        return local
     mine = (local, num_prompts) if is_contributor(layout, rank) else None
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -66,6 +69,9 @@ def gather_global_batch(local: TrainBatch | None, num_prompts: int, layout: Para
 def gather_rows(local_b: torch.Tensor | None, layout: ParallelLayout) -> torch.Tensor:
     """Collective over the world: the contributors' row shards (dp order) concatenated on every rank."""
     rank = dist.get_rank()
+    if dist.get_world_size() == 1:
+        assert local_b is not None and layout.dp == 1
+        return local_b
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, local_b if is_contributor(layout, rank) else None)
     parts = [part for part in everyone if part is not None]
