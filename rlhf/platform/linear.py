@@ -18,10 +18,19 @@ import torch.nn.functional as F
 MIN_PACKED_NUMEL = 1 << 17
 
 
+def _onednn_packing_available() -> bool:
+    """oneDNN in this torch build, with the (private, inductor-used) reorder/linear ops this module calls."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+ONEDNN_PACKING = _onednn_packing_available()
+
+
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether `weight` gets a oneDNN-packed copy: fp32 on a CPU build with oneDNN, and large enough."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-            and weight.numel() >= MIN_PACKED_NUMEL and torch.backends.mkldnn.is_available())
+    return (ONEDNN_PACKING and weight.device.type == "cpu" and weight.dtype == torch.float32
+            and weight.dim() == 2 and weight.numel() >= MIN_PACKED_NUMEL)
 
 
 class PreparedLinear:

@@ -47,7 +47,7 @@ class Decoder:
 
     `pack_weights`: let the platform lay weights out for its fastest kernel (a copy of the weights, rebuilt
     by `prepare` when the policy version changes); `batch_hint` is the decode batch that layout targets.
-    `fused_kernels`: decode attention (cache write + attention) in one platform kernel where there is one.
+    `fused_kernels`: decode attention (RoPE, cache write, attention) in one platform kernel where there is one.
     """
 
     params: DecoderParams
