@@ -69,15 +69,22 @@ def _build(target: Path) -> None:
 
 @functools.cache
 def load() -> DecodeAttention | None:
-    """The kernel, built on first use; None (logged once) when it cannot be built here."""
-    target = _cache_dir() / "cpu_decode_attention.so"
-    try:
-        if not target.exists():
-            _build(target)
-        return DecodeAttention(ctypes.CDLL(str(target)))
-    except (OSError, RuntimeError) as error:
-        log.warning("fused CPU decode attention unavailable, using torch ops: %s", error)
-        return None
+    """The kernel, built on first use (in the cache folder, else a temp folder when that is not writable);
+    None (logged once) when it cannot be built here."""
+    error: Exception | None = None
+    for root in (_cache_dir(), Path(tempfile.gettempdir()) / f"rlhf-kernels-{os.getuid()}" / _cache_dir().name):
+        target = root / "cpu_decode_attention.so"
+        try:
+            if not target.exists():
+                _build(target)
+            return DecodeAttention(ctypes.CDLL(str(target)))
+        except PermissionError as denied:
+            error = denied
+        except (OSError, RuntimeError) as failed:
+            error = failed
+            break
+    log.warning("fused CPU decode attention unavailable, using torch ops: %s", error)
+    return None
 
 
 class DecodeAttention:

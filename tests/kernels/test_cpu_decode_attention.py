@@ -66,3 +66,21 @@ def test_builds_into_a_fresh_cache_and_falls_back_without_a_compiler(tmp_path, m
         assert "unavailable, using torch ops: no C compiler 'no-such-compiler' on PATH" in caplog.text
     finally:
         cpu_decode_attention.load.cache_clear()
+
+
+@needs_gcc
+def test_an_unwritable_cache_folder_falls_back_to_a_temp_folder(tmp_path, monkeypatch):
+    real_build = cpu_decode_attention._build
+
+    def build(target):
+        if str(target).startswith(str(tmp_path)):
+            raise PermissionError(13, "Permission denied", str(target.parent))
+        real_build(target)
+
+    monkeypatch.setattr(cpu_decode_attention, "_build", build)
+    monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "read-only"))
+    cpu_decode_attention.load.cache_clear()
+    try:
+        assert cpu_decode_attention.load() is not None
+    finally:
+        cpu_decode_attention.load.cache_clear()
