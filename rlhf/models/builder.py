@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from rlhf.models.lm_head import GPTModelWithHiddenOutput
 from rlhf.models.megatron_globals import ensure_memory_buffer, seed_rng_tracker
 from rlhf.models.spec import ModelSpec
 from rlhf.models.value_head import ValueHead
@@ -58,12 +58,13 @@ def layer_spec() -> ModuleSpec:
 
 def build_gpt(hf_config: Any, pg_collection: ProcessGroupCollection, *, pre_process: bool | None = None,
               post_process: bool | None = None, value_head: bool = False, recompute: bool = False,
-              params_dtype: torch.dtype = torch.float32, seed: int = 1234) -> GPTModel:
+              params_dtype: torch.dtype = torch.float32, seed: int = 1234) -> GPTModelWithHiddenOutput:
     """This rank's stage of the model described by `hf_config`, on the groups in `pg_collection`.
 
     `pre_process`/`post_process` default to "first/last pipeline stage" of `pg_collection.pp`. With
     `value_head=True` the LM head is replaced by a scalar head (critic / reward model). Weights are randomly
-    initialised (seeded); load real ones with `rlhf.models.hf_load`.
+    initialised (seeded); load real ones with `rlhf.models.hf_load`. The model can also return its final
+    hidden states (`rlhf.models.lm_head.hidden_output`) for the fused logprob path.
     """
     megatron_compat.apply()
     spec = ModelSpec.from_hf(hf_config)
@@ -74,11 +75,11 @@ def build_gpt(hf_config: Any, pg_collection: ProcessGroupCollection, *, pre_proc
     config = transformer_config(spec, tp=tp, pp=pp, params_dtype=params_dtype, recompute=recompute)
     seed_rng_tracker(seed, pg_collection.tp.rank())
     ensure_memory_buffer()
-    model = GPTModel(config=config, transformer_layer_spec=layer_spec(),
-                     vocab_size=spec.padded_vocab_size(tp), max_sequence_length=spec.max_position_embeddings,
-                     pre_process=pre_process, post_process=post_process, parallel_output=True,
-                     share_embeddings_and_output_weights=spec.tie_embeddings and not value_head,
-                     position_embedding_type="rope", rotary_base=spec.rope_theta, pg_collection=pg_collection)
+    model = GPTModelWithHiddenOutput(
+        config=config, transformer_layer_spec=layer_spec(), vocab_size=spec.padded_vocab_size(tp),
+        max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
+        parallel_output=True, share_embeddings_and_output_weights=spec.tie_embeddings and not value_head,
+        position_embedding_type="rope", rotary_base=spec.rope_theta, pg_collection=pg_collection)
     # The local spec's torch norms are built on the host even when the linear layers are on the accelerator
     # (found by benchmarks/gpu_check on an H200); one move puts every parameter and buffer on the device.
     model.to(current_device())

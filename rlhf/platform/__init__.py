@@ -138,6 +138,13 @@ def fused_decode_attention(dtype: torch.dtype, device: torch.device):
     return load()
 
 
+def fused_head_bytes() -> tuple[int, int]:
+    """(chunk, block) fp32-logit bytes for the fused LM head (`rlhf.models.lm_head`): at most a chunk of logits
+    is alive at once; elementwise passes run over blocks, cache-sized on a CPU, the whole chunk on a GPU."""
+    chunk = 1 << 30
+    return (chunk, chunk) if has_accelerator() else (chunk, 4 << 20)
+
+
 def offload_device() -> torch.device:
     """Where offloaded params and optimizer state wait between phases: host memory."""
     return torch.device("cpu")

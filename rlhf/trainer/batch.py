@@ -47,6 +47,12 @@ class TrainBatch:
         positions_bt = self.prompt_lengths_b[:, None] - 1 + offsets_t[None, :]
         return positions_bt.clamp(0, self.tokens_bs.shape[1] - 1)
 
+    def response_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row_n, position_n) of the position predicting each real response token, in `[B, T]` mask order."""
+        mask_bt = self.response_mask_bt.bool()
+        rows_bt = torch.arange(self.size, device=mask_bt.device)[:, None].expand_as(mask_bt)
+        return rows_bt[mask_bt], self.response_positions_bt().to(mask_bt.device)[mask_bt]
+
     def select(self, rows: torch.Tensor | slice) -> "TrainBatch":
         """The rows `rows` of every per-sample field."""
         updates = {}
@@ -71,6 +77,12 @@ def gather_response(values_bs: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
     """Per-position values `[B, S]` (position s predicting token s+1) -> response-aligned `[B, T]`, 0 on padding."""
     picked_bt = values_bs.gather(1, batch.response_positions_bt())
     return picked_bt * batch.response_mask_bt
+
+
+def scatter_response(values_n: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+    """Values of the real response tokens (`response_index` order) -> response-aligned `[B, T]`, 0 on padding."""
+    mask_bt = batch.response_mask_bt.bool().to(values_n.device)
+    return values_n.new_zeros(mask_bt.shape).masked_scatter(mask_bt, values_n)
 
 
 def build_train_batch(prompts: PromptBatch, rollouts: Rollouts) -> TrainBatch:

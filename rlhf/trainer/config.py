@@ -16,11 +16,14 @@ from rlhf.train.config import OptimConfig
 @dataclass(kw_only=True)
 class ModelConfig:
     """HF folders: `path` initialises actor, reference and rollout; the critic starts from `critic_path`
-    (default: `path`, with a fresh value head)."""
+    (default: `path`, with a fresh value head). `recompute`: full activation recomputation in the actor.
+    `fused_head`: actor/ref logprobs come from hidden states through a chunked, fused LM head on response
+    tokens only, never materialising [tokens, vocab] logits (`rlhf.models.lm_head`); off = from full logits."""
 
     path: str = ""
     critic_path: str = ""
     recompute: bool = False
+    fused_head: bool = True
 
 
 @dataclass(kw_only=True)

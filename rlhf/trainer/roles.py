@@ -6,6 +6,7 @@ rank sees the whole batch (`exchange.gather_rows`). Non-members only take part i
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -19,9 +20,10 @@ from rlhf.dist.meshes import RoleMesh
 from rlhf.models.builder import build_gpt
 from rlhf.models.forward import forward_backward, token_entropy, token_logprobs
 from rlhf.models.hf_load import load_hf_weights
+from rlhf.models.lm_head import LMHead, head_logprobs, hidden_output
 from rlhf.train import offload as offload_lib
 from rlhf.train.engine import TrainEngine
-from rlhf.trainer.batch import TrainBatch, gather_response
+from rlhf.trainer.batch import TrainBatch, gather_response, scatter_response
 from rlhf.trainer.config import AlgoConfig, UpdateConfig
 from rlhf.trainer.exchange import gather_rows, is_contributor
 
@@ -150,27 +152,50 @@ class ModelRole:
 
 
 class PolicyRole(ModelRole):
-    """Actor (with an update) or reference (frozen): token logprobs, and the PPO-family update."""
+    """Actor (with an update) or reference (frozen): token logprobs, and the PPO-family update.
+
+    With `fused_head` (default) the model hands back hidden states and the LM head runs fused with the
+    logprob/entropy reduction on response tokens only (`rlhf.models.lm_head`); otherwise from full logits.
+    """
+
+    def __init__(self, *args, fused_head: bool = True, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fused_head = fused_head
+
+    def _output_mode(self) -> contextlib.AbstractContextManager:
+        return hidden_output(self.model) if self.fused_head and self.model is not None else contextlib.nullcontext()
+
+    def _token_stats(self, output: torch.Tensor, mb: TrainBatch, *,
+                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs_bt, entropy_bt) of the response tokens from the model output (hidden states or logits)."""
+        if self.fused_head:
+            rows_n, positions_n = mb.response_index()
+            rows_n, positions_n = rows_n.to(output.device), positions_n.to(output.device)
+            labels_n = mb.tokens_bs.to(output.device)[rows_n, positions_n + 1]
+            head = LMHead.of(self.model, self.tp_group, self.vocab_size)
+            logp_n, entropy_n = head_logprobs(output[rows_n, positions_n], labels_n, head, entropy_grad=entropy_grad)
+            return scatter_response(logp_n, mb), scatter_response(entropy_n, mb)
+        logp_bt = gather_response(token_logprobs(output, _labels_bs(mb), self.tp_group, self.vocab_size), mb)
+        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+            entropy_bt = gather_response(token_entropy(output if entropy_grad else output.detach(), self.tp_group,
+                                                       self.vocab_size), mb)
+        return logp_bt, entropy_bt
 
     def logprobs(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
-        def fn(logits_bsv: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
-            logp_bs = token_logprobs(logits_bsv, _labels_bs(mb), self.tp_group, self.vocab_size)
-            return gather_response(logp_bs, mb)
+        def fn(output: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
+            if self.fused_head:
+                return self._token_stats(output, mb)[0]
+            return gather_response(token_logprobs(output, _labels_bs(mb), self.tp_group, self.vocab_size), mb)
 
-        return self._forward(batch, micro_batch_size, fn)
+        with self._output_mode():
+            return self._forward(batch, micro_batch_size, fn)
 
     def update(self, batch: TrainBatch, algo: AlgoConfig) -> dict[str, float]:
         use_kl_loss = algo.kl.use_as_loss
-        want_entropy = algo.policy_loss.entropy_coef > 0
+        entropy_grad = algo.policy_loss.entropy_coef > 0
 
-        def loss_fn(logits_bsv: torch.Tensor, mb: TrainBatch, counts: GlobalCounts) -> tuple:
-            logp_bt = gather_response(token_logprobs(logits_bsv, _labels_bs(mb), self.tp_group, self.vocab_size), mb)
-            if want_entropy:
-                entropy_bt = gather_response(token_entropy(logits_bsv, self.tp_group, self.vocab_size), mb)
-            else:
-                with torch.no_grad():
-                    entropy_bt = gather_response(token_entropy(logits_bsv.detach(), self.tp_group,
-                                                               self.vocab_size), mb)
+        def loss_fn(output: torch.Tensor, mb: TrainBatch, counts: GlobalCounts) -> tuple:
+            logp_bt, entropy_bt = self._token_stats(output, mb, entropy_grad=entropy_grad)
             old_bt = mb.old_logprobs_bt if mb.old_logprobs_bt is not None else logp_bt.detach()  # on-policy
             inputs = ActorLossInputs(logprobs_bt=logp_bt, old_logprobs_bt=old_bt,
                                      advantages_bt=mb.advantages_bt, response_mask_bt=mb.response_mask_bt,
@@ -179,7 +204,8 @@ class PolicyRole(ModelRole):
             loss, metrics = actor_loss(inputs, algo.policy_loss, algo.kl, counts)
             return loss, {k: float(v) for k, v in metrics.as_dict("actor/").items()}
 
-        return self._train(batch, loss_fn, "actor/")
+        with self._output_mode():
+            return self._train(batch, loss_fn, "actor/")
 
 
 class CriticRole(ModelRole):
