@@ -1,5 +1,6 @@
 """Every GPU check in one process (run by benchmarks/gpu_check.sh): model parity on the accelerator in fp32 and
-bf16, native engine vs `transformers.generate` tokens/s on a ~0.5B Qwen2 config, and a train step's MFU.
+bf16, native engine vs `transformers.generate` tokens/s on a ~0.5B Qwen2 config, a train step's MFU, the fused
+LM head vs full logits (differences, time, memory) and RL trainer steps on the device.
 
 Each check records its numbers or its error, so one failure does not hide the others; the JSON goes to
 `$OUT/gpu_check.json` (or `--out`). Random weights throughout: these are speed and numerics checks.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import statistics
 import sys
@@ -170,6 +172,105 @@ def train_mfu(path: str, groups, args) -> dict:
             "peak_memory_gib": platform.peak_memory_bytes() / 2**30}
 
 
+def fused_head(groups, config: dict, args) -> dict:
+    """Fused LM head vs full logits in bf16 (`config`'s vocab and width): max differences, time and peak extra
+    memory of the logprob + entropy forward and the logprob backward over `--head-rows` tokens."""
+    from rlhf.models.forward import token_entropy, token_logprobs
+    from rlhf.models.lm_head import LMHead, head_logprobs
+
+    device, vocab, width, rows = platform.current_device(), config["vocab_size"], config["hidden_size"], args.head_rows
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(rows, width, device=device, generator=gen).bfloat16()
+    weight = (torch.randn(vocab, width, device=device, generator=gen) * 0.05).bfloat16()
+    labels = torch.randint(0, vocab, (rows,), device=device, generator=gen)
+    grad_n = torch.randn(rows, device=device, generator=gen)
+
+    def full():
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logits = (h @ w.t())[None]
+        logp = token_logprobs(logits, labels[None], groups.tp, vocab)[0]
+        with torch.no_grad():
+            entropy = token_entropy(logits, groups.tp, vocab)[0]
+        (logp * grad_n).sum().backward()
+        return logp.detach(), entropy, h.grad, w.grad
+
+    def fused():
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logp, entropy = head_logprobs(h, labels, LMHead(w, groups.tp, vocab))
+        (logp * grad_n).sum().backward()
+        return logp.detach(), entropy, h.grad, w.grad
+
+    row: dict = {"rows": rows, "vocab": vocab, "hidden": width}
+    for name, fn in (("full", full), ("fused", fused)):
+        fn()
+        platform.synchronize()
+        base = platform.allocated_memory_bytes()
+        platform.reset_peak_memory()
+        row[f"{name}_seconds"] = timed(fn, args.repeats)
+        row[f"{name}_peak_extra_gib"] = (platform.peak_memory_bytes() - base) / 2**30
+    names = ("logprob", "entropy", "grad_hidden", "grad_weight")
+    for name, a, b in zip(names, fused(), full()):
+        row[f"max_abs_diff_{name}"] = float((a.float() - b.float()).abs().max())
+        row[f"scale_{name}"] = float(b.float().abs().max())
+    row["speedup"] = statistics.median(row["full_seconds"]) / statistics.median(row["fused_seconds"])
+    return row
+
+
+def _arith_prompts(path: Path, count: int) -> Path:
+    """`a+b=` prompts with exact-match answers (reasoning-gym's record shape, no reasoning-gym needed)."""
+    gen = torch.Generator().manual_seed(1)
+    pairs = torch.randint(0, 10, (count, 2), generator=gen).tolist()
+    lines = [json.dumps({"prompt": f"{a}+{b}=", "data_source": "reasoning_gym/chain_sum",
+                         "reward_model": {"style": "rule", "ground_truth": str(a + b)}}) for a, b in pairs]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def rl_steps(root: Path, args) -> dict:
+    """The RL trainer on the device: GRPO + reference model (kl 0.04), native rollout, `--rl-steps` steps with
+    the fused LM head and again with full logits; same seeds, so step-1 metrics must agree."""
+    from bench_e2e_vs_trl import tiny_model_folder
+
+    from rlhf.config import RlhfConfig, from_dict
+    from rlhf.run_dir import close_run, setup_run
+    from rlhf.step import rl_step
+    from rlhf.trainer.loop import Trainer, preflight
+
+    model, prompts = tiny_model_folder(root), _arith_prompts(root / "prompts.jsonl", 8 * (args.rl_steps + 1))
+    row: dict = {}
+    for fused in (True, False):
+        cfg = from_dict(RlhfConfig, {
+            "run": {"output_dir": str(root / "runs"), "name": f"rl_fused{fused}"},
+            "model": {"path": model, "fused_head": fused},
+            "data": {"train_files": [str(prompts)], "prompts_per_step": 8, "max_prompt_length": 16},
+            "sampling": {"n": 4, "max_new_tokens": 32, "ignore_eos": True},
+            "algo": {"advantage": {"kind": "grpo"}, "kl": {"coef": 0.04}},
+            "reward": {"by_source": {"reasoning_gym/*": "reasoning_gym_exact"}},
+            "actor": {"optim": {"lr": 1e-4}, "micro_batch_size": 16},
+            "rollout": {"native": {"max_batch_size": 32, "max_seq_len": 64}},
+            "trainer": {"total_steps": args.rl_steps, "tensorboard": False, "plot": False}})
+        preflight(cfg, dist.get_world_size())
+        trainer = Trainer(cfg, setup_run(cfg.run, cfg, prefix="gpu"))
+        trainer.push_initial_weights()
+        times, metrics = [], []
+        try:
+            for step in range(1, args.rl_steps + 1):
+                platform.synchronize()
+                start = time.perf_counter()
+                metrics.append(rl_step(trainer.stack, trainer.loader.next_step(), step).local())
+                platform.synchronize()
+                times.append(time.perf_counter() - start)
+        finally:
+            close_run()
+        key = "fused" if fused else "full"
+        row[f"{key}_seconds"] = times
+        row[f"{key}_step1"] = {k: v for k, v in metrics[0].items() if k.startswith(("actor/", "reward", "timing"))}
+        row[f"{key}_all_finite"] = all(math.isfinite(v) for m in metrics for v in m.values())
+    row["step1_abs_diff"] = {k: abs(row["fused_step1"][k] - row["full_step1"][k]) for k in row["fused_step1"]
+                             if not k.startswith("timing")}
+    return row
+
+
 def matmul_tflops(dtype: torch.dtype, size: int = 8192) -> float:
     a = torch.randn(size, size, dtype=dtype, device=platform.current_device())
     b = torch.randn(size, size, dtype=dtype, device=platform.current_device())
@@ -199,7 +300,9 @@ def main() -> None:
     parser.add_argument("--train-batch", type=int, default=8)
     parser.add_argument("--train-seq", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--only", nargs="+", default=["matmul", "parity", "engine", "train"],
+    parser.add_argument("--head-rows", type=int, default=8192)
+    parser.add_argument("--rl-steps", type=int, default=3)
+    parser.add_argument("--only", nargs="+", default=["matmul", "parity", "engine", "train", "head", "rl"],
                         help="run the checks whose names start with these prefixes")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on any device (tests the script on CPU)")
     args = parser.parse_args()
@@ -207,6 +310,7 @@ def main() -> None:
     if args.smoke:
         big_config = dict(QWEN2_05B, vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128)
         args.gen_batch, args.gen_tokens, args.train_batch, args.train_seq, args.repeats = 4, 8, 2, 32, 1
+        args.head_rows, args.rl_steps = 16, 2
     elif not platform.has_accelerator():
         raise SystemExit("gpu_check: no accelerator visible; run this on a GPU machine (or pass --smoke)")
     from rlhf.dist.groups import build_layout_groups
@@ -232,6 +336,8 @@ def main() -> None:
         for dtype in (torch.bfloat16, torch.float32):
             run_check(results, f"engine_qwen2_05b_{str(dtype)[6:]}", engines_bench, big, groups, dtype, args)
         run_check(results, "train_mfu_qwen2_05b_bf16", train_mfu, big, groups, args)
+        run_check(results, "head_fused_vs_full_qwen2_05b_vocab_bf16", fused_head, groups, big_config, args)
+        run_check(results, "rl_steps_tiny", rl_steps, root / "rl", args)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print(f"[gpu_check] wrote {args.out}")
 

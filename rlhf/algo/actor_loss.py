@@ -26,15 +26,15 @@ class ActorLossInputs:
 
 @dataclass(kw_only=True)
 class ActorLossMetrics:
-    """Detached partial sums (reduce: sum over micro-batches and DP ranks); absent terms are None."""
+    """Detached partial sums (reduce: sum over micro-batches and DP ranks); absent terms are None. Constants
+    such as the KL coefficient are not partial sums: the caller reports those once per step."""
 
     policy: PolicyLossMetrics
     entropy: Tensor | None = None  # aggregated like the policy loss
     kl_loss: Tensor | None = None
-    kl_coef: float | None = None
 
     def as_dict(self, prefix: str = "actor/") -> dict[str, Tensor | float]:
-        extra = {"entropy": self.entropy, "kl_loss": self.kl_loss, "kl_coef": self.kl_coef}
+        extra = {"entropy": self.entropy, "kl_loss": self.kl_loss}
         return self.policy.as_dict(prefix) | {f"{prefix}{k}": v for k, v in extra.items() if v is not None}
 
 
@@ -59,6 +59,5 @@ def actor_loss(inputs: ActorLossInputs, policy_config: PolicyLossConfig, kl_conf
                                     kl_config, counts)
         loss = loss + kl_term
         metrics.kl_loss = kl_value
-        metrics.kl_coef = kl_config.coef
     return loss, metrics
 

@@ -93,7 +93,8 @@ class TrainEngine:
         if pp_group.size() == 1:
             return values_bn
         last = dist.get_global_rank(pp_group, pp_group.size() - 1)
-        shape = torch.tensor(values_bn.shape if values_bn is not None else (0, 0), dtype=torch.int64)
+        shape = torch.tensor(values_bn.shape if values_bn is not None else (0, 0), dtype=torch.int64,
+                             device=current_device())
         dist.broadcast(shape, src=last, group=pp_group)
         if values_bn is None:
             values_bn = torch.empty(tuple(shape.tolist()), dtype=torch.float32, device=current_device())
@@ -132,7 +133,7 @@ class TrainEngine:
     def _global_loss(self, losses: list[torch.Tensor]) -> float:
         """Sum of this step's loss values over micro-batches and DP, known to every rank of the role."""
         pp_group, dp_group = self.pg_collection.pp, self.pg_collection.dp
-        total = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float32)
+        total = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float32, device=current_device())
         total = total.to(torch.float64)
         dist.all_reduce(total, group=dp_group)
         if pp_group.size() > 1:

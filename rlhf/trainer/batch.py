@@ -43,7 +43,7 @@ class TrainBatch:
 
     def response_positions_bt(self) -> torch.Tensor:
         """Sequence position whose logits predict each response token (clamped on padding)."""
-        offsets_t = torch.arange(self.response_width)
+        offsets_t = torch.arange(self.response_width, device=self.prompt_lengths_b.device)
         positions_bt = self.prompt_lengths_b[:, None] - 1 + offsets_t[None, :]
         return positions_bt.clamp(0, self.tokens_bs.shape[1] - 1)
 
@@ -51,7 +51,13 @@ class TrainBatch:
         """(row_n, position_n) of the position predicting each real response token, in `[B, T]` mask order."""
         mask_bt = self.response_mask_bt.bool()
         rows_bt = torch.arange(self.size, device=mask_bt.device)[:, None].expand_as(mask_bt)
-        return rows_bt[mask_bt], self.response_positions_bt().to(mask_bt.device)[mask_bt]
+        return rows_bt[mask_bt], self.response_positions_bt()[mask_bt]
+
+    def to(self, device: torch.device) -> "TrainBatch":
+        """Every tensor field on `device` (the step's global batch lives on the host; roles compute on theirs)."""
+        updates = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                   if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **updates)
 
     def select(self, rows: torch.Tensor | slice) -> "TrainBatch":
         """The rows `rows` of every per-sample field."""
@@ -81,7 +87,7 @@ def gather_response(values_bs: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
 
 def scatter_response(values_n: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
     """Values of the real response tokens (`response_index` order) -> response-aligned `[B, T]`, 0 on padding."""
-    mask_bt = batch.response_mask_bt.bool().to(values_n.device)
+    mask_bt = batch.response_mask_bt.bool()
     return values_n.new_zeros(mask_bt.shape).masked_scatter(mask_bt, values_n)
 
 

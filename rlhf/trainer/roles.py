@@ -21,6 +21,7 @@ from rlhf.models.builder import build_gpt
 from rlhf.models.forward import forward_backward, token_entropy, token_logprobs
 from rlhf.models.hf_load import load_hf_weights
 from rlhf.models.lm_head import LMHead, head_logprobs, hidden_output
+from rlhf.platform import current_device
 from rlhf.train import offload as offload_lib
 from rlhf.train.engine import TrainEngine
 from rlhf.trainer.batch import TrainBatch, gather_response, scatter_response
@@ -99,11 +100,11 @@ class ModelRole:
             raise RuntimeError(f"the {self.name} model is offloaded; call reload() before using it")
         local = None
         if self.mesh.is_member:
-            shard = batch.shard(self.dp_rank, self.dp_size)
+            shard = batch.shard(self.dp_rank, self.dp_size).to(current_device())
             micro = shard.chunks(min(micro_batch_size, shard.size))
 
             def step(output: torch.Tensor, micro_batch: TrainBatch) -> tuple[torch.Tensor, dict]:
-                return torch.zeros(()), {"out": fn(output, micro_batch).detach()}
+                return output.new_zeros(()), {"out": fn(output, micro_batch).detach()}
 
             with torch.no_grad():
                 if self.engine is not None:
@@ -111,7 +112,7 @@ class ModelRole:
                 else:
                     outputs = forward_backward(self.model, micro, step, self.mesh.pgs, forward_only=True)
             if is_contributor(self.mesh.layout, torch.distributed.get_rank()):
-                local = torch.cat([o["out"] for o in outputs])
+                local = torch.cat([o["out"] for o in outputs]).cpu()  # the step's batch lives on the host
         return gather_rows(local, self.mesh.layout)
 
     def _train(self, batch: TrainBatch, loss_fn: Callable[[torch.Tensor, TrainBatch, GlobalCounts], tuple],
@@ -125,7 +126,7 @@ class ModelRole:
         contributor = is_contributor(self.mesh.layout, torch.distributed.get_rank())
         for _ in range(cfg.epochs):
             for mini in batch.chunks(batch.size // cfg.mini_batches):
-                shard = mini.shard(self.dp_rank, self.dp_size)
+                shard = mini.shard(self.dp_rank, self.dp_size).to(current_device())
                 counts = GlobalCounts.of(shard.response_mask_bt, group=self.mesh.pgs.dp)
                 result = self.engine.train_step(shard.chunks(cfg.micro_batch_size),
                                                 lambda out, mb: loss_fn(out, mb, counts))
@@ -170,8 +171,7 @@ class PolicyRole(ModelRole):
         """(logprobs_bt, entropy_bt) of the response tokens from the model output (hidden states or logits)."""
         if self.fused_head:
             rows_n, positions_n = mb.response_index()
-            rows_n, positions_n = rows_n.to(output.device), positions_n.to(output.device)
-            labels_n = mb.tokens_bs.to(output.device)[rows_n, positions_n + 1]
+            labels_n = mb.tokens_bs[rows_n, positions_n + 1]
             head = LMHead.of(self.model, self.tp_group, self.vocab_size)
             logp_n, entropy_n = head_logprobs(output[rows_n, positions_n], labels_n, head, entropy_grad=entropy_grad)
             return scatter_response(logp_n, mb), scatter_response(entropy_n, mb)
@@ -205,7 +205,10 @@ class PolicyRole(ModelRole):
             return loss, {k: float(v) for k, v in metrics.as_dict("actor/").items()}
 
         with self._output_mode():
-            return self._train(batch, loss_fn, "actor/")
+            out = self._train(batch, loss_fn, "actor/")
+        if out and use_kl_loss:
+            out["actor/kl_coef"] = algo.kl.coef
+        return out
 
 
 class CriticRole(ModelRole):

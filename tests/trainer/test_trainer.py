@@ -52,6 +52,7 @@ def test_grpo_tp2_dp2_and_ppo_split_placement_on_4_ranks(tiny, tmp_path):
             assert key in row and math.isfinite(row[key]), (key, row)
         assert row["rollout/logprob_diff_max"] < 1e-4, "rollout and training forward must agree"
     assert "actor/kl_loss" in grpo[1] and "timing_s/ref" in grpo[1]
+    assert grpo[1]["actor/kl_coef"] == 0.01, "a constant, not summed over micro-batches"
     for key in ("critic/vf_loss", "critic/vf_explained_var", "timing_s/values", "timing_s/update_critic",
                 "actor/reward_kl_penalty"):
         assert key in ppo[1], key
