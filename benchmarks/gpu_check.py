@@ -140,11 +140,15 @@ def engines_bench(path: str, groups, dtype: torch.dtype, args) -> dict:
     return row
 
 
-def train_mfu(path: str, groups, args) -> dict:
-    """bf16 forward+backward+AdamW on the 0.5B config through megatron's schedule; MFU vs the bf16 peak."""
+def train_mfu(path: str, groups, args, fused: bool = False) -> dict:
+    """bf16 forward+backward+AdamW on the 0.5B config through megatron's schedule; MFU vs the bf16 peak. The loss
+    is the mean token logprob from full logits, or (`fused`) from hidden states through the fused LM head."""
+    import contextlib
+
     from transformers import AutoConfig
 
     from rlhf.models.forward import forward_backward, token_logprobs
+    from rlhf.models.lm_head import LMHead, head_logprobs, hidden_output
 
     config = AutoConfig.from_pretrained(path)
     model = mcore_model(path, groups, torch.bfloat16).train()
@@ -154,20 +158,26 @@ def train_mfu(path: str, groups, args) -> dict:
     class MicroBatch:
         tokens_bs = tokens
 
-    def loss_fn(logits_bsv, micro_batch):
-        return -token_logprobs(logits_bsv, micro_batch.tokens_bs, groups.tp, config.vocab_size).float().mean(), {}
+    def loss_fn(output, micro_batch):
+        if fused:
+            hidden_nh = output.reshape(-1, output.shape[-1])
+            head = LMHead.of(model, groups.tp, config.vocab_size)
+            return -head_logprobs(hidden_nh, micro_batch.tokens_bs.reshape(-1), head)[0].mean(), {}
+        return -token_logprobs(output, micro_batch.tokens_bs, groups.tp, config.vocab_size).float().mean(), {}
 
     def step():
-        forward_backward(model, [MicroBatch()], loss_fn, groups)
+        with hidden_output(model) if fused else contextlib.nullcontext():
+            forward_backward(model, [MicroBatch()], loss_fn, groups)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     timed(step, 2)
+    platform.reset_peak_memory()
     times = timed(step, args.repeats)
     flops = 3 * args.train_batch * args.train_seq * flops_per_token(config, args.train_seq / 2)
     seconds = statistics.median(times)
-    return {"batch": args.train_batch, "seq": args.train_seq, "seconds": times, "tflop_s": flops / seconds / 1e12,
-            "mfu_vs_989": flops / seconds / 1e12 / H200_BF16_DENSE_TFLOPS,
+    return {"batch": args.train_batch, "seq": args.train_seq, "fused_head": fused, "seconds": times,
+            "tflop_s": flops / seconds / 1e12, "mfu_vs_989": flops / seconds / 1e12 / H200_BF16_DENSE_TFLOPS,
             "tokens_per_s": args.train_batch * args.train_seq / seconds,
             "peak_memory_gib": platform.peak_memory_bytes() / 2**30}
 
@@ -336,6 +346,7 @@ def main() -> None:
         for dtype in (torch.bfloat16, torch.float32):
             run_check(results, f"engine_qwen2_05b_{str(dtype)[6:]}", engines_bench, big, groups, dtype, args)
         run_check(results, "train_mfu_qwen2_05b_bf16", train_mfu, big, groups, args)
+        run_check(results, "train_mfu_fused_head_qwen2_05b_bf16", train_mfu, big, groups, args, True)
         run_check(results, "head_fused_vs_full_qwen2_05b_vocab_bf16", fused_head, groups, big_config, args)
         run_check(results, "rl_steps_tiny", rl_steps, root / "rl", args)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
