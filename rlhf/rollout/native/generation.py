@@ -156,13 +156,15 @@ class Generation:
         order = sorted(self.finished, key=lambda f: f.row)
         lengths_r = torch.tensor([f.length for f in order], dtype=torch.long)
         mask_rt = torch.arange(width)[None, :] < lengths_r[:, None]
-        outputs = [first[:, None].expand(num_rows, width).clone() for first in self.first_rt]
+        # Rollouts live on the host (the step's batch does): one device-to-host copy per field.
+        outputs = [first.cpu()[:, None].expand(num_rows, width).clone() for first in self.first_rt]
         if self.steps and width > 1:
             steps_r = torch.tensor([f.first_step for f in order])[:, None] + torch.arange(width - 1)[None, :]
             steps_r = steps_r.clamp(max=len(self.steps) - 1)
             slots_r = torch.tensor([f.slot for f in order])[:, None]
             for output, field in zip(outputs, ("tokens_k", "logprobs_k", "scaled_logprobs_k")):
-                stacked = pad_sequence([getattr(s, field) for s in self.steps], batch_first=True)  # [steps, span]
+                records = [getattr(s, field) for s in self.steps]
+                stacked = pad_sequence(records, batch_first=True).cpu()  # [steps, span]
                 output[:, 1:] = stacked[steps_r, slots_r.clamp(max=stacked.shape[1] - 1)]
         tokens_rt, logprobs_rt, scaled_rt = (torch.where(mask_rt, output, 0) for output in outputs)
         n = self.params.n
