@@ -184,10 +184,11 @@ class _FusedHeadLogprobs(torch.autograd.Function):
                     grad_bv.div_(temperature)
             grad_cv = logits_cv.to(hidden_nh.dtype)
             grad_hidden_nh[chunk] = grad_cv @ weight_vh
-            if grad_weight_vh is None:  # fp32 accumulation over chunks
-                grad_weight_vh = grad_cv.t().float() @ hidden_nh[chunk].float()
+            partial_vh = grad_cv.t() @ hidden_nh[chunk]  # in the model's dtype (bf16 GEMMs stay bf16)
+            if grad_weight_vh is None:  # several chunks accumulate in fp32
+                grad_weight_vh = partial_vh if kept_cv is not None else partial_vh.float()
             else:
-                grad_weight_vh.addmm_(grad_cv.t().float(), hidden_nh[chunk].float())
+                grad_weight_vh.add_(partial_vh)
         if grad_weight_vh is not None and num_valid == weight_rows:
             grad_weight = grad_weight_vh.to(hidden_nh.dtype)
         else:  # padded vocab rows get no gradient
