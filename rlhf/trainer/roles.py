@@ -211,6 +211,17 @@ class PolicyRole(ModelRole):
         return out
 
 
+    def sft_update(self, batch: TrainBatch) -> dict[str, float]:
+        """Supervised step(s) on the response tokens: token-mean NLL over the global batch (`rlhf sft`)."""
+        def loss_fn(output: torch.Tensor, mb: TrainBatch, counts: GlobalCounts) -> tuple:
+            logp_bt, _ = self._token_stats(output, mb)
+            loss = -(logp_bt * mb.response_mask_bt).sum() / max(counts.num_tokens, 1)
+            return loss, {"sft/loss": float(loss.detach())}
+
+        with self._output_mode():
+            return self._train(batch, loss_fn, "actor/")
+
+
 class CriticRole(ModelRole):
     """Value model: per-token values of the state before each response token, and the clipped value update."""
 

@@ -11,7 +11,6 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from rlhf.algo.aggregation import GlobalCounts
 from rlhf.config.schema import RlhfConfig
 from rlhf.data.loader import load_prompts
 from rlhf.data.sampler import PromptSampler
@@ -19,12 +18,11 @@ from rlhf.data.tokenize import TokenizedPrompts
 from rlhf.dist.meshes import ModelDims, build_role_meshes
 from rlhf.errors import ConfigError
 from rlhf.metrics import MetricsSink, StepMetrics
-from rlhf.models.forward import token_logprobs
 from rlhf.models.hf_export import export_hf
 from rlhf.rollout.factory import engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
-from rlhf.trainer.batch import TrainBatch, gather_response
-from rlhf.trainer.roles import PolicyRole, _labels_bs
+from rlhf.trainer.batch import TrainBatch
+from rlhf.trainer.roles import PolicyRole
 from rlhf.trainer.config import SftConfig
 from rlhf.trainer.scoring import Scorer
 from rlhf.trainer.validate import validate
@@ -66,17 +64,12 @@ def run_sft(cfg: RlhfConfig, sft: SftConfig, run_dir: RunDir) -> dict[str, float
     train = load_prompts(cfg.data.train_files, tokenizer, cfg.data)
     val = load_prompts(cfg.data.val_files, tokenizer, cfg.data, label="data.val_files") if cfg.data.val_files else None
     actor = PolicyRole("actor", meshes["actor"], cfg.model.path, update=cfg.actor, total_steps=sft.steps,
-                       seed=cfg.dist.seed)
+                       seed=cfg.dist.seed, fused_head=cfg.model.fused_head)
     sampler = PromptSampler(num_samples=len(train.records), global_batch_size=sft.batch_size, dp_rank=0, dp_size=1,
                             seed=cfg.data.seed)
     scorer = Scorer(cfg.reward, tokenizer)
     engine = _engine(cfg, actor, meshes["rollout"])
     sink = MetricsSink(run_dir.path, enabled=run_dir.is_rank0, tensorboard=cfg.trainer.tensorboard)
-
-    def loss_fn(logits_bsv: torch.Tensor, mb: TrainBatch, counts: GlobalCounts) -> tuple:
-        logp_bt = gather_response(token_logprobs(logits_bsv, _labels_bs(mb), actor.tp_group, actor.vocab_size), mb)
-        loss = -(logp_bt * mb.response_mask_bt).sum() / max(counts.num_tokens, 1)
-        return loss, {"sft/loss": float(loss.detach())}
 
     def val_metrics(step: int) -> dict[str, float]:
         if val is None:
@@ -89,7 +82,7 @@ def run_sft(cfg: RlhfConfig, sft: SftConfig, run_dir: RunDir) -> dict[str, float
         batch = sft_batch(train, sampler.next_indices(), tokenizer, pad)
         metrics = StepMetrics()
         with metrics.timer("step"):
-            metrics.update_from_shards(actor._train(batch, loss_fn, "actor/"))
+            metrics.update_from_shards(actor.sft_update(batch))
         values = metrics.reduced()
         if (sft.val_every and step % sft.val_every == 0) or step == sft.steps:
             last = val_metrics(step)
