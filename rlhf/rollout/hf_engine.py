@@ -65,20 +65,26 @@ class HFEngine:
                         policy_version=self.policy_version, pad_token_id=prompts.pad_token_id)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Weights in HF names; after `sleep(release_weights=True)` every parameter must be supplied."""
+        """Weights in HF names; after `sleep(release_weights=True)` every parameter must be supplied.
+
+        Every name and shape is checked before anything is written, so a bad update leaves the model as it was.
+        """
         named = dict(self.model.named_parameters())
-        loaded = set()
-        with torch.no_grad():
-            for name, tensor in weights:
-                if name not in named:
-                    raise ConfigError(f"HFEngine.load_weights: unknown parameter {name!r}")
-                named[name].copy_(tensor)
-                loaded.add(name)
+        weights = list(weights)
+        for name, tensor in weights:
+            if name not in named:
+                raise ConfigError(f"HFEngine.load_weights: unknown parameter {name!r}")
+            if tuple(tensor.shape) != tuple(named[name].shape):
+                raise ConfigError(f"HFEngine.load_weights: {name!r} has shape {tuple(tensor.shape)}, the model's is "
+                                  f"{tuple(named[name].shape)}")
         if self._weights_released:
-            missing = sorted(set(named) - loaded)
+            missing = sorted(set(named) - {name for name, _ in weights})
             if missing:
                 raise ConfigError(f"HFEngine.load_weights after a weight release is missing {missing[:5]}")
-            self._weights_released = False
+        with torch.no_grad():
+            for name, tensor in weights:
+                named[name].copy_(tensor)
+        self._weights_released = False
         self.policy_version += 1
 
     def sleep(self, release_weights: bool = False) -> None:

@@ -54,3 +54,25 @@ def test_sampling_seeded_and_logprobs_match_forward():
     scaled = torch.log_softmax(logits / 0.8, -1).gather(-1, target[:, None]).squeeze(-1)
     torch.testing.assert_close(first.response_logprobs_rt[row, :6], raw, atol=1e-5, rtol=0)
     torch.testing.assert_close(first.response_scaled_logprobs_rt[row, :6], scaled, atol=1e-5, rtol=0)
+
+
+def test_load_weights_checks_every_name_and_shape_before_writing():
+    import pytest
+
+    from rlhf.errors import ConfigError
+
+    model = tiny_hf_model("llama")
+    engine = HFEngine(model, eos_token_ids=())
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    norm = model.model.norm.weight
+    bad_shape = [("model.norm.weight", torch.full_like(norm, 2.0)),
+                 ("model.embed_tokens.weight", torch.ones(1, norm.shape[0]))]  # would broadcast silently
+    with pytest.raises(ConfigError, match=r"'model.embed_tokens.weight' has shape \(1, \d+\), the model's is"):
+        engine.load_weights(iter(bad_shape))
+    with pytest.raises(ConfigError, match="unknown parameter 'lm_head.bias'"):
+        engine.load_weights([("model.norm.weight", norm * 3), ("lm_head.bias", torch.ones(1))])
+    for name, param in model.named_parameters():  # nothing half-written
+        assert torch.equal(param, before[name]), name
+    assert engine.policy_version == 0
+    engine.load_weights([("model.norm.weight", torch.full_like(norm, 2.0))])
+    assert torch.equal(model.model.norm.weight, torch.full_like(norm, 2.0)) and engine.policy_version == 1
