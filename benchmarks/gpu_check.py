@@ -238,32 +238,52 @@ def _arith_prompts(path: Path, count: int) -> Path:
     return path
 
 
-def rl_steps(root: Path, args) -> dict:
-    """The RL trainer on the device: GRPO + reference model (kl 0.04), native rollout, `--rl-steps` steps with
-    the fused LM head and again with full logits; same seeds, so step-1 metrics must agree."""
-    from bench_e2e_vs_trl import tiny_model_folder
+def char_model_folder(root: Path, config: dict) -> str:
+    """`config`'s Qwen2 shape (HF init) over the char tokenizer: real text in, real rewards out, any model size."""
+    from transformers import AutoModelForCausalLM
 
+    from rlhf.data.char_tokenizer import build_char_tokenizer
+    from rlhf.testing.tiny_models import tiny_hf_config
+
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config("qwen2", **dict(config, vocab_size=len(tokenizer))),
+                                             dtype=torch.float32)
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+           "pad_token_id": tokenizer.pad_token_id}
+    model.config.update(dict(ids, max_position_embeddings=2048))
+    model.generation_config.update(**ids)
+    model.save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    return str(root)
+
+
+def rl_steps(root: Path, args, model: str, prompts_per_step: int, new_tokens: int) -> dict:
+    """The RL trainer on the device: GRPO + reference model (kl 0.04), native rollout, colocated memory phases,
+    `--rl-steps` steps with the fused LM head and again with full logits; same seeds, so step-1 metrics agree."""
     from rlhf.config import RlhfConfig, from_dict
     from rlhf.run_dir import close_run, setup_run
     from rlhf.step import rl_step
     from rlhf.trainer.loop import Trainer, preflight
 
-    model, prompts = tiny_model_folder(root), _arith_prompts(root / "prompts.jsonl", 8 * (args.rl_steps + 1))
-    # A dense reward (share of digits in the answer), so a random tiny model's groups differ and the update moves.
+    root.mkdir(parents=True, exist_ok=True)
+    prompts = _arith_prompts(root / "prompts.jsonl", prompts_per_step * (args.rl_steps + 1))
+    # A dense reward (share of digits in the answer), so a random model's groups differ and the update moves.
     reward_file = root / "digits_reward.py"
     reward_file.write_text("def digits(data_source, solution_str, ground_truth, extra_info):\n"
                            "    return sum(c.isdigit() for c in solution_str) / max(1, len(solution_str))\n")
-    row: dict = {}
+    rows = prompts_per_step * 4
+    row: dict = {"rows": rows, "new_tokens": new_tokens}
     for fused in (True, False):
         cfg = from_dict(RlhfConfig, {
             "run": {"output_dir": str(root / "runs"), "name": f"rl_fused{fused}"},
             "model": {"path": model, "fused_head": fused},
-            "data": {"train_files": [str(prompts)], "prompts_per_step": 8, "max_prompt_length": 16},
-            "sampling": {"n": 4, "max_new_tokens": 32, "ignore_eos": True},
+            "data": {"train_files": [str(prompts)], "prompts_per_step": prompts_per_step, "max_prompt_length": 16},
+            "sampling": {"n": 4, "max_new_tokens": new_tokens, "ignore_eos": True},
             "algo": {"advantage": {"kind": "grpo"}, "kl": {"coef": 0.04}},
             "reward": {"by_source": {"reasoning_gym/*": f"{reward_file}:digits"}},
-            "actor": {"optim": {"lr": 1e-4}, "micro_batch_size": 16},
-            "rollout": {"native": {"max_batch_size": 32, "max_seq_len": 64}},
+            "actor": {"optim": {"lr": 1e-5}, "micro_batch_size": rows // 2},
+            "rollout": {"native": {"max_batch_size": rows, "max_seq_len": 16 + new_tokens}},
             "trainer": {"total_steps": args.rl_steps, "tensorboard": False, "plot": False}})
         preflight(cfg, dist.get_world_size())
         trainer = Trainer(cfg, setup_run(cfg.run, cfg, prefix="gpu"))
@@ -278,12 +298,16 @@ def rl_steps(root: Path, args) -> dict:
                 times.append(time.perf_counter() - start)
         finally:
             close_run()
+            del trainer
+            platform.release_cached_memory()
         key = "fused" if fused else "full"
         row[f"{key}_seconds"] = times
-        row[f"{key}_step1"] = {k: v for k, v in metrics[0].items() if k.startswith(("actor/", "critic/", "timing"))}
+        row[f"{key}_step1"] = {k: v for k, v in metrics[0].items()
+                               if k.startswith(("actor/", "critic/", "timing", "memory/"))}
+        row[f"{key}_last"] = {k: v for k, v in metrics[-1].items() if k.startswith(("timing", "memory/"))}
         row[f"{key}_all_finite"] = all(math.isfinite(v) for m in metrics for v in m.values())
     row["step1_abs_diff"] = {k: abs(row["fused_step1"][k] - row["full_step1"][k]) for k in row["fused_step1"]
-                             if not k.startswith("timing")}
+                             if k.startswith(("actor/", "critic/"))}
     row["step1_max_abs_diff"] = max(row["step1_abs_diff"].values())
     return row
 
@@ -355,7 +379,12 @@ def main() -> None:
         run_check(results, "train_mfu_qwen2_05b_bf16", train_mfu, big, groups, args)
         run_check(results, "train_mfu_fused_head_qwen2_05b_bf16", train_mfu, big, groups, args, True)
         run_check(results, "head_fused_vs_full_qwen2_05b_vocab_bf16", fused_head, groups, big_config, args)
-        run_check(results, "rl_steps_tiny", rl_steps, root / "rl", args)
+        from bench_e2e_vs_trl import tiny_model_folder
+
+        run_check(results, "rl_steps_tiny", rl_steps, root / "rl_tiny", args, tiny_model_folder(root), 8, 32)
+        rl_model = char_model_folder(root / "rl_05b_model", big_config)
+        run_check(results, "rl_steps_qwen2_05b_shape", rl_steps, root / "rl_05b", args, rl_model, 16,
+                  16 if args.smoke else 128)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print(f"[gpu_check] wrote {args.out}")
 

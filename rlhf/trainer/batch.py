@@ -91,6 +91,13 @@ def scatter_response(values_n: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
     return values_n.new_zeros(mask_bt.shape).masked_scatter(mask_bt, values_n)
 
 
+def _sampled_logprobs(rollouts: Rollouts) -> torch.Tensor:
+    """Logprobs under the distribution the tokens were sampled from (logits / temperature), which the training
+    forward reproduces; engines that only report raw logprobs (vLLM) give those."""
+    scaled = rollouts.response_scaled_logprobs_rt
+    return scaled if scaled is not None else rollouts.response_logprobs_rt
+
+
 def build_train_batch(prompts: PromptBatch, rollouts: Rollouts) -> TrainBatch:
     """Join each rollout with its prompt into right-padded sequences."""
     prompt_index_r = rollouts.prompt_index_r
@@ -106,5 +113,5 @@ def build_train_batch(prompts: PromptBatch, rollouts: Rollouts) -> TrainBatch:
     return TrainBatch(tokens_bs=tokens_rs, prompt_lengths_b=prompt_lengths_r.clone(),
                       response_lengths_b=rollouts.response_lengths_r.clone(), response_mask_bt=mask_rt,
                       group_index_b=prompt_index_r.clone(),
-                      rollout_logprobs_bt=rollouts.response_logprobs_rt.float() * mask_rt,
+                      rollout_logprobs_bt=_sampled_logprobs(rollouts).float() * mask_rt,
                       pad_token_id=rollouts.pad_token_id)

@@ -30,7 +30,8 @@ class ModelConfig:
 class SamplingConfig:
     """Training rollouts (`n` samples per prompt) and validation decoding (greedy by default).
 
-    `ignore_eos` makes training rollouts always run `max_new_tokens` (fixed-length benchmarks)."""
+    `ignore_eos` makes training rollouts always run `max_new_tokens` (fixed-length benchmarks). The actor and
+    reference score tokens at the sampling `temperature` (`logprob_temperature`), as verl does."""
 
     n: int = 4
     max_new_tokens: int = 64
@@ -45,6 +46,11 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         self.train_params(0)
         self.val_params(0)
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature of the policy the training rollouts sample from (greedy rollouts: 1)."""
+        return self.temperature if self.temperature > 0 else 1.0
 
     def train_params(self, step: int) -> SamplingParams:
         """Fresh seed per step (same on every rank; engines mix in their DP rank)."""

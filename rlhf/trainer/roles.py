@@ -17,6 +17,7 @@ from rlhf.algo.actor_loss import ActorLossInputs, actor_loss
 from rlhf.algo.aggregation import GlobalCounts
 from rlhf.algo.value_loss import value_loss
 from rlhf.dist.meshes import RoleMesh
+from rlhf.errors import ConfigError
 from rlhf.models.builder import build_gpt
 from rlhf.models.forward import forward_backward, token_entropy, token_logprobs
 from rlhf.models.hf_load import load_hf_weights
@@ -157,11 +158,15 @@ class PolicyRole(ModelRole):
 
     With `fused_head` (default) the model hands back hidden states and the LM head runs fused with the
     logprob/entropy reduction on response tokens only (`rlhf.models.lm_head`); otherwise from full logits.
+    Logprobs and entropy are of softmax(logits / `temperature`): the policy the rollouts were sampled from (as
+    verl, OpenRLHF and TRL do), so PPO ratios and KL compare the distributions that produced the samples.
     """
 
-    def __init__(self, *args, fused_head: bool = True, **kwargs) -> None:
+    def __init__(self, *args, fused_head: bool = True, temperature: float = 1.0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.fused_head = fused_head
+        if not temperature > 0:
+            raise ConfigError(f"the policy's logprob temperature must be > 0, got {temperature}")
+        self.fused_head, self.temperature = fused_head, temperature
 
     def _output_mode(self) -> contextlib.AbstractContextManager:
         return hidden_output(self.model) if self.fused_head and self.model is not None else contextlib.nullcontext()
@@ -173,19 +178,21 @@ class PolicyRole(ModelRole):
             rows_n, positions_n = mb.response_index()
             labels_n = mb.tokens_bs[rows_n, positions_n + 1]
             head = LMHead.of(self.model, self.tp_group, self.vocab_size)
-            logp_n, entropy_n = head_logprobs(output[rows_n, positions_n], labels_n, head, entropy_grad=entropy_grad)
+            logp_n, entropy_n = head_logprobs(output[rows_n, positions_n], labels_n, head,
+                                              temperature=self.temperature, entropy_grad=entropy_grad)
             return scatter_response(logp_n, mb), scatter_response(entropy_n, mb)
-        logp_bt = gather_response(token_logprobs(output, _labels_bs(mb), self.tp_group, self.vocab_size), mb)
+        logp_bs = token_logprobs(output, _labels_bs(mb), self.tp_group, self.vocab_size, self.temperature)
         with contextlib.nullcontext() if entropy_grad else torch.no_grad():
-            entropy_bt = gather_response(token_entropy(output if entropy_grad else output.detach(), self.tp_group,
-                                                       self.vocab_size), mb)
-        return logp_bt, entropy_bt
+            entropy_bs = token_entropy(output if entropy_grad else output.detach(), self.tp_group, self.vocab_size,
+                                       self.temperature)
+        return gather_response(logp_bs, mb), gather_response(entropy_bs, mb)
 
     def logprobs(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
         def fn(output: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
             if self.fused_head:
                 return self._token_stats(output, mb)[0]
-            return gather_response(token_logprobs(output, _labels_bs(mb), self.tp_group, self.vocab_size), mb)
+            return gather_response(token_logprobs(output, _labels_bs(mb), self.tp_group, self.vocab_size,
+                                                  self.temperature), mb)
 
         with self._output_mode():
             return self._forward(batch, micro_batch_size, fn)

@@ -117,7 +117,7 @@ def _fused_vs_full_logits(paths):
     for name, layout in (("tp1", ParallelLayout()), ("tp2", ParallelLayout(tp=2)), ("pp2", ParallelLayout(pp=2))):
         for fused in (False, True):
             mesh = RoleMesh("actor", layout, build_layout_groups(layout, cache))
-            role = PolicyRole("actor", mesh, paths["model"], total_steps=4, fused_head=fused,
+            role = PolicyRole("actor", mesh, paths["model"], total_steps=4, fused_head=fused, temperature=0.7,
                               update=UpdateConfig(micro_batch_size=4, optim=OptimConfig(lr=1e-2)))
             before = role.logprobs(fixed_batch(), 4)
             metrics = role.update(fixed_batch(), algo)
@@ -126,13 +126,14 @@ def _fused_vs_full_logits(paths):
 
 
 def test_fused_head_matches_full_logits_and_transformers_at_tp1_tp2_pp2(tiny):
+    """Both paths score at the sampling temperature (0.7 here): log_softmax(logits / 0.7) of transformers."""
     from transformers import AutoModelForCausalLM
 
     ranks = run_distributed(_fused_vs_full_logits, 2, tiny, timeout_s=300)
     batch = fixed_batch()
     hf = AutoModelForCausalLM.from_pretrained(tiny["model"], dtype=torch.float32).eval()
     with torch.no_grad():
-        logp_bs = torch.log_softmax(hf(batch.tokens_bs).logits, dim=-1)
+        logp_bs = torch.log_softmax(hf(batch.tokens_bs).logits / 0.7, dim=-1)
     positions_bt = batch.response_positions_bt()
     labels_bt = batch.tokens_bs.gather(1, (positions_bt + 1).clamp(max=batch.tokens_bs.shape[1] - 1))
     expected_bt = logp_bs.gather(1, positions_bt[..., None].expand(-1, -1, logp_bs.shape[-1]))
