@@ -258,7 +258,7 @@ def char_model_folder(root: Path, config: dict) -> str:
     return str(root)
 
 
-def rl_steps(root: Path, args, model: str, prompts_per_step: int, new_tokens: int) -> dict:
+def rl_steps(root: Path, args, model: str, prompts_per_step: int, new_tokens: int, dtype: str = "float32") -> dict:
     """The RL trainer on the device: GRPO + reference model (kl 0.04), native rollout, colocated memory phases,
     `--rl-steps` steps with the fused LM head and again with full logits; same seeds, so step-1 metrics agree."""
     from rlhf.config import RlhfConfig, from_dict
@@ -273,11 +273,11 @@ def rl_steps(root: Path, args, model: str, prompts_per_step: int, new_tokens: in
     reward_file.write_text("def digits(data_source, solution_str, ground_truth, extra_info):\n"
                            "    return sum(c.isdigit() for c in solution_str) / max(1, len(solution_str))\n")
     rows = prompts_per_step * 4
-    row: dict = {"rows": rows, "new_tokens": new_tokens}
+    row: dict = {"rows": rows, "new_tokens": new_tokens, "dtype": dtype}
     for fused in (True, False):
         cfg = from_dict(RlhfConfig, {
             "run": {"output_dir": str(root / "runs"), "name": f"rl_fused{fused}"},
-            "model": {"path": model, "fused_head": fused},
+            "model": {"path": model, "fused_head": fused, "dtype": dtype},
             "data": {"train_files": [str(prompts)], "prompts_per_step": prompts_per_step, "max_prompt_length": 16},
             "sampling": {"n": 4, "max_new_tokens": new_tokens, "ignore_eos": True},
             "algo": {"advantage": {"kind": "grpo"}, "kl": {"coef": 0.04}},
@@ -383,8 +383,8 @@ def main() -> None:
 
         run_check(results, "rl_steps_tiny", rl_steps, root / "rl_tiny", args, tiny_model_folder(root), 8, 32)
         rl_model = char_model_folder(root / "rl_05b_model", big_config)
-        run_check(results, "rl_steps_qwen2_05b_shape", rl_steps, root / "rl_05b", args, rl_model, 16,
-                  16 if args.smoke else 128)
+        run_check(results, "rl_steps_qwen2_05b_shape_bf16", rl_steps, root / "rl_05b", args, rl_model, 16,
+                  16 if args.smoke else 128, "bfloat16")
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print(f"[gpu_check] wrote {args.out}")
 

@@ -83,6 +83,11 @@ def build_gpt(hf_config: Any, pg_collection: ProcessGroupCollection, *, pre_proc
     # The local spec's torch norms are built on the host even when the linear layers are on the accelerator
     # (found by benchmarks/gpu_check on an H200); one move puts every parameter and buffer on the device.
     model.to(current_device())
+    # ... and in fp32 whatever `params_dtype` is; their weights follow the model's dtype (buffers such as the
+    # rotary frequencies stay fp32).
+    for param in model.parameters():
+        if param.dtype != params_dtype:
+            param.data = param.data.to(params_dtype)
     model.rotary_pos_emb.inv_freq = spec.inv_freq().to(model.rotary_pos_emb.inv_freq.device)
     if value_head and post_process:
         head = ValueHead(spec.hidden_size, init_std=spec.initializer_range, seed=seed, dtype=params_dtype)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from rlhf.algo.advantages import AdvantageConfig, AdvantageKind
 from rlhf.algo.kl import KLConfig
 from rlhf.algo.policy_loss import PolicyLossConfig
@@ -13,17 +15,31 @@ from rlhf.rollout.sampling_params import SamplingParams
 from rlhf.train.config import OptimConfig
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """HF folders: `path` initialises actor, reference and rollout; the critic starts from `critic_path`
     (default: `path`, with a fresh value head). `recompute`: full activation recomputation in the actor.
     `fused_head`: actor/ref logprobs come from hidden states through a chunked, fused LM head on response
-    tokens only, never materialising [tokens, vocab] logits (`rlhf.models.lm_head`); off = from full logits."""
+    tokens only, never materialising [tokens, vocab] logits (`rlhf.models.lm_head`); off = from full logits.
+    `dtype`: the roles' parameter dtype (rollout included when it shares the actor's weights); with bfloat16,
+    megatron's optimizer keeps fp32 master weights and gradients are reduced in fp32."""
 
     path: str = ""
     critic_path: str = ""
     recompute: bool = False
     fused_head: bool = True
+    dtype: str = "float32"  # parameters of every role; bfloat16 trains with fp32 master weights and fp32 grads
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"model.dtype={self.dtype!r} is not one of {', '.join(_DTYPES)}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
 
 
 @dataclass(kw_only=True)

@@ -25,10 +25,11 @@ def export_checkpoint(cfg: RlhfConfig, checkpoint: str | Path, out_dir: str, rol
     path = manager.resolve(str(checkpoint))
     meshes = build_role_meshes(_mesh_config(cfg), _model_dims(cfg.model.path), timeout_s=cfg.dist.timeout_s)
     if role == "actor":
-        model_role = PolicyRole("actor", meshes["actor"], cfg.model.path, update=None, total_steps=0)
+        model_role = PolicyRole("actor", meshes["actor"], cfg.model.path, update=None, total_steps=0,
+                                params_dtype=cfg.model.torch_dtype)
     else:
         model_role = CriticRole("critic", meshes["critic"], cfg.model.critic_path or cfg.model.path, update=None,
-                                total_steps=0, value_head=True)
+                                total_steps=0, value_head=True, params_dtype=cfg.model.torch_dtype)
     state, _ = manager.load(path)
     if model_role.model is not None:
         model_role.model.load_state_dict(state[role]["model"], strict=True)

@@ -120,16 +120,20 @@ class Trainer:
         optimizer_steps = cfg.trainer.total_steps * cfg.actor.epochs * cfg.actor.mini_batches
         actor = PolicyRole("actor", self.meshes["actor"], cfg.model.path, update=cfg.actor,
                            total_steps=optimizer_steps, recompute=cfg.model.recompute, seed=cfg.dist.seed,
-                           fused_head=cfg.model.fused_head, temperature=cfg.sampling.logprob_temperature)
+                           fused_head=cfg.model.fused_head, temperature=cfg.sampling.logprob_temperature,
+                           params_dtype=cfg.model.torch_dtype)
         ref = (PolicyRole("ref", self.meshes["ref"], cfg.model.path, update=None, total_steps=0,
                           seed=cfg.dist.seed, offload_frozen=cfg.ref.offload, fused_head=cfg.model.fused_head,
-                          temperature=cfg.sampling.logprob_temperature) if algo.uses_ref else None)
+                          temperature=cfg.sampling.logprob_temperature, params_dtype=cfg.model.torch_dtype)
+               if algo.uses_ref else None)
         critic = (CriticRole("critic", self.meshes["critic"], cfg.model.critic_path or cfg.model.path,
                              update=cfg.critic, value_head=True, seed=cfg.dist.seed + 1,
-                             total_steps=cfg.trainer.total_steps * cfg.critic.epochs * cfg.critic.mini_batches)
+                             total_steps=cfg.trainer.total_steps * cfg.critic.epochs * cfg.critic.mini_batches,
+                             params_dtype=cfg.model.torch_dtype)
                   if algo.uses_critic else None)
         reward_model = (RewardModelRole("reward", self.meshes["reward"], cfg.reward.model_path, update=None,
-                                        total_steps=0, value_head=True, offload_frozen=cfg.reward.model_offload)
+                                        total_steps=0, value_head=True, offload_frozen=cfg.reward.model_offload,
+                                        params_dtype=cfg.model.torch_dtype)
                         if cfg.reward.model_path else None)
         engine, weight_sync = self._build_rollout(actor)
         layouts = {role: mesh.layout for role, mesh in self.meshes.meshes.items()}

@@ -64,7 +64,7 @@ def run_sft(cfg: RlhfConfig, sft: SftConfig, run_dir: RunDir) -> dict[str, float
     train = load_prompts(cfg.data.train_files, tokenizer, cfg.data)
     val = load_prompts(cfg.data.val_files, tokenizer, cfg.data, label="data.val_files") if cfg.data.val_files else None
     actor = PolicyRole("actor", meshes["actor"], cfg.model.path, update=cfg.actor, total_steps=sft.steps,
-                       seed=cfg.dist.seed, fused_head=cfg.model.fused_head)
+                       seed=cfg.dist.seed, fused_head=cfg.model.fused_head, params_dtype=cfg.model.torch_dtype)
     sampler = PromptSampler(num_samples=len(train.records), global_batch_size=sft.batch_size, dp_rank=0, dp_size=1,
                             seed=cfg.data.seed)
     scorer = Scorer(cfg.reward, tokenizer)

@@ -20,11 +20,11 @@ def tiny(tmp_path_factory):
     return make_tiny_setup(tmp_path_factory.mktemp("tiny"), num_val=4)
 
 
-def _runs(paths, root):
+def _runs(paths, root, dtype):
     reward = Path(root) / "length_reward.py"
     reward.write_text("def score(data_source, solution, ground_truth, extra_info):\n"
                       "    return float(len(solution) % 2)\n")
-    common = RESHARD + ["reward.by_source={}", f"reward.function={reward}:score"]
+    common = RESHARD + ["reward.by_source={}", f"reward.function={reward}:score", f"model.dtype={dtype}"]
     full = run_trainer(paths, f"{root}/full", common + ["trainer.total_steps=4"])
     run_trainer(paths, f"{root}/split", common + ["trainer.total_steps=2"])
     resumed = run_trainer(paths, f"{root}/split", common + ["trainer.total_steps=4"])
@@ -35,8 +35,9 @@ def _comparable(row):
     return {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/throughput", "memory/"))}
 
 
-def test_resumed_run_generates_with_the_resumed_weights(tiny, tmp_path):
-    full, resumed = run_distributed(_runs, 2, tiny, str(tmp_path), timeout_s=400)[0]
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: master weights and resharding round-trip too
+def test_resumed_run_generates_with_the_resumed_weights(tiny, tmp_path, dtype):
+    full, resumed = run_distributed(_runs, 2, tiny, str(tmp_path), dtype, timeout_s=400)[0]
     assert [row["step"] for row in resumed] == [3, 4]
     assert full[3]["actor/grad_norm"] > 0
     assert [_comparable(r) for r in full[2:]] == [_comparable(r) for r in resumed]
