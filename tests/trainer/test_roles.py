@@ -125,13 +125,23 @@ def _fused_vs_full_logits(paths):
     return out
 
 
-def test_fused_head_matches_full_logits_and_transformers_at_tp1_tp2_pp2(tiny):
+@pytest.mark.parametrize("tied", [False, True])  # tied: the head weight is the embedding (a copy on the last stage)
+def test_fused_head_matches_full_logits_and_transformers_at_tp1_tp2_pp2(tiny, tmp_path, tied):
     """Both paths score at the sampling temperature (0.7 here): log_softmax(logits / 0.7) of transformers."""
     from transformers import AutoModelForCausalLM
 
-    ranks = run_distributed(_fused_vs_full_logits, 2, tiny, timeout_s=300)
+    from rlhf.data.char_tokenizer import build_char_tokenizer
+    from rlhf.models.init import InitModelConfig, init_hf_model
+
+    paths = dict(tiny)
+    if tied:
+        config = InitModelConfig(arch="qwen2", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                 intermediate_size=64, max_position_embeddings=64, tie_embeddings=True)
+        paths["model"] = str(init_hf_model(config, build_char_tokenizer(), tmp_path / "tied"))
+    ranks = run_distributed(_fused_vs_full_logits, 2, paths, timeout_s=300)
     batch = fixed_batch()
-    hf = AutoModelForCausalLM.from_pretrained(tiny["model"], dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(paths["model"], dtype=torch.float32).eval()
+    assert hf.config.tie_word_embeddings == tied
     with torch.no_grad():
         logp_bs = torch.log_softmax(hf(batch.tokens_bs).logits / 0.7, dim=-1)
     positions_bt = batch.response_positions_bt()
