@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlhf-installed
 NPROC ?= 4
 DEMO_NPROC ?= 2
-BENCHES := collectives reshard engine rollout e2e memphase
+BENCHES := collectives reshard engine rollout e2e memphase padding
 PYTEST_FLAGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -69,6 +69,9 @@ bench-e2e: install-bench
 
 bench-memphase: install-bench
 	$(PY) benchmarks/bench_memphase.py
+
+bench-padding: install-bench
+	$(PY) benchmarks/bench_padding.py
 
 bench: install-bench
 	$(PY) benchmarks/bench_all.py

@@ -105,17 +105,17 @@ def forward_backward(model: Any, micro_batches: list, loss_fn: LossFn, pg_collec
     """Run `micro_batches` through megatron's schedule (1F1B when pp > 1); returns loss_fn's metrics dicts.
 
     Each micro-batch has `tokens_bs` and optionally `position_ids_bs` and `attention_mask_b1ss` (True =
-    blocked; see `padded_inputs`; default: plain causal); all share one shape. `forward_only` runs without grad.
-    `loss_fn(output, micro_batch) -> (loss, metrics)` runs on the last stage, `output` being this rank's
+    blocked; see `padded_inputs`; default: plain causal); with pp > 1 all share one shape. `forward_only` runs
+    without grad. `loss_fn(output, micro_batch) -> (loss, metrics)` runs on the last stage, `output` being this rank's
     vocab shard of the logits [b, s, v/tp] (or values [b, s, 1]); gradients accumulate into `.grad`
     (or `.main_grad` under megatron DDP) with `loss` taken as-is. Other stages get an empty list.
     """
     megatron_compat.apply()
-    shapes = {tuple(mb.tokens_bs.shape) for mb in micro_batches}
-    if len(shapes) != 1:
-        raise ConfigError(f"micro-batches must share one [batch, seq] shape for the pipeline, got {sorted(shapes)}")
-    batch_size, seq_length = shapes.pop()
     pp = pg_collection.pp.size()
+    shapes = {tuple(mb.tokens_bs.shape) for mb in micro_batches}
+    if pp > 1 and len(shapes) != 1:
+        raise ConfigError(f"micro-batches must share one [batch, seq] shape for the pipeline, got {sorted(shapes)}")
+    batch_size, seq_length = max(shapes)  # without a pipeline, shapes may differ (nothing is preallocated)
     schedule = get_forward_backward_func(pp_size=pp, vp_size=None)
     p2p = P2PCommunicator(pp_group=pg_collection.pp, config=model.config) if pp > 1 else None
     extra = {"p2p_communicator": p2p} if p2p is not None else {}

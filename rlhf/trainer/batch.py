@@ -53,6 +53,20 @@ class TrainBatch:
         rows_bt = torch.arange(self.size, device=mask_bt.device)[:, None].expand_as(mask_bt)
         return rows_bt[mask_bt], self.response_positions_bt()[mask_bt]
 
+    def trimmed(self) -> "TrainBatch":
+        """Without the padding columns all rows share: tokens cut after the longest sequence, per-token fields
+        after the longest response. Rows are right-padded and the model causal, so kept positions are unchanged."""
+        if self.size == 0:
+            return self
+        seq_width = max(int((self.prompt_lengths_b + self.response_lengths_b).max()), 2)
+        response_width = max(int(self.response_lengths_b.max()), 1)
+        updates = {"tokens_bs": self.tokens_bs[:, :seq_width]}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name.endswith("_bt") and isinstance(value, torch.Tensor):
+                updates[field.name] = value[:, :response_width]
+        return dataclasses.replace(self, **updates)
+
     def to(self, device: torch.device) -> "TrainBatch":
         """Every tensor field on `device` (the step's global batch lives on the host; roles compute on theirs)."""
         updates = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)

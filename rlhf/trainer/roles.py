@@ -35,6 +35,11 @@ def _labels_bs(batch: TrainBatch) -> torch.Tensor:
     return torch.roll(batch.tokens_bs, shifts=-1, dims=1)
 
 
+def _by_length(batch: TrainBatch) -> torch.Tensor:
+    """Row order by sequence length (stable), so micro-batches of neighbouring rows need little padding."""
+    return torch.argsort(batch.prompt_lengths_b + batch.response_lengths_b, stable=True)
+
+
 class ModelRole:
     """A megatron GPT (LM or value head) on one role mesh, optionally trained by a `TrainEngine`."""
 
@@ -103,10 +108,14 @@ class ModelRole:
         local = None
         if self.mesh.is_member:
             shard = batch.shard(self.dp_rank, self.dp_size).to(current_device())
-            micro = shard.chunks(min(micro_batch_size, shard.size))
+            order = _by_length(shard)
+            micro = self._micro_batches(shard.select(order), min(micro_batch_size, shard.size))
 
             def step(output: torch.Tensor, micro_batch: TrainBatch) -> tuple[torch.Tensor, dict]:
-                return output.new_zeros(()), {"out": fn(output, micro_batch).detach()}
+                out = fn(output, micro_batch).detach()
+                if out.dim() == 2:  # response-aligned: back to the batch's response width
+                    out = torch.nn.functional.pad(out, (0, batch.response_width - out.shape[1]))
+                return output.new_zeros(()), {"out": out}
 
             with torch.no_grad():
                 if self.engine is not None:
@@ -114,8 +123,17 @@ class ModelRole:
                 else:
                     outputs = forward_backward(self.model, micro, step, self.mesh.pgs, forward_only=True)
             if is_contributor(self.mesh.layout, torch.distributed.get_rank()):
-                local = torch.cat([o["out"] for o in outputs]).cpu()  # the step's batch lives on the host
+                local = torch.cat([o["out"] for o in outputs])[torch.argsort(order)]
+                local = local.cpu()  # the step's batch lives on the host
         return gather_rows(local, self.mesh.layout)
+
+    def _micro_batches(self, shard: TrainBatch, size: int) -> list[TrainBatch]:
+        """`shard` in micro-batches of `size` rows, each cut to its own longest row (compute scales with the
+        micro-batch's length, not the step's; callers sort rows by length first so similar lengths share a
+        micro-batch); with pp > 1 the schedule needs one shape, so the shard's."""
+        if self.mesh.pgs.pp.size() > 1:
+            return shard.trimmed().chunks(size)
+        return [micro.trimmed() for micro in shard.chunks(size)]
 
     def _train(self, batch: TrainBatch, loss_fn: Callable[[torch.Tensor, TrainBatch, GlobalCounts], tuple],
                prefix: str) -> dict[str, float]:
@@ -130,7 +148,9 @@ class ModelRole:
             for mini in batch.chunks(batch.size // cfg.mini_batches):
                 shard = mini.shard(self.dp_rank, self.dp_size).to(current_device())
                 counts = GlobalCounts.of(shard.response_mask_bt, group=self.mesh.pgs.dp)
-                result = self.engine.train_step(shard.chunks(cfg.micro_batch_size),
+                # the loss sums over rows with global counts, so their order (hence micro-batching) is free
+                micro = self._micro_batches(shard.select(_by_length(shard)), cfg.micro_batch_size)
+                result = self.engine.train_step(micro,
                                                 lambda out, mb: loss_fn(out, mb, counts))
                 num_steps += 1
                 if contributor:

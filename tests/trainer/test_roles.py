@@ -157,3 +157,17 @@ def test_fused_head_matches_full_logits_and_transformers_at_tp1_tp2_pp2(tiny, tm
         metrics = [{**ranks[0][(name, f)][1], **ranks[1][(name, f)][1]} for f in (False, True)]
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
             assert metrics[1][key] == pytest.approx(metrics[0][key], abs=1e-5), (name, key)
+
+
+def test_trimmed_micro_batch_drops_only_shared_padding():
+    batch = fixed_batch()
+    rows = batch.select(slice(0, 2))
+    trimmed = rows.trimmed()
+    seq = int((rows.prompt_lengths_b + rows.response_lengths_b).max())
+    assert trimmed.tokens_bs.shape == (2, seq) and torch.equal(trimmed.tokens_bs, rows.tokens_bs[:, :seq])
+    width = int(rows.response_lengths_b.max())
+    for name in ("response_mask_bt", "advantages_bt", "old_logprobs_bt", "rollout_logprobs_bt"):
+        assert torch.equal(getattr(trimmed, name), getattr(rows, name)[:, :width]), name
+    assert not rows.response_mask_bt[:, width:].any()  # what was cut held no response token
+    assert torch.equal(trimmed.response_positions_bt(), rows.response_positions_bt()[:, :width])
+    assert trimmed.ref_logprobs_bt is None and torch.equal(trimmed.prompt_lengths_b, rows.prompt_lengths_b)
