@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import math
 import os
@@ -299,6 +300,7 @@ def rl_steps(root: Path, args, model: str, prompts_per_step: int, new_tokens: in
         finally:
             close_run()
             del trainer
+            gc.collect()  # megatron DDP's hooks form reference cycles: free the model before the next run
             platform.release_cached_memory()
         key = "fused" if fused else "full"
         row[f"{key}_seconds"] = times
