@@ -35,9 +35,31 @@ def _labels_bs(batch: TrainBatch) -> torch.Tensor:
     return torch.roll(batch.tokens_bs, shifts=-1, dims=1)
 
 
+def balanced_order(lengths_b: torch.Tensor, parts: int) -> torch.Tensor:
+    """A row order whose `parts` contiguous equal shards carry near-equal token totals, so no DP rank waits on
+    another (verl's balance_batch): longest rows first, each to the lightest shard with room. Deterministic:
+    every rank computes the same order from the same lengths."""
+    size = lengths_b.shape[0]
+    if parts == 1 or size % parts:
+        return torch.arange(size)
+    per = size // parts
+    lengths = lengths_b.tolist()
+    shards: list[list[int]] = [[] for _ in range(parts)]
+    totals = [0] * parts
+    for row in sorted(range(size), key=lambda r: (-lengths[r], r)):
+        target = min((k for k in range(parts) if len(shards[k]) < per), key=lambda k: (totals[k], k))
+        shards[target].append(row)
+        totals[target] += lengths[row]
+    return torch.tensor([row for shard in shards for row in sorted(shard)])
+
+
+def _lengths(batch: TrainBatch) -> torch.Tensor:
+    return batch.prompt_lengths_b + batch.response_lengths_b
+
+
 def _by_length(batch: TrainBatch) -> torch.Tensor:
     """Row order by sequence length (stable), so micro-batches of neighbouring rows need little padding."""
-    return torch.argsort(batch.prompt_lengths_b + batch.response_lengths_b, stable=True)
+    return torch.argsort(_lengths(batch), stable=True)
 
 
 class ModelRole:
@@ -106,8 +128,9 @@ class ModelRole:
         if self._parked is not None:
             raise RuntimeError(f"the {self.name} model is offloaded; call reload() before using it")
         local = None
+        balance = balanced_order(_lengths(batch).cpu(), self.mesh.layout.dp)
         if self.mesh.is_member:
-            shard = batch.shard(self.dp_rank, self.dp_size).to(current_device())
+            shard = batch.select(balance).shard(self.dp_rank, self.dp_size).to(current_device())
             order = _by_length(shard)
             micro = self._micro_batches(shard.select(order), min(micro_batch_size, shard.size))
 
@@ -125,7 +148,7 @@ class ModelRole:
             if is_contributor(self.mesh.layout, torch.distributed.get_rank()):
                 local = torch.cat([o["out"] for o in outputs])[torch.argsort(order)]
                 local = local.cpu()  # the step's batch lives on the host
-        return gather_rows(local, self.mesh.layout)
+        return gather_rows(local, self.mesh.layout)[torch.argsort(balance)]
 
     def _micro_batches(self, shard: TrainBatch, size: int) -> list[TrainBatch]:
         """`shard` in micro-batches of `size` rows, each cut to its own longest row (compute scales with the
@@ -146,7 +169,8 @@ class ModelRole:
         contributor = is_contributor(self.mesh.layout, torch.distributed.get_rank())
         for _ in range(cfg.epochs):
             for mini in batch.chunks(batch.size // cfg.mini_batches):
-                shard = mini.shard(self.dp_rank, self.dp_size).to(current_device())
+                balance = balanced_order(_lengths(mini).cpu(), self.dp_size)
+                shard = mini.select(balance).shard(self.dp_rank, self.dp_size).to(current_device())
                 counts = GlobalCounts.of(shard.response_mask_bt, group=self.mesh.pgs.dp)
                 # the loss sums over rows with global counts, so their order (hence micro-batching) is free
                 micro = self._micro_batches(shard.select(_by_length(shard)), cfg.micro_batch_size)

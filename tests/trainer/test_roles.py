@@ -171,3 +171,16 @@ def test_trimmed_micro_batch_drops_only_shared_padding():
     assert not rows.response_mask_bt[:, width:].any()  # what was cut held no response token
     assert torch.equal(trimmed.response_positions_bt(), rows.response_positions_bt()[:, :width])
     assert trimmed.ref_logprobs_bt is None and torch.equal(trimmed.prompt_lengths_b, rows.prompt_lengths_b)
+
+
+def test_balanced_order_evens_out_dp_shards():
+    from rlhf.trainer.roles import balanced_order
+
+    lengths = torch.tensor([100, 90, 80, 70, 5, 4, 3, 2])  # contiguous halves: 340 vs 14 tokens
+    order = balanced_order(lengths, 2)
+    assert sorted(order.tolist()) == list(range(8))
+    halves = lengths[order].view(2, 4).sum(1).tolist()
+    assert max(halves) - min(halves) <= 10, halves
+    assert torch.equal(order, balanced_order(lengths.clone(), 2)), "deterministic: every rank agrees"
+    assert torch.equal(balanced_order(lengths, 1), torch.arange(8))
+    assert torch.equal(balanced_order(lengths, 3), torch.arange(8))  # shards must be equal: left alone
