@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 from rlhf.errors import ConfigError
 from rlhf.rollout.engine import EngineLayout, RolloutEngine
 from rlhf.rollout.native.engine import NativeEngineConfig
@@ -66,8 +68,10 @@ def eos_token_ids(hf_path: str) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def build_engine(config: RolloutConfig, hf_path: str, pg_collection: Any) -> RolloutEngine:
-    """The engine for this rank; the native one builds the megatron model on `pg_collection` (pp must be 1)."""
+def build_engine(config: RolloutConfig, hf_path: str, pg_collection: Any,
+                 dtype: torch.dtype = torch.float32) -> RolloutEngine:
+    """The engine for this rank; the native one builds the megatron model on `pg_collection` (pp must be 1).
+    `dtype`: the weights of the native and hf engines (the trainer passes `model.dtype`)."""
     layout = engine_layout(pg_collection)
     eos = eos_token_ids(hf_path)
     if config.engine == "vllm":
@@ -80,7 +84,7 @@ def build_engine(config: RolloutConfig, hf_path: str, pg_collection: Any) -> Rol
         from rlhf.platform import current_device
         from rlhf.rollout.hf_engine import HFEngine
 
-        model = AutoModelForCausalLM.from_pretrained(hf_path, dtype="float32").to(current_device())
+        model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=dtype).to(current_device())
         return HFEngine(model, eos_token_ids=eos, layout=layout)
     if pg_collection.pp.size() != 1:
         raise ConfigError(f"the native rollout engine runs at pp=1, got mesh.rollout.pp={pg_collection.pp.size()}")
@@ -91,7 +95,7 @@ def build_engine(config: RolloutConfig, hf_path: str, pg_collection: Any) -> Rol
     from rlhf.rollout.native.engine import NativeEngine
 
     hf_config = AutoConfig.from_pretrained(hf_path)
-    model = build_gpt(hf_config, pg_collection)
+    model = build_gpt(hf_config, pg_collection, params_dtype=dtype)
     load_hf_weights(model, hf_path)
     return NativeEngine(model, vocab_size=hf_config.vocab_size, config=config.native, eos_token_ids=eos,
                         layout=layout, tp_group=pg_collection.tp)

@@ -176,7 +176,8 @@ class Trainer:
             return engine, SharedWeights(engine)
         from rlhf.reshard.sync import WeightSync
 
-        engine = build_engine(cfg.rollout, cfg.model.path, mesh.pgs) if mesh.is_member else None
+        engine = (build_engine(cfg.rollout, cfg.model.path, mesh.pgs, dtype=cfg.model.torch_dtype)
+                  if mesh.is_member else None)
         sync = WeightSync(actor.model, actor_layout, mesh.layout, engine,
                           hf_config=AutoConfig.from_pretrained(cfg.model.path), verify=cfg.comm.verify,
                           hf_names=cfg.rollout.engine != "native")
