@@ -1,7 +1,9 @@
 """Run a function on N real gloo processes with a hard deadline.
 
 A hang fails with every rank's Python stack instead of stalling the caller; an exception on any rank
-fails with that rank's traceback. Used by every multi-rank test and by the benchmarks.
+fails with that rank's traceback. The deadline counts from the moment every rank has started (imports and
+process-group init done), so a loaded machine that is slow to spawn cannot fail a test. Used by every
+multi-rank test and by the benchmarks.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 STACK_SIGNAL = signal.SIGUSR1
+STARTUP_TIMEOUT_S = 900.0  # spawn + imports + rendezvous; only a broken start ever reaches it
 
 
 class DistributedTestError(RuntimeError):
@@ -46,6 +49,7 @@ def _child(rank: int, world_size: int, port: int, backend: str, stack_dir: str, 
     try:
         if backend != "none":
             dist.init_process_group(backend, rank=rank, world_size=world_size)
+        results.put((rank, "started", None, time.time()))
         # Plain pickle copies tensor data into the message; the queue's own reducer would share it through
         # a socket that vanishes when this process exits.
         value = pickle.dumps(fn(*args, **kwargs))
@@ -80,7 +84,8 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "g
     """Run `fn(*args, **kwargs)` on `world_size` spawned ranks; return the per-rank results in rank order.
 
     `fn` must be importable (module level). The process group is initialised before `fn` runs
-    (`backend="none"` skips it). Raises `DistributedTestError` on any rank error, death or timeout.
+    (`backend="none"` skips it). `timeout_s` starts once every rank has started. Raises
+    `DistributedTestError` on any rank error, death or timeout.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -102,20 +107,15 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, backend: str = "g
 
 
 def _gather(procs: list, results: Any, world_size: int, timeout_s: float, stack_dir: str) -> list[Any]:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    started: set[int] = set()
     values: dict[int, Any] = {}
     errors: dict[int, str] = {}
     failed_at: dict[int, float] = {}
     while len(values) + len(errors) < world_size:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            missing = sorted(set(range(world_size)) - set(values) - set(errors))
-            stacks = _collect_stacks(procs, stack_dir)
-            if errors:
-                first = min(failed_at, key=failed_at.get)  # the first to fail is the likeliest cause
-                raise DistributedTestError(
-                    f"rank {first} failed; ranks {missing} then stayed blocked:\n{errors[first]}\n{stacks}")
-            raise DistributedTestError(f"ranks {missing} did not finish within {timeout_s:.0f}s (hang?)\n{stacks}")
+            _raise_timeout(procs, stack_dir, world_size, timeout_s, started, values, errors, failed_at)
         try:
             rank, status, payload, when = results.get(timeout=min(remaining, 0.5))
         except queue.Empty:
@@ -128,7 +128,11 @@ def _gather(procs: list, results: Any, world_size: int, timeout_s: float, stack_
                 # Survivors are probably blocked in a collective with the failed rank: short grace, then stop.
                 deadline = min(deadline, time.monotonic() + 10.0)
             continue
-        if status == "ok":
+        if status == "started":
+            started.add(rank)
+            if len(started) == world_size and not errors:
+                deadline = time.monotonic() + timeout_s
+        elif status == "ok":
             values[rank] = pickle.loads(payload)
         else:
             errors[rank] = payload
@@ -139,3 +143,20 @@ def _gather(procs: list, results: Any, world_size: int, timeout_s: float, stack_
         others = sorted(set(errors) - {first})
         raise DistributedTestError(f"rank {first} failed (also failed: {others}):\n{errors[first]}")
     return [values[rank] for rank in range(world_size)]
+
+
+def _raise_timeout(procs: list, stack_dir: str, world_size: int, timeout_s: float, started: set[int],
+                   values: dict, errors: dict, failed_at: dict) -> None:
+    missing = sorted(set(range(world_size)) - set(values) - set(errors))
+    stacks = _collect_stacks(procs, stack_dir)
+    if errors:
+        first = min(failed_at, key=failed_at.get)  # the first to fail is the likeliest cause
+        raise DistributedTestError(
+            f"rank {first} failed; ranks {missing} then stayed blocked:\n{errors[first]}\n{stacks}")
+    unstarted = sorted(set(range(world_size)) - started)
+    if unstarted:
+        raise DistributedTestError(
+            f"ranks {unstarted} did not start within {STARTUP_TIMEOUT_S:.0f}s (spawn, imports or process-group "
+            f"init)\n{stacks}")
+    raise DistributedTestError(f"ranks {missing} did not finish within {timeout_s:.0f}s of starting (hang?)\n"
+                               f"{stacks}")

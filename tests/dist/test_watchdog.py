@@ -27,6 +27,7 @@ def _rank_main(rank: int, port: int, log_dir: str, use_store: bool) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, WORLD_SIZE, is_master=rank == 0, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD_SIZE)
+    open(os.path.join(log_dir, f"rank{rank}.started"), "w").close()
     log_file = os.path.join(log_dir, f"rank{rank}.log")
     with Watchdog(timeout_s=4.0, log_file=log_file, store=store if use_store else None, poll_s=0.2) as watchdog:
         with watchdog.phase("score"):
@@ -36,6 +37,15 @@ def _rank_main(rank: int, port: int, log_dir: str, use_store: bool) -> None:
     time.sleep(3600)  # unreachable when the watchdog works: the parent would time out
 
 
+def _wait_until_started(tmp_path, procs: list) -> None:
+    """Block until every rank has initialised its process group, or one has ended (the caller reports it);
+    imports can be slow on a loaded machine and must not count against the watchdog's deadline."""
+    while not all((tmp_path / f"rank{rank}.started").exists() for rank in range(WORLD_SIZE)):
+        if any(not proc.is_alive() for proc in procs):
+            return
+        procs[0].join(timeout=0.2)
+
+
 def _run_world(tmp_path, use_store: bool) -> tuple[list, list[str]]:
     ctx = mp.get_context("spawn")
     port = free_port()
@@ -43,7 +53,8 @@ def _run_world(tmp_path, use_store: bool) -> tuple[list, list[str]]:
              for rank in range(WORLD_SIZE)]
     for proc in procs:
         proc.start()
-    deadline = time.monotonic() + 90
+    _wait_until_started(tmp_path, procs)
+    deadline = time.monotonic() + 90  # counts from the moment every rank has started
     for proc in procs:
         proc.join(timeout=max(0.0, deadline - time.monotonic()))
     alive = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
