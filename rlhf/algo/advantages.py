@@ -45,13 +45,21 @@ class AdvantageConfig:
     eps: float = 1e-6  # GRPO std epsilon
 
     def __post_init__(self) -> None:
-        self.kind = parse_kind(AdvantageKind, self.kind, "advantage estimator")
+        self.kind = parse_kind(AdvantageKind, self.kind, "advantage estimator", aliases={"ppo": AdvantageKind.GAE})
         if not 0.0 < self.gamma <= 1.0:
             raise ConfigError(f"advantage gamma must be in (0, 1], got {self.gamma}")
         if not 0.0 <= self.lam <= 1.0:
             raise ConfigError(f"advantage lam must be in [0, 1], got {self.lam}")
         if self.eps <= 0.0:
             raise ConfigError(f"advantage eps must be > 0, got {self.eps}")
+
+
+def check_group_size(kind: AdvantageKind, samples_per_prompt: int) -> None:
+    """Group baselines need >= 2 samples per prompt: with one, every advantage is exactly 0 and nothing learns."""
+    if kind in GROUPED_KINDS and samples_per_prompt < 2:
+        raise ConfigError(f"algo.advantage.kind={kind.value} compares the samples of one prompt, but "
+                          f"sampling.n={samples_per_prompt} gives each prompt a single sample (every advantage "
+                          f"would be 0); set sampling.n >= 2, or use reinforce_plus_plus / gae with n=1")
 
 
 @dataclass(kw_only=True)

@@ -24,6 +24,7 @@ class LossAggMode(StrEnum):
     """How per-token losses become one scalar (verl names)."""
 
     TOKEN_MEAN = "token-mean"  # sum over all tokens / global tokens
+    TOKEN_SUM = "token-sum"  # sum over all tokens of the global batch, unnormalised (scale with the lr)
     SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"  # per-sequence token sum, mean over global sequences
     SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"  # per-sequence token mean, mean over global sequences
     SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"  # token sum / constant length, mean over sequences
@@ -74,6 +75,8 @@ def aggregate_loss(loss_bt: Tensor, response_mask_bt: Tensor, *, mode: LossAggMo
     masked_bt = torch.where(mask, loss_bt, torch.zeros_like(loss_bt))
     if mode is LossAggMode.TOKEN_MEAN:
         return masked_bt.sum() / max(counts.num_tokens, 1)
+    if mode is LossAggMode.TOKEN_SUM:
+        return masked_bt.sum()
     seq_sum_b = masked_bt.sum(dim=-1)
     if mode is LossAggMode.SEQ_MEAN_TOKEN_SUM:
         per_seq_b = seq_sum_b

@@ -37,13 +37,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
+def _checked_layout(config, world_size: int, *, tp: int, pp: int) -> ParallelLayout:
+    """The layout, checked against the model on every rank before any process group exists (a one-line error
+    on every rank, never one rank failing while its peers block in group creation)."""
+    from rlhf.models.spec import ModelSpec
+
+    layout = ParallelLayout.for_world(world_size, tp=tp, pp=pp, what="convert")
+    ModelSpec.from_hf(config).check_layout(layout.tp, layout.pp)
+    return layout
+
+
 def _hf_to_ckpt(args: argparse.Namespace, world_size: int) -> None:
     from rlhf.models.builder import build_gpt
     from rlhf.models.hf_load import load_hf_weights
     from rlhf.models.mcore_ckpt import save_model_shards
 
     config = AutoConfig.from_pretrained(args.hf)
-    layout = ParallelLayout.for_world(world_size, tp=args.tp, pp=args.pp, what="convert")
+    layout = _checked_layout(config, world_size, tp=args.tp, pp=args.pp)
     model = build_gpt(config, build_layout_groups(layout), value_head=args.value_head)
     load_hf_weights(model, args.hf)
     save_model_shards(model, args.out)
@@ -56,7 +66,7 @@ def _ckpt_to_hf(args: argparse.Namespace, world_size: int) -> None:
 
     meta = read_meta(args.ckpt)
     config = AutoConfig.for_model(**meta["hf_config"])
-    layout = ParallelLayout.for_world(world_size, tp=meta["tp"], pp=meta["pp"], what="convert")
+    layout = _checked_layout(config, world_size, tp=meta["tp"], pp=meta["pp"])
     model = build_gpt(config, build_layout_groups(layout), value_head=meta["value_head"])
     load_model_shards(model, args.ckpt)
     dtype = DTYPES[args.dtype] if args.dtype else getattr(config, "dtype", None)

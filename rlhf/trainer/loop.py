@@ -17,7 +17,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
 from rlhf import platform
-from rlhf.algo.advantages import AdvantageKind
+from rlhf.algo.advantages import AdvantageKind, check_group_size
 from rlhf.algo.kl import KLController
 from rlhf.checkpoint import CheckpointManager
 from rlhf.config.schema import RlhfConfig
@@ -73,6 +73,7 @@ def _role_dims(cfg: RlhfConfig) -> dict[str, ModelDims]:
 
 
 def _check_batches(cfg: RlhfConfig, layouts: dict) -> None:
+    check_group_size(cfg.algo.advantage.kind, cfg.sampling.n)
     for role in ("actor", "critic"):
         if role in layouts:
             check_batch_sizes(prompts_per_step=cfg.data.prompts_per_step, n=cfg.sampling.n,

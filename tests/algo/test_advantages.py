@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlhf.algo import AdvantageConfig, AdvantageInputs, Groups, compute_advantages, scores_to_token_rewards
+from rlhf.algo.advantages import AdvantageKind, check_group_size
 from rlhf.errors import ConfigError, RewardError, RlhfError
 
 T = torch.tensor
@@ -103,6 +104,22 @@ def test_group_size_not_dividing_batch_is_a_config_error():
         Groups.contiguous(10, 4)
     assert str(err.value) == ("group size 4 does not divide the batch size 10; "
                               "the batch must hold whole groups of n samples per prompt")
+
+
+def test_group_baselines_with_one_sample_per_prompt_are_config_errors():
+    for kind in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+        with pytest.raises(ConfigError) as err:
+            check_group_size(AdvantageKind(kind), 1)
+        assert str(err.value) == (f"algo.advantage.kind={kind} compares the samples of one prompt, but "
+                                  "sampling.n=1 gives each prompt a single sample (every advantage would be 0); "
+                                  "set sampling.n >= 2, or use reinforce_plus_plus / gae with n=1")
+        check_group_size(AdvantageKind(kind), 2)
+    for kind in ("gae", "reinforce_plus_plus", "remax"):
+        check_group_size(AdvantageKind(kind), 1)
+
+
+def test_ppo_is_an_alias_of_gae():
+    assert AdvantageConfig(kind="ppo").kind is AdvantageKind.GAE
 
 
 def test_nan_reward_names_the_sample():

@@ -28,11 +28,19 @@ def test_each_mode_hand_computed_and_padding_nan_ignored():
     loss = T([[1.0, 2.0, NAN], [4.0, NAN, NAN]])
     mask = _mask([2, 1], 3)
     counts = GlobalCounts(num_tokens=3, num_seqs=2)
-    expected = {LossAggMode.TOKEN_MEAN: 7 / 3, LossAggMode.SEQ_MEAN_TOKEN_SUM: 3.5,
+    expected = {LossAggMode.TOKEN_MEAN: 7 / 3, LossAggMode.TOKEN_SUM: 7.0, LossAggMode.SEQ_MEAN_TOKEN_SUM: 3.5,
                 LossAggMode.SEQ_MEAN_TOKEN_MEAN: 2.75, LossAggMode.SEQ_MEAN_TOKEN_SUM_NORM: 0.875}
     for mode, value in expected.items():
         got = aggregate_loss(loss, mask, mode=mode, counts=counts, norm_length=4)
         assert got.item() == pytest.approx(value), mode
+
+
+def test_token_sum_gradient_is_one_per_response_token():
+    loss = torch.zeros(2, 3, requires_grad=True)
+    mask = _mask([2, 1], 3)
+    out = aggregate_loss(loss, mask, mode=LossAggMode.TOKEN_SUM, counts=GlobalCounts(num_tokens=3, num_seqs=2))
+    (grad,) = torch.autograd.grad(out, loss)
+    assert torch.equal(grad, mask)
 
 
 def test_counts_of_a_shard():

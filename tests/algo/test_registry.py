@@ -30,7 +30,7 @@ def test_unknown_estimator_name_is_a_config_error_with_a_hint():
         AdvantageConfig(kind="grop")
     assert str(err.value) == (
         "unknown advantage estimator 'grop' (did you mean 'grpo'?); choose one of: gae, grpo, rloo, "
-        "reinforce_plus_plus, reinforce_plus_plus_baseline, remax")
+        "reinforce_plus_plus, reinforce_plus_plus_baseline, remax, ppo")
     with pytest.raises(ConfigError, match="unknown advantage estimator 'ppo2'"):
         ADVANTAGE_ESTIMATORS.get("ppo2")
 

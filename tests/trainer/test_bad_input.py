@@ -31,6 +31,9 @@ def test_inconsistent_batch_sizes(tiny, tmp_path):
     cfg = trainer_config(tiny, str(tmp_path), ["data.prompts_per_step=3"])
     with pytest.raises(ConfigError, match=r"^data\.prompts_per_step=3 is not divisible by the rollout dp size 2"):
         preflight(cfg, world_size=2)
+    cfg = trainer_config(tiny, str(tmp_path), ["sampling.n=1", "actor.micro_batch_size=2"])
+    with pytest.raises(ConfigError, match=r"^algo\.advantage\.kind=grpo compares the samples of one prompt"):
+        preflight(cfg, world_size=2)
 
 
 def test_missing_model_and_ground_truth_and_long_prompt(tiny, tmp_path):
@@ -56,7 +59,8 @@ def test_unknown_reward_source_and_algorithm(tiny, tmp_path):
     odd.write_text("\n".join(json.dumps(r) for r in rows))
     with pytest.raises(ConfigError, match=r"^no reward function for data_source 'mystery'; map it in reward\.by_source"):
         preflight(trainer_config(tiny, str(tmp_path), [f"data.train_files=[{odd}]"]), world_size=1)
-    with pytest.raises(ConfigError, match=r"unknown advantage estimator 'ppo2'; choose one of: gae, grpo"):
+    with pytest.raises(ConfigError, match=r"unknown advantage estimator 'ppo2' \(did you mean 'ppo'\?\); "
+                                          r"choose one of: gae, grpo"):
         trainer_config(tiny, str(tmp_path), ["algo.advantage.kind=ppo2"])
 
 
