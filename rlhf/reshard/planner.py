@@ -2,8 +2,10 @@
 
 Each destination rank gets exactly the canonical slices its shards need (padding rows are zero-filled, never
 sent). A slice is taken from the destination rank itself whenever it already holds it (colocated), otherwise
-from the least-loaded of the source replicas holding it (DP replicas; any tp rank for replicated tensors), so
-send load spreads over the source ranks. No torch.distributed here: plans are unit-tested on 64+ fake ranks.
+the ranks that need a source shard take its holders (DP replicas; any tp rank for replicated tensors) in
+turn, so send load spreads over the source ranks and the rule is a function of the two layouts alone:
+`plan_rank` lists one rank's sends and receives without planning the others (0.2 s at 1024 ranks).
+No torch.distributed here: plans are unit-tested on 64+ fake ranks.
 """
 
 from __future__ import annotations
@@ -88,16 +90,21 @@ def _slice_shape(spec: ParamSpec, tp: int, length: int) -> tuple[int, ...]:
 
 
 class _Planner:
-    """Greedy, deterministic source choice; `sent` tracks elements each source rank sends so far."""
+    """Deterministic source choice, computable for one rank alone: a destination rank copies what it already
+    holds; otherwise the ranks wanting a source shard (in rank order) take its holders round-robin, so the
+    sending spreads over DP replicas and any rank can list its own sends without planning the others."""
 
-    def __init__(self, src: ParallelLayout, dst: ParallelLayout, src_specs: Sequence[ParamSpec], vocab_size: int):
+    def __init__(self, src: ParallelLayout, dst: ParallelLayout, src_specs: Sequence[ParamSpec],
+                 dst_specs: Sequence[ParamSpec], vocab_size: int):
         self.src, self.dst, self.vocab_size = src, dst, vocab_size
         self.src_by_name = {spec.name: spec for spec in src_specs if not spec.tied_copy}
         self.src_per_stage = _layers_per_stage(src_specs, src.pp)
-        self.sent = {rank: 0 for rank in src.ranks}
-        self.transfers: list[Transfer] = []
+        self.dst_specs = list(dst_specs)
+        self.dst_per_stage = _layers_per_stage(dst_specs, dst.pp)
         self._holders: dict[tuple[int, int | None], list[int]] = {}
         self._segments: dict[str, list[tuple[int, Segment]]] = {}
+        self._dst_segments: dict[tuple[str, int], list[Segment]] = {}
+        self._wanting: dict[tuple[str, int], dict[int, int]] = {}
 
     def source_of(self, dst_spec: ParamSpec) -> ParamSpec:
         name = TIED_SOURCE if dst_spec.tied_copy else dst_spec.name
@@ -123,22 +130,92 @@ class _Planner:
                                          for seg in shard_segments(spec, self.src.tp, t, self.vocab_size)]
         return self._segments[spec.name]
 
-    def add(self, dst_spec: ParamSpec, dst_rank: int, dst_name: str, wanted: Segment) -> None:
+    def dst_segments(self, dst_spec: ParamSpec, tp_rank: int) -> list[Segment]:
+        key = (dst_spec.name, tp_rank)
+        if key not in self._dst_segments:
+            self._dst_segments[key] = shard_segments(dst_spec, self.dst.tp, tp_rank, self.vocab_size)
+        return self._dst_segments[key]
+
+    def wanting(self, dst_spec: ParamSpec, src_tp_rank: int) -> dict[int, int]:
+        """Destination rank -> its position among the ranks that need source tp shard `src_tp_rank` of
+        `dst_spec`'s source and do not hold it (rank order)."""
+        key = (dst_spec.name, src_tp_rank)
+        if key not in self._wanting:
+            spec = self.source_of(dst_spec)
+            have = [seg for t, seg in self.src_segments(spec) if t == src_tp_rank]
+            dst_tps = [t for t in range(self.dst.tp)
+                       if any(_overlap(h, w) for h in have for w in self.dst_segments(dst_spec, t))]
+            held = set(self.holders(spec, src_tp_rank))
+            ranks = sorted(self.dst.rank_of(t, d, dst_spec.pp_stage) for d in range(self.dst.dp) for t in dst_tps)
+            self._wanting[key] = {rank: pos for pos, rank in enumerate(r for r in ranks if r not in held)}
+        return self._wanting[key]
+
+    def source_rank(self, dst_spec: ParamSpec, src_tp_rank: int, dst_rank: int) -> int:
+        holders = self.holders(self.source_of(dst_spec), src_tp_rank)
+        if dst_rank in holders:
+            return dst_rank
+        return holders[self.wanting(dst_spec, src_tp_rank)[dst_rank] % len(holders)]
+
+    def transfers_into(self, dst_spec: ParamSpec, dst_rank: int, only_src: int | None = None) -> list[Transfer]:
+        """Transfers filling `dst_rank`'s shard of `dst_spec` (those sent by `only_src` when given)."""
         spec = self.source_of(dst_spec)
         dim, src_name = cut_dim(spec), spec.local_name(self.src_per_stage)
-        for tp_rank, have in self.src_segments(spec):
-            start, stop = max(have.canon_start, wanted.canon_start), min(have.canon_stop, wanted.canon_stop)
-            if start >= stop:
+        dst_name = dst_spec.local_name(self.dst_per_stage)
+        tp_rank_dst = self.dst.coords(dst_rank).tp_rank
+        out = []
+        for wanted in self.dst_segments(dst_spec, tp_rank_dst):
+            for tp_rank, have in self.src_segments(spec):
+                start, stop = max(have.canon_start, wanted.canon_start), min(have.canon_stop, wanted.canon_stop)
+                if start >= stop:
+                    continue
+                src_rank = self.source_rank(dst_spec, tp_rank, dst_rank)
+                if only_src is not None and src_rank != only_src:
+                    continue
+                out.append(Transfer(param=dst_spec.name, src_rank=src_rank, dst_rank=dst_rank, src_name=src_name,
+                                    dst_name=dst_name, dim=dim,
+                                    src_start=have.local_start + start - have.canon_start,
+                                    dst_start=wanted.local_start + start - wanted.canon_start,
+                                    length=stop - start, shape=_slice_shape(spec, self.src.tp, stop - start)))
+        return out
+
+    def received(self, rank: int) -> tuple[list[Transfer], list[DstShard]]:
+        """Every transfer into `rank` (local copies included) and the rollout shards it ends with."""
+        if not self.dst.contains(rank):
+            return [], []
+        tp_rank, _, pp_rank = self.dst.coords(rank)
+        transfers, shards = [], []
+        for spec in self.dst_specs:
+            if spec.pp_stage != pp_rank:
                 continue
-            holders = self.holders(spec, tp_rank)
-            src_rank = dst_rank if dst_rank in holders else min(holders, key=lambda r: (self.sent[r], r))
-            transfer = Transfer(param=dst_spec.name, src_rank=src_rank, dst_rank=dst_rank, src_name=src_name,
-                                dst_name=dst_name, dim=dim, src_start=have.local_start + start - have.canon_start,
-                                dst_start=wanted.local_start + start - wanted.canon_start, length=stop - start,
-                                shape=_slice_shape(spec, self.src.tp, stop - start))
-            if not transfer.is_local:
-                self.sent[src_rank] += transfer.numel
-            self.transfers.append(transfer)
+            shape = spec.full_shape if spec.partition_dim is None else spec.shard_shape(self.dst.tp)
+            shards.append(DstShard(rank=rank, param=spec.name, name=spec.local_name(self.dst_per_stage),
+                                   shape=shape, padding_rows=padding_rows(spec, self.dst.tp, tp_rank,
+                                                                          self.vocab_size)))
+            transfers += self.transfers_into(spec, rank)
+        return transfers, shards
+
+    def sent(self, rank: int) -> list[Transfer]:
+        """Every transfer `rank` sends to another rank, in global plan order."""
+        if not self.src.contains(rank):
+            return []
+        tp_rank, _, pp_rank = self.src.coords(rank)
+        by_dst: dict[int, list[ParamSpec]] = {}
+        for dst_spec in self.dst_specs:
+            spec = self.source_of(dst_spec)
+            if spec.pp_stage != pp_rank:
+                continue
+            shard_tp = 0 if is_replicated(spec) else tp_rank
+            holders = self.holders(spec, shard_tp)
+            mine = holders.index(rank)
+            for dst_rank, pos in self.wanting(dst_spec, shard_tp).items():
+                if pos % len(holders) == mine:
+                    by_dst.setdefault(dst_rank, []).append(dst_spec)
+        return [t for dst_rank in sorted(by_dst) for dst_spec in by_dst[dst_rank]
+                for t in self.transfers_into(dst_spec, dst_rank, only_src=rank)]
+
+
+def _overlap(a: Segment, b: Segment) -> bool:
+    return max(a.canon_start, b.canon_start) < min(a.canon_stop, b.canon_stop)
 
 
 def _layers_per_stage(specs: Sequence[ParamSpec], pp: int) -> int:
@@ -168,22 +245,43 @@ def plan(src_layout: ParallelLayout, dst_layout: ParallelLayout, src_specs: Sequ
     `*_specs` are `param_specs(hf_config, layout)` for each layout; `vocab_size` is the real (unpadded) vocab.
     """
     _check_compatible(src_specs, dst_specs)
-    planner = _Planner(src_layout, dst_layout, src_specs, vocab_size)
-    dst_per_stage = _layers_per_stage(dst_specs, dst_layout.pp)
+    planner = _Planner(src_layout, dst_layout, src_specs, dst_specs, vocab_size)
+    transfers: list[Transfer] = []
     shards: list[DstShard] = []
     for dst_rank in dst_layout.ranks:
-        tp_rank, _, pp_rank = dst_layout.coords(dst_rank)
-        for spec in dst_specs:
-            if spec.pp_stage != pp_rank:
-                continue
-            name = spec.local_name(dst_per_stage)
-            shape = spec.full_shape if spec.partition_dim is None else spec.shard_shape(dst_layout.tp)
-            shards.append(DstShard(rank=dst_rank, param=spec.name, name=name, shape=shape,
-                                   padding_rows=padding_rows(spec, dst_layout.tp, tp_rank, vocab_size)))
-            for wanted in shard_segments(spec, dst_layout.tp, tp_rank, vocab_size):
-                planner.add(spec, dst_rank, name, wanted)
-    return ReshardPlan(src_layout=src_layout, dst_layout=dst_layout, transfers=tuple(planner.transfers),
+        rank_transfers, rank_shards = planner.received(dst_rank)
+        transfers += rank_transfers
+        shards += rank_shards
+    return ReshardPlan(src_layout=src_layout, dst_layout=dst_layout, transfers=tuple(transfers),
                        dst_shards=tuple(shards))
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's part of a plan, computed without planning the other ranks (what `rlhf plan` reports at
+    scale): `received` includes its local copies, `sent` only what goes to other ranks."""
+
+    rank: int
+    received: tuple[Transfer, ...]
+    sent: tuple[Transfer, ...]
+    dst_shards: tuple[DstShard, ...]
+
+    @property
+    def received_numel(self) -> int:
+        return sum(t.numel for t in self.received if not t.is_local)
+
+    @property
+    def sent_numel(self) -> int:
+        return sum(t.numel for t in self.sent)
+
+
+def plan_rank(src_layout: ParallelLayout, dst_layout: ParallelLayout, src_specs: Sequence[ParamSpec],
+              dst_specs: Sequence[ParamSpec], *, vocab_size: int, rank: int) -> RankPlan:
+    """`rank`'s transfers of `plan(...)` (same transfers, same order), planned for that rank alone."""
+    _check_compatible(src_specs, dst_specs)
+    planner = _Planner(src_layout, dst_layout, src_specs, dst_specs, vocab_size)
+    received, shards = planner.received(rank)
+    return RankPlan(rank=rank, received=tuple(received), sent=tuple(planner.sent(rank)), dst_shards=tuple(shards))
 
 
 def plan_for_model(hf_config: Any, src_layout: ParallelLayout, dst_layout: ParallelLayout, *,

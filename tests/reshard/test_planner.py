@@ -15,7 +15,7 @@ from rlhf.models.param_specs import hf_shapes, param_specs
 from rlhf.models.shard_rules import read_shard
 from rlhf.models.spec import ModelSpec
 from rlhf.reshard.apply import run_in_process
-from rlhf.reshard.planner import min_received_numel, plan, plan_for_model
+from rlhf.reshard.planner import min_received_numel, plan, plan_for_model, plan_rank
 from rlhf.reshard.segments import shard_segments
 
 MAX_RANKS = 64
@@ -150,6 +150,20 @@ def test_every_destination_slice_covered_once_and_nothing_extra(case):
 @given(cases())
 def test_values_match_the_models_shard_rules(case):
     check_values(*case)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_one_ranks_plan_is_its_part_of_the_global_plan(case):
+    config, src, dst = case
+    src_specs, dst_specs = param_specs(config, src), param_specs(config, dst)
+    whole = plan(src, dst, src_specs, dst_specs, vocab_size=config.vocab_size)
+    for rank in range(max(src.ranks[-1], dst.ranks[-1]) + 1):
+        mine = plan_rank(src, dst, src_specs, dst_specs, vocab_size=config.vocab_size, rank=rank)
+        assert list(mine.received) == [t for t in whole.transfers if t.dst_rank == rank]
+        assert list(mine.sent) == [t for t in whole.transfers if t.src_rank == rank and not t.is_local]
+        assert list(mine.dst_shards) == whole.shards_of(rank)
+        assert mine.received_numel == whole.received_numel(rank) and mine.sent_numel == whole.sent_numel(rank)
 
 
 NAMED_PAIRS = {
