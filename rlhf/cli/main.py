@@ -22,6 +22,7 @@ COMMANDS = {
     "generate": "rlhf.cli.generate",
     "profile": "rlhf.cli.profile",
     "bench": "rlhf.cli.bench",
+    "plan": "rlhf.cli.plan",
 }
 
 

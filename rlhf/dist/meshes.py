@@ -164,6 +164,7 @@ class RoleMeshes:
     world_size: int
     placement: str
     meshes: dict[str, RoleMesh]
+    num_groups: int = 0  # distinct process groups created for all roles
 
     def __getitem__(self, role: str) -> RoleMesh:
         if role not in self.meshes:
@@ -191,4 +192,5 @@ def build_role_meshes(cfg: MeshConfig, dims: ModelDims | None = None, timeout_s:
     layouts = plan_meshes(cfg, world_size, dims, role_dims)
     cache = GroupCache(timeout_s)
     meshes = {role: RoleMesh(role, layout, build_layout_groups(layout, cache)) for role, layout in layouts.items()}
-    return RoleMeshes(rank=rank, world_size=world_size, placement=cfg.placement, meshes=meshes)
+    return RoleMeshes(rank=rank, world_size=world_size, placement=cfg.placement, meshes=meshes,
+                      num_groups=cache.num_created)

@@ -90,11 +90,23 @@ def _sleep(cfg: RlhfConfig) -> str:
     return cfg.rollout.resolved_sleep(accelerator=platform.has_accelerator())
 
 
-def preflight(cfg: RlhfConfig, world_size: int) -> None:
-    """Every input check that needs no process group, run before the run folder exists: bad input writes nothing."""
+def check_layouts(cfg: RlhfConfig, world_size: int) -> dict:
+    """Every role's layout for `world_size` ranks, with the batch-split and memory-phase rules checked (pure)."""
     layouts = plan_meshes(_mesh_config(cfg), world_size, _model_dims(cfg.model.path), _role_dims(cfg))
     _check_batches(cfg, layouts)
     check_sleep(_sleep(cfg), _shares_weights(cfg, layouts))
+    return layouts
+
+
+def build_meshes(cfg: RlhfConfig) -> RoleMeshes:
+    """Create every role's process groups (collective over the world)."""
+    return build_role_meshes(_mesh_config(cfg), _model_dims(cfg.model.path), timeout_s=cfg.dist.timeout_s,
+                             role_dims=_role_dims(cfg))
+
+
+def preflight(cfg: RlhfConfig, world_size: int) -> None:
+    """Every input check that needs no process group, run before the run folder exists: bad input writes nothing."""
+    check_layouts(cfg, world_size)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     records = load_prompts(cfg.data.train_files, tokenizer, cfg.data).records
     if cfg.reward.model_path:
@@ -108,8 +120,7 @@ class Trainer:
     def __init__(self, cfg: RlhfConfig, run_dir: RunDir) -> None:
         self.cfg, self.run_dir = cfg, run_dir
         algo = cfg.algo
-        self.meshes: RoleMeshes = build_role_meshes(_mesh_config(cfg), _model_dims(cfg.model.path),
-                                                    timeout_s=cfg.dist.timeout_s, role_dims=_role_dims(cfg))
+        self.meshes: RoleMeshes = build_meshes(cfg)
         _check_batches(cfg, {role: mesh.layout for role, mesh in self.meshes.meshes.items()})
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         pad = self.tokenizer.pad_token_id

@@ -1,0 +1,87 @@
+"""`rlhf plan --world N` at 1024 and 4096 simulated ranks (fake process groups, one process each), checked
+against the global reshard plan and the model's own parameter count."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import LlamaForCausalLM
+
+from rlhf.dist.layout import ParallelLayout
+from rlhf.models.param_specs import param_specs
+from rlhf.profiling.dry_run import stage_params
+from rlhf.reshard.planner import plan_for_model
+from tests.models.tiny import llama_config
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYOUT_ARGS = ["mesh.actor.tp=8", "mesh.actor.pp=4", "mesh.rollout.tp=4", "actor.micro_batch_size=4",
+               "sampling.n=8", "actor.optim.use_distributed_optimizer=true", "rollout.native.max_batch_size=16",
+               "rollout.native.max_seq_len=64"]
+
+
+def _config():
+    return llama_config(num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama8")
+    _config().save_pretrained(path)
+    return str(path)
+
+
+def _plan(model_dir: str, tmp_path: Path, world: int, rank: int) -> dict:
+    out = tmp_path / f"plan_{world}.json"
+    args = [sys.executable, "-m", "rlhf", "plan", "--world", str(world), "--as-rank", str(rank), "--json", str(out),
+            f"model.path={model_dir}", f"data.prompts_per_step={world}", *LAYOUT_ARGS]
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "weight sync on this rank: receives" in proc.stdout
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("world,rank", [(1024, 1000), (4096, 7)])
+def test_plan_at_scale_matches_the_global_plan(model_dir, tmp_path, world, rank):
+    report = _plan(model_dir, tmp_path, world, rank)
+    actor, rollout = ParallelLayout(tp=8, pp=4, dp=world // 32), ParallelLayout(tp=4, dp=world // 4)
+    assert report["layouts"] == {"actor": actor.describe(), "rollout": rollout.describe()}
+    assert report["groups_created"] > 0
+    whole = plan_for_model(_config(), actor, rollout)
+    sync = report["weight_sync"]
+    assert sync["received_bytes"] == whole.received_numel(rank) * 4 == sync["min_received_bytes"]
+    assert sync["sent_bytes"] == whole.sent_numel(rank) * 4
+    roles = {r["role"]: r for r in report["roles"]}
+    coords = actor.coords(rank)
+    assert (roles["actor"]["tp_rank"], roles["actor"]["dp_rank"], roles["actor"]["pp_rank"]) == tuple(coords)
+    params = stage_params(_config(), actor, coords.pp_rank, value_head=False)
+    assert roles["actor"]["params"] == params
+    assert roles["actor"]["optimizer_bytes"] == math.ceil(params * 8 / actor.dp)  # fp32 Adam over dp
+    # the rollout engine has its own tp4 copy (another layout than the actor's): fp32 weights + its KV cache
+    assert roles["rollout"]["weight_bytes"] == stage_params(_config(), rollout, 0, value_head=False) * 4
+    kv = 2 * 8 * 16 * (8 // 4) * 64 * 8 * 4  # k+v, layers, slots, kv heads per tp rank, seq, head_dim, fp32
+    assert roles["rollout"]["kv_cache_bytes"] == kv
+
+
+def test_stage_params_add_up_to_the_hf_model():
+    config = _config()
+    hf_params = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    assert stage_params(config, ParallelLayout(), 0, value_head=False) == hf_params
+    layout = ParallelLayout(tp=2, pp=2)
+    replicated = sum(math.prod(s.full_shape) for s in param_specs(config, layout) if s.partition_dim is None)
+    padded_vocab_rows = 2 * (layout.tp * math.ceil(config.vocab_size / layout.tp) - config.vocab_size)
+    total = sum(stage_params(config, layout, pp, value_head=False) for pp in range(2)) * layout.tp
+    assert total - (layout.tp - 1) * replicated - padded_vocab_rows * config.hidden_size == hf_params
+
+
+def test_bad_rank_and_bad_layout_are_one_line_errors(model_dir, capsys):
+    from rlhf.cli.main import main
+
+    assert main(["plan", "--world", "4", "--as-rank", "4", f"model.path={model_dir}"]) == 2
+    assert capsys.readouterr().err == "rlhf plan: error: --world=4 must be >= 1 and --as-rank=4 in [0, 4)\n"
+    assert main(["plan", "--world", "6", f"model.path={model_dir}", "mesh.actor.tp=4"]) == 2
+    assert capsys.readouterr().err.startswith("rlhf plan: error: ")
