@@ -3,11 +3,14 @@
 Names follow verl (`timing_s/gen`, `actor/pg_loss`, `response_length/mean`, ...). Roles live on different
 ranks, so a metric is reduced over the ranks that *report* it: a role's DP contributors report shard sums
 (`sum`), every rank reports its phase times (`max`), and values already global are reported by rank 0 only.
-The whole step is reduced with one `all_gather_object`, so ranks with different metric sets cannot hang it.
+A step is reduced by `MetricReducer` with two bucketed all-reduces (sum, max) over a metric layout all ranks
+agreed on; a rank reporting a metric the layout lacks makes every rank re-agree (names exchanged as text,
+never pickled), so ranks with different metric sets cannot hang it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -66,21 +69,100 @@ class StepMetrics:
     def local(self) -> dict[str, float]:
         return {name: value for name, (value, _) in self._values.items()}
 
-    def reduced(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
-        """Reduce over the ranks that reported each metric (collective over `group`)."""
-        if not dist.is_initialized() or dist.get_world_size(group) == 1:
-            return self.local()
-        everyone: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, self._values, group=group)
-        merged: dict[str, list[float]] = {}
-        kinds: dict[str, Reduce] = {}
-        for values in everyone:
-            for name, (value, reduce) in values.items():
-                merged.setdefault(name, []).append(value)
-                if kinds.setdefault(name, reduce) != reduce:
-                    raise RuntimeError(f"metric {name!r} is reduced as {kinds[name]} on one rank, {reduce} on another")
-        ops = {"mean": lambda v: sum(v) / len(v), "sum": sum, "max": max, "min": min}
-        return {name: ops[kinds[name]](values) for name, values in sorted(merged.items())}
+    def entries(self) -> dict[str, tuple[float, Reduce]]:
+        return dict(self._values)
+
+    def reduced(self, reducer: MetricReducer | None = None) -> dict[str, float]:
+        """Reduce over the ranks that reported each metric (collective over the reducer's group)."""
+        return (reducer or MetricReducer()).reduce(self)
+
+
+class MetricReducer:
+    """Reduces each step's `StepMetrics` with two bucketed all-reduces over a layout kept across steps.
+
+    Per metric: (sum, count) in a float64 SUM buffer, (max, -min) in a MAX buffer; slot 0 of the SUM buffer
+    counts ranks whose metrics the layout lacks (then all ranks re-agree and reduce again), and the MAX buffer
+    ends with the layout's hash and its negation, so diverged layouts fail loudly instead of mixing values.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, strategy: str = "bucket",
+                 min_bucket_mb: float = 1.0, verify: bool = False, timeout_s: float | None = None) -> None:
+        self.group, self.verify, self.timeout_s = group, verify, timeout_s
+        self.strategy, self.min_bucket_mb = strategy, min_bucket_mb
+        self.layout: tuple[tuple[str, str], ...] = ()
+        self.num_relayouts = 0
+
+    def reduce(self, metrics: StepMetrics) -> dict[str, float]:
+        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+            return metrics.local()
+        entries = metrics.entries()
+        result = self._reduce_once(entries)
+        if result is None:
+            self._relayout(entries)
+            result = self._reduce_once(entries)
+            assert result is not None, "every rank's metrics are in the agreed layout"
+        return result
+
+    def _collective(self, tensor: torch.Tensor, op: str, name: str) -> torch.Tensor:
+        from rlhf.dist.collectives import all_reduce
+
+        all_reduce([tensor], op=op, group=self.group, strategy=self.strategy, min_bucket_mb=self.min_bucket_mb,
+                   verify=self.verify, timeout_s=self.timeout_s, name=name)
+        return tensor
+
+    def _reduce_once(self, entries: dict[str, tuple[float, Reduce]]) -> dict[str, float] | None:
+        index = {key: i for i, key in enumerate(self.layout)}
+        keys = {(name, reduce) for name, (_, reduce) in entries.items()}
+        sums = [0.0] * (1 + 2 * len(self.layout))
+        sums[0] = float(not keys <= index.keys())
+        extremes = [-math.inf] * (2 * len(self.layout) + 2)
+        for name, (value, reduce) in entries.items():
+            i = index.get((name, reduce))
+            if i is not None:
+                sums[1 + 2 * i], sums[2 + 2 * i] = value, 1.0
+                extremes[2 * i], extremes[2 * i + 1] = value, -value
+        summed = self._collective(torch.tensor(sums, dtype=torch.float64), "sum", "metrics: sum").tolist()
+        if summed[0] > 0:
+            return None
+        digest = float(_layout_hash(self.layout))
+        extremes[-2], extremes[-1] = digest, -digest
+        maxed = self._collective(torch.tensor(extremes, dtype=torch.float64), "max", "metrics: max").tolist()
+        if maxed[-2] != digest or maxed[-1] != -digest:
+            raise RuntimeError("metric layouts differ across ranks (internal error: ranks agreed on different "
+                               "metric names)")
+        out = {}
+        for i, (name, reduce) in enumerate(self.layout):
+            total, count = summed[1 + 2 * i], summed[2 + 2 * i]
+            if count == 0:
+                continue
+            if reduce == "mean":
+                out[name] = total / count
+            elif reduce == "sum":
+                out[name] = total
+            else:
+                out[name] = maxed[2 * i] if reduce == "max" else -maxed[2 * i + 1]
+        return dict(sorted(out.items()))
+
+    def _relayout(self, entries: dict[str, tuple[float, Reduce]]) -> None:
+        """Agree on the union of every rank's (name, reduce) pairs; names travel as UTF-8 text."""
+        from rlhf.dist.wire import all_gather_bytes
+
+        mine = "\n".join(f"{reduce}\t{name}" for name, (_, reduce) in sorted(entries.items()))
+        keys = set(self.layout)
+        for payload in all_gather_bytes(mine.encode(), group=self.group):
+            keys |= {tuple(reversed(line.split("\t", 1))) for line in payload.decode().splitlines()}
+        kinds: dict[str, str] = {}
+        for name, reduce in sorted(keys):
+            if kinds.setdefault(name, reduce) != reduce:
+                raise RuntimeError(f"metric {name!r} is reduced as {kinds[name]} on one rank, {reduce} on another")
+        self.layout = tuple(sorted(keys))
+        self.num_relayouts += 1
+
+
+def _layout_hash(layout: tuple[tuple[str, str], ...]) -> int:
+    """A 52-bit digest of the layout (exact in float64)."""
+    digest = hashlib.sha256("\n".join(f"{r}\t{n}" for n, r in layout).encode()).digest()
+    return int.from_bytes(digest[:7], "big") >> 4
 
 
 class MetricsSink:

@@ -165,3 +165,4 @@ def broadcast(tensors: Tensors, *, src: int, group: dist.ProcessGroup | None = N
             for bucket, flat in zip(buckets, flats):
                 call.unflatten(bucket, flat)
     return tensors
+

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from rlhf.errors import CollectiveMismatchError
 from rlhf.dist.buckets import TensorSpec
-from rlhf.platform import current_device
+from rlhf.dist.wire import all_gather_json, collective_device
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,20 @@ class CallLayout:
 
     call: str
     specs: tuple[TensorSpec, ...]
+
+    def to_json(self) -> dict:
+        return {"call": self.call, "specs": [[s.name, list(s.shape), str(s.dtype).removeprefix("torch.")]
+                                             for s in self.specs]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> CallLayout:
+        specs = []
+        for name, shape, dtype in data["specs"]:
+            torch_dtype = getattr(torch, dtype, None)
+            if not isinstance(torch_dtype, torch.dtype):
+                raise CollectiveMismatchError(f"a peer described tensor {name!r} with unknown dtype {dtype!r}")
+            specs.append(TensorSpec(name=name, shape=tuple(shape), dtype=torch_dtype))
+        return cls(call=data["call"], specs=tuple(specs))
 
     def fingerprint(self) -> list[int]:
         """Five int64 numbers: count, then hashes of the names, shapes, dtypes and call."""
@@ -50,8 +64,7 @@ def verify_layout(layout: CallLayout, group: dist.ProcessGroup | None, timeout_s
     wait(work, timeout_s, f"fingerprint exchange for {layout.call}")
     if all(torch.equal(other, gathered[0]) for other in gathered[1:]):
         return
-    layouts: list = [None] * world_size
-    dist.all_gather_object(layouts, layout, group=group)
+    layouts = [CallLayout.from_json(item) for item in all_gather_json(layout.to_json(), group=group)]
     raise CollectiveMismatchError(describe_mismatch(layouts, dist.get_process_group_ranks(group or dist.group.WORLD)))
 
 
@@ -66,11 +79,6 @@ def wait(work: dist.Work, timeout_s: float | None, what: str) -> None:
         if "timed out" not in str(exc).lower():
             raise
         raise TimeoutError(f"{what} did not complete within {timeout_s:g}s (a peer rank never joined?)") from exc
-
-
-def collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where tensors for this group's collectives must live (gloo: host memory)."""
-    return torch.device("cpu") if dist.get_backend(group) == "gloo" else current_device()
 
 
 def describe_mismatch(layouts: Sequence[CallLayout], ranks: Sequence[int]) -> str:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.dist.collectives import all_reduce
-from rlhf.dist.fingerprint import collective_device
+from rlhf.dist.wire import collective_device
 from rlhf.errors import CollectiveMismatchError
 from rlhf.platform import synchronize
 

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from rlhf.dist.wire import all_gather_json
 from rlhf.errors import ConfigError
 from rlhf.models.hf_load import INDEX_FILE, param_specs_for, stage_params
 from rlhf.models.shard_rules import merge_shards
@@ -101,8 +102,7 @@ def export_hf(model: Any, out_dir: str, *, tokenizer_dir: str | None = None, dty
             merged = merge_shards(param_spec, shards, model.rlhf_spec)
             writer.add({name: tensor.to(dtype) for name, tensor in merged.items()})
     writer.flush()
-    maps: list[Any] = [None] * pp_group.size()
-    dist.all_gather_object(maps, writer.weight_map, group=pp_group)
+    maps = all_gather_json(writer.weight_map, group=pp_group)
     if is_writer and pp_group.rank() == 0:
         _write_metadata(model, staging, {k: v for m in maps for k, v in m.items()}, tokenizer_dir, dtype)
         os.rename(staging, out_dir)

@@ -40,7 +40,7 @@ def run_profiled_steps(cfg: RlhfConfig, run_dir: RunDir, *, steps: int, warmup: 
     trainer.push_initial_weights()  # an engine with its own weights copy (resharded, vLLM) starts from the actor's
     profile = StepProfile()
     for index in range(1, warmup + 1):
-        rl_step(trainer.stack, trainer.loader.next_step(), index).reduced()
+        rl_step(trainer.stack, trainer.loader.next_step(), index).reduced(trainer.metric_reducer)
     with ExitStack() as stack:
         if counters:
             stack.enter_context(profile.memory.active())
@@ -49,7 +49,7 @@ def run_profiled_steps(cfg: RlhfConfig, run_dir: RunDir, *, steps: int, warmup: 
             activities=list(torch.profiler.supported_activities()))) if trace_dir else None
         for index in range(warmup + 1, warmup + steps + 1):
             metrics = rl_step(trainer.stack, trainer.loader.next_step(), index)
-            profile.steps.append(metrics.reduced())
+            profile.steps.append(metrics.reduced(trainer.metric_reducer))
             profile.local_timings.append({k: v for k, v in metrics.local().items() if k.startswith("timing_s/")})
     if tracer is not None:
         trace_dir.mkdir(parents=True, exist_ok=True)

@@ -3,16 +3,21 @@ DP shard, and the shard results are gathered back so the next stage (on any mesh
 
 One rank per replica contributes (tp_rank 0, last pipeline stage) so nothing is counted twice. This works the
 same for colocated and split placements; it moves per-sample tensors (tokens, logprobs), never weights.
+Tensor collectives only, never pickled objects: the contributors' field names, shapes and dtypes go as JSON,
+then each contributor broadcasts its fields as one flat byte buffer, so every rank receives each replica's
+rows exactly once (the minimum for a global batch), not one copy per rank.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from rlhf.dist.layout import ParallelLayout
+from rlhf.dist.wire import all_gather_json, collective_device
 from rlhf.trainer.batch import TrainBatch
 
 
@@ -51,6 +56,66 @@ def concat_batches(batches: list[TrainBatch], prompts_per_batch: list[int]) -> T
     return dataclasses.replace(batches[0], **merged)
 
 
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    assert isinstance(dtype, torch.dtype), f"not a torch dtype: {name!r}"
+    return dtype
+
+
+def _describe(tensors: dict[str, torch.Tensor]) -> list:
+    return [[name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in tensors.items()]
+
+
+def _pack(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+
+
+def _unpack(described: list, flat_u8: torch.Tensor) -> dict[str, torch.Tensor]:
+    out, offset = {}, 0
+    for name, shape, dtype_name in described:
+        dtype = _dtype(dtype_name)
+        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+        out[name] = flat_u8[offset:offset + nbytes].clone().view(dtype).reshape(shape)
+        offset += nbytes
+    return out
+
+
+def gather_parts(tensors: dict[str, torch.Tensor] | None, meta: Any = None) -> list[tuple[Any, dict]]:
+    """Collective over the world: the (meta, tensors) of every rank that passed tensors, in rank order.
+
+    `meta` is plain JSON data; tensors live on the host and come back on the host."""
+    headers = all_gather_json(None if tensors is None else {"meta": meta, "tensors": _describe(tensors)})
+    device = collective_device(None)
+    rank = dist.get_rank()
+    parts = []
+    for src, header in enumerate(headers):
+        if header is None:
+            continue
+        if src == rank:
+            assert tensors is not None
+            parts.append((meta, tensors))
+            dist.broadcast(_pack(tensors).to(device), src=src)
+            continue
+        nbytes = sum(_dtype(d).itemsize * int(torch.Size(shape).numel()) for _, shape, d in header["tensors"])
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dist.broadcast(flat, src=src)
+        parts.append((header["meta"], _unpack(header["tensors"], flat.cpu())))
+    return parts
+
+
+def _batch_tensors(batch: TrainBatch) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A batch as (tensor fields, plain fields); None fields are plain."""
+    tensors, plain = {}, {}
+    for field in dataclasses.fields(TrainBatch):
+        value = getattr(batch, field.name)
+        if isinstance(value, torch.Tensor):
+            tensors[field.name] = value
+        else:
+            plain[field.name] = value
+    return tensors, plain
+
+
 def gather_global_batch(local: TrainBatch | None, num_prompts: int, layout: ParallelLayout) -> TrainBatch:
     """Collective over the world: each replica's contributor sends its batch; all ranks get them concatenated
     in dp order."""
@@ -58,12 +123,15 @@ def gather_global_batch(local: TrainBatch | None, num_prompts: int, layout: Para
     if dist.get_world_size() == 1:
         assert local is not None and layout.dp == 1
         return local
-    mine = (local, num_prompts) if is_contributor(layout, rank) else None
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    parts = [part for part in everyone if part is not None]
+    if is_contributor(layout, rank):
+        assert local is not None
+        tensors, plain = _batch_tensors(local)
+        parts = gather_parts(tensors, {"num_prompts": num_prompts, "plain": plain})
+    else:
+        parts = gather_parts(None)
     assert len(parts) == layout.dp, (len(parts), layout)
-    return concat_batches([p[0] for p in parts], [p[1] for p in parts])
+    batches = [TrainBatch(**meta["plain"], **tensors) for meta, tensors in parts]
+    return concat_batches(batches, [meta["num_prompts"] for meta, _ in parts])
 
 
 def gather_rows(local_b: torch.Tensor | None, layout: ParallelLayout) -> torch.Tensor:
@@ -72,8 +140,7 @@ def gather_rows(local_b: torch.Tensor | None, layout: ParallelLayout) -> torch.T
     if dist.get_world_size() == 1:
         assert local_b is not None and layout.dp == 1
         return local_b
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, local_b if is_contributor(layout, rank) else None)
-    parts = [part for part in everyone if part is not None]
+    mine = {"rows": local_b} if is_contributor(layout, rank) else None
+    parts = gather_parts(mine)
     assert len(parts) == layout.dp, (len(parts), layout)
-    return torch.cat(parts)
+    return torch.cat([tensors["rows"] for _, tensors in parts])

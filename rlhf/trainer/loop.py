@@ -25,7 +25,7 @@ from rlhf.data.loader import PromptLoader, load_prompts
 from rlhf.dist.watchdog import Watchdog
 from rlhf.dist.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes, plan_meshes
 from rlhf.errors import ConfigError
-from rlhf.metrics import MetricsSink
+from rlhf.metrics import MetricReducer, MetricsSink
 from rlhf.rollout.factory import build_engine, engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
 from rlhf.step import RLStack, rl_step
@@ -121,6 +121,8 @@ class Trainer:
         self.cfg, self.run_dir = cfg, run_dir
         algo = cfg.algo
         self.meshes: RoleMeshes = build_meshes(cfg)
+        self.metric_reducer = MetricReducer(strategy=cfg.comm.strategy, min_bucket_mb=cfg.comm.min_bucket_mb,
+                                            verify=cfg.comm.verify, timeout_s=cfg.dist.timeout_s)
         _check_batches(cfg, {role: mesh.layout for role, mesh in self.meshes.meshes.items()})
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         pad = self.tokenizer.pad_token_id
@@ -272,7 +274,7 @@ class Trainer:
     def _step(self, step: int) -> dict:
         """One RL step plus its validation, logging and checkpoint."""
         cfg = self.cfg.trainer
-        values = rl_step(self.stack, self.loader.next_step(), step).reduced()
+        values = rl_step(self.stack, self.loader.next_step(), step).reduced(self.metric_reducer)
         if (cfg.val_every and step % cfg.val_every == 0) or step == cfg.total_steps:
             values.update(self.validate(step))
         values["training/global_step"] = step

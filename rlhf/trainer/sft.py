@@ -17,7 +17,7 @@ from rlhf.data.sampler import PromptSampler
 from rlhf.data.tokenize import TokenizedPrompts
 from rlhf.dist.meshes import ModelDims, build_role_meshes
 from rlhf.errors import ConfigError
-from rlhf.metrics import MetricsSink, StepMetrics
+from rlhf.metrics import MetricReducer, MetricsSink, StepMetrics
 from rlhf.models.hf_export import export_hf
 from rlhf.rollout.factory import engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
@@ -78,12 +78,14 @@ def run_sft(cfg: RlhfConfig, sft: SftConfig, run_dir: RunDir) -> dict[str, float
         return validate(engine, meshes["rollout"].layout, val, scorer, cfg.sampling.val_params(step), chunk, pad)
 
     last = {}
+    reducer = MetricReducer(strategy=cfg.comm.strategy, min_bucket_mb=cfg.comm.min_bucket_mb, verify=cfg.comm.verify,
+                            timeout_s=cfg.dist.timeout_s)
     for step in progress(range(1, sft.steps + 1), desc="sft", total=sft.steps):
         batch = sft_batch(train, sampler.next_indices(), tokenizer, pad)
         metrics = StepMetrics()
         with metrics.timer("step"):
             metrics.update_from_shards(actor.sft_update(batch))
-        values = metrics.reduced()
+        values = metrics.reduced(reducer)
         if (sft.val_every and step % sft.val_every == 0) or step == sft.steps:
             last = val_metrics(step)
             values.update(last)

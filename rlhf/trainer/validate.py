@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.data.loader import TokenizedPrompts
+from rlhf.dist.wire import all_gather_json
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.sampling_params import SamplingParams
 from rlhf.rollout.types import PromptBatch
@@ -34,8 +35,7 @@ def validate(engine: RolloutEngine | None, layout, prompts: TokenizedPrompts, sc
                 scores = scorer.score([prompts.records[i] for i in index], rollouts)
                 for row in range(len(index)):
                     local.append(scores[rollouts.prompt_index_r == row].tolist())
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, local if is_contributor(layout, rank) else None)
+    everyone = all_gather_json(local if is_contributor(layout, rank) else None)
     per_prompt = [scores for part in everyone if part is not None for scores in part]
     assert len(per_prompt) == len(prompts.records), (len(per_prompt), len(prompts.records))
     scores_pn = torch.tensor(per_prompt, dtype=torch.float64)
