@@ -24,7 +24,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description="Write N prompts of a reasoning-gym task as verl-schema JSONL or parquet. Items come from "
                     "seed, seed+1, ...: give a held-out set a far-away --seed and --exclude the training files.")
     make.add_argument("--task", required=True, help="reasoning-gym task, e.g. chain_sum, countdown, gsm_symbolic")
-    make.add_argument("--n", type=int, required=True, help="number of prompts")
+    make.add_argument("--num-prompts", type=int, required=True, help="number of prompts")
     make.add_argument("--out", required=True, help="output file, .parquet or .jsonl")
     make.add_argument("--seed", type=int, default=0, help="seed of item 0 (default 0)")
     make.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="chat",
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _make(args: argparse.Namespace) -> int:
-    config = MakeConfig(task=args.task, num_samples=args.n, seed=args.seed, prompt_format=args.prompt_format,
+    config = MakeConfig(task=args.task, num_samples=args.num_prompts, seed=args.seed, prompt_format=args.prompt_format,
                         task_config=parse_task_options(args.task_option), exclude=list(args.exclude))
     records = make_dataset(config, args.out)
     print(f"wrote {len(records)} prompts of reasoning-gym {args.task!r} (seed {args.seed}) to {args.out}")

@@ -8,10 +8,11 @@ import argparse
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("export", help="write a checkpoint's actor/critic as HF safetensors "
                                                   "(run with the checkpoint's number of ranks)")
-    parser.add_argument("--run", required=True, help="the run folder (holds config.yaml and checkpoints/)")
+    parser.add_argument("--run-dir", required=True, help="the run folder (holds config.yaml and checkpoints/)")
     parser.add_argument("--checkpoint", default="latest", help="step_<N> folder name or path (default: latest)")
     parser.add_argument("--out", required=True, help="new output folder")
-    parser.add_argument("--role", default="actor", choices=["actor", "critic"])
+    parser.add_argument("--model-role", default="actor", choices=["actor", "critic"],
+                        help="which trained role to export (default actor)")
     return parser
 
 
@@ -24,13 +25,13 @@ def run(args: argparse.Namespace) -> int:
     from rlhf.errors import CheckpointError
     from rlhf.trainer.export import export_checkpoint
 
-    run_dir = Path(args.run)
+    run_dir = Path(args.run_dir)
     cfg = load_config(RlhfConfig, run_dir / "config.yaml")
     root = run_dir / "checkpoints"
     checkpoint = find_latest(root) if args.checkpoint == "latest" else root / args.checkpoint
     if checkpoint is None:
         raise CheckpointError(f"no complete checkpoint under {root}")
     with distributed(cfg.dist.backend, timeout_s=cfg.dist.timeout_s, seed=cfg.dist.seed):
-        export_checkpoint(cfg, checkpoint, args.out, args.role)
-    print(f"exported {args.role} of {checkpoint} to {args.out}")
+        export_checkpoint(cfg, checkpoint, args.out, args.model_role)
+    print(f"exported {args.model_role} of {checkpoint} to {args.out}")
     return 0

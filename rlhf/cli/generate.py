@@ -32,7 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--n", type=int, default=1, help="samples per prompt")
+    parser.add_argument("--samples", type=int, default=1, help="samples per prompt")
     parser.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--model {args.model} is not an HF folder (no config.json); for an rlhf checkpoint "
                           "run `rlhf export` first")
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, n=args.n, seed=args.seed)
+                            top_k=args.top_k, n=args.samples, seed=args.seed)
     _init_world()
     from transformers import AutoTokenizer
 
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     layout = ParallelLayout.for_world(dist.get_world_size(), tp=args.tp, what="rollout layout (--tp)")
     pg_collection = build_layout_groups(layout)
     config = RolloutConfig(engine=args.engine,
-                           native=NativeEngineConfig(max_batch_size=args.batch_size * args.n,
+                           native=NativeEngineConfig(max_batch_size=args.batch_size * args.samples,
                                                      max_seq_len=args.max_seq_len))
     engine = build_engine(config, args.model, pg_collection)
     tokenizer = AutoTokenizer.from_pretrained(args.model)

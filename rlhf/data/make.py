@@ -33,7 +33,7 @@ class MakeConfig:
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
-            raise ConfigError(f"--n {self.num_samples}: the number of prompts must be >= 1")
+            raise ConfigError(f"--num-prompts {self.num_samples}: the number of prompts must be >= 1")
         if self.prompt_format not in PROMPT_FORMATS:
             raise ConfigError(f"prompt format {self.prompt_format!r} is not one of {', '.join(PROMPT_FORMATS)}")
         reserved = sorted({"seed", "size"} & set(self.task_config))

@@ -18,7 +18,7 @@ def invoke(*argv):
 
 def test_make_writes_a_readable_dataset(tmp_path, capsys):
     out = tmp_path / "train.parquet"
-    rc = invoke("make", "--task", "chain_sum", "--n", "4", "--out", str(out), "--seed", "9",
+    rc = invoke("make", "--task", "chain_sum", "--num-prompts", "4", "--out", str(out), "--seed", "9",
                 "--prompt-format", "expression", "--task-option", "max_terms=3", "--task-option", "max_digits=2")
     assert rc == 0
     assert capsys.readouterr().out == f"wrote 4 prompts of reasoning-gym 'chain_sum' (seed 9) to {out}\n"
@@ -28,10 +28,10 @@ def test_make_writes_a_readable_dataset(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, rc, message", [
-    (["--task", "nope", "--n", "3"], 2, "unknown reasoning-gym task 'nope'"),
-    (["--task", "chain_sum", "--n", "3", "--task-option", "oops"], 2, "task option 'oops' must be written key=value"),
-    (["--task", "chain_sum", "--n", "3", "--exclude", "missing.jsonl"], 1, "missing.jsonl: dataset file not found"),
-    (["--task", "chain_sum", "--n", "1", "--out", "x.csv"], 2, "--out 'x.csv' must end in one of .jsonl, .parquet"),
+    (["--task", "nope", "--num-prompts", "3"], 2, "unknown reasoning-gym task 'nope'"),
+    (["--task", "chain_sum", "--num-prompts", "3", "--task-option", "oops"], 2, "task option 'oops' must be written key=value"),
+    (["--task", "chain_sum", "--num-prompts", "3", "--exclude", "missing.jsonl"], 1, "missing.jsonl: dataset file not found"),
+    (["--task", "chain_sum", "--num-prompts", "1", "--out", "x.csv"], 2, "--out 'x.csv' must end in one of .jsonl, .parquet"),
 ])
 def test_make_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch, argv, rc, message):
     monkeypatch.chdir(tmp_path)
@@ -45,7 +45,7 @@ def test_make_with_malformed_exclude_file_names_its_line(tmp_path, capsys):
     bad = tmp_path / "train.jsonl"
     bad.write_text(json.dumps({"prompt": "1+1=", "data_source": "x"}) + "\n{oops\n")
     out = tmp_path / "held.jsonl"
-    assert invoke("make", "--task", "chain_sum", "--n", "2", "--out", str(out), "--exclude", str(bad)) == 1
+    assert invoke("make", "--task", "chain_sum", "--num-prompts", "2", "--out", str(out), "--exclude", str(bad)) == 1
     assert capsys.readouterr().err == f"rlhf data make: error: {bad}:2: invalid JSON (Expecting property name " \
                                       "enclosed in double quotes at column 2)\n"
     assert not out.exists()
@@ -53,7 +53,7 @@ def test_make_with_malformed_exclude_file_names_its_line(tmp_path, capsys):
 
 def test_check_summarises_and_tokenizes(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
-    invoke("make", "--task", "chain_sum", "--n", "5", "--out", str(data), "--prompt-format", "expression",
+    invoke("make", "--task", "chain_sum", "--num-prompts", "5", "--out", str(data), "--prompt-format", "expression",
            "--task-option", "min_terms=2", "--task-option", "max_terms=2", "--task-option", "max_digits=1")
     build_char_tokenizer().save_pretrained(tmp_path / "tok")
     capsys.readouterr()

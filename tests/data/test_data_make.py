@@ -71,7 +71,7 @@ def test_held_out_set_excludes_training_questions_and_repeats(tmp_path):
     ({"task": "chain_sum", "task_config": {"max_termz": 3}}, "bad options {'max_termz': 3} for task 'chain_sum': TypeError"),
     ({"task": "chain_sum", "task_config": {"min_terms": 0}}, "bad options .* AssertionError: min_terms must be positive"),
     ({"task": "chain_sum", "task_config": {"seed": 3}}, "task option\\(s\\) seed are set by --seed and --n"),
-    ({"task": "chain_sum", "num_samples": 0}, "--n 0: the number of prompts must be >= 1"),
+    ({"task": "chain_sum", "num_samples": 0}, "--num-prompts 0: the number of prompts must be >= 1"),
     ({"task": "rush_hour"}, "task 'rush_hour' has no reference answers"),
 ])
 def test_bad_configs(kwargs, message):
