@@ -91,12 +91,18 @@ def _step_of(path: Path) -> int:
     return int(STEP_DIR.match(path.name).group(1))
 
 
+def _old_format(step_dir: Path) -> str:
+    """A note for folders of the pickle format (meta.json + rank<k>.pt), which are never loaded."""
+    if not (step_dir / "meta.json").is_file():
+        return ""
+    return " (pickled rank<k>.pt files of an older rlhf are never loaded: they could run code)"
+
+
 def read_manifest(step_dir: Path) -> dict[str, Any]:
     """The manifest of a published checkpoint; CorruptCheckpointError saying why it is not one."""
     path = step_dir / MANIFEST
     if not path.is_file():
-        old = " (it holds pickled rank<k>.pt files of an older rlhf, never loaded)" if (step_dir / "meta.json").is_file() else ""
-        raise CorruptCheckpointError(f"{step_dir} has no {MANIFEST}: not a complete checkpoint{old}")
+        raise CorruptCheckpointError(f"{step_dir} has no {MANIFEST}: not a complete checkpoint{_old_format(step_dir)}")
     try:
         manifest = json.loads(path.read_text())
         files, world = manifest["files"], manifest["world_size"]
@@ -213,9 +219,8 @@ class CheckpointManager:
             return find_latest(self.root)
         path = Path(resume)
         if not STEP_DIR.match(path.name) or not (path / MANIFEST).is_file():
-            old = " (pickled rank<k>.pt files of an older rlhf are never loaded)" if (path / "meta.json").is_file() else ""
             raise CheckpointError(f"checkpoint.resume={resume!r} is not a complete checkpoint folder "
-                                  f"(needs step_<N>/{MANIFEST} and every file it lists){old}")
+                                  f"(needs step_<N>/{MANIFEST} and every file it lists){_old_format(path)}")
         return path
 
     def load(self, path: Path, expected_meta: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict]:
