@@ -1,7 +1,9 @@
 """Crash-safe, verified checkpoints: `<run>/checkpoints/step_<N>/` with one state file per rank plus a manifest.
 
 Write protocol (DESIGN.md §10): every rank writes `rank<k>.safetensors` (tensors + a JSON state tree, never a
-pickle: `rlhf.state_file`) into `step_<N>.tmp/` and fsyncs it; rank 0 then writes `manifest.json` (every file's
+pickle: `rlhf.state_file`) into `step_<N>.tmp/` and fsyncs it; state identical across a group (a role's model and
+replicated optimizer across its DP replicas) is cut out and written once, by the group's first rank, as
+`<name>.safetensors` (`Replicated`), so bytes do not grow with DP. Rank 0 then writes `manifest.json` (every file's
 size and sha256, the world size, layouts and model) last, renames the folder to `step_<N>`, rewrites `latest`
 (temp file + rename) and prunes beyond `keep_last`. The manifest is the commit point: a folder without one is
 never complete. On load every rank verifies its file against the manifest before any state is used and all ranks
@@ -144,6 +146,45 @@ def find_latest(root: Path) -> Path | None:
     return max(complete, key=_step_of, default=None)
 
 
+@dataclass(frozen=True)
+class Replicated:
+    """The subtree at `path` of every rank's state is identical across `group` (a role's DP replicas): it is
+    written once, by the group's first rank, as `<name>.safetensors`, and read back by every rank of the group."""
+
+    path: tuple[str, ...]
+    name: str
+    group: dist.ProcessGroup | None = None
+
+    @property
+    def file(self) -> str:
+        return f"{self.name}.safetensors"
+
+    def writes(self) -> bool:
+        first = dist.get_process_group_ranks(self.group)[0] if self.group is not None else 0
+        return first == _rank()
+
+
+def _split(state: dict[str, Any], replicated: list[Replicated]) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+    """This rank's own state without the replicated subtrees, and the (file, subtree) pairs it writes."""
+    local = dict(state)
+    shared = []
+    for spec in replicated:
+        parent = local
+        for key in spec.path[:-1]:
+            parent[key] = dict(parent[key])
+            parent = parent[key]
+        subtree = parent.pop(spec.path[-1])
+        if spec.writes():
+            shared.append((spec.file, subtree))
+    return local, shared
+
+
+def _insert(state: dict[str, Any], path: tuple[str, ...], subtree: Any) -> None:
+    for key in path[:-1]:
+        state = state[key]
+    state[path[-1]] = subtree
+
+
 def _check_meta(path: Path, manifest: dict, expected: dict[str, Any]) -> None:
     if manifest["world_size"] != _world():
         raise CheckpointError(f"checkpoint {path} was written by {manifest['world_size']} ranks, this run has "
@@ -154,9 +195,8 @@ def _check_meta(path: Path, manifest: dict, expected: dict[str, Any]) -> None:
                                   f"{want!r}; resume with the same setting or export to HF and re-import")
 
 
-def _read_own(path: Path, manifest: dict) -> dict[str, Any]:
-    """This rank's state, parsed only after its bytes matched the manifest's size and sha256."""
-    file = path / rank_file(_rank())
+def _read_verified(file: Path, manifest: dict) -> Any:
+    """A state file, parsed only after its bytes matched the manifest's size and sha256."""
     try:
         data = file.read_bytes()
     except OSError as error:
@@ -177,8 +217,10 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep_last = keep_last
 
-    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any] | None = None) -> Path:
-        """Collective: write this rank's `state`; rank 0 commits the manifest once every rank has written."""
+    def save(self, step: int, state: dict[str, Any], meta: dict[str, Any] | None = None,
+             replicated: list[Replicated] = ()) -> Path:
+        """Collective: write this rank's `state` (each `replicated` subtree once per group); rank 0 commits the
+        manifest once every rank has written."""
         rank, world = _rank(), _world()
         final = self.root / f"step_{step}"
         tmp = self.root / f"step_{step}.tmp"
@@ -187,12 +229,18 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted write
             tmp.mkdir()
         _barrier()
-        data = encode_state(state)
-        _write_durable(tmp / rank_file(rank), data)
-        entries = all_gather_json([rank_file(rank), file_entry(data)])
+        local, shared = _split(state, list(replicated))
+        entries = []
+        for name, tree in [(rank_file(rank), local), *shared]:
+            data = encode_state(tree)
+            _write_durable(tmp / name, data)
+            entries.append([name, file_entry(data)])
+        written = [entry for per_rank in all_gather_json(entries) for entry in per_rank]
+        files = dict(written)
+        assert len(files) == len(written), f"two ranks wrote one file: {sorted(name for name, _ in written)}"
         if rank == 0:
             record = {"format": FORMAT, "step": step, "world_size": world, "time": time.time(), **(meta or {}),
-                      "files": dict(entries)}
+                      "files": files}
             _write_durable(tmp / MANIFEST, json.dumps(record, indent=2).encode())
             _fsync_dir(tmp)
             if final.exists():
@@ -223,8 +271,10 @@ class CheckpointManager:
                                   f"(needs step_<N>/{MANIFEST} and every file it lists){_old_format(path)}")
         return path
 
-    def load(self, path: Path, expected_meta: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict]:
-        """Collective: this rank's state and the manifest, after every rank verified its file (sizes, sha256).
+    def load(self, path: Path, expected_meta: dict[str, Any] | None = None,
+             replicated: list[Replicated] = ()) -> tuple[dict[str, Any], dict]:
+        """Collective: this rank's state (with its `replicated` subtrees) and the manifest, after every rank
+        verified the files it reads (sizes, sha256).
 
         Manifest keys in `expected_meta` must match exactly (CheckpointError); a file that does not verify is a
         CorruptCheckpointError naming it, raised on every rank.
@@ -233,7 +283,9 @@ class CheckpointManager:
         try:
             manifest = read_manifest(path)
             _check_meta(path, manifest, expected_meta or {})
-            state = _read_own(path, manifest)
+            state = _read_verified(path / rank_file(_rank()), manifest)
+            for spec in replicated:
+                _insert(state, spec.path, _read_verified(path / spec.file, manifest))
         except CheckpointError as error:
             failure = [isinstance(error, CorruptCheckpointError), str(error)]
         failure = agree(failure)
@@ -241,17 +293,17 @@ class CheckpointManager:
             raise (CorruptCheckpointError if failure[0] else CheckpointError)(failure[1])
         return state, manifest
 
-    def load_for_resume(self, resume: str, expected_meta: dict[str, Any] | None = None
-                        ) -> tuple[Path, dict[str, Any], dict] | None:
+    def load_for_resume(self, resume: str, expected_meta: dict[str, Any] | None = None,
+                        replicated: list[Replicated] = ()) -> tuple[Path, dict[str, Any], dict] | None:
         """Collective: the checkpoint `resume` names, loaded and verified; `auto` takes the newest that verifies,
         logging each newer one it skips and why. None when there is nothing to resume."""
         if resume != "auto":
             path = self.resolve(resume)
-            return None if path is None else (path, *self.load(path, expected_meta))
+            return None if path is None else (path, *self.load(path, expected_meta, replicated))
         for name in self._candidates():
             path = self.root / name
             try:
-                return (path, *self.load(path, expected_meta))
+                return (path, *self.load(path, expected_meta, replicated))
             except CorruptCheckpointError as error:
                 log.warning("checkpoint: skipping %s: %s", name, error)
         return None

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlhf.checkpoint import MANIFEST, CheckpointManager, CorruptCheckpointError, find_latest
+from rlhf.checkpoint import MANIFEST, CheckpointManager, CorruptCheckpointError, Replicated, find_latest
 from rlhf.checkpoint_verify import file_entry
 from rlhf.errors import CheckpointError
 from rlhf.state_file import decode_state, encode_state
@@ -65,6 +65,24 @@ def test_save_prune_and_reload_on_2_ranks(tmp_path):
     assert manifest["world_size"] == 2 and sorted(manifest["files"]) == ["rank0.safetensors", "rank1.safetensors"]
     for name, entry in manifest["files"].items():
         assert entry == file_entry((tmp_path / "step_3" / name).read_bytes())
+
+
+def _save_replicated(root):
+    """A subtree every rank holds identically is written once (by the group's first rank) and read by all."""
+    manager = CheckpointManager(root)
+    rank = dist.get_rank()
+    spec = [Replicated(("role", "model"), "role_model", dist.group.WORLD)]
+    manager.save(1, {"role": {"model": torch.arange(1000.0), "shard": torch.full((10,), float(rank))}}, replicated=spec)
+    state, manifest = manager.load(root / "step_1", replicated=spec)
+    return state["role"]["model"].tolist() == list(range(1000)), state["role"]["shard"][0].item(), manifest["files"]
+
+
+def test_replicated_state_is_written_once_and_read_by_every_rank(tmp_path):
+    results = run_distributed(_save_replicated, 2, tmp_path, timeout_s=60)
+    assert [r[:2] for r in results] == [(True, 0.0), (True, 1.0)]
+    files = results[0][2]
+    assert sorted(files) == ["rank0.safetensors", "rank1.safetensors", "role_model.safetensors"]
+    assert files["role_model.safetensors"]["size"] > 4000 > files["rank1.safetensors"]["size"]
 
 
 def test_interrupted_writes_are_never_picked(tmp_path):

@@ -200,6 +200,11 @@ class Trainer:
                 "policy_version": getattr(self.stack.rollout, "policy_version", 0),
                 "rng": {"torch": platform.rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
 
+    def _replicated(self) -> list:
+        """What the trained roles' DP replicas share: written once per checkpoint, not once per replica."""
+        return [spec for role in (self.stack.actor, self.stack.critic) if role is not None
+                for spec in role.replicated_state()]
+
     def _meta(self) -> dict:
         models = {"actor": self.cfg.model.path}
         if self.stack.critic:
@@ -209,7 +214,8 @@ class Trainer:
 
     def _resume(self) -> int:
         """Load and verify the checkpoint to resume from (if any); its DP replicas must then be bitwise equal."""
-        found = self.checkpoints.load_for_resume(self.cfg.checkpoint.resume, expected_meta=self._meta())
+        found = self.checkpoints.load_for_resume(self.cfg.checkpoint.resume, expected_meta=self._meta(),
+                                                 replicated=self._replicated())
         if found is None:
             return 0
         path, state, _ = found
@@ -288,5 +294,5 @@ class Trainer:
                                                for k in CONSOLE_KEYS if k in values))
         every = self.cfg.checkpoint.every
         if (every and step % every == 0) or (step == cfg.total_steps and self.cfg.checkpoint.save_at_end):
-            self.checkpoints.save(step, self._state(step), meta=self._meta())
+            self.checkpoints.save(step, self._state(step), meta=self._meta(), replicated=self._replicated())
         return {"step": step, **values}

@@ -3,6 +3,7 @@ from an older checkpoint; a corrupt shard is skipped by `resume: auto` (saying s
 config.yaml as it was; diverged DP replicas are a named error; a pickle planted in a checkpoint never runs,
 neither on resume nor on export."""
 
+import json
 import pickle
 import sys
 from pathlib import Path
@@ -17,7 +18,9 @@ from test_checkpoint import WritesMarker, _flip, resign  # noqa: E402
 
 from rlhf.testing.distributed import run_distributed  # noqa: E402
 
-SETTINGS = ["run.name=r", "checkpoint.every=1", "checkpoint.keep_last=3", "trainer.tensorboard=true"]
+# The distributed optimizer: each DP rank's file holds its own Adam shard, the model is written once.
+SETTINGS = ["run.name=r", "checkpoint.every=1", "checkpoint.keep_last=3", "trainer.tensorboard=true",
+            "actor.optim.use_distributed_optimizer=true"]
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +63,27 @@ def _tensorboard_steps(run: Path) -> list[int]:
     return [event.step for event in events.Scalars("actor/pg_loss")]
 
 
-def _diverge_rank1(step: Path) -> str:
-    """Shift one weight of rank 1's actor copy and re-sign the manifest: only the replica check can see it."""
+def _main_params(tree):
+    """Every main-parameter shard (`param`) in a distributed optimizer's saved state."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from ([value] if key == "param" else _main_params(value))
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _main_params(value)
+
+
+def _diverge_rank1(step: Path) -> None:
+    """Shift rank 1's main-parameter shard (loaded into its model copy) and re-sign: only the replica check
+    can see it."""
     from rlhf.state_file import decode_state, encode_state
 
     file = step / "rank1.safetensors"
     state = decode_state(file.read_bytes(), str(file))
-    name = next(k for k in state["actor"]["model"] if k.endswith("linear_fc1.weight"))
-    state["actor"]["model"][name].view(-1)[0] += 1.0
+    for shard in _main_params(state["actor"]["optimizer"]):
+        shard += 1.0
     file.write_bytes(encode_state(state))
     resign(step, file.name)
-    return name
 
 
 def _integrity_runs(paths: dict, root: str, marker: str) -> dict:
@@ -99,9 +112,8 @@ def _integrity_runs(paths: dict, root: str, marker: str) -> dict:
     out["model_error"] = _error_of(lambda: run_trainer(paths, root, common + ["trainer.total_steps=5",
                                                                               f"model.path={paths['other_model']}"]))
     out["config_unchanged"] = (run / "config.yaml").read_bytes() == config_before
-    names = []
-    _on_rank0(lambda: names.append(_diverge_rank1(ckpt / "step_4")))
-    out["diverged"] = names
+    out["manifest"] = json.loads((ckpt / "step_4" / "manifest.json").read_text())["files"]
+    _on_rank0(lambda: _diverge_rank1(ckpt / "step_4"))
     out["divergence_error"] = _error_of(lambda: run_trainer(paths, root, common + ["trainer.total_steps=5"]))
 
     def plant():
@@ -137,10 +149,15 @@ def test_resume_bookkeeping_corruption_divergence_and_planted_pickle(tiny, tmp_p
     assert out["model_error"].startswith(f"CheckpointError: checkpoint {ckpt}/step_4 has models=")
     assert "'hidden_size': 32" in out["model_error"] and "'hidden_size': 48" in out["model_error"]
     assert out["config_unchanged"]
+    # Written once across DP: the model by DP rank 0 alone; each rank's file holds its Adam shard (main params and
+    # two moments of half the model: 1.5x the model's bytes) and no model copy (that would make it >= 2.5x).
+    sizes = {name: entry["size"] for name, entry in out["manifest"].items()}
+    assert sorted(sizes) == ["actor_model_tp0_pp0.safetensors", "rank0.safetensors", "rank1.safetensors"]
+    assert all(sizes[f"rank{k}.safetensors"] < 2 * sizes["actor_model_tp0_pp0.safetensors"] for k in (0, 1))
     # One weight of rank 1's copy shifted (manifest re-signed): the replica check names the role and ranks.
-    assert out["divergence_error"] == (f"CheckpointError: the actor's DP replicas differ after loading the checkpoint:"
-                                       f" rank 0 and rank 1 hold different {out['diverged'][0]} (a corrupted or "
-                                       "mixed checkpoint)")
+    assert out["divergence_error"].startswith("CheckpointError: the actor's DP replicas differ after loading the "
+                                              "checkpoint: rank 0 and rank 1 hold different ")
+    assert out["divergence_error"].endswith(".weight (a corrupted or mixed checkpoint)")
     # A pickle planted as rank0's shard (checksum re-signed) is refused on export and on resume; it never ran.
     refused = f"CorruptCheckpointError: {ckpt}/step_4/rank0.safetensors is not an rlhf state file"
     assert out["export_error"].startswith(refused) and out["resume_error"].startswith(refused)
