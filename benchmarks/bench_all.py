@@ -22,6 +22,7 @@ BENCHMARKS = {
     "e2e": ("bench_e2e_vs_trl.py", [], []),
     "memphase": ("bench_memphase.py", [], []),
     "padding": ("bench_padding.py", [], ["--model", "tiny"]),
+    "checkpoint": ("bench_checkpoint.py", [], ["--repeats", "1"]),
     "e2e_smollm2": ("bench_e2e_vs_trl.py", ["--model", "smollm2", "--rounds", "3", "--steps-per-round", "1"], None),
 }
 RESULT_FILE = {"e2e_smollm2": "e2e"}

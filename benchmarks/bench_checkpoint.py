@@ -1,8 +1,8 @@
 """Bytes per checkpoint and save / verified-load time at DP1 and DP2, plain and distributed optimizer.
 
 rlhf (model and replicated optimizer written once across DP, rank files hold only rank-own state) against the
-previous format (every rank `torch.save`s its whole state: model + optimizer + RNG), measured on the same
-trainer state. A 4-layer, hidden-256 Llama (char vocab), GRPO, one step then the checkpoint. Medians of
+previous format (every rank `torch.save`s its whole state to a file and fsyncs it: model + optimizer + RNG),
+measured on the same trainer state. rlhf's save also hashes every file and commits the manifest. A 4-layer, hidden-256 Llama (char vocab), GRPO, one step then the checkpoint. Medians of
 `--repeats` saves and loads. Writes benchmarks/results/checkpoint.json.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import io
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -69,6 +69,14 @@ def _median_s(call, repeats: int) -> float:
     return statistics.median(seconds)
 
 
+def _old_save(state: dict, path: Path) -> None:
+    """The previous format: this rank's whole state pickled by `torch.save`, fsynced."""
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def arm_rows(root: str, repeats: int) -> list[dict]:
     """Collective body: per optimizer kind, the bytes and times of rlhf's checkpoint and the old format's."""
     import torch.distributed as dist
@@ -76,7 +84,8 @@ def arm_rows(root: str, repeats: int) -> list[dict]:
     from rlhf.checkpoint import read_manifest
     from rlhf.checkpoint_verify import all_gather_json
 
-    paths = _setup(Path(root) / f"setup{dist.get_rank()}")
+    paths = _setup(Path(root) / "setup")  # rank 0 writes the model folder
+    dist.barrier()
     rows = []
     for distributed_optimizer in (False, True):
         trainer = _trainer(paths, root, distributed_optimizer)
@@ -85,9 +94,9 @@ def arm_rows(root: str, repeats: int) -> list[dict]:
         save_s = _median_s(lambda: manager.save(1, state, meta=trainer._meta(), replicated=replicated), repeats)
         path = manager.root / "step_1"
         load_s = _median_s(lambda: manager.load(path, replicated=replicated), repeats)
-        old = io.BytesIO()
-        old_save_s = _median_s(lambda: (old.seek(0), old.truncate(), torch.save(state, old)), repeats)
-        old_bytes = sum(all_gather_json(old.tell()))
+        old = Path(root) / f"old_rank{dist.get_rank()}.pt"
+        old_save_s = _median_s(lambda: _old_save(state, old), repeats)
+        old_bytes = sum(all_gather_json(old.stat().st_size))
         files = read_manifest(path)["files"]
         rows.append({"dp": dist.get_world_size(), "distributed_optimizer": distributed_optimizer,
                      "rlhf_bytes": sum(entry["size"] for entry in files.values()), "old_bytes": old_bytes,
