@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fixtures import make_tiny_setup, run_trainer, trainer_config  # noqa: E402
+from fixtures import make_tiny_setup, run_trainer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from test_checkpoint import WritesMarker, _flip, resign  # noqa: E402
@@ -86,9 +86,21 @@ def _diverge_rank1(step: Path) -> None:
     resign(step, file.name)
 
 
+def _export_cli(run: Path, out_dir: str) -> tuple[int, str]:
+    """`rlhf export --run <run> --checkpoint step_4`, in this world: (exit code, stderr)."""
+    import contextlib
+    import io
+
+    from rlhf.cli.main import main
+
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        code = main(["export", "--run", str(run), "--checkpoint", "step_4", "--out", out_dir])
+    return code, stderr.getvalue()
+
+
 def _integrity_runs(paths: dict, root: str, marker: str) -> dict:
     from rlhf.metrics import read_jsonl
-    from rlhf.trainer.export import export_checkpoint
 
     run, out = Path(root) / "r", {}
     ckpt = run / "checkpoints"
@@ -121,8 +133,7 @@ def _integrity_runs(paths: dict, root: str, marker: str) -> dict:
         resign(ckpt / "step_4", "rank0.safetensors")
 
     _on_rank0(plant)
-    cfg = trainer_config(paths, root, ["run.name=r"])
-    out["export_error"] = _error_of(lambda: export_checkpoint(cfg, ckpt / "step_4", f"{root}/exported"))
+    out["export"] = _export_cli(run, f"{root}/exported")
     out["resume_error"] = _error_of(lambda: run_trainer(paths, root, common + [
         "trainer.total_steps=5", f"checkpoint.resume={ckpt}/step_4"]))
     return out
@@ -159,9 +170,12 @@ def test_resume_bookkeeping_corruption_divergence_and_planted_pickle(tiny, tmp_p
                                               "checkpoint: rank 0 and rank 1 hold different ")
     assert out["divergence_error"].endswith(".weight (a corrupted or mixed checkpoint)")
     # A pickle planted as rank0's shard (checksum re-signed) is refused on export and on resume; it never ran.
-    refused = f"CorruptCheckpointError: {ckpt}/step_4/rank0.safetensors is not an rlhf state file"
-    assert out["export_error"].startswith(refused) and out["resume_error"].startswith(refused)
-    assert [r["export_error"] for r in results] == [out["export_error"]] * 2
+    refused = f"{ckpt}/step_4/rank0.safetensors is not an rlhf state file"
+    assert out["resume_error"].startswith(f"CorruptCheckpointError: {refused}")
+    for code, stderr in (r["export"] for r in results):  # `rlhf export --run`: one line on every rank, exit 2
+        errors = [line for line in stderr.splitlines() if line.startswith("rlhf export: error: ")]
+        assert code == 2 and len(errors) == 1 and errors[0].startswith(f"rlhf export: error: {refused}"), stderr
+    assert not (tmp_path / "exported").exists()
     assert not marker.exists()
     pickle.loads((ckpt / "step_4" / "rank0.safetensors").read_bytes())  # the control: the payload does run code
     assert marker.exists()
