@@ -114,6 +114,8 @@ def read_manifest(step_dir: Path) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{path} is not an {FORMAT} manifest")
     for name, entry in files.items():
         file = step_dir / name
+        if not isinstance(entry, dict):
+            raise CorruptCheckpointError(f"{path} has a malformed entry for {name!r}")
         if "/" in name or not file.is_file():
             raise CorruptCheckpointError(f"{file} is listed in the manifest but missing")
         if file.stat().st_size != entry.get("size"):
