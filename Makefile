@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlhf-installed
 NPROC ?= 4
 DEMO_NPROC ?= 2
-BENCHES := collectives reshard engine rollout e2e memphase padding exchange
+BENCHES := collectives reshard engine rollout e2e memphase padding exchange checkpoint
 PYTEST_FLAGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -75,6 +75,9 @@ bench-padding: install-bench
 
 bench-exchange: install-bench
 	$(PY) benchmarks/bench_exchange.py
+
+bench-checkpoint: install-bench
+	$(PY) benchmarks/bench_checkpoint.py
 
 bench: install-bench
 	$(PY) benchmarks/bench_all.py

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -166,16 +167,23 @@ def _layout_hash(layout: tuple[tuple[str, str], ...]) -> int:
 
 
 class MetricsSink:
-    """Rank 0 writes `metrics.jsonl` (one object per step) and TensorBoard events under the run folder."""
+    """Rank 0 writes `metrics.jsonl` (one object per step) and TensorBoard events under the run folder.
 
-    def __init__(self, run_path: Path, enabled: bool, tensorboard: bool = True) -> None:
+    With `first_step` (a run starting or resuming there), rows of an earlier attempt at or after it are dropped
+    from `metrics.jsonl` (atomically) and TensorBoard purges its events from that step on, so no step repeats.
+    """
+
+    def __init__(self, run_path: Path, enabled: bool, tensorboard: bool = True, first_step: int | None = None) -> None:
         self.enabled = enabled
-        self._jsonl = open(run_path / "metrics.jsonl", "a") if enabled else None
+        jsonl = run_path / "metrics.jsonl"
+        if enabled and first_step is not None and jsonl.is_file():
+            _drop_rows_from(jsonl, first_step)
+        self._jsonl = open(jsonl, "a") if enabled else None
         self._tb = None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_path / "tensorboard"))
+            self._tb = SummaryWriter(log_dir=str(run_path / "tensorboard"), purge_step=first_step)
 
     def write(self, step: int, values: dict[str, float]) -> None:
         if not self.enabled:
@@ -193,6 +201,21 @@ class MetricsSink:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _drop_rows_from(path: Path, first_step: int) -> None:
+    """Rewrite `path` (temp file + rename) without the rows whose step is `first_step` or later (or torn)."""
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] < first_step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a line torn by a crash mid-write
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

@@ -63,6 +63,13 @@ def _agreed_name(cfg: RunConfig, prefix: str) -> str:
 class RunDir:
     path: Path
     rank: int
+    pending_config: Any = None
+
+    def commit_config(self) -> None:
+        """Write the resolved config held back by `setup_run(defer_config=True)` (rank 0; once)."""
+        if self.rank == 0 and self.pending_config is not None:
+            _save_config(self.pending_config, self.path / "config.yaml")
+        self.pending_config = None
 
     @property
     def is_rank0(self) -> bool:
@@ -72,8 +79,17 @@ class RunDir:
         return self.path / name
 
 
-def setup_run(cfg: RunConfig, resolved_config: Any = None, prefix: str = "run") -> RunDir:
-    """Create the run folder, route this rank's logs into it, and save the resolved config (rank 0)."""
+def _save_config(resolved_config: Any, path: Path) -> None:
+    from rlhf.config.loader import save_config  # late: rlhf.config imports this module's RunConfig
+
+    save_config(resolved_config, path)
+
+
+def setup_run(cfg: RunConfig, resolved_config: Any = None, prefix: str = "run", defer_config: bool = False) -> RunDir:
+    """Create the run folder, route this rank's logs into it, and save the resolved config (rank 0).
+
+    `defer_config` holds the config back until `RunDir.commit_config()`: a resume keeps the run's config.yaml
+    until every resume check has passed (export reads it)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     path = Path(cfg.output_dir) / _agreed_name(cfg, prefix)
     path.mkdir(parents=True, exist_ok=True)
@@ -92,11 +108,10 @@ def setup_run(cfg: RunConfig, resolved_config: Any = None, prefix: str = "run") 
         console.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(console)
     logger.propagate = False
-    if rank == 0 and resolved_config is not None:
-        from rlhf.config.loader import save_config  # late: rlhf.config imports this module's RunConfig
-
-        save_config(resolved_config, path / "config.yaml")
-    return RunDir(path=path, rank=rank)
+    run_dir = RunDir(path=path, rank=rank, pending_config=resolved_config)
+    if not defer_config:
+        run_dir.commit_config()
+    return run_dir
 
 
 def get_logger(name: str = "") -> logging.Logger:

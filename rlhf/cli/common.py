@@ -23,16 +23,17 @@ def config_from_args(args: argparse.Namespace) -> RlhfConfig:
 
 
 def run_in_world(cfg: RlhfConfig, prefix: str, body: Callable[[RlhfConfig, Any], Any],
-                 preflight: Callable[[RlhfConfig, int], None] | None = None) -> None:
+                 preflight: Callable[[RlhfConfig, int], None] | None = None, defer_config: bool = False) -> None:
     """Start the world, check inputs (before any folder exists), open the run folder, run `body(cfg, run_dir)`;
-    a failure is logged with its traceback to every rank's log before it propagates."""
+    a failure is logged with its traceback to every rank's log before it propagates. With `defer_config` the
+    body writes config.yaml itself (`RunDir.commit_config`)."""
     from rlhf.dist.runtime import distributed
     from rlhf.run_dir import close_run, get_logger, setup_run
 
     with distributed(cfg.dist.backend, timeout_s=cfg.dist.timeout_s, seed=cfg.dist.seed) as runtime:
         if preflight is not None:
             preflight(cfg, runtime.world_size)
-        run_dir = setup_run(cfg.run, cfg, prefix=prefix)
+        run_dir = setup_run(cfg.run, cfg, prefix=prefix, defer_config=defer_config)
         try:
             body(cfg, run_dir)
         except Exception:

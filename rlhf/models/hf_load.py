@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from rlhf.dist.layout import ParallelLayout
 from rlhf.errors import CheckpointError
@@ -21,6 +21,15 @@ from rlhf.models.spec import ModelSpec
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+
+
+def open_safetensors(path: str) -> Any:
+    """`safe_open(path)`; a missing, truncated or malformed file is a one-line CheckpointError naming it."""
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({error}); re-download or re-export "
+                              "the model") from None
 
 
 class HfFolder:
@@ -33,7 +42,7 @@ class HfFolder:
             with open(index_path) as f:
                 self.file_of = dict(json.load(f)["weight_map"])
         elif os.path.exists(single_path):
-            with safe_open(single_path, framework="pt") as handle:
+            with open_safetensors(single_path) as handle:
                 self.file_of = {name: SINGLE_FILE for name in handle.keys()}
         else:
             raise CheckpointError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
@@ -42,7 +51,7 @@ class HfFolder:
     def _handle(self, name: str) -> Any:
         file = self.file_of[name]
         if file not in self._handles:
-            self._handles[file] = safe_open(os.path.join(self.path, file), framework="pt")
+            self._handles[file] = open_safetensors(os.path.join(self.path, file))
         return self._handles[file]
 
     def slice(self, name: str) -> Any:
@@ -122,6 +131,9 @@ def load_hf_weights(model: Any, path: str) -> None:
             continue
         shard = read_shard(param_spec, folder.slice, spec, tp_rank, layout.tp)
         assert tuple(shard.shape) == tuple(param.shape), (param_spec.name, shard.shape, param.shape)
+        if not torch.isfinite(shard).all():  # safetensors has no checksum: flipped exponent bits show up here
+            raise CheckpointError(f"{param_spec.name} read from {path} holds NaN/inf values (a corrupted "
+                                  "safetensors file?); re-download or re-export the model")
         param.copy_(shard)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from rlhf.errors import CheckpointError, ConfigError
@@ -69,7 +70,11 @@ def load_model_shards(model: Any, folder: str) -> None:
     if (meta["tp"], meta["pp"]) != (groups.tp.size(), groups.pp.size()):
         raise ConfigError(f"checkpoint {folder} is tp={meta['tp']} pp={meta['pp']}, the model is "
                           f"tp={groups.tp.size()} pp={groups.pp.size()}; run with the checkpoint's layout")
-    tensors = load_file(os.path.join(folder, _shard_file(groups.tp.rank(), groups.pp.rank())))
+    shard_path = os.path.join(folder, _shard_file(groups.tp.rank(), groups.pp.rank()))
+    try:
+        tensors = load_file(shard_path)
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{shard_path} is not a readable safetensors file ({error})") from None
     for spec, param in stage_params(model, param_specs_for(model)):
         if spec.name not in tensors:
             raise CheckpointError(f"{folder} is missing parameter {spec.name!r} for tp rank "

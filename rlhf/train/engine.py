@@ -170,6 +170,10 @@ class TrainEngine:
         return {"model": self.model.module.state_dict(), "optimizer": optimizer_state(self.optimizer),
                 "scheduler": self.scheduler.state_dict(), "num_steps": self.num_steps}
 
+    def dp_replicated_keys(self) -> tuple[str, ...]:
+        """Keys of `state_dict()` equal on every DP replica: the model, and the optimizer unless DP-sharded."""
+        return ("model",) if self.config.use_distributed_optimizer else ("model", "optimizer")
+
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` saved, on the same layout; the next step is bitwise the uninterrupted one."""
         self._check_loaded()

@@ -30,7 +30,7 @@ def export_checkpoint(cfg: RlhfConfig, checkpoint: str | Path, out_dir: str, rol
     else:
         model_role = CriticRole("critic", meshes["critic"], cfg.model.critic_path or cfg.model.path, update=None,
                                 total_steps=0, value_head=True, params_dtype=cfg.model.torch_dtype)
-    state, _ = manager.load(path)
+    state, _ = manager.load(path, replicated=model_role.replicated_state(keys=("model",)))
     if model_role.model is not None:
         model_role.model.load_state_dict(state[role]["model"], strict=True)
         export_hf(model_role.model, out_dir, tokenizer_dir=cfg.model.path)

@@ -20,6 +20,7 @@ from rlhf import platform
 from rlhf.algo.advantages import AdvantageKind, check_group_size
 from rlhf.algo.kl import KLController
 from rlhf.checkpoint import CheckpointManager
+from rlhf.checkpoint_verify import check_replicas
 from rlhf.config.schema import RlhfConfig
 from rlhf.data.loader import PromptLoader, load_prompts
 from rlhf.dist.watchdog import Watchdog
@@ -48,6 +49,14 @@ def _model_dims(path: str, label: str = "model.path") -> ModelDims:
     hf_config = AutoConfig.from_pretrained(path)
     return ModelDims(hf_config.num_hidden_layers, hf_config.num_attention_heads,
                      getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
+
+
+def _architecture(path: str) -> dict:
+    """What must not change across a resume: the HF config fields that define the model's parameters."""
+    hf_config = AutoConfig.from_pretrained(path)
+    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "vocab_size", "tie_word_embeddings")
+    return {key: getattr(hf_config, key, None) for key in keys}
 
 
 def _mesh_config(cfg: RlhfConfig):
@@ -161,7 +170,7 @@ class Trainer:
                              kl_controller=KLController.from_config(algo.kl), pad_token_id=self.pad_token_id,
                              reward_model=reward_model, memory=memory)
         self.checkpoints = CheckpointManager(run_dir.path / "checkpoints", cfg.checkpoint.keep_last)
-        self.sink = MetricsSink(run_dir.path, enabled=run_dir.is_rank0, tensorboard=cfg.trainer.tensorboard)
+        self.sink: MetricsSink | None = None  # opened once the resumed step is known
 
     def _build_data(self) -> PromptLoader:
         rollout = self.meshes["rollout"]
@@ -205,17 +214,30 @@ class Trainer:
                 "policy_version": getattr(self.stack.rollout, "policy_version", 0),
                 "rng": {"torch": platform.rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
 
+    def _replicated(self) -> list:
+        """What the trained roles' DP replicas share: written once per checkpoint, not once per replica."""
+        return [spec for role in (self.stack.actor, self.stack.critic) if role is not None
+                for spec in role.replicated_state()]
+
     def _meta(self) -> dict:
-        return {"layouts": {role: m.layout.describe() for role, m in self.meshes.meshes.items()}}
+        models = {"actor": self.cfg.model.path}
+        if self.stack.critic:
+            models["critic"] = self.cfg.model.critic_path or self.cfg.model.path
+        return {"layouts": {role: m.layout.describe() for role, m in self.meshes.meshes.items()},
+                "models": {role: _architecture(path) for role, path in models.items()}}
 
     def _resume(self) -> int:
-        path = self.checkpoints.resolve(self.cfg.checkpoint.resume)
-        if path is None:
+        """Load and verify the checkpoint to resume from (if any); its DP replicas must then be bitwise equal."""
+        found = self.checkpoints.load_for_resume(self.cfg.checkpoint.resume, expected_meta=self._meta(),
+                                                 replicated=self._replicated())
+        if found is None:
             return 0
-        state, meta = self.checkpoints.load(path, expected_meta=self._meta())
-        self.stack.actor.load_state_dict(state["actor"])
-        if self.stack.critic:
-            self.stack.critic.load_state_dict(state["critic"])
+        path, state, _ = found
+        trained = [role for role in (self.stack.actor, self.stack.critic) if role is not None]
+        for role in trained:
+            role.load_state_dict(state[role.name])
+        check_replicas({role.name: (role.model, role.mesh.pgs.dp if role.mesh.is_member else None)
+                        for role in trained})
         self.loader.load_state_dict(state["loader"])
         self.stack.kl_controller.load_state_dict(state["kl"])
         if self.stack.rollout is not None:
@@ -250,6 +272,9 @@ class Trainer:
     def fit(self) -> list[dict]:
         cfg = self.cfg.trainer
         start = self._resume()
+        self.run_dir.commit_config()  # only now: a failed resume leaves the run's config.yaml as it was
+        self.sink = MetricsSink(self.run_dir.path, enabled=self.run_dir.is_rank0, tensorboard=cfg.tensorboard,
+                                first_step=start + 1 if start else 0)
         self.push_initial_weights()
         history = []
         if start == 0 and cfg.val_before_train and self.val is not None:
@@ -283,5 +308,5 @@ class Trainer:
                                                for k in CONSOLE_KEYS if k in values))
         every = self.cfg.checkpoint.every
         if (every and step % every == 0) or (step == cfg.total_steps and self.cfg.checkpoint.save_at_end):
-            self.checkpoints.save(step, self._state(step), meta=self._meta())
+            self.checkpoints.save(step, self._state(step), meta=self._meta(), replicated=self._replicated())
         return {"step": step, **values}

@@ -88,3 +88,42 @@ def test_bad_hf_folder_names_the_tensor(hf_folder, edit, message):
 def test_folder_without_weights_is_named(tmp_path):
     with pytest.raises(CheckpointError, match="has neither model.safetensors nor model.safetensors.index.json"):
         HfFolder(str(tmp_path))
+
+
+@pytest.mark.parametrize("cut", [0, 7, 100, -1])
+def test_truncated_or_empty_safetensors_is_named(hf_folder, cut):
+    file = os.path.join(hf_folder, "model.safetensors")
+    with open(file, "rb") as f:
+        data = f.read()
+    with open(file, "wb") as f:
+        f.write(data[:cut] if cut >= 0 else data[:len(data) // 2])
+    with pytest.raises(CheckpointError) as error:
+        HfFolder(hf_folder)
+    assert _one_line(error).startswith(f"{file} is not a readable safetensors file (Error while deserializing "
+                                       "header: ")
+    assert _one_line(error).endswith("); re-download or re-export the model")
+
+
+def _load_into_one_rank(path: str) -> str:
+    from transformers import AutoConfig
+
+    from rlhf.dist.groups import GroupCache, build_layout_groups
+    from rlhf.models.builder import build_gpt
+    from rlhf.models.hf_load import load_hf_weights
+
+    groups = build_layout_groups(ParallelLayout(tp=1, pp=1, dp=1), GroupCache())
+    try:
+        load_hf_weights(build_gpt(AutoConfig.from_pretrained(path), groups), path)
+    except CheckpointError as error:
+        return str(error)
+    return "loaded"
+
+
+def test_non_finite_weights_are_named(hf_folder):
+    from rlhf.testing.distributed import run_distributed
+
+    assert run_distributed(_load_into_one_rank, 1, hf_folder, timeout_s=120) == ["loaded"]
+    _rewrite(hf_folder, lambda t: t["model.layers.1.mlp.down_proj.weight"].view(-1).__setitem__(5, float("inf")))
+    message = run_distributed(_load_into_one_rank, 1, hf_folder, timeout_s=120)[0]
+    assert message == (f"decoder.layers.1.mlp.linear_fc2.weight read from {hf_folder} holds NaN/inf values (a "
+                       "corrupted safetensors file?); re-download or re-export the model")

@@ -6,7 +6,6 @@ per rank), all loaded from the same HF folder, and returns plain numbers/strings
 
 from __future__ import annotations
 
-import io
 import math
 from dataclasses import dataclass
 
@@ -226,10 +225,10 @@ def _abort_message(path: str, pg: dict, corrupt) -> str:
 
 
 def _roundtrip(state: dict) -> dict:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=False)
+    """Through the checkpoint's own file format (safetensors + a JSON tree, no pickle)."""
+    from rlhf.state_file import decode_state, encode_state
+
+    return decode_state(encode_state(state), "state")
 
 
 def check_resume(path: str, pg: dict, layout: str, distributed_optimizer: bool,

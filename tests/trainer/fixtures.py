@@ -53,7 +53,7 @@ def run_trainer(paths: dict[str, str], run_root: str, overrides: list[str]) -> l
 
     cfg = trainer_config(paths, run_root, overrides)
     preflight(cfg, dist.get_world_size())
-    run_dir = setup_run(cfg.run, cfg)
+    run_dir = setup_run(cfg.run, cfg, defer_config=True)
     try:
         return Trainer(cfg, run_dir).fit()
     finally:

@@ -64,7 +64,7 @@ def test_grpo_tp2_dp2_and_ppo_split_placement_on_4_ranks(tiny, tmp_path):
     assert math.isfinite(remax[-1]["actor/pg_loss"]), "ReMax's greedy baseline runs on every TP rank"
     logged = read_jsonl(tmp_path / "grpo/grpo/metrics.jsonl")
     assert [row["step"] for row in logged] == [0, 1, 2]
-    assert (tmp_path / "ppo/ppo/checkpoints/step_2/meta.json").is_file()
+    assert (tmp_path / "ppo/ppo/checkpoints/step_2/manifest.json").is_file()
 
 
 def _resume_runs(paths, root):
@@ -109,7 +109,10 @@ def test_resume_export_reshard_and_every_estimator(tiny, tmp_path):
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").state_dict()
     initial = AutoModelForCausalLM.from_pretrained(tiny["model"]).state_dict()
-    trained = torch.load(tmp_path / "full/r/checkpoints/step_6/rank0.pt", weights_only=False)["actor"]["model"]
+    from rlhf.state_file import decode_state
+
+    trained = decode_state((tmp_path / "full/r/checkpoints/step_6/actor_model_tp0_pp0.safetensors").read_bytes(),
+                           "actor model")  # written once, by DP rank 0
     key, megatron_key = "model.layers.1.mlp.down_proj.weight", "decoder.layers.1.mlp.linear_fc2.weight"
     assert not torch.equal(exported[key], initial[key])  # weight decay moved it even at zero advantage
     assert torch.equal(exported[key], trained[megatron_key])
