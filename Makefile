@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlhf-installed
 NPROC ?= 4
 DEMO_NPROC ?= 2
-BENCHES := collectives reshard engine rollout e2e memphase padding
+BENCHES := collectives reshard engine rollout e2e memphase padding rollout-corr
 PYTEST_FLAGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -72,6 +72,9 @@ bench-memphase: install-bench
 
 bench-padding: install-bench
 	$(PY) benchmarks/bench_padding.py
+
+bench-rollout-corr: install
+	$(PY) benchmarks/bench_rollout_corr.py
 
 bench: install-bench
 	$(PY) benchmarks/bench_all.py

@@ -78,15 +78,19 @@ def _gate_runs(paths, root):
         "algo.kl.coef=0.01", "algo.rollout_correction.enable=true", "run.name=s", "trainer.total_steps=2"])
     resharded = _watched_run(paths, f"{root}/reshard", dense + [
         "mesh.actor.tp=2", "mesh.rollout.tp=1", "run.name=x", "trainer.total_steps=2"])
+    bypass = _watched_run(paths, f"{root}/bypass", dense + [
+        "mesh.actor.tp=2", "mesh.rollout.tp=1", "run.name=b", "trainer.total_steps=1",
+        "algo.rollout_correction.bypass_mode=true", "algo.rollout_correction.rollout_is=null"])
     recipe = str(REPO / "configs/dapo_cpu.yaml")
-    dapo = _watched_run(paths, f"{root}/dapo", dense + ["run.name=d", "trainer.total_steps=2"], config=recipe)
+    dapo = _watched_run(paths, f"{root}/dapo", dense + ["run.name=d", "trainer.total_steps=2",
+                                                        "algo.overlong_filter=true"], config=recipe)
     # Dynamic sampling under resume: a reward that zeroes every group of an even answer, no length shaping.
     sparse = dense + [f"reward.function={reward}:odd_only", "algo.overlong_buffer.len=0", "checkpoint.every=2",
                       "trainer.val_every=0", "run.name=ds"]
     full = _watched_run(paths, f"{root}/ds", sparse + ["trainer.total_steps=4"], config=recipe)
     _watched_run(paths, f"{root}/ds_split", sparse + ["trainer.total_steps=2"], config=recipe)
     resumed = _watched_run(paths, f"{root}/ds_split", sparse + ["trainer.total_steps=4"], config=recipe)
-    return shared, resharded, dapo, full, resumed
+    return shared, resharded, bypass, dapo, full, resumed
 
 
 def _comparable(row):
@@ -95,7 +99,7 @@ def _comparable(row):
 
 def test_correctness_gates_and_the_dapo_recipe(tiny, tmp_path):
     world = run_distributed(_gate_runs, 2, tiny, str(tmp_path), timeout_s=600)
-    shared, resharded, dapo, full, resumed = world[0]
+    shared, resharded, bypass, dapo, full, resumed = world[0]
     # Shared engine, every step: the PPO KL is exactly 0 (old logprobs = the update's first forward) and the
     # reference (the initial actor) gives bit for bit the actor's old logprobs at step 1. The native engine is
     # its own implementation of the forward (KV-cached attention, fused residual GEMMs), so its logprobs agree
@@ -117,11 +121,20 @@ def test_correctness_gates_and_the_dapo_recipe(tiny, tmp_path):
     for row in resharded["history"]:
         assert row["rollout/logprob_diff_max"] < 1e-4 and row["actor/grad_norm"] > 0
         assert abs(row["rollout_corr/is_weight_max"] - 1) < 1e-4 and row["rollout_corr/is_truncated_fraction"] == 0
-    # The DAPO recipe runs end to end: length shaping moves rewards below 0, dynamic sampling reports.
-    for row in dapo["history"]:
+    # Bypass: the rollout log-probs are the PPO anchor, no old-logprob forward.
+    assert "timing_s/old_log_prob" not in bypass["history"][0] and "timing_s/old_log_prob" in resharded["history"][0]
+    assert torch.equal(bypass["batches"][0].old_logprobs_bt, bypass["batches"][0].rollout_logprobs_bt)
+    assert bypass["batches"][0].is_weights_bt is None and "rollout/logprob_diff_max" not in bypass["history"][0]
+    # The DAPO recipe runs end to end: length shaping moves rewards below 0, dynamic sampling reports, and
+    # overlong filtering takes exactly the truncated responses out of the actor's loss.
+    for row, batch in zip(dapo["history"], dapo["batches"]):
         assert row["critic/overlong_penalty/mean"] < 0 and row["critic/score/min"] < 0
         assert row["dynamic_sampling/kept_groups"] + row["dynamic_sampling/filled_groups"] == 4
         assert "rollout_corr/kl" not in row, "auto: the shared engine needs no correction"
+        truncated = batch.truncated_b  # finish reason `length`: max_new_tokens (5 in the recipe) without EOS
+        assert 0 < truncated.sum() < batch.size and bool((batch.response_lengths_b[truncated] == 5).all())
+        assert torch.equal(batch.loss_mask_bt, batch.response_mask_bt & ~truncated[:, None])
+        assert row["response_length/overlong_filtered_fraction"] == truncated.float().mean().item()
     # Dynamic sampling: every step trains on exactly data.prompts_per_step groups; each round consumed one
     # loader batch, on every rank alike; the resumed run equals the uninterrupted one.
     assert [batch.size for batch in full["batches"]] == [4 * 8] * 4  # the recipe samples n=8 per prompt
@@ -130,6 +143,6 @@ def test_correctness_gates_and_the_dapo_recipe(tiny, tmp_path):
     rounds = [row["dynamic_sampling/gen_rounds"] for row in full["history"]]
     assert max(rounds) > 1 and min(rounds) >= 1 and sum(row["dynamic_sampling/dropped_groups"]
                                                         for row in full["history"]) > 0
-    assert [rank[3]["consumed"] for rank in world] == [sum(rounds)] * 2
+    assert [rank[4]["consumed"] for rank in world] == [sum(rounds)] * 2
     assert [_comparable(r) for r in full["history"][2:]] == [_comparable(r) for r in resumed["history"]]
     assert resumed["consumed"] == sum(rounds)
