@@ -78,29 +78,41 @@ def prepare(out: Path, nproc: int, sft_steps: int, env: dict) -> Path:
     return sft_model
 
 
-def run_arm(name: str, out: Path, sft_model: Path, nproc: int, steps: int, env: dict) -> list[dict]:
+def run_arm(name: str, seed: int, out: Path, sft_model: Path, nproc: int, steps: int, env: dict) -> list[dict]:
     config, overrides = ARMS[name]
-    run_dir = out / name
-    if not (run_dir / "metrics.jsonl").is_file():
+    run_name = f"{name}_s{seed}"
+    if not (out / run_name / "metrics.jsonl").is_file():
         data = out / "data"
         _run(_torchrun(nproc, "train", "--config", str(REPO / "configs" / config), f"run.output_dir={out}",
-                       f"run.name={name}", f"model.path={sft_model}", f"data.train_files=[{data / 'rl.parquet'}]",
+                       f"run.name={run_name}", f"model.path={sft_model}", f"data.train_files=[{data / 'rl.parquet'}]",
                        f"data.val_files=[{data / 'val.parquet'}]", f"trainer.total_steps={steps}",
-                       f"trainer.val_every={steps}", "trainer.tensorboard=false", "trainer.plot=false",
-                       "checkpoint.save_at_end=false", *overrides), env)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+                       f"trainer.val_every={max(steps // 4, 1)}", "trainer.tensorboard=false", "trainer.plot=false",
+                       "checkpoint.save_at_end=false", f"data.seed={seed}", f"sampling.seed={seed}", *overrides), env)
+    return [json.loads(line) for line in (out / run_name / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def summarize(name: str, history: list[dict]) -> dict:
-    steps = [row for row in history if row["step"] > 0]
-    val = [row["val/score/mean@1"] for row in history if "val/score/mean@1" in row]
-    row = {"arm": name, "steps": len(steps), "val_before": val[0] if val else None, "val_after": val[-1] if val else None}
-    for key in PER_STEP:
-        values = [r[key] for r in steps if key in r]
-        if values:
-            row[f"{key}:mean"] = statistics.fmean(values)
-            row[f"{key}:max" if "max" not in key else f"{key}:peak"] = max(values)
-    row["reward_curve"] = [r.get("critic/score/mean") for r in steps]
+def summarize(name: str, histories: list[list[dict]]) -> dict:
+    """Per arm: the seeds' mean of each metric's per-step mean / peak, validation curve and reward curve."""
+    row: dict = {"arm": name, "seeds": len(histories)}
+    per_seed = []
+    for history in histories:
+        steps = [r for r in history if r["step"] > 0]
+        stats = {"val_curve": [(r["step"], r["val/score/mean@1"]) for r in history if "val/score/mean@1" in r],
+                 "reward_curve": [r.get("critic/score/mean") for r in steps]}
+        for key in PER_STEP:
+            values = [r[key] for r in steps if key in r]
+            if values:
+                stats[f"{key}:mean"] = statistics.fmean(values)
+                stats[f"{key}:peak"] = max(values)
+        per_seed.append(stats)
+    for key in per_seed[0]:
+        if key.endswith((":mean", ":peak")):
+            row[key] = statistics.fmean(s[key] for s in per_seed if key in s)
+    row["val_before"] = statistics.fmean(s["val_curve"][0][1] for s in per_seed)
+    row["val_after"] = statistics.fmean(s["val_curve"][-1][1] for s in per_seed)
+    row["val_after_per_seed"] = [s["val_curve"][-1][1] for s in per_seed]
+    row["val_curves"] = [s["val_curve"] for s in per_seed]
+    row["reward_curve_mean"] = [statistics.fmean(c) for c in zip(*(s["reward_curve"] for s in per_seed))]
     return row
 
 
@@ -111,19 +123,22 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--sft-steps", type=int, default=300)
     parser.add_argument("--arms", nargs="*", default=list(ARMS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     args = parser.parse_args()
     out = (REPO / args.out).resolve()
     env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHON": sys.executable}
     sft_model = prepare(out, args.nproc, args.sft_steps, env)
-    rows = [summarize(name, run_arm(name, out, sft_model, args.nproc, args.steps, env)) for name in args.arms]
-    columns = ["val_before", "val_after", "critic/score/mean:mean", "rollout/logprob_diff_max:peak",
-               "rollout_corr/k3_kl:mean", "rollout_corr/is_weight_max:peak", "rollout_corr/is_weight_min:mean",
+    rows = [summarize(name, [run_arm(name, seed, out, sft_model, args.nproc, args.steps, env) for seed in args.seeds])
+            for name in args.arms]
+    columns = ["val_before", "val_after", "critic/score/mean:mean", "rollout/logprob_diff_mean:mean",
+               "rollout/logprob_diff_max:peak", "rollout_corr/k3_kl:mean", "rollout_corr/is_weight_max:peak",
+               "rollout_corr/is_weight_min:mean",
                "rollout_corr/is_truncated_fraction:mean", "rollout_corr/rs_masked_fraction:mean",
                "dynamic_sampling/gen_rounds:mean", "timing_s/step:mean"]
-    print(f"\n{'arm':18s} " + " ".join(f"{c.split('/')[-1][:22]:>22s}" for c in columns))
-    for row in rows:
-        cells = [row.get(c) for c in columns]
-        print(f"{row['arm']:18s} " + " ".join(f"{c:22.4g}" if isinstance(c, float) else f"{'-':>22s}" for c in cells))
+    print(f"\n{'metric':38s} " + " ".join(f"{row['arm']:>16s}" for row in rows))
+    for column in columns:
+        cells = [row.get(column) for row in rows]
+        print(f"{column:38s} " + " ".join(f"{c:16.4g}" if isinstance(c, float) else f"{'-':>16s}" for c in cells))
     by_arm = {row["arm"]: row for row in rows}
     summary = {f"{arm}_val_after": row["val_after"] for arm, row in by_arm.items()}
     if "grpo_bf16" in by_arm:
@@ -132,7 +147,7 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
         "name": "rollout_corr", "date": datetime.date.today().isoformat(), "machine": machine_info(),
-        "config": {"steps": args.steps, "nproc": args.nproc, "sft_steps": args.sft_steps,
+        "config": {"steps": args.steps, "nproc": args.nproc, "sft_steps": args.sft_steps, "seeds": args.seeds,
                    "arms": {arm: ARMS[arm] for arm in args.arms}},
         "rows": rows, "summary": summary}, indent=1))
     print(f"wrote {RESULTS}")
