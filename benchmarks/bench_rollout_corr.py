@@ -32,7 +32,8 @@ TASK = ["--task", "chain_sum", "--prompt-format", "expression", "--task-option",
 BF16 = ["rollout.dtype=bfloat16", "actor.recompute_old_logprobs=true"]
 ARMS = {
     "grpo_shared": ("demo_cpu.yaml", ["actor.recompute_old_logprobs=true"]),
-    "grpo_bf16": ("demo_cpu.yaml", BF16 + ["algo.rollout_correction.enable=true", "algo.rollout_correction.rollout_is=null"]),
+    "grpo_bf16": ("demo_cpu.yaml", BF16 + ["algo.rollout_correction.enable=true",
+                                           "algo.rollout_correction.rollout_is=null"]),
     "grpo_bf16_tis": ("demo_cpu.yaml", BF16),
     "grpo_bf16_icepop": ("demo_cpu.yaml", BF16 + ["algo.rollout_correction.rollout_is=null",
                                                  "algo.rollout_correction.rollout_rs=token",

@@ -1,9 +1,11 @@
 """One RL step, in data-flow order (DESIGN.md §2), inside the colocated memory phases (`trainer/memory.py`):
 
-  rollout │ PromptBatch ──► rollout.generate ──► Rollouts ──► rule reward ──► TrainBatch (global, on every rank)
+  rollout │ PromptBatch ──► rollout.generate ──► Rollouts ──► rule reward (+ overlong shaping) ──► TrainBatch
+          │             (global, on every rank; DAPO dynamic sampling: more rounds until the groups fill it)
   train   │             ──► reward model (on its mesh, when configured)
-          │             ──► actor old logprobs · ref logprobs · critic values
+          │             ──► actor old logprobs (or the rollout's, bypass) · ref logprobs · critic values
           │             ──► advantages (GAE | GRPO | RLOO | REINFORCE++ | ReMax), KL in reward
+          │             ──► rollout correction weights / rejection, overlong filtering (the actor's loss mask)
           │             ──► actor.update · critic.update
   sync    │             ──► weight sync actor ─► rollout engine, policy version + 1
 
