@@ -77,7 +77,8 @@ def _gate_runs(paths, root):
     shared = _watched_run(paths, f"{root}/shared", dense + [
         "algo.kl.coef=0.01", "algo.rollout_correction.enable=true", "run.name=s", "trainer.total_steps=2"])
     resharded = _watched_run(paths, f"{root}/reshard", dense + [
-        "mesh.actor.tp=2", "mesh.rollout.tp=1", "run.name=x", "trainer.total_steps=2"])
+        "mesh.actor.tp=2", "mesh.rollout.tp=1", "run.name=x", "trainer.total_steps=2",
+        "actor.recompute_old_logprobs=false"])  # decoupled correction still runs the old-logprob forward
     bypass = _watched_run(paths, f"{root}/bypass", dense + [
         "mesh.actor.tp=2", "mesh.rollout.tp=1", "run.name=b", "trainer.total_steps=1",
         "algo.rollout_correction.bypass_mode=true", "algo.rollout_correction.rollout_is=null"])
