@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlhf-installed
 NPROC ?= 4
 DEMO_NPROC ?= 2
-BENCHES := collectives reshard engine rollout e2e memphase padding exchange checkpoint
+BENCHES := collectives reshard engine rollout e2e memphase padding exchange checkpoint rollout-corr
 PYTEST_FLAGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -78,6 +78,9 @@ bench-exchange: install-bench
 
 bench-checkpoint: install-bench
 	$(PY) benchmarks/bench_checkpoint.py
+
+bench-rollout-corr: install
+	$(PY) benchmarks/bench_rollout_corr.py
 
 bench: install-bench
 	$(PY) benchmarks/bench_all.py

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CPU demo, from nothing: make reasoning-gym data, initialise a tiny model, SFT it briefly on 2,000
 # labelled problems, then GRPO on unlabelled prompts; prints held-out accuracy before/after RL and writes
-# runs/demo/curve.png. Usage: launch/demo.sh [NPROC] (default 2 gloo ranks).
+# runs/demo/curve.png. Usage: launch/demo.sh [NPROC] (default 2 gloo ranks); RL_CONFIG=configs/dapo_cpu.yaml
+# runs the RL stage with DAPO instead of GRPO.
 set -euo pipefail
 NPROC=${1:-2}
 PYTHON=${PYTHON:-python}
@@ -22,12 +23,12 @@ echo "== model: 4-layer char-level Llama, hidden 128"
 "${RLHF[@]}" init-model --out "$OUT/model0" --hidden 128 --layers 4 --heads 4 --kv-heads 4 --ffn 512 \
   --max-positions 64
 
-COMMON=(--config "$HERE/configs/demo_cpu.yaml" "run.output_dir=$OUT" "data.val_files=[$OUT/data/val.parquet]")
+COMMON=("run.output_dir=$OUT" "data.val_files=[$OUT/data/val.parquet]")
 echo "== SFT on 2,000 labelled problems ($NPROC ranks)"
-PYTHON=$PYTHON bash "$HERE/launch/torchrun.sh" "$NPROC" sft "${COMMON[@]}" run.name=sft \
+PYTHON=$PYTHON bash "$HERE/launch/torchrun.sh" "$NPROC" sft --config "$HERE/configs/demo_cpu.yaml" "${COMMON[@]}" run.name=sft \
   "model.path=$OUT/model0" "data.train_files=[$OUT/data/sft.parquet]" "sft.out_dir=$OUT/sft_model" \
   actor.optim.lr=3.0e-3 actor.optim.warmup_steps=20 actor.micro_batch_size=64
 echo "== GRPO from the SFT policy, reward = exact answer ($NPROC ranks)"
-PYTHON=$PYTHON bash "$HERE/launch/torchrun.sh" "$NPROC" train "${COMMON[@]}" run.name=grpo \
+PYTHON=$PYTHON bash "$HERE/launch/torchrun.sh" "$NPROC" train --config "${RL_CONFIG:-$HERE/configs/demo_cpu.yaml}" "${COMMON[@]}" run.name=grpo \
   "model.path=$OUT/sft_model" "data.train_files=[$OUT/data/rl.parquet]"
 "$PYTHON" -m rlhf.trainer.plot --sft "$OUT/sft" --rl "$OUT/grpo" --out "$OUT"

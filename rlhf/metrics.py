@@ -55,7 +55,8 @@ class StepMetrics:
 
     @contextmanager
     def timer(self, name: str) -> Iterator[None]:
-        """Wall time of the block as `timing_s/<name>` (max over ranks: the slowest rank sets the pace)."""
+        """Wall time of the block as `timing_s/<name>` (max over ranks: the slowest rank sets the pace); summed
+        over repeats within a step (dynamic sampling's generation rounds)."""
         for observer in TIMER_OBSERVERS:
             observer.enter(name)
         start = time.perf_counter()
@@ -63,7 +64,8 @@ class StepMetrics:
             yield
         finally:
             seconds = time.perf_counter() - start
-            self.add(f"timing_s/{name}", seconds, "max")
+            previous = self._values.get(f"timing_s/{name}", (0.0, "max"))[0]  # a phase run twice adds up
+            self.add(f"timing_s/{name}", previous + seconds, "max")
             for observer in reversed(TIMER_OBSERVERS):
                 observer.exit(name, seconds)
 

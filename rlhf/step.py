@@ -1,9 +1,11 @@
 """One RL step, in data-flow order (DESIGN.md §2), inside the colocated memory phases (`trainer/memory.py`):
 
-  rollout │ PromptBatch ──► rollout.generate ──► Rollouts ──► rule reward ──► TrainBatch (global, on every rank)
+  rollout │ PromptBatch ──► rollout.generate ──► Rollouts ──► rule reward (+ overlong shaping) ──► TrainBatch
+          │             (global, on every rank; DAPO dynamic sampling: more rounds until the groups fill it)
   train   │             ──► reward model (on its mesh, when configured)
-          │             ──► actor old logprobs · ref logprobs · critic values
+          │             ──► actor old logprobs (or the rollout's, bypass) · ref logprobs · critic values
           │             ──► advantages (GAE | GRPO | RLOO | REINFORCE++ | ReMax), KL in reward
+          │             ──► rollout correction weights / rejection, overlong filtering (the actor's loss mask)
           │             ──► actor.update · critic.update
   sync    │             ──► weight sync actor ─► rollout engine, policy version + 1
 
@@ -12,6 +14,7 @@ Heavy work lives in the stages; this file only sequences them and records verl-n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,8 +22,10 @@ import torch
 import torch.distributed as dist
 
 from rlhf.algo.advantages import AdvantageInputs, AdvantageKind, compute_advantages, scores_to_token_rewards
+from rlhf.algo.dapo import overlong_penalty
 from rlhf.algo.groups import Groups
 from rlhf.algo.kl import KLController, apply_kl_in_reward
+from rlhf.algo.rollout_correction import rollout_correction
 from rlhf.algo.value_loss import explained_variance
 from rlhf.data.loader import PromptStep
 from rlhf.metrics import StepMetrics
@@ -29,6 +34,7 @@ from rlhf.rollout.sampling_params import SamplingParams
 from rlhf.rollout.types import PromptBatch
 from rlhf.trainer.batch import TrainBatch, build_train_batch
 from rlhf.trainer.config import AlgoConfig, SamplingConfig, UpdateConfig
+from rlhf.trainer.dynamic_sampling import count_groups, fill_batch, informative_groups
 from rlhf.trainer.exchange import gather_global_batch, is_contributor
 from rlhf.trainer.memory import MemoryPhases
 from rlhf.trainer.roles import CriticRole, PolicyRole, RewardModelRole
@@ -57,31 +63,60 @@ class RLStack:
     memory: MemoryPhases = field(default_factory=MemoryPhases)
 
 
-def rl_step(stack: RLStack, prompts: PromptStep, step: int) -> StepMetrics:
-    """Run one step on this rank; returns this rank's (unreduced) metrics."""
+def rl_step(stack: RLStack, prompts: PromptStep, step: int,
+            more_prompts: Callable[[], PromptStep] | None = None) -> StepMetrics:
+    """Run one step on this rank; returns this rank's (unreduced) metrics. `more_prompts` feeds dynamic
+    sampling's extra generation rounds (the loader's `next_step`, on every rank)."""
     metrics = StepMetrics()
     with metrics.timer("step"):
-        with stack.memory.rollout(metrics), metrics.timer("gen"):
-            local = generate_and_score(stack, prompts, step)
+        with stack.memory.rollout(metrics):
+            batch = collect_batch(stack, prompts, step, more_prompts, metrics)
         with stack.memory.training(metrics):
-            batch = score_and_update(stack, local, len(prompts.records), metrics)
+            score_and_update(stack, batch, metrics)
         with stack.memory.weight_sync(metrics), metrics.timer("update_weights"):
             stack.weight_sync.sync()
     record_batch_metrics(metrics, batch, stack)
     return metrics
 
 
-def score_and_update(stack: RLStack, local: TrainBatch | None, num_prompts: int,
-                     metrics: StepMetrics) -> TrainBatch:
-    """The global batch, scored by every model role, with advantages; then the actor and critic updates."""
+def collect_batch(stack: RLStack, prompts: PromptStep, step: int,
+                  more_prompts: Callable[[], PromptStep] | None, metrics: StepMetrics) -> TrainBatch:
+    """The step's global batch on every rank; with dynamic sampling, rounds of prompts until it is full."""
+    batch = generate_round(stack, prompts, step, 0, metrics)
+    if not stack.algo.filter_groups.enable:
+        return batch
+    assert more_prompts is not None, "dynamic sampling (algo.filter_groups) needs rl_step(more_prompts=...)"
+    rounds = [batch]
+    target = count_groups(batch)
+    while (informative_groups(rounds) < target
+           and len(rounds) < stack.algo.filter_groups.max_num_gen_batches):
+        rounds.append(generate_round(stack, more_prompts(), step, len(rounds), metrics))
+    full = fill_batch(rounds, target)
+    for name, value in full.metrics.items():
+        metrics.add_global(f"dynamic_sampling/{name}", value)
+    return full.batch
+
+
+def generate_round(stack: RLStack, prompts: PromptStep, step: int, gen_round: int,
+                   metrics: StepMetrics) -> TrainBatch:
+    """One generation round: rollouts and rule rewards on the rollout ranks, gathered to every rank."""
+    with metrics.timer("gen"):
+        local = generate_and_score(stack, prompts, step, gen_round)
     with metrics.timer("gather"):
-        batch = gather_global_batch(local, num_prompts, stack.rollout_layout)
+        return gather_global_batch(local, len(prompts.records), stack.rollout_layout)
+
+
+def score_and_update(stack: RLStack, batch: TrainBatch, metrics: StepMetrics) -> TrainBatch:
+    """The global batch scored by every model role, with advantages; then the actor and critic updates."""
     if stack.reward_model is not None:
         with metrics.timer("reward"):
-            batch.scores_b = stack.reward_model.scores(batch, stack.actor_update.micro_batch_size)
+            batch.scores_b = shaped_scores(stack, batch, stack.reward_model.scores(
+                batch, stack.actor_update.micro_batch_size))
     if needs_old_logprobs(stack):
         with metrics.timer("old_log_prob"):
             batch.old_logprobs_bt = stack.actor.logprobs(batch, stack.actor_update.micro_batch_size)
+    elif bypasses_old_logprobs(stack):
+        batch.old_logprobs_bt = batch.rollout_logprobs_bt
     if stack.ref is not None:
         with metrics.timer("ref"):
             batch.ref_logprobs_bt = stack.ref.logprobs(batch, stack.actor_update.micro_batch_size)
@@ -90,6 +125,7 @@ def score_and_update(stack: RLStack, local: TrainBatch | None, num_prompts: int,
             batch.values_bt = stack.critic.values(batch, stack.critic_update.micro_batch_size)
     with metrics.timer("adv"):
         add_advantages(batch, stack, metrics)
+        add_loss_filters(batch, stack, metrics)
     with metrics.timer("update_actor"):
         metrics.update_from_shards(stack.actor.update(batch, stack.algo))
     if stack.critic is not None:
@@ -98,17 +134,27 @@ def score_and_update(stack: RLStack, local: TrainBatch | None, num_prompts: int,
     return batch
 
 
+def bypasses_old_logprobs(stack: RLStack) -> bool:
+    """Rollout correction's bypass mode: the rollout log-probs are the old ones, no forward."""
+    correction = stack.algo.rollout_correction
+    return correction.active and correction.bypass_mode
+
+
 def needs_old_logprobs(stack: RLStack) -> bool:
-    """Skipped only when the update is strictly on-policy and nothing else (KL in reward) reads them."""
-    return stack.actor_update.recompute_old_logprobs or stack.algo.kl.use_in_reward
+    """Skipped when bypassed, or when the update is strictly on-policy and nothing else (KL in reward,
+    decoupled rollout correction) reads them."""
+    if bypasses_old_logprobs(stack):
+        return False
+    return (stack.actor_update.recompute_old_logprobs or stack.algo.kl.use_in_reward
+            or stack.algo.rollout_correction.needs_old_logprobs)
 
 
-def generate_and_score(stack: RLStack, prompts: PromptStep, step: int) -> TrainBatch | None:
+def generate_and_score(stack: RLStack, prompts: PromptStep, step: int, gen_round: int = 0) -> TrainBatch | None:
     """On rollout ranks: sample n responses per prompt and score them (contributors return the batch)."""
     if stack.rollout is None:
         return None
     prompt_batch = PromptBatch.from_token_lists(prompts.token_ids, pad_token_id=stack.pad_token_id)
-    params = stack.sampling.train_params(step)
+    params = stack.sampling.train_params(step, gen_round)
     rollouts = stack.rollout.generate(prompt_batch, params)
     greedy = None
     if stack.algo.advantage.kind == AdvantageKind.REMAX:  # every TP rank generates: it is collective
@@ -119,10 +165,33 @@ def generate_and_score(stack: RLStack, prompts: PromptStep, step: int) -> TrainB
     batch = build_train_batch(prompt_batch, rollouts)
     if stack.reward_model is not None:
         return batch  # scored by the reward model on its own mesh, after the gather
-    batch.scores_b = stack.scorer.score(prompts.records, rollouts)
+    batch.scores_b = shaped_scores(stack, batch, stack.scorer.score(prompts.records, rollouts))
     if greedy is not None:
         batch.baseline_scores_b = stack.scorer.score(prompts.records, greedy)[rollouts.prompt_index_r]
     return batch
+
+
+def shaped_scores(stack: RLStack, batch: TrainBatch, scores_b: torch.Tensor) -> torch.Tensor:
+    """Sequence rewards plus DAPO's overlong penalty (zero unless algo.overlong_buffer.len > 0)."""
+    penalty_b = overlong_penalty(batch.response_lengths_b, stack.sampling.max_new_tokens, stack.algo.overlong_buffer)
+    return scores_b + penalty_b
+
+
+def add_loss_filters(batch: TrainBatch, stack: RLStack, metrics: StepMetrics) -> None:
+    """Rollout-correction weights and rejection, and overlong filtering: what the actor's loss weighs and
+    keeps (rejected tokens and truncated rows leave the loss and its token count, as in verl)."""
+    keep_bt = batch.response_mask_bt.bool()
+    if stack.algo.rollout_correction.needs_old_logprobs:
+        correction = rollout_correction(batch.old_logprobs_bt, batch.rollout_logprobs_bt, keep_bt,
+                                        stack.algo.rollout_correction)
+        batch.is_weights_bt, keep_bt = correction.weights_bt, correction.keep_mask_bt
+        for name, value in correction.metrics.items():
+            metrics.add_global(name, value)
+    if stack.algo.overlong_filter:
+        keep_bt = keep_bt & ~batch.truncated_b[:, None]
+        metrics.add_global("response_length/overlong_filtered_fraction", float(batch.truncated_b.float().mean()))
+    if not torch.equal(keep_bt, batch.response_mask_bt.bool()):
+        batch.loss_mask_bt = keep_bt
 
 
 def add_advantages(batch: TrainBatch, stack: RLStack, metrics: StepMetrics) -> None:
@@ -169,7 +238,10 @@ def record_batch_metrics(metrics: StepMetrics, batch: TrainBatch, stack: RLStack
         "perf/total_num_tokens": float(num_tokens),
         "perf/throughput": num_tokens / max(step_s, 1e-9) / world,
     }
-    if batch.old_logprobs_bt is not None:
+    if stack.algo.overlong_buffer.len:
+        values["critic/overlong_penalty/mean"] = float(overlong_penalty(
+            batch.response_lengths_b, stack.sampling.max_new_tokens, stack.algo.overlong_buffer).mean())
+    if batch.old_logprobs_bt is not None and not bypasses_old_logprobs(stack):
         diff_bt = (batch.rollout_logprobs_bt - batch.old_logprobs_bt).abs() * mask
         values["rollout/logprob_diff_mean"] = _masked_mean(diff_bt, mask)
         values["rollout/logprob_diff_max"] = float(diff_bt.max())

@@ -22,6 +22,7 @@ class ActorLossInputs:
     response_mask_bt: Tensor
     ref_logprobs_bt: Tensor | None = None
     entropy_bt: Tensor | None = None  # with grad when entropy_coef > 0
+    is_weights_bt: Tensor | None = None  # detached rollout-correction weights (>= 0) on the policy loss
 
 
 @dataclass(kw_only=True)
@@ -41,7 +42,11 @@ class ActorLossMetrics:
 def actor_loss(inputs: ActorLossInputs, policy_config: PolicyLossConfig, kl_config: KLConfig,
                counts: GlobalCounts) -> tuple[Tensor, ActorLossMetrics]:
     """This micro-batch's share of the global actor loss (sum the shares; see aggregation.py)."""
-    loss, policy_metrics = policy_loss(inputs.logprobs_bt, inputs.old_logprobs_bt, inputs.advantages_bt,
+    advantages_bt = inputs.advantages_bt
+    if inputs.is_weights_bt is not None:
+        # w >= 0 commutes with the clip's max and the dual-clip bound: w * loss(A) == loss(w * A), value and grad
+        advantages_bt = advantages_bt * inputs.is_weights_bt
+    loss, policy_metrics = policy_loss(inputs.logprobs_bt, inputs.old_logprobs_bt, advantages_bt,
                                        inputs.response_mask_bt, policy_config, counts)
     metrics = ActorLossMetrics(policy=policy_metrics)
     if inputs.entropy_bt is not None:

@@ -23,10 +23,12 @@ class RolloutConfig:
     """`engine`: native (megatron model, CPU and GPU), vllm (colocated, GPU), hf (reference, tp=1).
 
     `sleep`: what the engine frees after each rollout so training can use the memory (see `resolved_sleep`);
-    `kv_cache_and_weights` also drops its weights, which the next weight sync refills.
+    `kv_cache_and_weights` also drops its weights, which the next weight sync refills. `dtype`: the engine's
+    weights (auto: model.dtype); another dtype than the actor's gives the engine its own copy, cast on sync.
     """
 
     engine: Literal["native", "hf", "vllm"] = "native"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     sleep: Literal["auto", "none", "kv_cache", "kv_cache_and_weights"] = "auto"
     native: NativeEngineConfig = field(default_factory=NativeEngineConfig)
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)

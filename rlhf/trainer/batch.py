@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf.rollout.types import PromptBatch, Rollouts
+from rlhf.rollout.types import FinishReason, PromptBatch, Rollouts
 
 
 @dataclass(kw_only=True)
@@ -23,6 +23,7 @@ class TrainBatch:
     response_mask_bt: torch.Tensor  # bool [B, T] real response tokens
     group_index_b: torch.Tensor  # int64 [B] the prompt each row answers (GRPO/RLOO groups, contiguous)
     rollout_logprobs_bt: torch.Tensor  # fp32 [B, T] logprobs the rollout engine sampled with
+    truncated_b: torch.Tensor | None = None  # bool [B] the response hit max_new_tokens (finish reason `length`)
     scores_b: torch.Tensor | None = None  # fp32 [B] sequence reward
     baseline_scores_b: torch.Tensor | None = None  # fp32 [B] greedy-rollout reward of the prompt (ReMax)
     old_logprobs_bt: torch.Tensor | None = None  # fp32 [B, T] actor before the update
@@ -31,6 +32,8 @@ class TrainBatch:
     token_rewards_bt: torch.Tensor | None = None  # fp32 [B, T] score at the last token (+ KL penalty)
     advantages_bt: torch.Tensor | None = None  # fp32 [B, T]
     returns_bt: torch.Tensor | None = None  # fp32 [B, T] critic targets
+    is_weights_bt: torch.Tensor | None = None  # fp32 [B, T] rollout-correction weights on the policy loss
+    loss_mask_bt: torch.Tensor | None = None  # bool [B, T] tokens in the actor loss (None: response_mask_bt)
     pad_token_id: int = 0
 
     @property
@@ -124,8 +127,10 @@ def build_train_batch(prompts: PromptBatch, rollouts: Rollouts) -> TrainBatch:
         response = rollouts.response(row)
         tokens_rs[row, :len(prompt) + len(response)] = torch.tensor(prompt + response, dtype=torch.long)
     mask_rt = rollouts.response_mask_rt
+    truncated_r = torch.tensor([reason is FinishReason.LENGTH for reason in rollouts.finish_reasons],
+                               dtype=torch.bool)
     return TrainBatch(tokens_bs=tokens_rs, prompt_lengths_b=prompt_lengths_r.clone(),
                       response_lengths_b=rollouts.response_lengths_r.clone(), response_mask_bt=mask_rt,
                       group_index_b=prompt_index_r.clone(),
-                      rollout_logprobs_bt=_sampled_logprobs(rollouts).float() * mask_rt,
+                      rollout_logprobs_bt=_sampled_logprobs(rollouts).float() * mask_rt, truncated_b=truncated_r,
                       pad_token_id=rollouts.pad_token_id)

@@ -7,15 +7,17 @@ from dataclasses import dataclass, field
 import torch
 
 from rlhf.algo.advantages import AdvantageConfig, AdvantageKind
+from rlhf.algo.dapo import FilterGroupsConfig, OverlongBufferConfig
 from rlhf.algo.kl import KLConfig
 from rlhf.algo.policy_loss import PolicyLossConfig
+from rlhf.algo.rollout_correction import RolloutCorrectionConfig
 from rlhf.algo.value_loss import ValueLossConfig
 from rlhf.errors import ConfigError
 from rlhf.rollout.sampling_params import SamplingParams
 from rlhf.train.config import OptimConfig
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(kw_only=True)
@@ -34,12 +36,12 @@ class ModelConfig:
     dtype: str = "float32"  # parameters of every role; bfloat16 trains with fp32 master weights and fp32 grads
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ConfigError(f"model.dtype={self.dtype!r} is not one of {', '.join(_DTYPES)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"model.dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
 
 @dataclass(kw_only=True)
@@ -68,10 +70,12 @@ class SamplingConfig:
         """Temperature of the policy the training rollouts sample from (greedy rollouts: 1)."""
         return self.temperature if self.temperature > 0 else 1.0
 
-    def train_params(self, step: int) -> SamplingParams:
-        """Fresh seed per step (same on every rank; engines mix in their DP rank)."""
+    def train_params(self, step: int, gen_round: int = 0) -> SamplingParams:
+        """Fresh seed per step (same on every rank; engines mix in their DP rank); extra generation rounds of a
+        step (dynamic sampling) step by a prime, so they never reuse another step's seed."""
+        seed = self.seed + 1_000 * step + 1_000_003 * gen_round
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, n=self.n, seed=self.seed + 1_000 * step,
+                              top_k=self.top_k, n=self.n, seed=seed,
                               ignore_eos=self.ignore_eos)
 
     def val_params(self, step: int) -> SamplingParams:
@@ -83,12 +87,18 @@ class SamplingConfig:
 
 @dataclass(kw_only=True)
 class AlgoConfig:
-    """The RL algorithm: the advantage estimator picks it (gae = PPO with a critic), plus losses and KL."""
+    """The RL algorithm: the advantage estimator picks it (gae = PPO with a critic), plus losses and KL;
+    rollout correction for rollout != training numerics; DAPO's dynamic sampling (`filter_groups`) and
+    overlong handling (`overlong_buffer` reward shaping, `overlong_filter`: truncated responses leave the loss)."""
 
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     kl: KLConfig = field(default_factory=KLConfig)
     value_loss: ValueLossConfig = field(default_factory=ValueLossConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    overlong_filter: bool = False
 
     @property
     def uses_critic(self) -> bool:
@@ -105,7 +115,8 @@ class UpdateConfig:
 
     Every mini-batch is one optimizer step; `micro_batch_size` sequences go through one forward per DP rank.
     `recompute_old_logprobs=False` (actor, strictly on-policy: one epoch, one mini-batch) skips the separate
-    old-logprob forward: the update's own logprobs, detached, are the old ones (ratio exactly 1, same gradient).
+    old-logprob forward: the update's own logprobs, detached, are the old ones (ratio exactly 1, same gradient);
+    decoupled rollout correction still runs that forward (it compares pi_old with the rollout's policy).
     """
 
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -30,7 +30,7 @@ from rlhf.metrics import MetricReducer, MetricsSink
 from rlhf.rollout.factory import build_engine, engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
 from rlhf.step import RLStack, rl_step
-from rlhf.trainer.config import check_batch_sizes
+from rlhf.trainer.config import DTYPES, check_batch_sizes
 from rlhf.trainer.memory import check_sleep, plan_memory_phases
 from rlhf.trainer.roles import CriticRole, PolicyRole, RewardModelRole
 from rlhf.trainer.scoring import Scorer
@@ -77,6 +77,9 @@ def _role_dims(cfg: RlhfConfig) -> dict[str, ModelDims]:
         if cfg.algo.advantage.kind == AdvantageKind.REMAX:
             raise ConfigError("algo.advantage.kind=remax scores a greedy baseline with rule rewards; it cannot "
                               "be combined with reward.model_path yet")
+        if cfg.algo.filter_groups.enable:
+            raise ConfigError("algo.filter_groups.enable=true filters groups on rule rewards before training; it "
+                              "cannot be combined with reward.model_path yet")
         dims["reward"] = _model_dims(cfg.reward.model_path, "reward.model_path")
     return dims
 
@@ -90,9 +93,15 @@ def _check_batches(cfg: RlhfConfig, layouts: dict) -> None:
                               update=getattr(cfg, role))
 
 
+def _rollout_dtype(cfg: RlhfConfig) -> torch.dtype:
+    return cfg.model.torch_dtype if cfg.rollout.dtype == "auto" else DTYPES[cfg.rollout.dtype]
+
+
 def _shares_weights(cfg: RlhfConfig, layouts: dict) -> bool:
-    """The colocated native engine in the actor's own layout generates with the actor's parameter tensors."""
-    return cfg.rollout.engine == "native" and layouts["rollout"] == layouts["actor"]
+    """The colocated native engine in the actor's own layout and dtype generates with the actor's parameter
+    tensors."""
+    return (cfg.rollout.engine == "native" and layouts["rollout"] == layouts["actor"]
+            and _rollout_dtype(cfg) == cfg.model.torch_dtype)
 
 
 def _sleep(cfg: RlhfConfig) -> str:
@@ -125,14 +134,24 @@ def preflight(cfg: RlhfConfig, world_size: int) -> None:
     Scorer(cfg.reward, tokenizer).check_sources(records)
 
 
+def _resolved_algo(cfg: RlhfConfig, layouts: dict):
+    """The algorithm with rollout correction's `auto` decided: on unless the engine shares the actor's weights."""
+    correction = cfg.algo.rollout_correction.resolved(weights_shared=_shares_weights(cfg, layouts))
+    if cfg.algo.rollout_correction.enable == "auto":
+        log.info("rollout correction (auto): %s", "on, the rollout engine has its own weights" if correction.enable
+                 else "off, the rollout engine samples with the actor's own weights")
+    return dataclasses.replace(cfg.algo, rollout_correction=correction)
+
+
 class Trainer:
     def __init__(self, cfg: RlhfConfig, run_dir: RunDir) -> None:
         self.cfg, self.run_dir = cfg, run_dir
-        algo = cfg.algo
         self.meshes: RoleMeshes = build_meshes(cfg)
         self.metric_reducer = MetricReducer(strategy=cfg.comm.strategy, min_bucket_mb=cfg.comm.min_bucket_mb,
                                             verify=cfg.comm.verify, timeout_s=cfg.dist.timeout_s)
-        _check_batches(cfg, {role: mesh.layout for role, mesh in self.meshes.meshes.items()})
+        layouts = {role: mesh.layout for role, mesh in self.meshes.meshes.items()}
+        _check_batches(cfg, layouts)
+        algo = _resolved_algo(cfg, layouts)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
@@ -159,7 +178,6 @@ class Trainer:
                                         params_dtype=cfg.model.torch_dtype)
                         if cfg.reward.model_path else None)
         engine, weight_sync = self._build_rollout(actor)
-        layouts = {role: mesh.layout for role, mesh in self.meshes.meshes.items()}
         memory = plan_memory_phases(engine=engine, roles={"actor": actor, "critic": critic, "ref": ref,
                                                           "reward": reward_model},
                                     on_rollout_mesh=self.meshes["rollout"].is_member, sleep=_sleep(cfg),
@@ -199,11 +217,11 @@ class Trainer:
             return engine, SharedWeights(engine)
         from rlhf.reshard.sync import WeightSync
 
-        engine = (build_engine(cfg.rollout, cfg.model.path, mesh.pgs, dtype=cfg.model.torch_dtype)
-                  if mesh.is_member else None)
+        dtype = _rollout_dtype(cfg)
+        engine = build_engine(cfg.rollout, cfg.model.path, mesh.pgs, dtype=dtype) if mesh.is_member else None
         sync = WeightSync(actor.model, actor_layout, mesh.layout, engine,
                           hf_config=AutoConfig.from_pretrained(cfg.model.path), verify=cfg.comm.verify,
-                          hf_names=cfg.rollout.engine != "native")
+                          hf_names=cfg.rollout.engine != "native", dtype=dtype)
         return engine, sync
 
     # -- state -----------------------------------------------------------------------------------------------
@@ -299,7 +317,8 @@ class Trainer:
     def _step(self, step: int) -> dict:
         """One RL step plus its validation, logging and checkpoint."""
         cfg = self.cfg.trainer
-        values = rl_step(self.stack, self.loader.next_step(), step).reduced(self.metric_reducer)
+        values = rl_step(self.stack, self.loader.next_step(), step,
+                         more_prompts=self.loader.next_step).reduced(self.metric_reducer)
         if (cfg.val_every and step % cfg.val_every == 0) or step == cfg.total_steps:
             values.update(self.validate(step))
         values["training/global_step"] = step

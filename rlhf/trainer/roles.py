@@ -7,6 +7,7 @@ rank sees the whole batch (`exchange.gather_rows`). Non-members only take part i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -262,10 +263,12 @@ class PolicyRole(ModelRole):
             inputs = ActorLossInputs(logprobs_bt=logp_bt, old_logprobs_bt=old_bt,
                                      advantages_bt=mb.advantages_bt, response_mask_bt=mb.response_mask_bt,
                                      ref_logprobs_bt=mb.ref_logprobs_bt if use_kl_loss else None,
-                                     entropy_bt=entropy_bt)
+                                     entropy_bt=entropy_bt, is_weights_bt=mb.is_weights_bt)
             loss, metrics = actor_loss(inputs, algo.policy_loss, algo.kl, counts)
             return loss, {k: float(v) for k, v in metrics.as_dict("actor/").items()}
 
+        if batch.loss_mask_bt is not None:  # rejected tokens / filtered rows leave the loss and its counts
+            batch = dataclasses.replace(batch, response_mask_bt=batch.loss_mask_bt)
         with self._output_mode():
             out = self._train(batch, loss_fn, "actor/")
         if out and use_kl_loss:

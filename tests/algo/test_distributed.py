@@ -8,6 +8,7 @@ from rlhf.algo import (
     AdvantageInputs,
     GlobalCounts,
     Groups,
+    KLConfig,
     LossAggMode,
     PolicyLossConfig,
     RunningMeanStd,
@@ -15,6 +16,8 @@ from rlhf.algo import (
     explained_variance,
     policy_loss,
 )
+from rlhf.algo.actor_loss import ActorLossInputs, actor_loss
+from rlhf.algo.rollout_correction import RolloutCorrectionConfig, rollout_correction
 from rlhf.testing.distributed import run_distributed
 
 SHARDS = [(0, 2), (2, 6), (6, 8)]  # uneven DP shards of whole groups of 2
@@ -25,7 +28,43 @@ def _global_batch():
     lengths = torch.tensor([5, 1, 0, 4, 5, 3, 2, 5])
     mask = (torch.arange(5).unsqueeze(0) < lengths.unsqueeze(1)).double()
     return {name: torch.randn(8, 5, generator=gen, dtype=torch.float64) for name in
-            ["rewards", "values", "old_logp", "direction", "advantages"]} | {"mask": mask}
+            ["rewards", "values", "old_logp", "direction", "advantages", "rollout_shift"]} | {"mask": mask}
+
+
+CORRECTIONS = {"token_tis": RolloutCorrectionConfig(enable=True, rollout_is="token", rollout_is_threshold=1.5),
+               "seq_tis_seq_mis": RolloutCorrectionConfig(enable=True, rollout_is="sequence", rollout_rs="sequence",
+                                                          rollout_is_threshold=3.0),
+               "icepop": RolloutCorrectionConfig(enable=True, rollout_is=None, rollout_rs="token",
+                                                 rollout_rs_threshold=2.0, rollout_rs_threshold_lower=0.5)}
+
+
+def _correction_diffs(full, rows, group):
+    """The step computes weights and masks on the global batch; each DP shard's loss on its rows sums to the
+    full-batch loss (value and gradient), with counts of the kept tokens."""
+    diffs = {}
+    rollout_logp = full["old_logp"] + 0.5 * full["rollout_shift"]
+    for name, config in CORRECTIONS.items():
+        correction = rollout_correction(full["old_logp"], rollout_logp, full["mask"], config)
+        keep = correction.keep_mask_bt.double()
+        weights = correction.weights_bt
+        counts = GlobalCounts.of(keep[rows], group=group)
+        theta = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+
+        def loss_of(sel, counts):
+            logp = full["old_logp"][sel] + theta * full["direction"][sel]
+            inputs = ActorLossInputs(logprobs_bt=logp, old_logprobs_bt=full["old_logp"][sel],
+                                     advantages_bt=full["advantages"][sel], response_mask_bt=keep[sel],
+                                     is_weights_bt=None if weights is None else weights[sel])
+            return actor_loss(inputs, PolicyLossConfig(clip_low=0.1, clip_high=0.3), KLConfig(), counts)[0]
+
+        local = loss_of(rows, counts)
+        (local_grad,) = torch.autograd.grad(local, theta)
+        summed = torch.stack([local.detach(), local_grad])
+        dist.all_reduce(summed, group=group)
+        reference = loss_of(slice(None), GlobalCounts.of(keep))
+        (grad,) = torch.autograd.grad(reference, theta)
+        diffs[name] = (summed - torch.stack([reference.detach(), grad])).abs().max().item()
+    return diffs
 
 
 def _advantage_diffs(full, rows, group):
@@ -86,11 +125,12 @@ def _check_rank():
     start, stop = SHARDS[dist.get_rank()]
     rows = slice(start, stop)
     group = dist.group.WORLD
-    return _advantage_diffs(full, rows, group) | _loss_diffs(full, rows, group) | _stats_diffs(full, rows, group)
+    return (_advantage_diffs(full, rows, group) | _loss_diffs(full, rows, group) | _stats_diffs(full, rows, group)
+            | _correction_diffs(full, rows, group))
 
 
 def test_dp_shards_reproduce_the_full_batch():
     for rank, diffs in enumerate(run_distributed(_check_rank, len(SHARDS), timeout_s=120)):
-        assert len(diffs) == 3 + 1 + len(LossAggMode) + 4
+        assert len(diffs) == 3 + 1 + len(LossAggMode) + 4 + len(CORRECTIONS)
         for name, diff in diffs.items():
             assert diff <= 1e-9, (rank, name, diff)

@@ -92,3 +92,14 @@ def test_dropping_weights_the_engine_shares_with_the_actor(tiny, tmp_path):
         preflight(cfg, world_size=2)
     preflight(trainer_config(tiny, str(tmp_path), ["rollout.sleep=kv_cache_and_weights", "mesh.actor.tp=2",
                                                    "mesh.rollout.tp=1"]), world_size=2)
+
+
+def test_dynamic_sampling_with_a_reward_model_and_bad_rollout_dtype(tiny, tmp_path):
+    cfg = trainer_config(tiny, str(tmp_path), ["algo.filter_groups.enable=true", f"reward.model_path={tiny['model']}"])
+    with pytest.raises(ConfigError, match=r"^algo\.filter_groups\.enable=true filters groups on rule rewards before "
+                                          r"training; it cannot be combined with reward\.model_path yet$"):
+        preflight(cfg, world_size=1)
+    with pytest.raises(ConfigError, match=r"^rollout\.dtype='float16' is not one of 'auto', 'float32', 'bfloat16'$"):
+        trainer_config(tiny, str(tmp_path), ["rollout.dtype=float16"])
+    with pytest.raises(ConfigError, match=r"^algo\.rollout_correction\.bypass_mode=true anchors PPO"):
+        trainer_config(tiny, str(tmp_path), ["algo.rollout_correction.bypass_mode=true"])

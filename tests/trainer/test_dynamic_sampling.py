@@ -1,0 +1,37 @@
+"""Dynamic sampling's batch assembly over gathered rounds (pure; the multi-rank run is in test_dapo_run.py)."""
+
+import torch
+
+from rlhf.trainer.batch import TrainBatch
+from rlhf.trainer.dynamic_sampling import fill_batch, informative_groups
+
+
+def _round(scores, tag, n=2):
+    """A gathered round: len(scores)/n groups of n rows; tokens carry `tag` so rows can be traced."""
+    size = len(scores)
+    return TrainBatch(tokens_bs=torch.full((size, 3), tag) + torch.arange(size)[:, None] * 0,
+                      prompt_lengths_b=torch.ones(size, dtype=torch.long),
+                      response_lengths_b=torch.full((size,), 2), response_mask_bt=torch.ones(size, 2, dtype=torch.bool),
+                      group_index_b=torch.arange(size) // n, rollout_logprobs_bt=torch.zeros(size, 2),
+                      scores_b=torch.tensor(scores))
+
+
+def test_kept_groups_come_first_in_round_order_renumbered():
+    rounds = [_round([1.0, 0.0, 1.0, 1.0, 0.0, 0.0], tag=10), _round([0.0, 1.0, 0.5, 0.0, 1.0, 1.0], tag=20)]
+    assert informative_groups(rounds) == 3
+    full = fill_batch(rounds, target=3)
+    assert full.batch.tokens_bs[:, 0].tolist() == [10, 10, 20, 20, 20, 20]
+    assert full.batch.scores_b.tolist() == [1.0, 0.0, 0.0, 1.0, 0.5, 0.0]
+    assert full.batch.group_index_b.tolist() == [0, 0, 1, 1, 2, 2]
+    assert full.metrics == {"gen_rounds": 2.0, "kept_groups": 3.0, "dropped_groups": 3.0, "filled_groups": 0.0,
+                            "kept_fraction": 0.5}
+
+
+def test_surplus_is_cut_and_a_short_step_is_filled_with_dropped_groups():
+    surplus = fill_batch([_round([1.0, 0.0, 0.0, 1.0, 1.0, 1.0], tag=1)], target=1)
+    assert surplus.batch.scores_b.tolist() == [1.0, 0.0] and surplus.metrics["kept_groups"] == 1.0
+    short = fill_batch([_round([1.0, 1.0, 0.0, 1.0, 0.0, 0.0], tag=1), _round([0.5, 0.5, 0.0, 0.0, 1.0, 1.0], tag=2)],
+                       target=3)
+    assert short.batch.scores_b.tolist() == [0.0, 1.0, 1.0, 1.0, 0.0, 0.0]  # kept, then round 1's dropped
+    assert short.batch.group_index_b.tolist() == [0, 0, 1, 1, 2, 2]
+    assert short.metrics["filled_groups"] == 2.0 and short.metrics["kept_groups"] == 1.0
