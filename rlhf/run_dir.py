@@ -53,10 +53,12 @@ def _agreed_name(cfg: RunConfig, prefix: str) -> str:
     """Rank 0 picks the default name; the others take it from rank 0 so all write to one folder."""
     if cfg.name:
         return cfg.name
-    name = [f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"]
+    name = f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(name, src=0)
-    return name[0]
+        from rlhf.dist.wire import broadcast_json
+
+        name = broadcast_json(name, src=0)
+    return name
 
 
 @dataclass

@@ -30,8 +30,6 @@ def check_steps(steps: int, warmup: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
     from rlhf.profiling.runner import run_profiled_steps
     from rlhf.trainer.loop import preflight
 
@@ -40,9 +38,10 @@ def run(args: argparse.Namespace) -> int:
     def body(cfg, run_dir) -> None:
         profile = run_profiled_steps(cfg, run_dir, steps=args.steps, warmup=args.warmup, counters=True,
                                      trace_dir=run_dir.path if args.trace else None)
-        per_rank: list = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, {"memory": profile.memory.peak_bytes, "comm": profile.comm.rows(),
-                                          "timings": profile.local_timings})
+        from rlhf.dist.wire import all_gather_json
+
+        per_rank = all_gather_json({"memory": profile.memory.peak_bytes, "comm": profile.comm.rows(),
+                                    "timings": profile.local_timings})
         if run_dir.is_rank0:
             report = build_report(profile.steps, per_rank, args.steps)
             (run_dir.path / "profile.json").write_text(json.dumps(report, indent=1) + "\n")
