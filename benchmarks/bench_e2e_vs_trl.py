@@ -87,12 +87,10 @@ class RlhfArm:
         self.times: list[float] = []
 
     def run_steps(self, count: int) -> None:
-        from rlhf.step import rl_step
-
         for _ in range(count):
             self.step_index += 1
             start = time.perf_counter()
-            rl_step(self.trainer.stack, self.trainer.loader.next_step(), self.step_index)
+            self.trainer.run_step(self.step_index)
             self.times.append(time.perf_counter() - start)
 
 

@@ -87,8 +87,6 @@ def _trainer(paths: dict, root: str, name: str, overrides: list[str], steps: int
 
 def step_rows(root: str, steps: int) -> list[dict]:
     """Collective body (1 rank): both arms built, then stepped alternately; the first step of each is warm-up."""
-    from rlhf.step import rl_step
-
     paths = _setup(Path(root))
     trainers = {arm: _trainer(paths, root, arm.replace(" ", "_"), overrides, steps)
                 for arm, overrides in ARMS.items()}
@@ -97,7 +95,7 @@ def step_rows(root: str, steps: int) -> list[dict]:
     for index in range(1, steps + 1):
         for arm, trainer in trainers.items():
             start = time.perf_counter()
-            last[arm] = rl_step(trainer.stack, trainer.loader.next_step(), index).reduced()
+            last[arm] = trainer.run_step(index).reduced(trainer.metric_reducer)
             if index > 1:
                 seconds[arm].append(time.perf_counter() - start)
     return [{"part": "rl_step", "arm": arm, "s_per_step": statistics.median(seconds[arm]),

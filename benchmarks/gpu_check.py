@@ -264,7 +264,6 @@ def rl_steps(root: Path, args, model: str, prompts_per_step: int, new_tokens: in
     `--rl-steps` steps with the fused LM head and again with full logits; same seeds, so step-1 metrics agree."""
     from rlhf.config import RlhfConfig, from_dict
     from rlhf.run_dir import close_run, setup_run
-    from rlhf.step import rl_step
     from rlhf.trainer.loop import Trainer, preflight
 
     root.mkdir(parents=True, exist_ok=True)
@@ -294,7 +293,7 @@ def rl_steps(root: Path, args, model: str, prompts_per_step: int, new_tokens: in
             for step in range(1, args.rl_steps + 1):
                 platform.synchronize()
                 start = time.perf_counter()
-                metrics.append(rl_step(trainer.stack, trainer.loader.next_step(), step).local())
+                metrics.append(trainer.run_step(step).local())
                 platform.synchronize()
                 times.append(time.perf_counter() - start)
         finally:

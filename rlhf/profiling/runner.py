@@ -33,15 +33,13 @@ class StepProfile:
 def run_profiled_steps(cfg: RlhfConfig, run_dir: RunDir, *, steps: int, warmup: int, counters: bool,
                        trace_dir: Path | None = None) -> StepProfile:
     """Build the trainer, run `warmup` untimed and `steps` timed RL steps; collectives (world-wide)."""
-    from rlhf.step import rl_step
     from rlhf.trainer.loop import Trainer
 
     trainer = Trainer(cfg, run_dir)
-    trainer.push_initial_weights()  # an engine with its own weights copy (resharded, vLLM) starts from the actor's
+    trainer.push_initial_weights()  # before the timed steps: an engine with its own weights starts from the actor's
     profile = StepProfile()
     for index in range(1, warmup + 1):
-        rl_step(trainer.stack, trainer.loader.next_step(), index,
-                more_prompts=trainer.loader.next_step).reduced(trainer.metric_reducer)
+        trainer.run_step(index).reduced(trainer.metric_reducer)
     with ExitStack() as stack:
         if counters:
             stack.enter_context(profile.memory.active())
@@ -49,7 +47,7 @@ def run_profiled_steps(cfg: RlhfConfig, run_dir: RunDir, *, steps: int, warmup: 
         tracer = stack.enter_context(torch.profiler.profile(
             activities=list(torch.profiler.supported_activities()))) if trace_dir else None
         for index in range(warmup + 1, warmup + steps + 1):
-            metrics = rl_step(trainer.stack, trainer.loader.next_step(), index, more_prompts=trainer.loader.next_step)
+            metrics = trainer.run_step(index)
             profile.steps.append(metrics.reduced(trainer.metric_reducer))
             profile.local_timings.append({k: v for k, v in metrics.local().items() if k.startswith("timing_s/")})
     if tracer is not None:

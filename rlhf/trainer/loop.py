@@ -26,7 +26,7 @@ from rlhf.data.loader import PromptLoader, load_prompts
 from rlhf.dist.watchdog import Watchdog
 from rlhf.dist.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes, plan_meshes
 from rlhf.errors import ConfigError
-from rlhf.metrics import MetricReducer, MetricsSink
+from rlhf.metrics import MetricReducer, MetricsSink, StepMetrics
 from rlhf.rollout.factory import build_engine, engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
 from rlhf.step import RLStack, rl_step
@@ -182,6 +182,7 @@ class Trainer:
                                                           "reward": reward_model},
                                     on_rollout_mesh=self.meshes["rollout"].is_member, sleep=_sleep(cfg),
                                     weights_shared=_shares_weights(cfg, layouts))
+        self._weights_pushed = False
         self.stack = RLStack(rollout=engine, rollout_layout=self.meshes["rollout"].layout, scorer=self.scorer,
                              actor=actor, ref=ref, critic=critic, weight_sync=weight_sync, algo=algo,
                              sampling=cfg.sampling, actor_update=cfg.actor, critic_update=cfg.critic,
@@ -268,9 +269,12 @@ class Trainer:
 
     def push_initial_weights(self) -> None:
         """An engine with its own weights (a resharded copy, or vLLM's dummy init) takes the actor's current (maybe
-        resumed) ones before the first rollout; the policy version stays what the checkpoint (or 0) says."""
-        if isinstance(self.stack.weight_sync, SharedWeights):
+        resumed) ones before the first rollout; the policy version stays what the checkpoint (or 0) says.
+        Collective; idempotent (`run_step` calls it if nobody did)."""
+        if self._weights_pushed or isinstance(self.stack.weight_sync, SharedWeights):
+            self._weights_pushed = True
             return
+        self._weights_pushed = True
         engine = self.stack.rollout
         version = engine.policy_version if engine is not None else 0
         self.stack.weight_sync.sync()
@@ -278,6 +282,12 @@ class Trainer:
             engine.policy_version = version
 
     # -- loop ------------------------------------------------------------------------------------------------
+    def run_step(self, step: int) -> StepMetrics:
+        """One RL step on this rank (unreduced metrics): the one step driver `fit`, `rlhf profile`/`bench` and
+        the benchmarks share, so none can skip the initial weight push or dynamic sampling's extra prompts."""
+        self.push_initial_weights()
+        return rl_step(self.stack, self.loader.next_step(), step, more_prompts=self.loader.next_step)
+
     def validate(self, step: int) -> dict[str, float]:
         if self.val is None:
             return {}
@@ -317,8 +327,7 @@ class Trainer:
     def _step(self, step: int) -> dict:
         """One RL step plus its validation, logging and checkpoint."""
         cfg = self.cfg.trainer
-        values = rl_step(self.stack, self.loader.next_step(), step,
-                         more_prompts=self.loader.next_step).reduced(self.metric_reducer)
+        values = self.run_step(step).reduced(self.metric_reducer)
         if (cfg.val_every and step % cfg.val_every == 0) or step == cfg.total_steps:
             values.update(self.validate(step))
         values["training/global_step"] = step
