@@ -106,4 +106,5 @@ def export_hf(model: Any, out_dir: str, *, tokenizer_dir: str | None = None, dty
     if is_writer and pp_group.rank() == 0:
         _write_metadata(model, staging, {k: v for m in maps for k, v in m.items()}, tokenizer_dir, dtype)
         os.rename(staging, out_dir)
-    dist.barrier(group=groups.mp)
+    dist.barrier(group=groups.mp)  # the folder is in place for every rank of the layout, other dp replicas too
+    dist.barrier(group=groups.dp)

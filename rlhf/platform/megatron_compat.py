@@ -10,7 +10,9 @@ against `'torch.cuda.FloatTensor'`). On a CPU-only host this module redirects ex
   global is swapped for a thin proxy; patching `torch.zeros` globally broke `transformers`);
 - `Tensor.type()` without arguments reports the CUDA type name for CPU tensors (megatron's optimizer and
   clip_grads compare against it);
-- CUDA RNG state functions (torch's and megatron's private `_get/_set_cuda_rng_state`) use the CPU generator.
+- CUDA RNG state functions (torch's and megatron's private `_get/_set_cuda_rng_state`) use the CPU generator;
+- the MoE router's gating GEMM tests a Transformer-Engine symbol that is never defined without TE (a NameError
+  in 0.16.1): it is defined as None, selecting megatron's torch path.
 
 A TorchFunctionMode is deliberately not used: autograd switches it off in backward, breaking recompute.
 """
@@ -109,6 +111,8 @@ def _patch_megatron_modules() -> None:
         if name == "megatron.core.tensor_parallel.random":
             module._get_cuda_rng_state = _cpu_rng_get
             module._set_cuda_rng_state = _cpu_rng_set
+        if name == "megatron.core.transformer.moe.moe_utils" and not hasattr(module, "te_general_gemm"):
+            module.te_general_gemm = None
 
 
 def apply() -> None:
