@@ -42,7 +42,7 @@ def moe_config(spec: ModelSpec, *, ep: int = 1, aux_loss_coeff: float = 0.0, z_l
 def transformer_config(spec: ModelSpec, *, tp: int, pp: int, params_dtype: torch.dtype = torch.float32,
                        recompute: bool = False, moe_kwargs: dict | None = None) -> TransformerConfig:
     """The megatron TransformerConfig for `spec` split tp-ways over pp stages (dropout off, fusions off)."""
-    spec.check_layout(tp, pp)
+    spec.check_layout(tp, pp, (moe_kwargs or {}).get("expert_model_parallel_size", 1))
     recompute_kwargs = dict(recompute_granularity="full", recompute_method="uniform",
                             recompute_num_layers=1) if recompute else {}
     return TransformerConfig(

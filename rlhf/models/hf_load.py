@@ -79,9 +79,10 @@ def check_folder(folder: HfFolder, spec: ModelSpec, *, value_head: bool = False)
 
 
 def model_layout(model: Any) -> tuple[ParallelLayout, int, int]:
-    """(tp x pp layout, tp rank, pp rank) of a model built by `build_gpt`, read from its process groups."""
+    """(tp x dp x pp layout with its ep, tp rank, pp rank) of a model built by `build_gpt`, read from its groups."""
     groups = model.pg_collection
-    return ParallelLayout(tp=groups.tp.size(), pp=groups.pp.size()), groups.tp.rank(), groups.pp.rank()
+    layout = ParallelLayout(tp=groups.tp.size(), pp=groups.pp.size(), dp=groups.dp.size(), ep=groups.ep.size())
+    return layout, groups.tp.rank(), groups.pp.rank()
 
 
 # The Transformer-Engine spec fuses the pre-attention/pre-MLP norms into the following linear layer.

@@ -116,7 +116,7 @@ def _layer_specs(spec: ModelSpec, layer: int, stage: int) -> list[ParamSpec]:
 def param_specs(hf_config: Any, layout: ParallelLayout, *, value_head: bool = False) -> list[ParamSpec]:
     """All parameters of the model on `layout`, stage by stage, in megatron's parameter order."""
     spec = ModelSpec.from_hf(hf_config)
-    spec.check_layout(layout.tp, layout.pp)
+    spec.check_layout(layout.tp, layout.pp, layout.ep)
     h, vocab = spec.hidden_size, spec.padded_vocab_size(layout.tp)
     last, per_stage = layout.pp - 1, spec.num_layers // layout.pp
     embed = ParamSpec("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), (vocab, h), 0,

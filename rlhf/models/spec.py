@@ -85,8 +85,15 @@ class ModelSpec:
                    initializer_range=getattr(hf_config, "initializer_range", 0.02),
                    qk_norm=model_type in QK_NORM_TYPES, moe=moe)
 
-    def check_layout(self, tp: int, pp: int) -> None:
-        """ConfigError (naming the numbers) unless this model can be split tp-ways and into pp stages."""
+    def check_layout(self, tp: int, pp: int, ep: int = 1) -> None:
+        """ConfigError (naming the numbers) unless this model can be split tp-ways, into pp stages, and its
+        experts ep-ways."""
+        if ep > 1 and self.moe is None:
+            raise ConfigError(f"ep={ep} for a dense model ({self.model_type}): expert parallelism needs experts; "
+                              "set ep=1")
+        if self.moe and self.moe.num_experts % ep:
+            raise ConfigError(f"ep={ep} does not divide num_experts={self.moe.num_experts}; "
+                              f"choose ep among the divisors of {self.moe.num_experts}")
         if self.num_heads % tp:
             raise ConfigError(f"tp={tp} does not divide num_attention_heads={self.num_heads}; "
                               f"choose tp among the divisors of {self.num_heads}")

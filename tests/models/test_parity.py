@@ -23,10 +23,14 @@ LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))
 # with 2 micro-batches at pp=2); MQA with activation recompute; Qwen3 (q/k norms, head_dim != hidden/heads) on
 # every layout; the MoE models (Qwen3-MoE with a dense layer, Mixtral) at tp=1 (megatron's MoE layer needs
 # sequence parallelism at tp>1).
-CASES = [(name, tp, pp, False, pp) for name in ("llama", "qwen2", "qwen3") for tp, pp in LAYOUTS] + [
-    ("mqa", 1, 1, False, 1), ("mqa", 1, 2, True, 2), ("mistral", 1, 1, False, 1),
-    ("mistral", 2, 1, False, 1), ("qwen3_moe", 1, 1, False, 1), ("qwen3_moe", 1, 2, False, 2),
-    ("mixtral", 1, 1, False, 1), ("mixtral", 1, 2, True, 2)]
+CASES = [(name, tp, pp, False, pp, 1) for name in ("llama", "qwen2", "qwen3") for tp, pp in LAYOUTS] + [
+    ("mqa", 1, 1, False, 1, 1), ("mqa", 1, 2, True, 2, 1), ("mistral", 1, 1, False, 1, 1),
+    ("mistral", 2, 1, False, 1, 1), ("qwen3_moe", 1, 1, False, 1, 1), ("qwen3_moe", 1, 2, False, 2, 1),
+    ("mixtral", 1, 1, False, 1, 1), ("mixtral", 1, 2, True, 2, 1),
+    # expert parallelism (the experts split over the dp ranks): ep2 of dp4, ep2 x pp2, ep4
+    ("qwen3_moe", 1, 1, False, 1, 2), ("qwen3_moe", 1, 2, False, 2, 2), ("mixtral", 1, 1, False, 1, 4),
+    ("mixtral", 1, 2, True, 2, 2)]
+CASE_IDS = [case[:3] + case[5:] for case in CASES]
 VALUE_CASES = [("llama", 2, 2), ("qwen3", 2, 2), ("qwen3_moe", 1, 2)]
 TOKENS = dict(batch=2, seq=12)
 
@@ -42,15 +46,15 @@ def _world(paths: dict[str, str], out_root: str, cases, skip_value_head: bool = 
     cache, results = GroupCache(), {}
     tokens = sample_tokens(TOKENS["batch"], TOKENS["seq"])
     read_names = world.record_hf_reads()
-    for name, tp, pp, recompute, num_micro_batches in cases:
-        model, groups = world.layout_model(paths[name], tp, pp, cache, recompute=recompute)
+    for name, tp, pp, recompute, num_micro_batches, ep in cases:
+        model, groups = world.layout_model(paths[name], tp, pp, cache, ep=ep, recompute=recompute)
         micro_batches = [world.MicroBatch(part) for part in tokens.chunk(num_micro_batches)]
         loss_fn = world.rl_loss(groups, VOCAB, scale=1.0 / num_micro_batches)
         reports = forward_backward(model, micro_batches, loss_fn, groups)
         grads = world.hf_grads(model, groups)
-        export_hf(model, os.path.join(out_root, f"{name}-tp{tp}-pp{pp}"), tokenizer_dir=paths[name],
+        export_hf(model, os.path.join(out_root, f"{name}-tp{tp}-pp{pp}-ep{ep}"), tokenizer_dir=paths[name],
                   max_shard_bytes=64 << 10)  # several files per stage: exercises the index
-        entry = results.setdefault((name, tp, pp), {"grads": {}})
+        entry = results.setdefault((name, tp, pp, ep), {"grads": {}})
         entry["grads"].update(grads)
         entry[("read", dist.get_rank())] = sorted(read_names)
         read_names.clear()
@@ -140,13 +144,13 @@ def parity(tmp_path_factory):
     return root, paths, hf_models, results
 
 
-@pytest.mark.parametrize("name,tp,pp", [case[:3] for case in CASES])
-def test_logits_logprobs_entropy_and_grads_match_transformers(parity, name, tp, pp):
+@pytest.mark.parametrize("name,tp,pp,ep", CASE_IDS)
+def test_logits_logprobs_entropy_and_grads_match_transformers(parity, name, tp, pp, ep):
     _, _, hf_models, results = parity
     tokens = sample_tokens(TOKENS["batch"], TOKENS["seq"])
     hf_models[name].zero_grad()
     logits, logprobs, entropy, hf_grads = _hf_reference(hf_models[name], tokens)
-    got = results[(name, tp, pp)]
+    got = results[(name, tp, pp, ep)]
     assert np.abs(got["logits"] - logits.numpy()).max() <= 1e-5
     assert np.abs(got["logprobs"] - logprobs.numpy()).max() <= 1e-5
     assert np.abs(got["entropy"] - entropy.numpy()).max() <= 1e-5
@@ -156,15 +160,15 @@ def test_logits_logprobs_entropy_and_grads_match_transformers(parity, name, tp, 
     assert sorted(got["grads"]) == sorted(hf_grads)
     for grad_name, grad in hf_grads.items():
         assert np.abs(got["grads"][grad_name] - grad).max() <= 1e-5, grad_name
-    reference = results[(name, 1, 1)]["grads"]
+    reference = results[(name, 1, 1, 1)]["grads"]  # grads at any tp x pp x ep equal tp1 x pp1 x ep1's
     for grad_name, grad in got["grads"].items():
         assert np.abs(grad - reference[grad_name]).max() <= 1e-6, grad_name
 
 
-@pytest.mark.parametrize("name,tp,pp", [case[:3] for case in CASES])
-def test_export_is_bitwise_round_trip_and_loads_in_transformers(parity, name, tp, pp):
+@pytest.mark.parametrize("name,tp,pp,ep", CASE_IDS)
+def test_export_is_bitwise_round_trip_and_loads_in_transformers(parity, name, tp, pp, ep):
     root, paths, _, _ = parity
-    exported = str(root / "out" / f"{name}-tp{tp}-pp{pp}")
+    exported = str(root / "out" / f"{name}-tp{tp}-pp{pp}-ep{ep}")
     source, result = _tensors(paths[name]), _tensors(exported)
     assert sorted(result) == sorted(source)
     for tensor_name, tensor in source.items():
@@ -209,9 +213,18 @@ def test_padded_batch_matches_each_sequence_run_alone(parity):
 
 def test_each_pipeline_stage_reads_only_its_own_tensors(parity):
     _, _, _, results = parity
-    reads = results[("llama", 2, 2)]
+    reads = results[("llama", 2, 2, 1)]
     stage0 = set(reads[("read", 0)]) | set(reads[("read", 1)])
     stage1 = set(reads[("read", 2)]) | set(reads[("read", 3)])
     assert "model.embed_tokens.weight" in stage0 and "lm_head.weight" in stage1
     assert not any(n.startswith(("model.layers.2.", "model.layers.3.", "lm_head", "model.norm")) for n in stage0)
     assert not any(n.startswith(("model.layers.0.", "model.layers.1.", "model.embed")) for n in stage1)
+
+
+def test_each_expert_parallel_rank_reads_only_its_own_experts(parity):
+    _, _, _, results = parity
+    reads = results[("mixtral", 1, 1, 4)]  # ep4 over dp4: rank r holds expert r of every layer
+    for rank in range(4):
+        experts = {int(n.split(".experts.")[1].split(".")[0]) for n in reads[("read", rank)] if ".experts." in n}
+        assert experts == {rank}, (rank, experts)
+        assert "model.layers.0.block_sparse_moe.gate.weight" in reads[("read", rank)]

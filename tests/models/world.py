@@ -22,8 +22,8 @@ class MicroBatch:
     tokens_bs: torch.Tensor
 
 
-def layout_model(path: str, tp: int, pp: int, cache: GroupCache, **build_kwargs):
-    layout = ParallelLayout.for_world(dist.get_world_size(), tp=tp, pp=pp)
+def layout_model(path: str, tp: int, pp: int, cache: GroupCache, ep: int = 1, **build_kwargs):
+    layout = ParallelLayout.for_world(dist.get_world_size(), tp=tp, pp=pp, ep=ep)
     groups = build_layout_groups(layout, cache)
     model = build_gpt(AutoConfig.from_pretrained(path), groups, **build_kwargs)
     load_hf_weights(model, path)
@@ -51,18 +51,24 @@ def rl_loss(groups, vocab_size: int, scale: float = 1.0):
 
 
 def hf_grads(model, groups) -> dict[str, np.ndarray]:
-    """This stage's grads gathered over tp and named like HF (dp replica 0, tp 0 keeps them); the q/k norms'
-    grads are summed over tp first, as megatron's `finalize_model_grads` does (each rank saw its own heads)."""
+    """This stage's grads, reduced as megatron's DDP and `finalize_model_grads` do, gathered over tp and named
+    like HF: dense grads averaged over dp; an expert's summed over its expert-dp replicas and divided by dp
+    (its grad already holds every ep rank's tokens); q/k norms summed over tp (each rank saw its own heads).
+    tp rank 0 of dp replica 0 keeps the dense grads, tp rank 0 of expert-dp replica 0 its experts'."""
     grads: dict[str, np.ndarray] = {}
     for param_spec, param in stage_params(model, param_specs_for(model)):
-        grad = param.grad.contiguous()
+        grad = param.grad.clone()
         if "q_layernorm" in param_spec.name or "k_layernorm" in param_spec.name:
             dist.all_reduce(grad, group=groups.tp)
+        expert = param_spec.expert is not None
+        dist.all_reduce(grad, group=groups.expt_dp if expert else groups.dp)
+        grad /= groups.dp.size()
         shards = [torch.empty_like(param) for _ in range(groups.tp.size())]
         dist.all_gather(shards, grad, group=groups.tp)
-        for name, tensor in merge_shards(param_spec, shards, model.rlhf_spec).items():
-            grads[name] = grads.get(name, 0) + tensor.numpy()
-    return grads if groups.tp.rank() == 0 and groups.dp.rank() == 0 else {}
+        if groups.tp.rank() == 0 and (groups.expt_dp if expert else groups.dp).rank() == 0:
+            for name, tensor in merge_shards(param_spec, shards, model.rlhf_spec).items():
+                grads[name] = grads.get(name, 0) + tensor.numpy()
+    return grads
 
 
 def numpy_report(reports: list[dict]) -> dict[str, np.ndarray]:
