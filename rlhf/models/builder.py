@@ -93,7 +93,8 @@ def build_gpt(hf_config: Any, pg_collection: ProcessGroupCollection, *, pre_proc
     `value_head=True` the LM head is replaced by a scalar head (critic / reward model). Weights are randomly
     initialised (seeded); load real ones with `rlhf.models.hf_load`. The model can also return its final
     hidden states (`rlhf.models.lm_head.hidden_output`) for the fused logprob path. `moe_kwargs` (router
-    losses, token dispatcher) go to `moe_config`; expert parallelism is `pg_collection.ep`'s size.
+    losses, token dispatcher: `rlhf.models.routing.MoeConfig.build_kwargs`) go to `moe_config`; expert
+    parallelism is `pg_collection.ep`'s size.
     """
     megatron_compat.apply()
     spec = ModelSpec.from_hf(hf_config)
