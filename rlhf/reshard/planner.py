@@ -2,8 +2,9 @@
 
 Each destination rank gets exactly the canonical slices its shards need (padding rows are zero-filled, never
 sent). A slice is taken from the destination rank itself whenever it already holds it (colocated), otherwise
-from the least-loaded of the source replicas holding it (DP replicas; any tp rank for replicated tensors), so
-send load spreads over the source ranks. No torch.distributed here: plans are unit-tested on 64+ fake ranks.
+from the least-loaded of the source replicas holding it (DP replicas; any tp rank for replicated tensors; for
+an expert's weights only the dp ranks of the expert-parallel rank holding it), so send load spreads over the
+source ranks. No torch.distributed here: plans are unit-tested on 64+ fake ranks.
 """
 
 from __future__ import annotations
@@ -94,9 +95,10 @@ class _Planner:
         self.src, self.dst, self.vocab_size = src, dst, vocab_size
         self.src_by_name = {spec.name: spec for spec in src_specs if not spec.tied_copy}
         self.src_per_stage = _layers_per_stage(src_specs, src.pp)
+        self.src_experts = _experts_per_rank(src_specs, src.ep)
         self.sent = {rank: 0 for rank in src.ranks}
         self.transfers: list[Transfer] = []
-        self._holders: dict[tuple[int, int | None], list[int]] = {}
+        self._holders: dict[tuple[int, int | None, int | None], list[int]] = {}
         self._segments: dict[str, list[tuple[int, Segment]]] = {}
 
     def source_of(self, dst_spec: ParamSpec) -> ParamSpec:
@@ -107,12 +109,15 @@ class _Planner:
         return self.src_by_name[name]
 
     def holders(self, spec: ParamSpec, tp_rank: int) -> list[int]:
-        """Source ranks holding tp rank `tp_rank`'s shard of `spec` (every tp rank for replicated tensors)."""
-        key = (spec.pp_stage, None if is_replicated(spec) else tp_rank)
+        """Source ranks holding tp rank `tp_rank`'s shard of `spec` (every tp rank for replicated tensors; an
+        expert's weights only on its expert-parallel rank's dp ranks)."""
+        ep_rank = spec.ep_rank(self.src_experts)
+        key = (spec.pp_stage, None if is_replicated(spec) else tp_rank, ep_rank)
         if key not in self._holders:
             tp_ranks = range(self.src.tp) if is_replicated(spec) else [tp_rank]
+            dp_ranks = [d for d in range(self.src.dp) if ep_rank is None or d % self.src.ep == ep_rank]
             stage = spec.pp_stage
-            self._holders[key] = [self.src.rank_of(t, d, stage) for d in range(self.src.dp) for t in tp_ranks]
+            self._holders[key] = [self.src.rank_of(t, d, stage) for d in dp_ranks for t in tp_ranks]
         return self._holders[key]
 
     def src_segments(self, spec: ParamSpec) -> list[tuple[int, Segment]]:
@@ -125,7 +130,7 @@ class _Planner:
 
     def add(self, dst_spec: ParamSpec, dst_rank: int, dst_name: str, wanted: Segment) -> None:
         spec = self.source_of(dst_spec)
-        dim, src_name = cut_dim(spec), spec.local_name(self.src_per_stage)
+        dim, src_name = cut_dim(spec), spec.local_name(self.src_per_stage, self.src_experts)
         for tp_rank, have in self.src_segments(spec):
             start, stop = max(have.canon_start, wanted.canon_start), min(have.canon_stop, wanted.canon_stop)
             if start >= stop:
@@ -144,6 +149,18 @@ class _Planner:
 def _layers_per_stage(specs: Sequence[ParamSpec], pp: int) -> int:
     layers = {spec.layer for spec in specs if spec.layer is not None}
     return max(1, len(layers) // pp)
+
+
+def _experts_per_rank(specs: Sequence[ParamSpec], ep: int) -> int:
+    """Experts each expert-parallel rank holds (1 for a dense model, where no spec has an expert)."""
+    num_experts = 1 + max((spec.expert for spec in specs if spec.expert is not None), default=0)
+    return num_experts // ep
+
+
+def _holds(spec: ParamSpec, layout: ParallelLayout, experts_per_rank: int, dp_rank: int) -> bool:
+    """Whether the ranks of dp rank `dp_rank` of `layout` hold `spec` (all do, but for other ep ranks' experts)."""
+    ep_rank = spec.ep_rank(experts_per_rank)
+    return ep_rank is None or dp_rank % layout.ep == ep_rank
 
 
 def _check_compatible(src_specs: Sequence[ParamSpec], dst_specs: Sequence[ParamSpec]) -> None:
@@ -170,13 +187,14 @@ def plan(src_layout: ParallelLayout, dst_layout: ParallelLayout, src_specs: Sequ
     _check_compatible(src_specs, dst_specs)
     planner = _Planner(src_layout, dst_layout, src_specs, vocab_size)
     dst_per_stage = _layers_per_stage(dst_specs, dst_layout.pp)
+    dst_experts = _experts_per_rank(dst_specs, dst_layout.ep)
     shards: list[DstShard] = []
     for dst_rank in dst_layout.ranks:
-        tp_rank, _, pp_rank = dst_layout.coords(dst_rank)
+        tp_rank, dp_rank, pp_rank = dst_layout.coords(dst_rank)
         for spec in dst_specs:
-            if spec.pp_stage != pp_rank:
+            if spec.pp_stage != pp_rank or not _holds(spec, dst_layout, dst_experts, dp_rank):
                 continue
-            name = spec.local_name(dst_per_stage)
+            name = spec.local_name(dst_per_stage, dst_experts)
             shape = spec.full_shape if spec.partition_dim is None else spec.shard_shape(dst_layout.tp)
             shards.append(DstShard(rank=dst_rank, param=spec.name, name=name, shape=shape,
                                    padding_rows=padding_rows(spec, dst_layout.tp, tp_rank, vocab_size)))
@@ -203,15 +221,17 @@ def min_received_numel(src_layout: ParallelLayout, dst_layout: ParallelLayout, s
     if not dst_layout.contains(rank):
         return 0
     src_by_name = {spec.name: spec for spec in src_specs if not spec.tied_copy}
-    tp_rank, _, pp_rank = dst_layout.coords(rank)
+    tp_rank, dp_rank, pp_rank = dst_layout.coords(rank)
     held_coords = src_layout.coords(rank) if src_layout.contains(rank) else None
+    src_experts, dst_experts = _experts_per_rank(src_specs, src_layout.ep), _experts_per_rank(dst_specs, dst_layout.ep)
     total = 0
     for spec in dst_specs:
-        if spec.pp_stage != pp_rank:
+        if spec.pp_stage != pp_rank or not _holds(spec, dst_layout, dst_experts, dp_rank):
             continue
         source = src_by_name[TIED_SOURCE if spec.tied_copy else spec.name]
         held = []
-        if held_coords is not None and source.pp_stage == held_coords.pp_rank:
+        if (held_coords is not None and source.pp_stage == held_coords.pp_rank
+                and _holds(source, src_layout, src_experts, held_coords.dp_rank)):
             held = shard_segments(source, src_layout.tp, held_coords.tp_rank, vocab_size)
         row_numel = 1
         for dim, size in enumerate(spec.full_shape):
