@@ -143,3 +143,13 @@ def test_moe_config_errors_name_the_value():
         MoeConfig(aux_loss_coeff=-0.1)
     with pytest.raises(ConfigError, match="^moe.token_dispatcher='flex' is not one of allgather, alltoall$"):
         MoeConfig(token_dispatcher="flex")
+
+
+def test_moe_config_is_a_model_config_section():
+    from rlhf.config.loader import from_dict
+    from rlhf.trainer.config import ModelConfig
+
+    config = from_dict(ModelConfig, {"moe": {"aux_loss_coeff": 0.01, "token_dispatcher": "alltoall"}}, "model")
+    assert config.moe.build_kwargs() == dict(aux_loss_coeff=0.01, z_loss_coeff=0.0, token_dispatcher="alltoall")
+    with pytest.raises(ConfigError, match="^unknown config key 'model.moe.z_los_coeff'; did you mean 'z_loss_coeff'"):
+        from_dict(ModelConfig, {"moe": {"z_los_coeff": 0.01}}, "model")
