@@ -1,7 +1,7 @@
 """MoE at ep=2 on 2 gloo ranks (one launch): Qwen3-MoE and Mixtral logits and grads vs transformers with both
 token dispatchers, bitwise export, the router losses from config (grads = transformers' loss + the switch
 load-balancing and z-losses written out here), and the routing recorder's choices and metrics vs transformers'
-router."""
+router, and one TrainEngine step at ep1 vs ep2 (megatron DDP over the expert-dp groups)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,31 @@ def _world(paths: dict[str, str], out_root: str) -> dict:
             "grads": world.hf_grads(model, groups), "logits": reports[0]["logits"].numpy(),
             "experts": {layer: ids.numpy() for layer, ids in routing.topk_experts().items()},
             "metrics": routing.metrics()}
+    results["train"] = {ep: _train_step_grads(paths["qwen3_moe"], cache, ep) for ep in (1, 2)}
     return results
+
+
+def _train_step_grads(path: str, cache, ep: int) -> tuple[float, dict]:
+    """One TrainEngine step (megatron DDP: expert grads reduced over the expert-dp group) on this rank's half of
+    the batch: (global loss, this rank's reduced grads by global parameter name)."""
+    import torch.distributed as dist
+
+    from rlhf.models.forward import token_logprobs
+    from rlhf.models.hf_load import param_specs_for, stage_params
+    from rlhf.train.config import OptimConfig
+    from rlhf.train.engine import TrainEngine
+    from tests.models import world
+
+    model, groups = world.layout_model(path, 1, 1, cache, ep=ep)
+    engine = TrainEngine(model, groups, OptimConfig(lr=1e-2, total_steps=1))
+    tokens = sample_tokens(4, TOKENS["seq"], seed=5).chunk(2)[dist.get_rank()]
+
+    def loss_fn(logits, micro_batch):
+        return -token_logprobs(logits, micro_batch.tokens_bs, groups.tp, VOCAB).sum() / tokens.numel() / 2, {}
+
+    result = engine.train_step([world.MicroBatch(tokens)], loss_fn)
+    return result.loss, {spec.name: param.main_grad.numpy().copy()
+                         for spec, param in stage_params(engine.module, param_specs_for(engine.module))}
 
 
 def _router_reference(model, tokens, losses: MoeConfig | None):
@@ -83,8 +107,9 @@ def routed(tmp_path_factory):
     paths = {name: str(root / name) for name in configs}
     models = {name: save_hf_model(config, paths[name], seed=7 + i) for i, (name, config) in enumerate(configs.items())}
     ranks = run_distributed(_world, 2, paths, str(root / "out"), timeout_s=600)
-    results = {}
-    for key in ranks[0]:
+    results = {"train": {ep: (ranks[0]["train"][ep][0], {**ranks[0]["train"][ep][1], **ranks[1]["train"][ep][1]})
+                         for ep in (1, 2)}}
+    for key in (key for key in ranks[0] if key != "train"):
         results[key] = dict(ranks[0][key], grads={**ranks[0][key]["grads"], **ranks[1][key]["grads"]},
                             logits_rank1=ranks[1][key]["logits"], metrics_rank1=ranks[1][key]["metrics"])
     return root, paths, models, results
@@ -136,6 +161,18 @@ def test_recorded_routing_and_metrics_match_transformers_router(routed, name):
     assert metrics["moe/tokens_per_expert_mean"] == batch * seq * top_k / router_logits[0].shape[1]
     assert metrics["moe/load_imbalance"] == pytest.approx(np.mean([load.max() / load.mean() for load in loads]))
     assert metrics["moe/router_entropy"] == pytest.approx(np.mean(entropies), abs=1e-5)
+
+
+def test_train_step_grads_at_ep2_equal_ep1(routed):
+    """Through TrainEngine (megatron DDP + finalize): each expert lives on one ep rank, its grad summed over the
+    expert-dp group, and every grad equals the ep=1 run's."""
+    _, _, _, results = routed
+    (loss_ep1, grads_ep1), (loss_ep2, grads_ep2) = results["train"][1], results["train"][2]
+    assert loss_ep1 == pytest.approx(loss_ep2, abs=1e-6)
+    assert sorted(grads_ep1) == sorted(grads_ep2)
+    assert any(".experts." in name for name in grads_ep1)
+    for name, grad in grads_ep1.items():
+        assert np.abs(grads_ep2[name] - grad).max() <= 1e-6, name
 
 
 def test_moe_config_errors_name_the_value():
