@@ -49,8 +49,9 @@ class GroupCache:
 def build_layout_groups(layout: ParallelLayout, cache: GroupCache | None = None) -> "ProcessGroupCollection | None":
     """Create every group `layout` needs (collective: call on all ranks) and return this rank's collection.
 
-    Returns None on ranks outside the layout. Context and expert parallelism are size 1 for now: their groups
-    alias the single-rank or dense groups megatron-core expects to find.
+    Returns None on ranks outside the layout. Context parallelism is size 1 for now: its groups alias the
+    single-rank or dense groups megatron-core expects to find. Expert groups follow `layout.ep` (at ep=1 they
+    are the dense ones); the experts' tensor-parallel group is tp.
     """
     cache = cache or GroupCache()
     rank = dist.get_rank()
@@ -63,6 +64,10 @@ def build_layout_groups(layout: ParallelLayout, cache: GroupCache | None = None)
     tp_dp = cache.family([sorted(layout.rank_of(t, d, p) for d in range(layout.dp) for t in range(layout.tp))
                           for p in range(layout.pp)])
     single = cache.family([[r] for r in layout.ranks])
+    ep = cache.family(layout.ep_groups())
+    expt_dp = cache.family(layout.expert_dp_groups())
+    tp_ep = cache.family(layout.tp_ep_groups())
+    tp_ep_pp = cache.family(layout.tp_ep_pp_groups())
     everyone = cache.get(list(layout.ranks))
     if not layout.contains(rank):
         return None
@@ -71,8 +76,8 @@ def build_layout_groups(layout: ParallelLayout, cache: GroupCache | None = None)
     pgs = ProcessGroupCollection()
     for name, group in (("tp", tp), ("pp", pp), ("mp", mp), ("dp", dp), ("embd", embd),
                         ("pos_embd", pos_embd), ("cp", single), ("tp_cp", tp), ("dp_cp", dp),
-                        ("intra_dp_cp", dp), ("tp_dp_cp", tp_dp), ("ep", single), ("expt_tp", tp),
-                        ("expt_dp", dp), ("tp_ep", tp), ("tp_ep_pp", mp), ("intra_expt_dp", dp),
+                        ("intra_dp_cp", dp), ("tp_dp_cp", tp_dp), ("ep", ep), ("expt_tp", tp),
+                        ("expt_dp", expt_dp), ("tp_ep", tp_ep), ("tp_ep_pp", tp_ep_pp), ("intra_expt_dp", expt_dp),
                         ("inter_dist_opt", single), ("intra_dist_opt", dp)):
         setattr(pgs, name, group)
     pgs.hcp = []

@@ -28,14 +28,16 @@ Role = Literal["actor", "critic", "ref", "reward", "rollout"]
 
 @dataclass(kw_only=True)
 class RoleLayoutConfig:
-    """One role's model parallelism; `ranks: [first, end)` is required for split placement only."""
+    """One role's model parallelism; `ranks: [first, end)` is required for split placement only. `ep` splits a
+    MoE model's experts over that many of the role's data-parallel ranks."""
 
     tp: int = 1
     pp: int = 1
+    ep: int = 1
     ranks: list[int] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp"):
+        for name in ("tp", "pp", "ep"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.ranks is not None and (len(self.ranks) != 2 or not 0 <= self.ranks[0] < self.ranks[1]):
@@ -65,6 +67,9 @@ class MeshConfig:
         if self.rollout.pp != 1:
             raise ConfigError(f"mesh.rollout.pp={self.rollout.pp}: rollout engines run with pp=1; "
                               "use mesh.rollout.tp to shard the rollout model")
+        if self.rollout.ep != 1:
+            raise ConfigError(f"mesh.rollout.ep={self.rollout.ep}: rollout engines hold every expert (ep=1); "
+                              "the weight sync gathers them from the training layout's expert-parallel ranks")
 
 
 class ModelDims(NamedTuple):
@@ -73,6 +78,7 @@ class ModelDims(NamedTuple):
     num_layers: int
     num_heads: int
     num_kv_heads: int
+    num_experts: int = 0  # 0: a dense model
 
 
 def _check_model_fits(role: str, layout: ParallelLayout, dims: ModelDims) -> None:
@@ -84,6 +90,9 @@ def _check_model_fits(role: str, layout: ParallelLayout, dims: ModelDims) -> Non
                           f"(GQA groups); pick a tp that divides {dims.num_kv_heads}")
     if dims.num_layers % layout.pp:
         raise ConfigError(f"mesh.{role}.pp={layout.pp} does not divide the model's {dims.num_layers} layers")
+    if layout.ep > 1 and (not dims.num_experts or dims.num_experts % layout.ep):
+        raise ConfigError(f"mesh.{role}.ep={layout.ep} does not divide the model's {dims.num_experts} experts"
+                          if dims.num_experts else f"mesh.{role}.ep={layout.ep} for a dense model; set ep=1")
 
 
 def _role_range(cfg: MeshConfig, role: str, world_size: int) -> range:
@@ -135,7 +144,7 @@ def plan_meshes(cfg: MeshConfig, world_size: int, dims: ModelDims | None = None,
                 f"mesh.{role}: {size} ranks are not divisible by tp*pp = {role_cfg.tp}*{role_cfg.pp} = "
                 f"{role_cfg.tp * role_cfg.pp}; choose tp and pp whose product divides {size}")
         layout = ParallelLayout.for_world(size, tp=role_cfg.tp, pp=role_cfg.pp, first_rank=ranks.start,
-                                          what=f"mesh.{role}")
+                                          what=f"mesh.{role}", ep=role_cfg.ep)
         role_model = (role_dims or {}).get(role, dims)
         if role_model is not None:
             _check_model_fits(role, layout, role_model)

@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from rlhf.models.lm_head import GPTModelWithHiddenOutput
 from rlhf.models.megatron_globals import ensure_memory_buffer, seed_rng_tracker
@@ -22,10 +23,26 @@ from rlhf.models.value_head import ValueHead
 from rlhf.platform import current_device, has_accelerator, megatron_compat
 
 
+def moe_config(spec: ModelSpec, *, ep: int = 1, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
+               token_dispatcher: str = "allgather") -> dict:
+    """TransformerConfig fields of `spec`'s experts (none for a dense model): softmax top-k routing in fp32,
+    renormalised top-k as a softmax over the k chosen logits (megatron's non-pre-softmax router), no grouped GEMM."""
+    moe = spec.moe
+    if moe is None:
+        return {}
+    return dict(num_moe_experts=moe.num_experts, moe_ffn_hidden_size=moe.expert_ffn_hidden_size,
+                moe_router_topk=moe.top_k, moe_layer_freq=[int(routed) for routed in moe.moe_layers],
+                moe_router_pre_softmax=not moe.normalize_top_k, moe_router_score_function="softmax",
+                moe_router_dtype="fp32", moe_token_dispatcher_type=token_dispatcher, moe_grouped_gemm=False,
+                moe_router_load_balancing_type="aux_loss" if aux_loss_coeff else "none",
+                moe_aux_loss_coeff=aux_loss_coeff, moe_z_loss_coeff=z_loss_coeff or None,
+                expert_model_parallel_size=ep, expert_tensor_parallel_size=None, moe_permute_fusion=False)
+
+
 def transformer_config(spec: ModelSpec, *, tp: int, pp: int, params_dtype: torch.dtype = torch.float32,
-                       recompute: bool = False) -> TransformerConfig:
+                       recompute: bool = False, moe_kwargs: dict | None = None) -> TransformerConfig:
     """The megatron TransformerConfig for `spec` split tp-ways over pp stages (dropout off, fusions off)."""
-    spec.check_layout(tp, pp)
+    spec.check_layout(tp, pp, (moe_kwargs or {}).get("expert_model_parallel_size", 1))
     recompute_kwargs = dict(recompute_granularity="full", recompute_method="uniform",
                             recompute_num_layers=1) if recompute else {}
     return TransformerConfig(
@@ -38,33 +55,46 @@ def transformer_config(spec: ModelSpec, *, tp: int, pp: int, params_dtype: torch
         params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16, use_cpu_initialization=not has_accelerator(),
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        **recompute_kwargs)
+        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False, qk_layernorm=spec.qk_norm,
+        **recompute_kwargs, **(moe_kwargs or {}))
 
 
-def layer_spec() -> ModuleSpec:
-    """Transformer-Engine layers on GPU when TE is installed, megatron's local layers otherwise."""
-    if has_accelerator():
-        try:
-            import transformer_engine  # noqa: F401
-        except ImportError:
-            pass
-        else:
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+def _use_transformer_engine() -> bool:
+    if not has_accelerator():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
-            return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+def layer_spec(config: TransformerConfig, pp_rank: int) -> ModuleSpec | TransformerBlockSubmodules:
+    """Transformer-Engine layers on GPU when TE is installed, megatron's local layers otherwise; MoE models
+    get megatron's per-layer block spec (routed and dense layers) for this pipeline stage."""
+    use_te = _use_transformer_engine()
+    if config.num_moe_experts:
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
+                                          pp_rank=pp_rank)
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
 
 
 def build_gpt(hf_config: Any, pg_collection: ProcessGroupCollection, *, pre_process: bool | None = None,
               post_process: bool | None = None, value_head: bool = False, recompute: bool = False,
-              params_dtype: torch.dtype = torch.float32, seed: int = 1234) -> GPTModelWithHiddenOutput:
+              params_dtype: torch.dtype = torch.float32, seed: int = 1234,
+              moe_kwargs: dict | None = None) -> GPTModelWithHiddenOutput:
     """This rank's stage of the model described by `hf_config`, on the groups in `pg_collection`.
 
     `pre_process`/`post_process` default to "first/last pipeline stage" of `pg_collection.pp`. With
     `value_head=True` the LM head is replaced by a scalar head (critic / reward model). Weights are randomly
     initialised (seeded); load real ones with `rlhf.models.hf_load`. The model can also return its final
-    hidden states (`rlhf.models.lm_head.hidden_output`) for the fused logprob path.
+    hidden states (`rlhf.models.lm_head.hidden_output`) for the fused logprob path. `moe_kwargs` (router
+    losses, token dispatcher: `rlhf.models.routing.MoeConfig.build_kwargs`) go to `moe_config`; expert
+    parallelism is `pg_collection.ep`'s size.
     """
     megatron_compat.apply()
     spec = ModelSpec.from_hf(hf_config)
@@ -72,11 +102,12 @@ def build_gpt(hf_config: Any, pg_collection: ProcessGroupCollection, *, pre_proc
     pp_rank = pg_collection.pp.rank()
     pre_process = pp_rank == 0 if pre_process is None else pre_process
     post_process = pp_rank == pp - 1 if post_process is None else post_process
-    config = transformer_config(spec, tp=tp, pp=pp, params_dtype=params_dtype, recompute=recompute)
+    config = transformer_config(spec, tp=tp, pp=pp, params_dtype=params_dtype, recompute=recompute,
+                                moe_kwargs=moe_config(spec, ep=pg_collection.ep.size(), **(moe_kwargs or {})))
     seed_rng_tracker(seed, pg_collection.tp.rank())
     ensure_memory_buffer()
     model = GPTModelWithHiddenOutput(
-        config=config, transformer_layer_spec=layer_spec(), vocab_size=spec.padded_vocab_size(tp),
+        config=config, transformer_layer_spec=layer_spec(config, pp_rank), vocab_size=spec.padded_vocab_size(tp),
         max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         parallel_output=True, share_embeddings_and_output_weights=spec.tie_embeddings and not value_head,
         position_embedding_type="rope", rotary_base=spec.rope_theta, pg_collection=pg_collection)

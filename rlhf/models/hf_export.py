@@ -1,8 +1,9 @@
 """Export a megatron model on any tp x pp layout back to an HF folder that `transformers` loads.
 
 Collective over every rank of the model's layout. Parameters are gathered over tp one at a time; the
-tp-rank-0 of each stage in dp replica 0 writes its own safetensors shards, then stage 0 writes the index,
-config and tokenizer files. Everything goes to `<out>.partial` first and is renamed at the end, so a
+tp-rank-0 of each stage in dp replica 0 writes its own safetensors shards (with expert parallelism, each
+expert's weights are written by the tp-rank-0 of the first expert-dp replica holding them), then stage 0
+writes the index, config and tokenizer files. Everything goes to `<out>.partial` first and is renamed at the end, so a
 failed export leaves no folder behind at `out`.
 """
 
@@ -31,8 +32,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 class _ShardWriter:
     """Buffers HF tensors and writes a safetensors file each time the buffer passes `max_bytes`."""
 
-    def __init__(self, folder: str, stage: int, max_bytes: int) -> None:
-        self.folder, self.stage, self.max_bytes = folder, stage, max_bytes
+    def __init__(self, folder: str, prefix: str, max_bytes: int) -> None:
+        self.folder, self.prefix, self.max_bytes = folder, prefix, max_bytes
         self.buffer: dict[str, torch.Tensor] = {}
         self.weight_map: dict[str, str] = {}
         self.num_files = 0
@@ -45,7 +46,7 @@ class _ShardWriter:
     def flush(self) -> None:
         if not self.buffer:
             return
-        name = f"model-stage{self.stage:03d}-{self.num_files:05d}.safetensors"
+        name = f"{self.prefix}-{self.num_files:05d}.safetensors"
         save_file(self.buffer, os.path.join(self.folder, name), metadata={"format": "pt"})
         self.weight_map.update({tensor: name for tensor in self.buffer})
         self.buffer, self.num_files = {}, self.num_files + 1
@@ -85,25 +86,29 @@ def export_hf(model: Any, out_dir: str, *, tokenizer_dir: str | None = None, dty
     tp_group, pp_group = groups.tp, groups.pp
     dtype = dtype or next(model.parameters()).dtype
     is_writer = tp_group.rank() == 0 and groups.dp.rank() == 0
+    is_expert_writer = tp_group.rank() == 0 and groups.expt_dp.rank() == 0
     staging = out_dir.rstrip("/") + ".partial"
     if is_writer and pp_group.rank() == 0 and os.path.exists(staging):
         shutil.rmtree(staging)
     dist.barrier(group=groups.mp)  # these two barriers: every rank of the layout has checked `out_dir`
     dist.barrier(group=groups.dp)  # (and the stale staging folder is gone) before anyone writes
-    writer = _ShardWriter(staging, pp_group.rank(), max_shard_bytes)
-    if is_writer:
+    ep_part = f"-ep{groups.ep.rank():03d}" if groups.ep.size() > 1 else ""
+    writer = _ShardWriter(staging, f"model-stage{pp_group.rank():03d}{ep_part}", max_shard_bytes)
+    if is_writer or is_expert_writer:
         os.makedirs(staging, exist_ok=True)
     for param_spec, param in stage_params(model, param_specs_for(model)):
         if param_spec.tied_copy:
             continue
         shards = [torch.empty_like(param) for _ in range(tp_group.size())]
         dist.all_gather(shards, param.detach().contiguous(), group=tp_group)
-        if is_writer:
+        if is_expert_writer if param_spec.expert is not None else is_writer:
             merged = merge_shards(param_spec, shards, model.rlhf_spec)
             writer.add({name: tensor.to(dtype) for name, tensor in merged.items()})
     writer.flush()
-    maps = all_gather_json(writer.weight_map, group=pp_group)
+    # tp x ep x pp ranks of one expert-dp replica: every writer of replica 0 (just the pp group's ranks at ep=1)
+    maps = all_gather_json(writer.weight_map, group=groups.tp_ep_pp)
     if is_writer and pp_group.rank() == 0:
         _write_metadata(model, staging, {k: v for m in maps for k, v in m.items()}, tokenizer_dir, dtype)
         os.rename(staging, out_dir)
-    dist.barrier(group=groups.mp)
+    dist.barrier(group=groups.mp)  # the folder is in place for every rank of the layout, other dp replicas too
+    dist.barrier(group=groups.dp)

@@ -88,9 +88,10 @@ def check_folder(folder: HfFolder, spec: ModelSpec, *, value_head: bool = False)
 
 
 def model_layout(model: Any) -> tuple[ParallelLayout, int, int]:
-    """(tp x pp layout, tp rank, pp rank) of a model built by `build_gpt`, read from its process groups."""
+    """(tp x dp x pp layout with its ep, tp rank, pp rank) of a model built by `build_gpt`, read from its groups."""
     groups = model.pg_collection
-    return ParallelLayout(tp=groups.tp.size(), pp=groups.pp.size()), groups.tp.rank(), groups.pp.rank()
+    layout = ParallelLayout(tp=groups.tp.size(), pp=groups.pp.size(), dp=groups.dp.size(), ep=groups.ep.size())
+    return layout, groups.tp.rank(), groups.pp.rank()
 
 
 # The Transformer-Engine spec fuses the pre-attention/pre-MLP norms into the following linear layer.
@@ -107,12 +108,20 @@ def _module_name(params: dict, local_name: str) -> str:
     return local_name
 
 
+def experts_per_rank(model: Any) -> int | None:
+    """How many experts each expert-parallel rank of `model` holds (None for a dense model)."""
+    moe = model.rlhf_spec.moe
+    return None if moe is None else moe.num_experts // model.pg_collection.ep.size()
+
+
 def stage_params(model: Any, specs: list[ParamSpec]) -> list[tuple[ParamSpec, torch.nn.Parameter]]:
     """This rank's (spec, parameter) pairs; asserts the model has exactly the parameters the specs list."""
     layout, _, pp_rank = model_layout(model)
     per_stage = model.rlhf_spec.num_layers // layout.pp
+    per_ep_rank, ep_rank = experts_per_rank(model), model.pg_collection.ep.rank()
     params = dict(model.named_parameters())
-    mine = [(p, params[_module_name(params, p.local_name(per_stage))]) for p in specs if p.pp_stage == pp_rank]
+    mine = [(p, params[_module_name(params, p.local_name(per_stage, per_ep_rank))]) for p in specs
+            if p.pp_stage == pp_rank and p.ep_rank(per_ep_rank or 1) in (None, ep_rank)]
     assert len(mine) == len(params), (sorted(params), [p.name for p, _ in mine])
     return mine
 

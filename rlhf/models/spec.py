@@ -1,7 +1,8 @@
 """What rlhf needs to know about an HF decoder config, validated once: `ModelSpec.from_hf(config)`.
 
-Supported: the Llama family (Llama 2/3, SmolLM, Mistral without sliding window) and Qwen2/Qwen2.5
-(qkv bias), causal-LM or sequence-classification heads. Anything else is a ConfigError naming the field.
+Supported: the Llama family (Llama 2/3, SmolLM, Mistral without sliding window), Qwen2/Qwen2.5 (qkv bias),
+Qwen3 (per-head q/k RMSNorm), and the MoE decoders Qwen3-MoE and Mixtral (softmax top-k routers), with
+causal-LM or sequence-classification heads. Anything else is a ConfigError naming the field.
 """
 
 from __future__ import annotations
@@ -14,10 +15,26 @@ import torch
 
 from rlhf.errors import ConfigError
 
-CAUSAL_LM_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+CAUSAL_LM_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                   "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral"}
 SEQ_CLS_ARCHS = {"LlamaForSequenceClassification": "llama", "MistralForSequenceClassification": "mistral",
-                 "Qwen2ForSequenceClassification": "qwen2"}
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+                 "Qwen2ForSequenceClassification": "qwen2", "Qwen3ForSequenceClassification": "qwen3",
+                 "Qwen3MoeForSequenceClassification": "qwen3_moe", "MixtralForSequenceClassification": "mixtral"}
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeSpec:
+    """The mixture-of-experts numbers: `moe_layers[i]` says whether layer i routes (else a dense MLP)."""
+
+    num_experts: int
+    top_k: int
+    expert_ffn_hidden_size: int
+    normalize_top_k: bool  # renormalise the top-k softmax probabilities to sum to 1
+    moe_layers: tuple[bool, ...]
+    hf_prefix: str  # HF module of the sparse block: "mlp" (Qwen3-MoE) or "block_sparse_moe" (Mixtral)
+    hf_expert_names: tuple[str, str, str]  # HF names of an expert's gate, up and down projections
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +56,8 @@ class ModelSpec:
     rope_scaling: dict | None
     max_position_embeddings: int
     initializer_range: float
+    qk_norm: bool = False
+    moe: MoeSpec | None = None
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> "ModelSpec":
@@ -51,6 +70,7 @@ class ModelSpec:
                 raise ConfigError(f"unsupported architecture {arch!r}; supported: "
                                   f"{', '.join(sorted(CAUSAL_LM_ARCHS) + sorted(SEQ_CLS_ARCHS))}")
         _check_features(hf_config, model_type)
+        moe = _moe_spec(hf_config, model_type)
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         rope = _rope_parameters(hf_config)
@@ -62,18 +82,33 @@ class ModelSpec:
                    rope_theta=float(rope.get("rope_theta", 10000.0)),
                    rope_scaling=None if rope.get("rope_type", "default") == "default" else dict(rope),
                    max_position_embeddings=hf_config.max_position_embeddings,
-                   initializer_range=getattr(hf_config, "initializer_range", 0.02))
+                   initializer_range=getattr(hf_config, "initializer_range", 0.02),
+                   qk_norm=model_type in QK_NORM_TYPES, moe=moe)
 
-    def check_layout(self, tp: int, pp: int) -> None:
-        """ConfigError (naming the numbers) unless this model can be split tp-ways and into pp stages."""
+    def check_layout(self, tp: int, pp: int, ep: int = 1) -> None:
+        """ConfigError (naming the numbers) unless this model can be split tp-ways, into pp stages, and its
+        experts ep-ways."""
+        if ep > 1 and self.moe is None:
+            raise ConfigError(f"ep={ep} for a dense model ({self.model_type}): expert parallelism needs experts; "
+                              "set ep=1")
+        if self.moe and self.moe.num_experts % ep:
+            raise ConfigError(f"ep={ep} does not divide num_experts={self.moe.num_experts}; "
+                              f"choose ep among the divisors of {self.moe.num_experts}")
         if self.num_heads % tp:
             raise ConfigError(f"tp={tp} does not divide num_attention_heads={self.num_heads}; "
                               f"choose tp among the divisors of {self.num_heads}")
         if self.num_kv_heads % tp:
             raise ConfigError(f"tp={tp} does not divide num_key_value_heads={self.num_kv_heads}; "
                               f"choose tp among the divisors of {self.num_kv_heads}")
-        if self.ffn_hidden_size % tp:
+        if self.ffn_hidden_size % tp and not (self.moe and all(self.moe.moe_layers)):
             raise ConfigError(f"tp={tp} does not divide intermediate_size={self.ffn_hidden_size}")
+        if self.moe and tp > 1:
+            raise ConfigError(f"tp={tp} with a mixture-of-experts model ({self.model_type}): megatron's MoE layer "
+                              "needs sequence parallelism at tp>1, which rlhf does not run yet; use tp=1 and split "
+                              "the experts with ep")
+        if self.moe and self.moe.expert_ffn_hidden_size % tp:
+            raise ConfigError(f"tp={tp} does not divide the experts' intermediate size "
+                              f"{self.moe.expert_ffn_hidden_size}; choose tp among its divisors")
         if self.num_layers % pp:
             raise ConfigError(f"pp={pp} does not divide num_hidden_layers={self.num_layers}; "
                               f"choose pp among the divisors of {self.num_layers}")
@@ -91,6 +126,25 @@ class ModelSpec:
         return _llama3_scaled(inv_freq, self.rope_scaling, self.max_position_embeddings)
 
 
+def _moe_spec(hf_config: Any, model_type: str) -> MoeSpec | None:
+    num_layers = hf_config.num_hidden_layers
+    if model_type == "mixtral":
+        return MoeSpec(num_experts=hf_config.num_local_experts, top_k=hf_config.num_experts_per_tok,
+                       expert_ffn_hidden_size=hf_config.intermediate_size, normalize_top_k=True,
+                       moe_layers=(True,) * num_layers, hf_prefix="block_sparse_moe",
+                       hf_expert_names=("w1", "w3", "w2"))
+    if model_type != "qwen3_moe" or not hf_config.num_experts:
+        return None
+    sparse = tuple(layer not in (hf_config.mlp_only_layers or []) and (layer + 1) % hf_config.decoder_sparse_step == 0
+                   for layer in range(num_layers))
+    if not any(sparse):
+        return None
+    return MoeSpec(num_experts=hf_config.num_experts, top_k=hf_config.num_experts_per_tok,
+                   expert_ffn_hidden_size=hf_config.moe_intermediate_size,
+                   normalize_top_k=bool(hf_config.norm_topk_prob), moe_layers=sparse, hf_prefix="mlp",
+                   hf_expert_names=("gate_proj", "up_proj", "down_proj"))
+
+
 def _check_features(hf_config: Any, model_type: str) -> None:
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
@@ -99,10 +153,15 @@ def _check_features(hf_config: Any, model_type: str) -> None:
         raise ConfigError("unsupported attention_bias=True for llama (bias on o_proj); only Qwen2-style qkv bias")
     if getattr(hf_config, "mlp_bias", False):
         raise ConfigError("unsupported mlp_bias=True; only bias-free MLPs are supported")
-    if model_type == "mistral" and getattr(hf_config, "sliding_window", None) is not None:
-        raise ConfigError(f"unsupported sliding_window={hf_config.sliding_window} for mistral; set it to null")
-    if model_type == "qwen2" and getattr(hf_config, "use_sliding_window", False):
-        raise ConfigError("unsupported use_sliding_window=True for qwen2; only full attention is supported")
+    if model_type in ("qwen3", "qwen3_moe", "mixtral") and getattr(hf_config, "attention_bias", False):
+        raise ConfigError(f"unsupported attention_bias=True for {model_type}; only bias-free attention")
+    if model_type in ("mistral", "mixtral") and getattr(hf_config, "sliding_window", None) is not None:
+        raise ConfigError(f"unsupported sliding_window={hf_config.sliding_window} for {model_type}; "
+                          "set it to null")
+    if model_type.startswith("qwen") and getattr(hf_config, "use_sliding_window", False):
+        raise ConfigError(f"unsupported use_sliding_window=True for {model_type}; only full attention is supported")
+    if model_type == "mixtral" and getattr(hf_config, "router_jitter_noise", 0.0):
+        raise ConfigError(f"unsupported router_jitter_noise={hf_config.router_jitter_noise} for mixtral; set it to 0")
 
 
 def _rope_parameters(hf_config: Any) -> dict:

@@ -10,13 +10,20 @@ against `'torch.cuda.FloatTensor'`). On a CPU-only host this module redirects ex
   global is swapped for a thin proxy; patching `torch.zeros` globally broke `transformers`);
 - `Tensor.type()` without arguments reports the CUDA type name for CPU tensors (megatron's optimizer and
   clip_grads compare against it);
-- CUDA RNG state functions (torch's and megatron's private `_get/_set_cuda_rng_state`) use the CPU generator.
+- CUDA RNG state functions (torch's and megatron's private `_get/_set_cuda_rng_state`) use the CPU generator;
+- CUDA streams and events (the MoE all-to-all token dispatcher copies its split sizes to the host on a side
+  stream) are host stand-ins: on the CPU every op is already ordered, so waits and syncs do nothing; its
+  host copy of the split sizes (`maybe_move_tensor_to_cpu(..., as_numpy=True)`) returns numpy for a CPU
+  tensor too (megatron only converts device tensors, and `all_to_all_single` takes no tensor of sizes);
+- the MoE router's gating GEMM tests a Transformer-Engine symbol that is never defined without TE (a NameError
+  in 0.16.1): it is defined as None, selecting megatron's torch path.
 
 A TorchFunctionMode is deliberately not used: autograd switches it off in backward, breaking recompute.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 from typing import Any
@@ -74,6 +81,43 @@ def _cpu_seed(seed: int, *_args: Any, **_kwargs: Any) -> None:
     torch.manual_seed(seed)
 
 
+class _HostEvent:
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, *_args: Any) -> None:
+        return None
+
+
+class _HostStream:
+    """Stands in for `torch.cuda.Stream` on a CPU host, where all work runs in program order."""
+
+    def wait_stream(self, _other: Any) -> None:
+        return None
+
+    def wait_event(self, _event: Any) -> None:
+        return None
+
+    def record_event(self, _event: Any = None) -> _HostEvent:
+        return _HostEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+
+_HOST_STREAM = _HostStream()
+
+
+def _host_copy(original: Any) -> Any:
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu.rlhf_host_copy = True
+    return maybe_move_tensor_to_cpu
+
+
 def _patch_torch() -> None:
     original_type = torch.Tensor.type
 
@@ -87,6 +131,9 @@ def _patch_torch() -> None:
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.Stream = lambda *args, **kwargs: _HostStream()
+    torch.cuda.current_stream = lambda *args, **kwargs: _HOST_STREAM
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
     torch.cuda.get_rng_state = _cpu_rng_get
     torch.cuda.set_rng_state = _cpu_rng_set
     torch.cuda.manual_seed = _cpu_seed
@@ -109,6 +156,12 @@ def _patch_megatron_modules() -> None:
         if name == "megatron.core.tensor_parallel.random":
             module._get_cuda_rng_state = _cpu_rng_get
             module._set_cuda_rng_state = _cpu_rng_set
+        if name == "megatron.core.transformer.moe.moe_utils" and not hasattr(module, "te_general_gemm"):
+            module.te_general_gemm = None
+        move = getattr(module, "maybe_move_tensor_to_cpu", None) if name.startswith("megatron.core.transformer.moe") \
+            else None
+        if move is not None and not getattr(move, "rlhf_host_copy", False):
+            module.maybe_move_tensor_to_cpu = _host_copy(move)
 
 
 def apply() -> None:

@@ -2,8 +2,8 @@
 
 Each destination rank gets exactly the canonical slices its shards need (padding rows are zero-filled, never
 sent). A slice is taken from the destination rank itself whenever it already holds it (colocated), otherwise
-the ranks that need a source shard take its holders (DP replicas; any tp rank for replicated tensors) in
-turn, so send load spreads over the source ranks and the rule is a function of the two layouts alone:
+the ranks that need a source shard take its holders (DP replicas; any tp rank for replicated tensors; for an
+expert's weights only the dp ranks of the expert-parallel rank holding it) in turn, so send load spreads over the source ranks and the rule is a function of the two layouts alone:
 `plan_rank` lists one rank's sends and receives without planning the others (0.2 s at 1024 ranks).
 No torch.distributed here: plans are unit-tested on 64+ fake ranks.
 """
@@ -99,9 +99,11 @@ class _Planner:
         self.src, self.dst, self.vocab_size = src, dst, vocab_size
         self.src_by_name = {spec.name: spec for spec in src_specs if not spec.tied_copy}
         self.src_per_stage = _layers_per_stage(src_specs, src.pp)
+        self.src_experts = _experts_per_rank(src_specs, src.ep)
         self.dst_specs = list(dst_specs)
         self.dst_per_stage = _layers_per_stage(dst_specs, dst.pp)
-        self._holders: dict[tuple[int, int | None], list[int]] = {}
+        self.dst_experts = _experts_per_rank(dst_specs, dst.ep)
+        self._holders: dict[tuple[int, int | None, int | None], list[int]] = {}
         self._segments: dict[str, list[tuple[int, Segment]]] = {}
         self._dst_segments: dict[tuple[str, int], list[Segment]] = {}
         self._wanting: dict[tuple[str, int], dict[int, int]] = {}
@@ -114,12 +116,15 @@ class _Planner:
         return self.src_by_name[name]
 
     def holders(self, spec: ParamSpec, tp_rank: int) -> list[int]:
-        """Source ranks holding tp rank `tp_rank`'s shard of `spec` (every tp rank for replicated tensors)."""
-        key = (spec.pp_stage, None if is_replicated(spec) else tp_rank)
+        """Source ranks holding tp rank `tp_rank`'s shard of `spec` (every tp rank for replicated tensors; an
+        expert's weights only on its expert-parallel rank's dp ranks)."""
+        ep_rank = spec.ep_rank(self.src_experts)
+        key = (spec.pp_stage, None if is_replicated(spec) else tp_rank, ep_rank)
         if key not in self._holders:
             tp_ranks = range(self.src.tp) if is_replicated(spec) else [tp_rank]
+            dp_ranks = [d for d in range(self.src.dp) if ep_rank is None or d % self.src.ep == ep_rank]
             stage = spec.pp_stage
-            self._holders[key] = [self.src.rank_of(t, d, stage) for d in range(self.src.dp) for t in tp_ranks]
+            self._holders[key] = [self.src.rank_of(t, d, stage) for d in dp_ranks for t in tp_ranks]
         return self._holders[key]
 
     def src_segments(self, spec: ParamSpec) -> list[tuple[int, Segment]]:
@@ -146,7 +151,8 @@ class _Planner:
             dst_tps = [t for t in range(self.dst.tp)
                        if any(_overlap(h, w) for h in have for w in self.dst_segments(dst_spec, t))]
             held = set(self.holders(spec, src_tp_rank))
-            ranks = sorted(self.dst.rank_of(t, d, dst_spec.pp_stage) for d in range(self.dst.dp) for t in dst_tps)
+            ranks = sorted(self.dst.rank_of(t, d, dst_spec.pp_stage) for d in range(self.dst.dp)
+                           if _holds(dst_spec, self.dst, self.dst_experts, d) for t in dst_tps)
             self._wanting[key] = {rank: pos for pos, rank in enumerate(r for r in ranks if r not in held)}
         return self._wanting[key]
 
@@ -159,8 +165,8 @@ class _Planner:
     def transfers_into(self, dst_spec: ParamSpec, dst_rank: int, only_src: int | None = None) -> list[Transfer]:
         """Transfers filling `dst_rank`'s shard of `dst_spec` (those sent by `only_src` when given)."""
         spec = self.source_of(dst_spec)
-        dim, src_name = cut_dim(spec), spec.local_name(self.src_per_stage)
-        dst_name = dst_spec.local_name(self.dst_per_stage)
+        dim, src_name = cut_dim(spec), spec.local_name(self.src_per_stage, self.src_experts)
+        dst_name = dst_spec.local_name(self.dst_per_stage, self.dst_experts)
         tp_rank_dst = self.dst.coords(dst_rank).tp_rank
         out = []
         for wanted in self.dst_segments(dst_spec, tp_rank_dst):
@@ -182,13 +188,14 @@ class _Planner:
         """Every transfer into `rank` (local copies included) and the rollout shards it ends with."""
         if not self.dst.contains(rank):
             return [], []
-        tp_rank, _, pp_rank = self.dst.coords(rank)
+        tp_rank, dp_rank, pp_rank = self.dst.coords(rank)
         transfers, shards = [], []
         for spec in self.dst_specs:
-            if spec.pp_stage != pp_rank:
+            if spec.pp_stage != pp_rank or not _holds(spec, self.dst, self.dst_experts, dp_rank):
                 continue
             shape = spec.full_shape if spec.partition_dim is None else spec.shard_shape(self.dst.tp)
-            shards.append(DstShard(rank=rank, param=spec.name, name=spec.local_name(self.dst_per_stage),
+            shards.append(DstShard(rank=rank, param=spec.name, name=spec.local_name(self.dst_per_stage,
+                                                                                    self.dst_experts),
                                    shape=shape, padding_rows=padding_rows(spec, self.dst.tp, tp_rank,
                                                                           self.vocab_size)))
             transfers += self.transfers_into(spec, rank)
@@ -206,6 +213,8 @@ class _Planner:
                 continue
             shard_tp = 0 if is_replicated(spec) else tp_rank
             holders = self.holders(spec, shard_tp)
+            if rank not in holders:
+                continue  # another expert-parallel rank's expert
             mine = holders.index(rank)
             for dst_rank, pos in self.wanting(dst_spec, shard_tp).items():
                 if pos % len(holders) == mine:
@@ -221,6 +230,18 @@ def _overlap(a: Segment, b: Segment) -> bool:
 def _layers_per_stage(specs: Sequence[ParamSpec], pp: int) -> int:
     layers = {spec.layer for spec in specs if spec.layer is not None}
     return max(1, len(layers) // pp)
+
+
+def _experts_per_rank(specs: Sequence[ParamSpec], ep: int) -> int:
+    """Experts each expert-parallel rank holds (1 for a dense model, where no spec has an expert)."""
+    num_experts = 1 + max((spec.expert for spec in specs if spec.expert is not None), default=0)
+    return num_experts // ep
+
+
+def _holds(spec: ParamSpec, layout: ParallelLayout, experts_per_rank: int, dp_rank: int) -> bool:
+    """Whether the ranks of dp rank `dp_rank` of `layout` hold `spec` (all do, but for other ep ranks' experts)."""
+    ep_rank = spec.ep_rank(experts_per_rank)
+    return ep_rank is None or dp_rank % layout.ep == ep_rank
 
 
 def _check_compatible(src_specs: Sequence[ParamSpec], dst_specs: Sequence[ParamSpec]) -> None:
@@ -301,15 +322,17 @@ def min_received_numel(src_layout: ParallelLayout, dst_layout: ParallelLayout, s
     if not dst_layout.contains(rank):
         return 0
     src_by_name = {spec.name: spec for spec in src_specs if not spec.tied_copy}
-    tp_rank, _, pp_rank = dst_layout.coords(rank)
+    tp_rank, dp_rank, pp_rank = dst_layout.coords(rank)
     held_coords = src_layout.coords(rank) if src_layout.contains(rank) else None
+    src_experts, dst_experts = _experts_per_rank(src_specs, src_layout.ep), _experts_per_rank(dst_specs, dst_layout.ep)
     total = 0
     for spec in dst_specs:
-        if spec.pp_stage != pp_rank:
+        if spec.pp_stage != pp_rank or not _holds(spec, dst_layout, dst_experts, dp_rank):
             continue
         source = src_by_name[TIED_SOURCE if spec.tied_copy else spec.name]
         held = []
-        if held_coords is not None and source.pp_stage == held_coords.pp_rank:
+        if (held_coords is not None and source.pp_stage == held_coords.pp_rank
+                and _holds(source, src_layout, src_experts, held_coords.dp_rank)):
             held = shard_segments(source, src_layout.tp, held_coords.tp_rank, vocab_size)
         row_numel = 1
         for dim, size in enumerate(spec.full_shape):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from rlhf.dist.layout import ParallelLayout
 from rlhf.errors import ConfigError
-from rlhf.models.hf_load import model_layout, param_specs_for, stage_params
+from rlhf.models.hf_load import experts_per_rank, model_layout, param_specs_for, stage_params
 from rlhf.platform import current_device, has_accelerator, synchronize
 from rlhf.reshard.apply import allocate_dst
 from rlhf.reshard.hf_names import full_model_layout, hf_named
@@ -131,11 +131,13 @@ class WeightSync:
 
 
 def _params_by_plan_name(model: torch.nn.Module | None) -> dict[str, torch.Tensor]:
-    """A `build_gpt` model's parameters under the plan's (local-spec, stage-local) names, whatever its layer spec."""
+    """A `build_gpt` model's parameters under the plan's (local-spec, stage- and ep-local) names, whatever its layer
+    spec."""
     if model is None:
         return {}
-    per_stage = model.rlhf_spec.num_layers // model_layout(model)[0].pp
-    return {spec.local_name(per_stage): param.detach() for spec, param in stage_params(model, param_specs_for(model))}
+    per_stage, per_ep_rank = model.rlhf_spec.num_layers // model_layout(model)[0].pp, experts_per_rank(model)
+    return {spec.local_name(per_stage, per_ep_rank): param.detach()
+            for spec, param in stage_params(model, param_specs_for(model))}
 
 
 def _resolve_method(method: str, group: dist.ProcessGroup | None) -> str:

@@ -13,6 +13,7 @@ from rlhf.algo.policy_loss import PolicyLossConfig
 from rlhf.algo.rollout_correction import RolloutCorrectionConfig
 from rlhf.algo.value_loss import ValueLossConfig
 from rlhf.errors import ConfigError
+from rlhf.models.routing import MoeConfig
 from rlhf.rollout.sampling_params import SamplingParams
 from rlhf.train.config import OptimConfig
 
@@ -27,13 +28,15 @@ class ModelConfig:
     `fused_head`: actor/ref logprobs come from hidden states through a chunked, fused LM head on response
     tokens only, never materialising [tokens, vocab] logits (`rlhf.models.lm_head`); off = from full logits.
     `dtype`: the roles' parameter dtype (rollout included when it shares the actor's weights); with bfloat16,
-    megatron's optimizer keeps fp32 master weights and gradients are reduced in fp32."""
+    megatron's optimizer keeps fp32 master weights and gradients are reduced in fp32. `moe`: router losses and
+    token dispatcher of MoE models (ignored for dense ones)."""
 
     path: str = ""
     critic_path: str = ""
     recompute: bool = False
     fused_head: bool = True
     dtype: str = "float32"  # parameters of every role; bfloat16 trains with fp32 master weights and fp32 grads
+    moe: MoeConfig = field(default_factory=MoeConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

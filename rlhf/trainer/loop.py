@@ -47,8 +47,9 @@ def _model_dims(path: str, label: str = "model.path") -> ModelDims:
         raise ConfigError(f"{label}={path!r} is not a folder; point it at an HF model folder "
                           "(config.json + safetensors), e.g. one written by `rlhf sft`")
     hf_config = AutoConfig.from_pretrained(path)
+    num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0
     return ModelDims(hf_config.num_hidden_layers, hf_config.num_attention_heads,
-                     getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
+                     getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads, num_experts)
 
 
 def _architecture(path: str) -> dict:
@@ -163,15 +164,16 @@ class Trainer:
         actor = PolicyRole("actor", self.meshes["actor"], cfg.model.path, update=cfg.actor,
                            total_steps=optimizer_steps, recompute=cfg.model.recompute, seed=cfg.dist.seed,
                            fused_head=cfg.model.fused_head, temperature=cfg.sampling.logprob_temperature,
-                           params_dtype=cfg.model.torch_dtype)
+                           params_dtype=cfg.model.torch_dtype, moe_kwargs=cfg.model.moe.build_kwargs())
         ref = (PolicyRole("ref", self.meshes["ref"], cfg.model.path, update=None, total_steps=0,
                           seed=cfg.dist.seed, offload_frozen=cfg.ref.offload, fused_head=cfg.model.fused_head,
-                          temperature=cfg.sampling.logprob_temperature, params_dtype=cfg.model.torch_dtype)
+                          temperature=cfg.sampling.logprob_temperature, params_dtype=cfg.model.torch_dtype,
+                          moe_kwargs=cfg.model.moe.build_kwargs())
                if algo.uses_ref else None)
         critic = (CriticRole("critic", self.meshes["critic"], cfg.model.critic_path or cfg.model.path,
                              update=cfg.critic, value_head=True, seed=cfg.dist.seed + 1,
                              total_steps=cfg.trainer.total_steps * cfg.critic.epochs * cfg.critic.mini_batches,
-                             params_dtype=cfg.model.torch_dtype)
+                             params_dtype=cfg.model.torch_dtype, moe_kwargs=cfg.model.moe.build_kwargs())
                   if algo.uses_critic else None)
         reward_model = (RewardModelRole("reward", self.meshes["reward"], cfg.reward.model_path, update=None,
                                         total_steps=0, value_head=True, offload_frozen=cfg.reward.model_offload,

@@ -69,7 +69,8 @@ class ModelRole:
 
     def __init__(self, name: str, mesh: RoleMesh, hf_path: str, *, update: UpdateConfig | None,
                  total_steps: int, value_head: bool = False, recompute: bool = False, seed: int = 1234,
-                 offload_frozen: bool = False, params_dtype: torch.dtype = torch.float32) -> None:
+                 offload_frozen: bool = False, params_dtype: torch.dtype = torch.float32,
+                 moe_kwargs: dict | None = None) -> None:
         self.name, self.mesh, self.update_config = name, mesh, update
         self.model: torch.nn.Module | None = None
         self.engine: TrainEngine | None = None
@@ -80,7 +81,7 @@ class ModelRole:
         hf_config = AutoConfig.from_pretrained(hf_path)
         self.vocab_size = hf_config.vocab_size
         model = build_gpt(hf_config, mesh.pgs, value_head=value_head, recompute=recompute, seed=seed,
-                          params_dtype=params_dtype)
+                          params_dtype=params_dtype, moe_kwargs=moe_kwargs)
         load_hf_weights(model, hf_path)
         if update is not None:
             self.engine = TrainEngine(model, mesh.pgs, update.optim, name=name, total_steps=total_steps)

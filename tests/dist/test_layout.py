@@ -50,3 +50,35 @@ def test_bad_layouts_name_the_numbers():
         ParallelLayout(tp=0)
     with pytest.raises(ValueError, match="rank 9 is outside"):
         ParallelLayout(tp=2, dp=2).coords(9)
+
+
+def _expert_layouts(max_world=8):
+    for layout in _layouts(max_world):
+        for ep in range(2, layout.dp + 1) if layout.first_rank == 0 else ():
+            if layout.dp % ep == 0:
+                yield ParallelLayout(tp=layout.tp, pp=layout.pp, dp=layout.dp, ep=ep)
+
+
+@pytest.mark.parametrize("layout", list(_expert_layouts()), ids=str)
+def test_expert_groups_are_megatrons(layout):
+    """Same groups as megatron-core's own expert rank generator (order tp-ep-dp-pp, expert tp = tp)."""
+    from megatron.core.parallel_state import RankGenerator
+
+    megatron = RankGenerator(tp=layout.tp, ep=layout.ep, dp=layout.expert_dp, pp=layout.pp, cp=1,
+                             order="tp-cp-ep-dp-pp")
+    for ours, token in ((layout.ep_groups(), "ep"), (layout.expert_dp_groups(), "dp"),
+                        (layout.tp_ep_groups(), "tp-ep"), (layout.tp_ep_pp_groups(), "tp-ep-pp"),
+                        (layout.tp_groups(), "tp"), (layout.pp_groups(), "pp")):
+        assert sorted(map(sorted, ours)) == sorted(map(sorted, megatron.get_ranks(token))), token
+    for rank in layout.ranks:
+        assert layout.group_of(layout.ep_groups(), rank)[layout.ep_rank(rank)] == rank
+
+
+def test_bad_expert_layouts_name_the_numbers():
+    with pytest.raises(ConfigError, match=r"^layout ep=3 does not divide dp=4: experts are split inside the data-"
+                                          r"parallel ranks; choose ep among the divisors of 4$"):
+        ParallelLayout(dp=4, ep=3)
+    with pytest.raises(ConfigError, match=r"^layout: 4 ranks are not divisible by tp\*ep\*pp = 2\*4\*1 = 8; "
+                                          r"choose ep among the divisors of dp = 2$"):
+        ParallelLayout.for_world(4, tp=2, ep=4)
+    assert ParallelLayout.for_world(8, tp=2, pp=2, ep=2).describe() == "tp2 x dp2 (ep2) x pp2 on ranks 0..7"

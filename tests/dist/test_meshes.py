@@ -62,10 +62,24 @@ def test_model_must_fit_the_layout():
                      role_dims={"critic": ModelDims(6, 4, 1)})
 
 
+def test_expert_parallel_roles():
+    moe = ModelDims(num_layers=4, num_heads=4, num_kv_heads=2, num_experts=6)
+    layouts = plan_meshes(mesh(actor={"ep": 2}, ref={"ep": 4, "pp": 2}), 8, moe._replace(num_experts=8))
+    assert (layouts["actor"].dp, layouts["actor"].ep, layouts["ref"].ep, layouts["rollout"].ep) == (8, 2, 4, 1)
+    with pytest.raises(ConfigError, match=r"^mesh\.actor\.ep=4 does not divide the model's 6 experts$"):
+        plan_meshes(mesh(actor={"ep": 4}), 8, moe)
+    with pytest.raises(ConfigError, match=r"^mesh\.actor\.ep=2 for a dense model; set ep=1$"):
+        plan_meshes(mesh(actor={"ep": 2}), 8, ModelDims(4, 4, 2))
+    with pytest.raises(ConfigError, match=r"^mesh\.actor: 8 ranks are not divisible by tp\*ep\*pp = 2\*8\*1 = 16"):
+        plan_meshes(mesh(actor={"tp": 2, "ep": 8}), 8, moe._replace(num_experts=8))
+
+
 @pytest.mark.parametrize("cfg, message", [
     (dict(roles=["actor", "judge", "rollout"]), r"^mesh\.roles has unknown role 'judge'; roles are actor, "),
     (dict(roles=["actor", "ref"]), r"must include 'actor' and 'rollout'$"),
     (dict(rollout={"pp": 2}), r"^mesh\.rollout\.pp=2: rollout engines run with pp=1"),
+    (dict(rollout={"ep": 2}), r"^mesh\.rollout\.ep=2: rollout engines hold every expert \(ep=1\)"),
+    (dict(rollout={"ep": 2}), r"^mesh\.rollout\.ep=2: rollout engines hold every expert \(ep=1\)"),
     (dict(actor={"ranks": [3, 1]}), r"ranks=\[3, 1\] must be \[first, end\)"),
 ])
 def test_mesh_config_validation(cfg, message):

@@ -15,7 +15,7 @@ from rlhf.errors import CheckpointError, ConfigError
 from rlhf.models.hf_load import HfFolder, check_folder
 from rlhf.models.param_specs import param_specs
 from rlhf.models.spec import ModelSpec
-from tests.models.tiny import llama_config, qwen2_config, save_hf_model
+from tests.models.tiny import llama_config, mixtral_config, qwen2_config, qwen3_config, qwen3_moe_config, save_hf_model
 
 
 def _one_line(error: pytest.ExceptionInfo) -> str:
@@ -35,6 +35,26 @@ def test_unsupported_architecture_is_named():
         ModelSpec.from_hf(llama_config(hidden_act="gelu"))
     with pytest.raises(ConfigError, match="unsupported sliding_window=4096 for mistral"):
         ModelSpec.from_hf(MistralConfig(sliding_window=4096))
+    with pytest.raises(ConfigError, match="unsupported attention_bias=True for qwen3; only bias-free attention"):
+        ModelSpec.from_hf(qwen3_config(attention_bias=True))
+    with pytest.raises(ConfigError, match="unsupported router_jitter_noise=0.1 for mixtral; set it to 0"):
+        ModelSpec.from_hf(mixtral_config(router_jitter_noise=0.1))
+
+
+def test_moe_layers_follow_mlp_only_layers_and_decoder_sparse_step():
+    moe = ModelSpec.from_hf(qwen3_moe_config(num_hidden_layers=6, mlp_only_layers=[4], decoder_sparse_step=2)).moe
+    assert moe.moe_layers == (False, True, False, True, False, True)
+    assert ModelSpec.from_hf(qwen3_moe_config(mlp_only_layers=[0, 1, 2, 3])).moe is None
+    specs = {p.name for p in param_specs(qwen3_moe_config(), ParallelLayout())}
+    assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight" in specs
+    assert "decoder.layers.1.mlp.linear_fc1.weight" in specs and "decoder.layers.1.mlp.router.weight" not in specs
+
+
+def test_moe_at_tp2_is_rejected_until_sequence_parallel():
+    with pytest.raises(ConfigError) as error:
+        param_specs(mixtral_config(), ParallelLayout(tp=2))
+    assert _one_line(error).startswith("tp=2 with a mixture-of-experts model (mixtral): megatron's MoE layer needs "
+                                       "sequence parallelism at tp>1")
 
 
 @pytest.mark.parametrize("tp,pp,message", [

@@ -14,14 +14,24 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from rlhf.testing.distributed import run_distributed
-from tests.models.tiny import VOCAB, llama_config, mistral_config, qwen2_config, sample_tokens, save_hf_model
+from rlhf.models.spec import ModelSpec
+from tests.models.tiny import (VOCAB, llama_config, mistral_config, mixtral_config, qwen2_config, qwen3_config,
+                               qwen3_moe_config, sample_tokens, save_hf_model)
 
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))
 # (model, tp, pp, recompute, micro-batches): Llama GQA untied and Qwen2 qkv-bias tied on every layout (1F1B
-# with 2 micro-batches at pp=2); MQA with activation recompute.
-CASES = [(name, tp, pp, False, pp) for name in ("llama", "qwen2") for tp, pp in LAYOUTS] + [
-    ("mqa", 1, 1, False, 1), ("mqa", 1, 2, True, 2), ("mistral", 1, 1, False, 1),
-    ("mistral", 2, 1, False, 1)]
+# with 2 micro-batches at pp=2); MQA with activation recompute; Qwen3 (q/k norms, head_dim != hidden/heads) on
+# every layout; the MoE models (Qwen3-MoE with a dense layer, Mixtral) at tp=1 (megatron's MoE layer needs
+# sequence parallelism at tp>1).
+CASES = [(name, tp, pp, False, pp, 1) for name in ("llama", "qwen2", "qwen3") for tp, pp in LAYOUTS] + [
+    ("mqa", 1, 1, False, 1, 1), ("mqa", 1, 2, True, 2, 1), ("mistral", 1, 1, False, 1, 1),
+    ("mistral", 2, 1, False, 1, 1), ("qwen3_moe", 1, 1, False, 1, 1), ("qwen3_moe", 1, 2, False, 2, 1),
+    ("mixtral", 1, 1, False, 1, 1), ("mixtral", 1, 2, True, 2, 1),
+    # expert parallelism (the experts split over the dp ranks): ep2 of dp4, ep2 x pp2, ep4
+    ("qwen3_moe", 1, 1, False, 1, 2), ("qwen3_moe", 1, 2, False, 2, 2), ("mixtral", 1, 1, False, 1, 4),
+    ("mixtral", 1, 2, True, 2, 2)]
+CASE_IDS = [case[:3] + case[5:] for case in CASES]
+VALUE_CASES = [("llama", 2, 2), ("qwen3", 2, 2), ("qwen3_moe", 1, 2)]
 TOKENS = dict(batch=2, seq=12)
 
 
@@ -36,22 +46,24 @@ def _world(paths: dict[str, str], out_root: str, cases, skip_value_head: bool = 
     cache, results = GroupCache(), {}
     tokens = sample_tokens(TOKENS["batch"], TOKENS["seq"])
     read_names = world.record_hf_reads()
-    for name, tp, pp, recompute, num_micro_batches in cases:
-        model, groups = world.layout_model(paths[name], tp, pp, cache, recompute=recompute)
+    for name, tp, pp, recompute, num_micro_batches, ep in cases:
+        model, groups = world.layout_model(paths[name], tp, pp, cache, ep=ep, recompute=recompute)
         micro_batches = [world.MicroBatch(part) for part in tokens.chunk(num_micro_batches)]
         loss_fn = world.rl_loss(groups, VOCAB, scale=1.0 / num_micro_batches)
         reports = forward_backward(model, micro_batches, loss_fn, groups)
         grads = world.hf_grads(model, groups)
-        export_hf(model, os.path.join(out_root, f"{name}-tp{tp}-pp{pp}"), tokenizer_dir=paths[name],
+        export_hf(model, os.path.join(out_root, f"{name}-tp{tp}-pp{pp}-ep{ep}"), tokenizer_dir=paths[name],
                   max_shard_bytes=64 << 10)  # several files per stage: exercises the index
-        entry = results.setdefault((name, tp, pp), {"grads": {}})
+        entry = results.setdefault((name, tp, pp, ep), {"grads": {}})
         entry["grads"].update(grads)
         entry[("read", dist.get_rank())] = sorted(read_names)
         read_names.clear()
         if world.is_reporter(groups):
             entry.update(world.numpy_report(reports))
     if not skip_value_head:
-        results["value"] = world.value_head_round_trip(paths["llama"], out_root, cache, tokens)
+        for name, tp, pp in VALUE_CASES:
+            results[f"value-{name}"] = world.value_head_round_trip(paths[name], out_root, cache, tokens,
+                                                                   f"value-{name}", tp, pp)
         results["padded"] = world.padded_logits(paths["llama"], cache, *_padded_batch())
     return results
 
@@ -81,10 +93,34 @@ def _hf_reference(model, tokens):
     token_lp = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     entropy = -(logprobs.exp() * logprobs).sum(-1)
     (-token_lp.mean() - 0.1 * entropy.mean()).backward()
-    grads = {name: p.grad.numpy() for name, p in model.named_parameters()}
+    grads = _per_expert({name: p.grad.numpy() for name, p in model.named_parameters()}, model.config)
     if model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)
     return logits.detach(), token_lp.detach(), entropy.detach(), grads
+
+
+def _per_expert(grads: dict, hf_config) -> dict:
+    """transformers keeps each layer's experts fused ([experts, 2 * ffn, h] gate+up, [experts, h, ffn] down); the
+    checkpoint (and rlhf) name them one expert at a time, under the model's own sparse-block name."""
+    moe = ModelSpec.from_hf(hf_config).moe
+    if moe is None:
+        return grads
+    out = {}
+    gate, up, down = moe.hf_expert_names
+    for name, grad in grads.items():
+        layer_prefix, _, rest = name.partition(".mlp.")
+        block = f"{layer_prefix}.{moe.hf_prefix}."
+        if rest == "gate.weight":
+            out[block + rest] = grad
+        elif rest == "experts.gate_up_proj":
+            for expert, fused in enumerate(grad):
+                out[f"{block}experts.{expert}.{gate}.weight"], out[f"{block}experts.{expert}.{up}.weight"] = \
+                    np.split(fused, 2)
+        elif rest == "experts.down_proj":
+            out.update({f"{block}experts.{expert}.{down}.weight": g for expert, g in enumerate(grad)})
+        else:
+            out[name] = grad
+    return out
 
 
 def _tensors(folder: str) -> dict[str, torch.Tensor]:
@@ -99,21 +135,22 @@ def _tensors(folder: str) -> dict[str, torch.Tensor]:
 def parity(tmp_path_factory):
     root = tmp_path_factory.mktemp("parity")
     configs = {"llama": llama_config(), "qwen2": qwen2_config(), "mqa": llama_config(num_key_value_heads=1),
-               "mistral": mistral_config()}
+               "mistral": mistral_config(),
+               "qwen3": qwen3_config(), "qwen3_moe": qwen3_moe_config(), "mixtral": mixtral_config()}
     paths = {name: str(root / name) for name in configs}
     hf_models = {name: save_hf_model(config, paths[name], seed=seed)
                  for seed, (name, config) in enumerate(configs.items())}
-    results = _merge(run_distributed(_world, 4, paths, str(root / "out"), CASES, timeout_s=400))
+    results = _merge(run_distributed(_world, 4, paths, str(root / "out"), CASES, timeout_s=900))
     return root, paths, hf_models, results
 
 
-@pytest.mark.parametrize("name,tp,pp", [case[:3] for case in CASES])
-def test_logits_logprobs_entropy_and_grads_match_transformers(parity, name, tp, pp):
+@pytest.mark.parametrize("name,tp,pp,ep", CASE_IDS)
+def test_logits_logprobs_entropy_and_grads_match_transformers(parity, name, tp, pp, ep):
     _, _, hf_models, results = parity
     tokens = sample_tokens(TOKENS["batch"], TOKENS["seq"])
     hf_models[name].zero_grad()
     logits, logprobs, entropy, hf_grads = _hf_reference(hf_models[name], tokens)
-    got = results[(name, tp, pp)]
+    got = results[(name, tp, pp, ep)]
     assert np.abs(got["logits"] - logits.numpy()).max() <= 1e-5
     assert np.abs(got["logprobs"] - logprobs.numpy()).max() <= 1e-5
     assert np.abs(got["entropy"] - entropy.numpy()).max() <= 1e-5
@@ -123,15 +160,15 @@ def test_logits_logprobs_entropy_and_grads_match_transformers(parity, name, tp, 
     assert sorted(got["grads"]) == sorted(hf_grads)
     for grad_name, grad in hf_grads.items():
         assert np.abs(got["grads"][grad_name] - grad).max() <= 1e-5, grad_name
-    reference = results[(name, 1, 1)]["grads"]
+    reference = results[(name, 1, 1, 1)]["grads"]  # grads at any tp x pp x ep equal tp1 x pp1 x ep1's
     for grad_name, grad in got["grads"].items():
         assert np.abs(grad - reference[grad_name]).max() <= 1e-6, grad_name
 
 
-@pytest.mark.parametrize("name,tp,pp", [case[:3] for case in CASES])
-def test_export_is_bitwise_round_trip_and_loads_in_transformers(parity, name, tp, pp):
+@pytest.mark.parametrize("name,tp,pp,ep", CASE_IDS)
+def test_export_is_bitwise_round_trip_and_loads_in_transformers(parity, name, tp, pp, ep):
     root, paths, _, _ = parity
-    exported = str(root / "out" / f"{name}-tp{tp}-pp{pp}")
+    exported = str(root / "out" / f"{name}-tp{tp}-pp{pp}-ep{ep}")
     source, result = _tensors(paths[name]), _tensors(exported)
     assert sorted(result) == sorted(source)
     for tensor_name, tensor in source.items():
@@ -146,10 +183,11 @@ def test_export_is_bitwise_round_trip_and_loads_in_transformers(parity, name, tp
         assert torch.equal(reloaded(tokens).logits, original(tokens).logits)
 
 
-def test_value_head_from_causal_lm_exports_as_sequence_classifier(parity):
+@pytest.mark.parametrize("name", [case[0] for case in VALUE_CASES])
+def test_value_head_from_causal_lm_exports_as_sequence_classifier(parity, name):
     root, paths, _, results = parity
-    got = results["value"]
-    exported = str(root / "out" / "value-llama")
+    got = results[f"value-{name}"]
+    exported = str(root / "out" / f"value-{name}")
     classifier = AutoModelForSequenceClassification.from_pretrained(exported)
     assert classifier.config.num_labels == 1
     tokens = sample_tokens(TOKENS["batch"], TOKENS["seq"])
@@ -157,7 +195,7 @@ def test_value_head_from_causal_lm_exports_as_sequence_classifier(parity):
         values = classifier.score(classifier.model(tokens).last_hidden_state)
     assert np.abs(got["values"] - values.numpy()).max() <= 1e-5
     assert np.array_equal(got["values"], got["reloaded_values"])  # score.weight came back in
-    source, result = _tensors(paths["llama"]), _tensors(exported)
+    source, result = _tensors(paths[name]), _tensors(exported)
     assert sorted(result) == sorted(set(source) - {"lm_head.weight"} | {"score.weight"})
     for tensor_name in set(source) - {"lm_head.weight"}:
         assert torch.equal(result[tensor_name], source[tensor_name]), tensor_name
@@ -175,9 +213,18 @@ def test_padded_batch_matches_each_sequence_run_alone(parity):
 
 def test_each_pipeline_stage_reads_only_its_own_tensors(parity):
     _, _, _, results = parity
-    reads = results[("llama", 2, 2)]
+    reads = results[("llama", 2, 2, 1)]
     stage0 = set(reads[("read", 0)]) | set(reads[("read", 1)])
     stage1 = set(reads[("read", 2)]) | set(reads[("read", 3)])
     assert "model.embed_tokens.weight" in stage0 and "lm_head.weight" in stage1
     assert not any(n.startswith(("model.layers.2.", "model.layers.3.", "lm_head", "model.norm")) for n in stage0)
     assert not any(n.startswith(("model.layers.0.", "model.layers.1.", "model.embed")) for n in stage1)
+
+
+def test_each_expert_parallel_rank_reads_only_its_own_experts(parity):
+    _, _, _, results = parity
+    reads = results[("mixtral", 1, 1, 4)]  # ep4 over dp4: rank r holds expert r of every layer
+    for rank in range(4):
+        experts = {int(n.split(".experts.")[1].split(".")[0]) for n in reads[("read", rank)] if ".experts." in n}
+        assert experts == {rank}, (rank, experts)
+        assert "model.layers.0.block_sparse_moe.gate.weight" in reads[("read", rank)]

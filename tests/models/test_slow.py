@@ -23,10 +23,10 @@ SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def test_tp4_matches_transformers(tmp_path):
     path = str(tmp_path / "qwen2")
     hf_model = save_hf_model(qwen2_config(), path, seed=5)
-    results = _merge(run_distributed(_world, 4, {"qwen2": path}, str(tmp_path / "out"), [("qwen2", 4, 1, False, 1)],
+    results = _merge(run_distributed(_world, 4, {"qwen2": path}, str(tmp_path / "out"), [("qwen2", 4, 1, False, 1, 1)],
                                      timeout_s=400, skip_value_head=True))
     logits, logprobs, entropy, grads = _hf_reference(hf_model, sample_tokens(2, 12))
-    got = results[("qwen2", 4, 1)]
+    got = results[("qwen2", 4, 1, 1)]
     assert np.abs(got["logits"] - logits.numpy()).max() <= 1e-5
     assert np.abs(got["logprobs"] - logprobs.numpy()).max() <= 1e-5
     assert np.abs(got["entropy"] - entropy.numpy()).max() <= 1e-5

@@ -22,8 +22,8 @@ class MicroBatch:
     tokens_bs: torch.Tensor
 
 
-def layout_model(path: str, tp: int, pp: int, cache: GroupCache, **build_kwargs):
-    layout = ParallelLayout.for_world(dist.get_world_size(), tp=tp, pp=pp)
+def layout_model(path: str, tp: int, pp: int, cache: GroupCache, ep: int = 1, **build_kwargs):
+    layout = ParallelLayout.for_world(dist.get_world_size(), tp=tp, pp=pp, ep=ep)
     groups = build_layout_groups(layout, cache)
     model = build_gpt(AutoConfig.from_pretrained(path), groups, **build_kwargs)
     load_hf_weights(model, path)
@@ -51,14 +51,24 @@ def rl_loss(groups, vocab_size: int, scale: float = 1.0):
 
 
 def hf_grads(model, groups) -> dict[str, np.ndarray]:
-    """This stage's grads gathered over tp and named like HF (dp replica 0, tp 0 keeps them)."""
+    """This stage's grads, reduced as megatron's DDP and `finalize_model_grads` do, gathered over tp and named
+    like HF: dense grads averaged over dp; an expert's summed over its expert-dp replicas and divided by dp
+    (its grad already holds every ep rank's tokens); q/k norms summed over tp (each rank saw its own heads).
+    tp rank 0 of dp replica 0 keeps the dense grads, tp rank 0 of expert-dp replica 0 its experts'."""
     grads: dict[str, np.ndarray] = {}
     for param_spec, param in stage_params(model, param_specs_for(model)):
+        grad = param.grad.clone()
+        if "q_layernorm" in param_spec.name or "k_layernorm" in param_spec.name:
+            dist.all_reduce(grad, group=groups.tp)
+        expert = param_spec.expert is not None
+        dist.all_reduce(grad, group=groups.expt_dp if expert else groups.dp)
+        grad /= groups.dp.size()
         shards = [torch.empty_like(param) for _ in range(groups.tp.size())]
-        dist.all_gather(shards, param.grad.contiguous(), group=groups.tp)
-        for name, tensor in merge_shards(param_spec, shards, model.rlhf_spec).items():
-            grads[name] = grads.get(name, 0) + tensor.numpy()
-    return grads if groups.tp.rank() == 0 and groups.dp.rank() == 0 else {}
+        dist.all_gather(shards, grad, group=groups.tp)
+        if groups.tp.rank() == 0 and (groups.expt_dp if expert else groups.dp).rank() == 0:
+            for name, tensor in merge_shards(param_spec, shards, model.rlhf_spec).items():
+                grads[name] = grads.get(name, 0) + tensor.numpy()
+    return grads
 
 
 def numpy_report(reports: list[dict]) -> dict[str, np.ndarray]:
@@ -66,8 +76,9 @@ def numpy_report(reports: list[dict]) -> dict[str, np.ndarray]:
     return {key: torch.cat([report[key] for report in reports]).numpy() for key in reports[0]}
 
 
-def value_head_round_trip(path: str, out_root: str, cache: GroupCache, tokens) -> dict:
-    """At tp2 x pp2: value model from a causal LM (fresh head) -> export -> reload (score.weight) -> values."""
+def value_head_round_trip(path: str, out_root: str, cache: GroupCache, tokens, name: str = "value-llama",
+                          tp: int = 2, pp: int = 2) -> dict:
+    """At tp x pp: value model from a causal LM (fresh head) -> export -> reload (score.weight) -> values."""
     import os
 
     from rlhf.models.hf_export import export_hf
@@ -77,11 +88,11 @@ def value_head_round_trip(path: str, out_root: str, cache: GroupCache, tokens) -
             return values_bs1.sum() * 0, {"values": values_bs1.detach()}
         return forward_backward(model, [MicroBatch(tokens)], loss_fn, groups, forward_only=True)
 
-    model, groups = layout_model(path, 2, 2, cache, value_head=True)
+    model, groups = layout_model(path, tp, pp, cache, value_head=True)
     values = values_of(model, groups)
-    exported = os.path.join(out_root, "value-llama")
+    exported = os.path.join(out_root, name)
     export_hf(model, exported)
-    reloaded, _ = layout_model(exported, 2, 2, cache, value_head=True)
+    reloaded, _ = layout_model(exported, tp, pp, cache, value_head=True)
     reloaded_values = values_of(reloaded, groups)
     if not is_reporter(groups):
         return {}

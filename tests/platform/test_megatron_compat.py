@@ -13,6 +13,8 @@ from rlhf.testing.distributed import run_distributed
 def _probe() -> dict:
     import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.tensor_parallel.random as mp_random
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as dispatcher
 
     from rlhf.platform import megatron_compat
 
@@ -21,7 +23,14 @@ def _probe() -> dict:
     megatron_compat.apply()
     torch.manual_seed(7)
     expected_state = torch.get_rng_state()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        stream.wait_stream(torch.cuda.current_stream())
+        stream.record_event().synchronize()
+    splits = dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
     return {
+        "moe_host_splits": (type(splits).__name__, splits.tolist()),
+        "moe_gemm_torch_path": moe_utils.te_general_gemm is None,
         "torch_zeros_untouched": torch.zeros is original_zeros,
         "megatron_cuda_zeros_device": str(schedules.torch.zeros(2, device="cuda").device),
         "megatron_cuda_ordinal_device": str(schedules.torch.empty(2, device=0).device),
@@ -36,7 +45,8 @@ def _probe() -> dict:
 
 def test_apply_adapts_megatron_only_and_is_idempotent():
     probe = run_distributed(_probe, 1, backend="none", timeout_s=120)[0]
-    assert probe == {"torch_zeros_untouched": True, "megatron_cuda_zeros_device": "cpu",
+    assert probe == {"moe_host_splits": ("ndarray", [3, 1]), "moe_gemm_torch_path": True,
+                     "torch_zeros_untouched": True, "megatron_cuda_zeros_device": "cpu",
                      "megatron_cuda_ordinal_device": "cpu", "proxy_isinstance": True,
                      "type_name": "torch.cuda.FloatTensor", "type_conversion": True, "cuda_identity": True,
                      "rng_redirected": True, "current_device": "cpu"}

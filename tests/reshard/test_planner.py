@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen3MoeConfig
 
 from rlhf.dist.layout import ParallelLayout
 from rlhf.errors import ConfigError
@@ -26,6 +26,18 @@ def make_config(family: str, kv_heads: int, group: int, layers: int, vocab: int,
                   num_hidden_layers=layers, num_attention_heads=kv_heads * group, num_key_value_heads=kv_heads,
                   head_dim=4, max_position_embeddings=32, tie_word_embeddings=tied)
     return Qwen2Config(**values) if family == "qwen2" else LlamaConfig(**values)
+
+
+def experts_per_rank(config, layout: ParallelLayout) -> int | None:
+    moe = ModelSpec.from_hf(config).moe
+    return None if moe is None else moe.num_experts // layout.ep
+
+
+def holds(spec, config, layout: ParallelLayout, rank: int) -> bool:
+    """Whether `rank` holds `spec` at all: its stage, and (an expert's weight) its expert-parallel rank."""
+    per_rank = experts_per_rank(config, layout)
+    return spec.pp_stage == layout.coords(rank).pp_rank and spec.ep_rank(per_rank or 1) in (None,
+                                                                                          layout.ep_rank(rank))
 
 
 def divisors(n: int) -> list[int]:
@@ -53,13 +65,11 @@ def cases(draw):
     return config, src, dst
 
 
-def held_canon(spec, layout: ParallelLayout, rank: int, vocab: int) -> set[int]:
+def held_canon(spec, config, layout: ParallelLayout, rank: int, vocab: int) -> set[int]:
     """Canonical indices of `spec` that `rank` holds in `layout` (empty if it holds no shard of it)."""
-    if not layout.contains(rank):
+    if not layout.contains(rank) or not holds(spec, config, layout, rank):
         return set()
-    tp_rank, _, pp_rank = layout.coords(rank)
-    if spec.pp_stage != pp_rank:
-        return set()
+    tp_rank = layout.coords(rank).tp_rank
     return {i for seg in shard_segments(spec, layout.tp, tp_rank, vocab) for i in range(seg.canon_start,
                                                                                            seg.canon_stop)}
 
@@ -96,8 +106,8 @@ def check_coverage_and_minimality(config, src: ParallelLayout, dst: ParallelLayo
         for shard in result.shards_of(rank):
             dspec = dst_specs[shard.param]
             sspec = src_specs["embedding.word_embeddings.weight" if dspec.tied_copy else shard.param]
-            needed = held_canon(dspec, dst, rank, vocab)
-            missing = needed - held_canon(sspec, src, rank, vocab)
+            needed = held_canon(dspec, config, dst, rank, vocab)
+            missing = needed - held_canon(sspec, config, src, rank, vocab)
             row = 1
             for d, size in enumerate(shard.shape):
                 row *= 1 if d == (dspec.partition_dim or 0) else size
@@ -124,12 +134,12 @@ def check_values(config, src: ParallelLayout, dst: ParallelLayout) -> None:
 
     def shards_for(layout: ParallelLayout) -> dict[int, dict[str, torch.Tensor]]:
         specs = param_specs(config, layout)
-        per_stage = spec.num_layers // layout.pp
+        per_stage, per_rank = spec.num_layers // layout.pp, experts_per_rank(config, layout)
         out = {}
         for rank in layout.ranks:
-            tp_rank, _, pp_rank = layout.coords(rank)
-            out[rank] = {p.local_name(per_stage): read_shard(p, hf.__getitem__, spec, tp_rank, layout.tp)
-                         for p in specs if p.pp_stage == pp_rank}
+            tp_rank = layout.coords(rank).tp_rank
+            out[rank] = {p.local_name(per_stage, per_rank): read_shard(p, hf.__getitem__, spec, tp_rank, layout.tp)
+                         for p in specs if holds(p, config, layout, rank)}
         return out
 
     got = run_in_process(result, shards_for(src))
@@ -152,10 +162,7 @@ def test_values_match_the_models_shard_rules(case):
     check_values(*case)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cases())
-def test_one_ranks_plan_is_its_part_of_the_global_plan(case):
-    config, src, dst = case
+def check_rank_plans(config, src: ParallelLayout, dst: ParallelLayout) -> None:
     src_specs, dst_specs = param_specs(config, src), param_specs(config, dst)
     whole = plan(src, dst, src_specs, dst_specs, vocab_size=config.vocab_size)
     for rank in range(max(src.ranks[-1], dst.ranks[-1]) + 1):
@@ -164,6 +171,12 @@ def test_one_ranks_plan_is_its_part_of_the_global_plan(case):
         assert list(mine.sent) == [t for t in whole.transfers if t.src_rank == rank and not t.is_local]
         assert list(mine.dst_shards) == whole.shards_of(rank)
         assert mine.received_numel == whole.received_numel(rank) and mine.sent_numel == whole.sent_numel(rank)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_one_ranks_plan_is_its_part_of_the_global_plan(case):
+    check_rank_plans(*case)
 
 
 NAMED_PAIRS = {
@@ -181,6 +194,39 @@ def test_named_pairs(pair, family):
     config = make_config(family, 8, 2, 8, 101, tied=family == "qwen2")
     check_coverage_and_minimality(config, *NAMED_PAIRS[pair])
     check_values(config, *NAMED_PAIRS[pair])
+
+
+EXPERT_PAIRS = {
+    "dp4ep2_to_dp4": (ParallelLayout(dp=4, ep=2), ParallelLayout(dp=4)),
+    "pp2dp2ep2_to_dp4": (ParallelLayout(pp=2, dp=2, ep=2), ParallelLayout(dp=4)),
+    "dp4ep4_to_dp4ep2": (ParallelLayout(dp=4, ep=4), ParallelLayout(dp=4, ep=2)),
+    "split_dp2ep2_to_dp2": (ParallelLayout(dp=2, ep=2), ParallelLayout(dp=2, first_rank=2)),
+    "dp8ep8_to_dp16ep2": (ParallelLayout(dp=8, ep=8), ParallelLayout(dp=16, ep=2)),
+}
+
+
+def moe_config(family: str):
+    common = dict(vocab_size=37, hidden_size=16, intermediate_size=24, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=4, max_position_embeddings=32, num_experts_per_tok=2)
+    if family == "mixtral":
+        return MixtralConfig(**common, num_local_experts=8, sliding_window=None)
+    return Qwen3MoeConfig(**common, num_experts=8, moe_intermediate_size=12, mlp_only_layers=[2])
+
+
+@pytest.mark.parametrize("pair", sorted(EXPERT_PAIRS))
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_expert_parallel_pairs(pair, family):
+    """Each expert's weights come only from ranks of the expert-parallel rank holding it."""
+    config, (src, dst) = moe_config(family), EXPERT_PAIRS[pair]
+    check_coverage_and_minimality(config, src, dst)
+    check_values(config, src, dst)
+    check_rank_plans(config, src, dst)
+    src_specs = {p.name: p for p in param_specs(config, src)}
+    for transfer in plan_for_model(config, src, dst).transfers:
+        expert = src_specs[transfer.param].expert
+        if expert is not None:
+            assert src.ep_rank(transfer.src_rank) == expert // (8 // src.ep), transfer
+            assert f".local_experts.{expert % (8 // src.ep)}." in transfer.src_name
 
 
 def test_same_layout_is_all_local_and_plan_is_deterministic():

@@ -19,6 +19,12 @@ PAIRS = {
     "tp1dp4_to_tp2dp2": (ParallelLayout(dp=4), ParallelLayout(tp=2, dp=2)),
     "split_pp2_to_tp2": (ParallelLayout(pp=2), ParallelLayout(tp=2, first_rank=2)),
 }
+# expert-parallel training layouts to ep=1 rollouts, for the MoE family (its layer 1 is dense)
+MOE_PAIRS = {
+    "dp4ep2_to_dp4": (ParallelLayout(dp=4, ep=2), ParallelLayout(dp=4)),
+    "pp2dp2ep2_to_dp2": (ParallelLayout(pp=2, dp=2, ep=2), ParallelLayout(dp=2, first_rank=2)),
+}
+MOE_FAMILY = "qwen3_moe"
 PROMPTS = [[5, 17, 33, 8, 90, 4, 61], [9, 40], [71, 3, 3, 12, 60, 11]]
 
 
@@ -72,7 +78,11 @@ def _greedy(engine):
     return out.response_tokens_rt
 
 
-def _check_pair(path, src, dst, cache):
+def _dense_fc2(family: str) -> str:
+    return f"decoder.layers.{1 if family == MOE_FAMILY else 0}.mlp.linear_fc2.weight"
+
+
+def _check_pair(path, src, dst, cache, fc2_name="decoder.layers.0.mlp.linear_fc2.weight"):
     from rlhf.reshard.sync import WeightSync
     from rlhf.reshard.verify import WeightSyncError
 
@@ -107,9 +117,8 @@ def _check_pair(path, src, dst, cache):
     assert sync.sync().num_verified == (len(sync.plan.shards_of(rank)) and sum(
         t.dst_rank == rank for t in sync.plan.transfers))
     if engine is not None:
-        fc2 = engine.model.decoder.layers[0].mlp.linear_fc2.weight
-        assert torch.equal(fc2.detach(), 2.0 * dict(fresh.model.named_parameters())[
-            "decoder.layers.0.mlp.linear_fc2.weight"].detach())
+        fc2 = dict(engine.model.named_parameters())[fc2_name]
+        assert torch.equal(fc2.detach(), 2.0 * dict(fresh.model.named_parameters())[fc2_name].detach())
         with torch.no_grad():  # corrupt one element: verify must name the parameter
             fc2[0, 0] += 1.0
     caught = None
@@ -171,14 +180,17 @@ def _world(paths):
     cache = GroupCache()
     for family in FAMILIES:
         _check_hf_names(paths[family], ParallelLayout(tp=2, pp=2), ParallelLayout(tp=2, dp=2), cache)
-    return {(family, pair): _check_pair(paths[family], *PAIRS[pair], cache)
-            for family in FAMILIES for pair in PAIRS}
+    results = {(family, pair): _check_pair(paths[family], *PAIRS[pair], cache)
+               for family in FAMILIES for pair in PAIRS}
+    results.update({(MOE_FAMILY, pair): _check_pair(paths[MOE_FAMILY], *MOE_PAIRS[pair], cache,
+                                                    _dense_fc2(MOE_FAMILY)) for pair in MOE_PAIRS})
+    return results
 
 
 @pytest.fixture(scope="module")
 def hf_paths(tmp_path_factory):
     paths = {}
-    for family in FAMILIES:
+    for family in FAMILIES + (MOE_FAMILY,):
         path = str(tmp_path_factory.mktemp(family))
         tiny_hf_model(family, seed=5, num_kv_heads=4).save_pretrained(path)
         paths[family] = path
@@ -188,7 +200,7 @@ def hf_paths(tmp_path_factory):
 def test_sync_is_bitwise_for_every_layout_pair(hf_paths):
     results = run_distributed(_world, 4, hf_paths, timeout_s=600)
     for (family, pair), _ in results[0].items():
-        src, dst = PAIRS[pair]
+        src, dst = {**PAIRS, **MOE_PAIRS}[pair]
         greedy_outputs = []
         for rank, per_rank in enumerate(results):
             stats, greedy, caught = per_rank[(family, pair)]
@@ -204,7 +216,7 @@ def test_sync_is_bitwise_for_every_layout_pair(hf_paths):
             if dst.contains(rank):
                 assert greedy is not None
                 greedy_outputs.append(greedy)
-                assert caught is not None and "decoder.layers.0.mlp.linear_fc2.weight" in caught, caught
+                assert caught is not None and _dense_fc2(family) in caught, caught
             else:
                 assert caught is None
         assert all(torch.equal(g, greedy_outputs[0]) for g in greedy_outputs)

@@ -1,7 +1,8 @@
 """The decoder forward of the native engine: prefill (many tokens per sequence) and decode (one per slot).
 
 It computes what megatron-core's GPTModel forward computes for the same parameters (RMSNorm, grouped QKV,
-RoPE, causal GQA attention, SwiGLU, tied or untied vocab-parallel output), reading and writing the KV
+per-head q/k RMSNorm where the model has it, RoPE, causal GQA attention, SwiGLU or a routed mixture of
+SwiGLU experts, tied or untied vocab-parallel output), reading and writing the KV
 cache, with the TP all-reduces/all-gathers done on the group passed in. The linear layers run on weights
 prepared once per policy version by the platform door (`rlhf.platform.linear`: oneDNN-packed on CPU), so
 `prepare(version)` must run before a forward whenever the weights changed.
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from rlhf import platform
 from rlhf.platform.linear import PreparedLinear, PreparedSwiGLU
 from rlhf.rollout.native.kv_cache import KVCache
+from rlhf.rollout.native.moe import PreparedMoE
 from rlhf.rollout.native.prefill_plan import overhead_tokens
 from rlhf.rollout.native.params import DecoderGeometry, DecoderParams, LayerParams
 
@@ -28,17 +30,23 @@ class _PreparedLayer:
     qkv: PreparedLinear
     proj: PreparedLinear
     mlp_norm: torch.Tensor
-    swiglu: PreparedSwiGLU
-    fc2: PreparedLinear
+    swiglu: PreparedSwiGLU | None  # None in a routed layer
+    fc2: PreparedLinear | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    moe: PreparedMoE | None
 
 
 def _prepare_layer(layer: LayerParams, pack: bool, batch_hint: int) -> _PreparedLayer:
+    dense = layer.moe is None
     return _PreparedLayer(input_norm=layer.input_norm,
                           qkv=PreparedLinear(layer.qkv_weight, layer.qkv_bias, pack=pack, batch_hint=batch_hint),
                           proj=PreparedLinear(layer.proj_weight, pack=pack, batch_hint=batch_hint),
                           mlp_norm=layer.mlp_norm,
-                          swiglu=PreparedSwiGLU(layer.fc1_weight, pack=pack, batch_hint=batch_hint),
-                          fc2=PreparedLinear(layer.fc2_weight, pack=pack, batch_hint=batch_hint))
+                          swiglu=PreparedSwiGLU(layer.fc1_weight, pack=pack, batch_hint=batch_hint) if dense else None,
+                          fc2=PreparedLinear(layer.fc2_weight, pack=pack, batch_hint=batch_hint) if dense else None,
+                          q_norm=layer.q_norm, k_norm=layer.k_norm,
+                          moe=None if dense else PreparedMoE(layer.moe, pack=pack, batch_hint=batch_hint))
 
 
 @dataclass
@@ -75,9 +83,10 @@ class Decoder:
         self._zero = torch.zeros((), dtype=dtype, device=positions.device)
         self.fused_attention = (platform.fused_decode_attention(dtype, positions.device) if self.fused_kernels
                                 else None)
-        layer = self.params.layers[0]
+        layers = self.params.layers
         self.prefill_overhead_tokens = overhead_tokens(
-            sum(w.numel() for w in (layer.qkv_weight, layer.proj_weight, layer.fc1_weight, layer.fc2_weight)))
+            sum(layer.num_weights() for layer in layers) // len(layers),
+            num_experts=max((len(layer.moe.fc1_weights) for layer in layers if layer.moe), default=0))
 
     def prepare(self, version: int) -> None:
         """(Re)build the prepared weights unless they were built at weights `version`."""
@@ -131,12 +140,23 @@ class Decoder:
         geo = self.geometry
         mixed = layer.qkv(x)
         heads_per_group = geo.num_heads // geo.num_groups
-        mixed = mixed.view(*x.shape[:-1], geo.num_groups, heads_per_group + 2, geo.head_dim)
+        mixed = self._qk_normed(layer, mixed.view(*x.shape[:-1], geo.num_groups, heads_per_group + 2, geo.head_dim))
         rotated = _rope(mixed[..., :heads_per_group + 1, :], cos, sin)
         return rotated, mixed[..., heads_per_group + 1, :]
 
+    def _qk_normed(self, layer: _PreparedLayer, mixed: torch.Tensor) -> torch.Tensor:
+        """[..., groups, heads/group + 2, d] with each q and k head RMS-normed (before RoPE, as megatron does)."""
+        if layer.q_norm is None:
+            return mixed
+        hpg, eps, shape = mixed.shape[-2] - 2, self.geometry.eps, (mixed.shape[-1],)
+        q = F.rms_norm(mixed[..., :hpg, :], shape, layer.q_norm, eps)
+        k = F.rms_norm(mixed[..., hpg:hpg + 1, :], shape, layer.k_norm, eps)
+        return torch.cat([q, k, mixed[..., hpg + 1:, :]], dim=-2)
+
     def _mlp_block(self, layer: _PreparedLayer, hidden: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(hidden, (hidden.shape[-1],), layer.mlp_norm, self.geometry.eps)
+        if layer.moe is not None:
+            return hidden + self._all_reduce(layer.moe(normed))
         return self._residual_linear(layer.fc2, layer.swiglu(normed), hidden)
 
     def prefill(self, tokens_pl: torch.Tensor, lengths_p: torch.Tensor, slots_p: torch.Tensor,
@@ -176,6 +196,7 @@ class Decoder:
             def attend(index: int, normed: torch.Tensor) -> torch.Tensor:
                 layer = self.layers[index]
                 mixed = layer.qkv(normed).view(num_slots, geo.num_groups, heads_per_group + 2, geo.head_dim)
+                mixed = self._qk_normed(layer, mixed)
                 return self.fused_attention(mixed, cos_sin_s2d, cache.keys[index], cache.values[index], positions_s,
                                             geo.head_dim ** -0.5)
         else:

@@ -2,7 +2,8 @@
 
 Parameters are held by reference, so `load_weights` (an in-place copy into the module) is seen by the
 next step. Both the local spec (`input_layernorm`) and the Transformer-Engine spec (norm fused into
-`linear_qkv.layer_norm_weight`) are understood.
+`linear_qkv.layer_norm_weight`) are understood, as are per-head q/k norms (Qwen3) and megatron's MoE layer
+(router + sequential experts, all experts on this rank).
 """
 
 from __future__ import annotations
@@ -30,14 +31,36 @@ class DecoderGeometry:
 
 
 @dataclass(frozen=True)
+class MoeParams:
+    """A routed MLP: softmax router [experts, hidden], each expert's fused gate/up and down weights."""
+
+    router_weight: torch.Tensor
+    fc1_weights: tuple[torch.Tensor, ...]
+    fc2_weights: tuple[torch.Tensor, ...]
+    top_k: int
+    pre_softmax: bool  # softmax over all experts, then top-k (else: top-k logits, then softmax over those k)
+
+
+@dataclass(frozen=True)
 class LayerParams:
     input_norm: torch.Tensor
     qkv_weight: torch.Tensor
     qkv_bias: torch.Tensor | None
     proj_weight: torch.Tensor
     mlp_norm: torch.Tensor
-    fc1_weight: torch.Tensor
-    fc2_weight: torch.Tensor
+    fc1_weight: torch.Tensor | None  # None in a routed layer (see `moe`)
+    fc2_weight: torch.Tensor | None
+    q_norm: torch.Tensor | None = None  # per-head RMSNorm weights [head_dim] (Qwen3)
+    k_norm: torch.Tensor | None = None
+    moe: MoeParams | None = None
+
+    def num_weights(self) -> int:
+        """Weight elements one token meets in this layer (for MoE: the router and top_k experts)."""
+        attention = self.qkv_weight.numel() + self.proj_weight.numel()
+        if self.moe is None:
+            return attention + self.fc1_weight.numel() + self.fc2_weight.numel()
+        expert = self.moe.fc1_weights[0].numel() + self.moe.fc2_weights[0].numel()
+        return attention + self.moe.router_weight.numel() + self.moe.top_k * expert
 
 
 @dataclass(frozen=True)
@@ -58,13 +81,34 @@ def _norm_weight(norm: torch.nn.Module, fused_linear: torch.nn.Module, what: str
     return weight
 
 
+def _moe_params(mlp: torch.nn.Module) -> MoeParams:
+    config = mlp.config
+    if config.expert_model_parallel_size > 1 or config.moe_router_score_function != "softmax":
+        raise ConfigError("the native rollout engine runs MoE models with every expert on the rank (ep=1) and a "
+                          f"softmax router (got ep={config.expert_model_parallel_size}, "
+                          f"score function {config.moe_router_score_function!r})")
+    experts = mlp.experts.local_experts
+    return MoeParams(router_weight=mlp.router.weight, fc1_weights=tuple(e.linear_fc1.weight for e in experts),
+                     fc2_weights=tuple(e.linear_fc2.weight for e in experts), top_k=config.moe_router_topk,
+                     pre_softmax=config.moe_router_pre_softmax)
+
+
+def _qk_norm(attn: torch.nn.Module, name: str) -> torch.Tensor | None:
+    return getattr(getattr(attn, name, None), "weight", None)
+
+
 def _layer_params(layer: torch.nn.Module) -> LayerParams:
     attn, mlp = layer.self_attention, layer.mlp
+    routed = hasattr(mlp, "router")
+    dense_fc1 = None if routed else mlp.linear_fc1
     return LayerParams(input_norm=_norm_weight(layer.input_layernorm, attn.linear_qkv, "input"),
                        qkv_weight=attn.linear_qkv.weight, qkv_bias=getattr(attn.linear_qkv, "bias", None),
                        proj_weight=attn.linear_proj.weight,
-                       mlp_norm=_norm_weight(layer.pre_mlp_layernorm, mlp.linear_fc1, "pre-MLP"),
-                       fc1_weight=mlp.linear_fc1.weight, fc2_weight=mlp.linear_fc2.weight)
+                       mlp_norm=_norm_weight(layer.pre_mlp_layernorm, dense_fc1, "pre-MLP"),
+                       fc1_weight=None if routed else mlp.linear_fc1.weight,
+                       fc2_weight=None if routed else mlp.linear_fc2.weight,
+                       q_norm=_qk_norm(attn, "q_layernorm"), k_norm=_qk_norm(attn, "k_layernorm"),
+                       moe=_moe_params(mlp) if routed else None)
 
 
 def decoder_params(model: torch.nn.Module) -> DecoderParams:

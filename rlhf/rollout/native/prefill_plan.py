@@ -12,11 +12,19 @@ from __future__ import annotations
 # per-op dispatch cost (~2e-4 s per layer; against ~3e7 FLOP/s-equivalents per weight element: the second term).
 STREAM_OVERHEAD_TOKENS = 8.0
 DISPATCH_OVERHEAD_PARAMS = 6e6
+# A routed layer runs a few more ops per expert it calls (gather, two GEMMs, scale, index-add): each expert adds
+# about a third of a dense layer's dispatch cost (an estimate from the op counts, not a calibration).
+EXPERT_DISPATCH_SHARE = 1 / 3
 
 
-def overhead_tokens(params_per_layer: int) -> float:
-    """A forward's fixed cost in tokens: large for tiny models (dispatch-bound), ~10 for 100M+ models."""
-    return STREAM_OVERHEAD_TOKENS + DISPATCH_OVERHEAD_PARAMS / max(1, params_per_layer)
+def overhead_tokens(params_per_layer: int, num_experts: int = 0) -> float:
+    """A forward's fixed cost in tokens: large for tiny models (dispatch-bound), ~10 for 100M+ models.
+
+    `params_per_layer` counts the weights one token meets (MoE: router + top-k experts); a MoE model's
+    `num_experts` experts per layer each add dispatch cost, since a long prefill calls them all.
+    """
+    dispatch = DISPATCH_OVERHEAD_PARAMS * (1 + EXPERT_DISPATCH_SHARE * num_experts)
+    return STREAM_OVERHEAD_TOKENS + dispatch / max(1, params_per_layer)
 
 
 def plan_chunks(lengths: list[int], overhead: float) -> list[list[int]]:

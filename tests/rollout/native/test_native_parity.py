@@ -1,18 +1,19 @@
 """Native engine on the megatron model vs transformers and vs the training forward, at rollout tp=1 and tp=2.
 
-One launched world per tp covers both model families: greedy token-for-token equality with
+One launched world per tp covers the model families (the MoE ones at tp=1): greedy token-for-token equality with
 `transformers.generate` (mixed prompt lengths, EOS stops, slot refill), rollout logprobs equal to the training
 forward's within 1e-5, seeded sampling reproducible and identical on every TP rank.
 """
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from rlhf.rollout.hf_engine import HFEngine
 from rlhf.rollout.sampling_params import SamplingParams
 from rlhf.rollout.types import FinishReason, PromptBatch
 from rlhf.testing.distributed import run_distributed
-from rlhf.testing.tiny_models import FAMILIES, tiny_hf_model
+from rlhf.testing.tiny_models import FAMILIES, MOE_FAMILIES, tiny_hf_model
 
 PROMPTS = [[5, 17, 33, 8, 90, 4, 61], [9, 40], [71, 3, 3, 3, 12, 60, 11, 23, 54, 7, 99], [44], [13, 14, 15]]
 MAX_NEW = 12
@@ -40,7 +41,9 @@ def _check_family(family, path, expected_greedy, eos, fast):
         assert engine.decoder.fused_attention is not None
     batch = PromptBatch.from_token_lists(PROMPTS)
     greedy = engine.generate(batch, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0))
-    assert (engine.decoder.layers[0].swiglu.fused is None) == fast
+    layer = engine.decoder.layers[0]
+    swiglu = layer.swiglu if layer.moe is None else layer.moe.experts[0][0]
+    assert (swiglu.fused is None) == fast
     assert [greedy.response(i) for i in range(len(PROMPTS))] == expected_greedy[0], family
     first_stop = engine.generate(batch, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0,
                                                        stop_token_ids=(eos[1],)))
@@ -60,6 +63,10 @@ def _check_family(family, path, expected_greedy, eos, fast):
     return greedy.response_tokens_rt.tolist(), sampled.response_tokens_rt.tolist(), sampled.finish_reasons
 
 
+def _families(tp: int) -> tuple[str, ...]:
+    return FAMILIES + MOE_FAMILIES if tp == 1 else FAMILIES
+
+
 def _world(paths, expected, eos_by_family, fast):
     """`fast`: oneDNN-packed weights (forced: the tiny models are below the packing threshold) and the fused
     decode-attention kernel; otherwise the plain torch reference path."""
@@ -68,7 +75,7 @@ def _world(paths, expected, eos_by_family, fast):
     if fast:
         linear.MIN_PACKED_NUMEL = 0
     return {family: _check_family(family, paths[family], expected[family], eos_by_family[family], fast)
-            for family in FAMILIES}
+            for family in _families(dist.get_world_size())}
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +83,7 @@ def reference(tmp_path_factory):
     """HF folders plus HF greedy outputs for two stop tokens: one that some rows emit mid-way (as EOS) and
     one that a row emits first (as a stop token: a row of length 1)."""
     paths, expected, eos_by_family = {}, {}, {}
-    for family in FAMILIES:
+    for family in FAMILIES + MOE_FAMILIES:
         model = tiny_hf_model(family, seed=3)
         path = str(tmp_path_factory.mktemp(family))
         model.save_pretrained(path)
@@ -97,7 +104,7 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("tp, fast", [(1, False), (1, True), (2, False), (2, True)])
 def test_native_matches_hf_and_training_forward(reference, tp, fast):
-    results = run_distributed(_world, tp, *reference, fast, timeout_s=300)
-    for family in FAMILIES:
+    results = run_distributed(_world, tp, *reference, fast, timeout_s=600)
+    for family in _families(tp):
         for rank_result in results[1:]:
             assert rank_result[family] == results[0][family], family

@@ -3,6 +3,8 @@
 import itertools
 import random
 
+import pytest
+
 from rlhf.rollout.native.prefill_plan import overhead_tokens, plan_chunks
 
 
@@ -45,3 +47,9 @@ def test_extremes():
 def test_overhead_shrinks_with_model_size():
     assert overhead_tokens(37_000) > 100  # tiny test model: dispatch-bound, prefill in one forward
     assert overhead_tokens(3_500_000) < 12  # SmolLM2-135M layer: weight streaming dominates
+
+
+def test_moe_overhead_counts_the_experts_a_prefill_calls():
+    dense = overhead_tokens(3_500_000)
+    assert overhead_tokens(3_500_000, num_experts=8) == pytest.approx(dense + 6e6 * (8 / 3) / 3_500_000)
+    assert overhead_tokens(3_500_000, num_experts=128) > 5 * dense  # Qwen3-30B-A3B-style: many experts per layer
