@@ -9,7 +9,11 @@ rank's watchdog sees it within `poll_s`, dumps its own stacks, acknowledges and 
 for all acks first, so the store host outlives the dumps). Without a store, gloo peers blocked on the dead
 rank fail with "Connection closed by peer", and ranks not blocked reach their own deadline.
 Backstop: if the watchdog thread itself cannot run (a C call holding the GIL), faulthandler's C-level timer
-dumps the stacks to the same log and exits 1, `backstop_grace_s` after the phase deadline.
+dumps the stacks to the same log and exits 1 (faulthandler's fixed code), `backstop_grace_s` after the deadline.
+
+Who died: with a store, each poll checks the pids of same-host peers, and a block left by an exception checks
+every peer (`rlhf.dist.peers`); the first finding is logged once, e.g. "peer failure: rank 1 (pid 7 on h) has
+exited".
 """
 
 from __future__ import annotations
@@ -25,18 +29,19 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from rlhf.dist import inflight
+from rlhf.dist import inflight, peers
 from rlhf.errors import ConfigError
 from rlhf.platform import set_async_error_handling_env
 
 EXIT_CODE = 124
-_PREFIX = "rlhf/watchdog"
+_PREFIX = peers.PREFIX
 
 
 class Watchdog:
     """Deadlines for phases (`timeout_s`) and single collectives (`collective_timeout_s`, optional)."""
 
-    def __init__(self, *, timeout_s: float, log_file: str | os.PathLike, group: dist.ProcessGroup | None = None,
+    def __init__(self, *, timeout_s: float, log_file: str | os.PathLike | None,
+                 group: dist.ProcessGroup | None = None,
                  collective_timeout_s: float | None = None, store: dist.Store | None = None,
                  poll_s: float = 1.0, ack_wait_s: float = 10.0, backstop_grace_s: float = 60.0) -> None:
         for label, value in (("comm.step_timeout_s", timeout_s), ("collective_timeout_s", collective_timeout_s),
@@ -45,7 +50,7 @@ class Watchdog:
                 raise ConfigError(f"watchdog {label}={value!r} must be a positive number of seconds")
         self.timeout_s = timeout_s
         self.collective_timeout_s = collective_timeout_s
-        self.log_file = os.fspath(log_file)
+        self.log_file = os.fspath(log_file) if log_file is not None else None  # None: stderr
         self.group = group
         self.store = store
         self.poll_s = poll_s
@@ -58,34 +63,85 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._backstop_log = None
+        self._peer_failure_logged = threading.Event()
+        self._same_host: dict[int, dict | None] = {}
         set_async_error_handling_env()
 
     def __enter__(self) -> Watchdog:
         self.start()
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: type | None, *exc_info: object) -> None:
+        if exc_type is not None:
+            self.report_failed_peers()
         self.stop()
 
     def start(self) -> None:
         self._stop.clear()
-        self._backstop_log = open(self.log_file, "a")  # noqa: SIM115 - held open for faulthandler's timer
+        # held open for faulthandler's timer
+        self._backstop_log = open(self.log_file, "a") if self.log_file else sys.stderr  # noqa: SIM115
+        if self.store is not None:
+            self._store_call(peers.publish_identity, self.store, self.rank)
+            self._same_host = dict.fromkeys(peers.same_host_ranks(self.rank, self.world_size))
         self._thread = threading.Thread(target=self._run, name="rlhf-watchdog", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        if self.store is not None and self._thread is not None:
+            self._store_call(peers.mark_finished, self.store, self.rank)
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         if self._backstop_log is not None:
             faulthandler.cancel_dump_traceback_later()
-            self._backstop_log.close()
+            if self._backstop_log is not sys.stderr:
+                self._backstop_log.close()
             self._backstop_log = None
+
+    def report_failed_peers(self) -> None:
+        """Log (once) which peers are gone or silent; nothing when none can be named (or without a store)."""
+        if self.store is None or self._peer_failure_logged.is_set():
+            return
+        found = peers.failed_peers(self.store, self.rank, self.world_size, stale_s=self._stale_s())
+        if found:
+            self._log_peer_failure("; ".join(found))
+
+    def _stale_s(self) -> float:
+        return max(10 * self.poll_s, 10.0)
+
+    def _watch_same_host_peers(self) -> None:
+        """A same-host peer whose pid vanished has died: say so now, before a launcher ends this rank too."""
+        if self._peer_failure_logged.is_set():
+            return
+        for rank, who in self._same_host.items():
+            if who is None:
+                who = self._same_host[rank] = self._store_call(peers.identity, self.store, rank)
+            if who is not None and peers.pid_gone(who["pid"]) and not self._store_call(peers.finished, self.store,
+                                                                                        rank):
+                self._log_peer_failure(peers.describe_exit(rank, who))
+                return
+
+    def _log_peer_failure(self, text: str) -> None:
+        if self._peer_failure_logged.is_set():
+            return
+        self._peer_failure_logged.set()
+        self._append(f"[rlhf watchdog] rank {self.rank}: peer failure: {text}\n")
+
+    def _append(self, text: str) -> None:
+        try:
+            log = open(self.log_file, "a") if self.log_file else sys.stderr  # noqa: SIM115 - closed below
+        except OSError:
+            log = sys.stderr
+        log.write(text)
+        log.flush()
+        if log is not sys.stderr:
+            log.close()
 
     @contextmanager
     def phase(self, name: str, timeout_s: float | None = None) -> Iterator[None]:
-        """Run the block under a deadline (`timeout_s`, default the watchdog's)."""
+        """Run the block under a deadline (`timeout_s`, default the watchdog's); an enclosing phase's deadline
+        restarts when the block ends (finishing it was progress)."""
         with self._lock:
             outer = self._phase
             self._set_phase((name, time.monotonic(), timeout_s or self.timeout_s))
@@ -93,7 +149,7 @@ class Watchdog:
             yield
         finally:
             with self._lock:
-                self._set_phase(outer)
+                self._set_phase((outer[0], time.monotonic(), outer[2]) if outer else None)
 
     def beat(self) -> None:
         """Report progress inside a long phase: its deadline restarts from now."""
@@ -120,12 +176,13 @@ class Watchdog:
             reason = self._expired() or self._peer_abort()
             if reason:
                 self._fire(reason, status)
+            self._watch_same_host_peers()
 
     def _status(self) -> dict:
         with self._lock:
             phase = self._phase
         current = inflight.current()
-        return {"time": time.time(),
+        return {"time": time.time(), "pid": os.getpid(),
                 "phase": phase[0] if phase else None,
                 "phase_s": round(time.monotonic() - phase[1], 3) if phase else None,
                 "in_flight": current.description if current else None,
@@ -165,7 +222,7 @@ class Watchdog:
 
     def _write_report(self, reason: str, status: dict) -> None:
         try:
-            log = open(self.log_file, "a")  # noqa: SIM115 - closed below; stderr when the log is unwritable
+            log = open(self.log_file, "a") if self.log_file else sys.stderr  # noqa: SIM115 - closed below
         except OSError:
             log = sys.stderr
         log.write(f"[rlhf watchdog] rank {self.rank} pid {os.getpid()}: {reason}\n"
@@ -207,7 +264,7 @@ class Watchdog:
         """A store operation that tolerates a dead store host (the watchdog must reach its exit)."""
         try:
             return method(*args)
-        except (RuntimeError, dist.DistStoreError, OSError):
+        except (RuntimeError, dist.DistStoreError, OSError, peers.StoreUnreachable):
             return None
 
 

@@ -3,6 +3,8 @@
     Trainer(cfg, run_dir).fit()
       build: meshes -> data -> reward -> actor / ref / critic / reward model / rollout engine (+ weight sync)
       loop:  resume? -> validate -> [rl_step -> reduce metrics -> log -> validate? -> checkpoint?]* -> plot
+Every stage after process-group init (build, resume, first push, validation, each step, each save) is a
+watchdog phase: a stall anywhere ends every rank with stacks in its log.
 """
 
 from __future__ import annotations
@@ -106,6 +108,12 @@ def preflight(cfg: RlhfConfig, world_size: int) -> None:
 class Trainer:
     def __init__(self, cfg: RlhfConfig, run_dir: RunDir) -> None:
         self.cfg, self.run_dir = cfg, run_dir
+        self.watchdog = self._watchdog()
+        with self.watchdog, self.watchdog.phase("build", self.cfg.comm.setup_timeout_s):
+            self._build(cfg, run_dir)
+
+    def _build(self, cfg: RlhfConfig, run_dir: RunDir) -> None:
+        """Meshes, data, reward and every role on its mesh, the rollout engine and its weight sync (collective)."""
         algo = cfg.algo
         self.meshes: RoleMeshes = build_role_meshes(_mesh_config(cfg), _model_dims(cfg.model.path),
                                                     timeout_s=cfg.dist.timeout_s, role_dims=_role_dims(cfg))
@@ -235,16 +243,19 @@ class Trainer:
 
     def fit(self) -> list[dict]:
         cfg = self.cfg.trainer
-        start = self._resume()
-        self.push_initial_weights()
-        history = []
-        if start == 0 and cfg.val_before_train and self.val is not None:
-            values = {"step": 0, **self.validate(0)}
-            self.sink.write(0, values)
-            history.append(values)
-            log.info("before training: val/score/mean@1 = %.4f", values["val/score/mean@1"])
-        bar = progress(range(start + 1, cfg.total_steps + 1), desc="rl", total=cfg.total_steps - start)
-        with self._watchdog() as watchdog:
+        with self.watchdog as watchdog:
+            with watchdog.phase("resume", self.cfg.comm.setup_timeout_s):
+                start = self._resume()
+            with watchdog.phase("first weight push"):
+                self.push_initial_weights()
+            history = []
+            if start == 0 and cfg.val_before_train and self.val is not None:
+                with watchdog.phase("validation before training"):
+                    values = {"step": 0, **self.validate(0)}
+                self.sink.write(0, values)
+                history.append(values)
+                log.info("before training: val/score/mean@1 = %.4f", values["val/score/mean@1"])
+            bar = progress(range(start + 1, cfg.total_steps + 1), desc="rl", total=cfg.total_steps - start)
             for step in bar:
                 with watchdog.phase(f"rl_step {step}"):
                     history.append(self._step(step))
@@ -252,7 +263,7 @@ class Trainer:
         return history
 
     def _watchdog(self) -> Watchdog:
-        """A step that outlives comm.step_timeout_s dumps every rank's stacks to its log and exits non-zero."""
+        """A phase that outlives comm.step_timeout_s dumps every rank's stacks to its log and exits non-zero."""
         rank = dist.get_rank()
         return Watchdog(timeout_s=self.cfg.comm.step_timeout_s, log_file=self.run_dir.path / f"rank{rank}.log",
                         store=dist.distributed_c10d._get_default_store())
@@ -269,5 +280,6 @@ class Trainer:
                                                for k in CONSOLE_KEYS if k in values))
         every = self.cfg.checkpoint.every
         if (every and step % every == 0) or (step == cfg.total_steps and self.cfg.checkpoint.save_at_end):
-            self.checkpoints.save(step, self._state(step), meta=self._meta())
+            with self.watchdog.phase(f"checkpoint step {step}", self.cfg.comm.setup_timeout_s):
+                self.checkpoints.save(step, self._state(step), meta=self._meta())
         return {"step": step, **values}
