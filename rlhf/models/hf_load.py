@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from rlhf.dist.layout import ParallelLayout
 from rlhf.errors import CheckpointError
@@ -33,7 +33,7 @@ class HfFolder:
             with open(index_path) as f:
                 self.file_of = dict(json.load(f)["weight_map"])
         elif os.path.exists(single_path):
-            with safe_open(single_path, framework="pt") as handle:
+            with _open(single_path) as handle:
                 self.file_of = {name: SINGLE_FILE for name in handle.keys()}
         else:
             raise CheckpointError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
@@ -42,7 +42,7 @@ class HfFolder:
     def _handle(self, name: str) -> Any:
         file = self.file_of[name]
         if file not in self._handles:
-            self._handles[file] = safe_open(os.path.join(self.path, file), framework="pt")
+            self._handles[file] = _open(os.path.join(self.path, file))
         return self._handles[file]
 
     def slice(self, name: str) -> Any:
@@ -52,6 +52,15 @@ class HfFolder:
     def shape(self, name: str) -> tuple[int, ...]:
         """From the file header; reads no tensor data."""
         return tuple(self._handle(name).get_slice(name).get_shape())
+
+
+def _open(path: str) -> Any:
+    """safe_open, with a header that does not parse (truncated, corrupt) as a one-line error naming the file."""
+    try:
+        return safe_open(path, framework="pt")
+    except (OSError, SafetensorError) as error:
+        raise CheckpointError(f"{path}: cannot read its safetensors header ({error}); the file is truncated or "
+                              "corrupt, copy or export it again") from None
 
 
 def folder_head(folder: HfFolder, value_head: bool) -> str:

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig
 
 from rlhf import platform
 from rlhf.algo.advantages import AdvantageKind
@@ -24,6 +23,7 @@ from rlhf.algo.kl import KLController
 from rlhf.checkpoint import CheckpointManager
 from rlhf.config.schema import RlhfConfig
 from rlhf.data.loader import PromptLoader, load_prompts
+from rlhf.data.sampler import PromptSampler
 from rlhf.dist.watchdog import Watchdog
 from rlhf.dist.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes, plan_meshes
 from rlhf.errors import ConfigError
@@ -31,6 +31,8 @@ from rlhf.metrics import MetricsSink
 from rlhf.rollout.factory import build_engine, engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
 from rlhf.step import RLStack, rl_step
+from rlhf.trainer.checks import (check_kv_cache, check_model_folders, check_resume_path, check_writable_folder,
+                                 input_warnings, load_tokenizer, read_hf_config)
 from rlhf.trainer.config import check_batch_sizes
 from rlhf.trainer.memory import check_sleep, plan_memory_phases
 from rlhf.trainer.roles import CriticRole, PolicyRole, RewardModelRole
@@ -44,10 +46,7 @@ CONSOLE_KEYS = {"critic/score/mean": "reward", "val/score/mean@1": "val", "actor
 
 
 def _model_dims(path: str, label: str = "model.path") -> ModelDims:
-    if not path or not Path(path).is_dir():
-        raise ConfigError(f"{label}={path!r} is not a folder; point it at an HF model folder "
-                          "(config.json + safetensors), e.g. one written by `rlhf sft`")
-    hf_config = AutoConfig.from_pretrained(path)
+    hf_config = read_hf_config(path, label)
     return ModelDims(hf_config.num_hidden_layers, hf_config.num_attention_heads,
                      getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
 
@@ -93,15 +92,20 @@ def _sleep(cfg: RlhfConfig) -> str:
 
 def preflight(cfg: RlhfConfig, world_size: int) -> None:
     """Every input check that needs no process group, run before the run folder exists: bad input writes nothing."""
+    check_writable_folder(cfg.run.output_dir, "run.output_dir")
+    check_resume_path(cfg.checkpoint.resume)
     layouts = plan_meshes(_mesh_config(cfg), world_size, _model_dims(cfg.model.path), _role_dims(cfg))
+    check_model_folders(cfg)
     _check_batches(cfg, layouts)
     check_sleep(_sleep(cfg), _shares_weights(cfg, layouts))
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    records = load_prompts(cfg.data.train_files, tokenizer, cfg.data).records
-    if cfg.reward.model_path:
-        records = []  # the reward model scores training; rule rewards only score validation
-    if cfg.data.val_files:
-        records += load_prompts(cfg.data.val_files, tokenizer, cfg.data, label="data.val_files").records
+    tokenizer = load_tokenizer(cfg.model.path)
+    train = load_prompts(cfg.data.train_files, tokenizer, cfg.data)
+    PromptSampler(num_samples=len(train.records), global_batch_size=cfg.data.prompts_per_step, dp_rank=0,
+                  dp_size=layouts["rollout"].dp, seed=cfg.data.seed)
+    val = load_prompts(cfg.data.val_files, tokenizer, cfg.data, label="data.val_files") if cfg.data.val_files else None
+    check_kv_cache(cfg, max(len(ids) for prompts in (train, val) if prompts for ids in prompts.token_ids))
+    # the reward model scores training; rule rewards then only score validation
+    records = ([] if cfg.reward.model_path else train.records) + (val.records if val else [])
     Scorer(cfg.reward, tokenizer).check_sources(records)
 
 
@@ -118,10 +122,13 @@ class Trainer:
         self.meshes: RoleMeshes = build_role_meshes(_mesh_config(cfg), _model_dims(cfg.model.path),
                                                     timeout_s=cfg.dist.timeout_s, role_dims=_role_dims(cfg))
         _check_batches(cfg, {role: mesh.layout for role, mesh in self.meshes.meshes.items()})
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.path)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         self.loader = self._build_data()
+        if run_dir.is_rank0:
+            for warning in input_warnings(cfg, self.tokenizer, self.loader.prompts, self.val):
+                log.warning(warning)
         self.scorer = Scorer(cfg.reward, self.tokenizer)
         self.scorer.check_sources(([] if cfg.reward.model_path else self.loader.prompts.records)
                                   + (self.val.records if self.val else []))
