@@ -13,7 +13,8 @@ dumps the stacks to the same log and exits 1 (faulthandler's fixed code), `backs
 
 Who died: with a store, each poll checks the pids of same-host peers, and a block left by an exception checks
 every peer (`rlhf.dist.peers`); the first finding is logged once, e.g. "peer failure: rank 1 (pid 7 on h) has
-exited".
+exited". SIGTERM (torchrun ending the survivors of a dead rank) wakes the watchdog thread through Python's
+wakeup fd even while the main thread is blocked in a collective: it logs that, and the dead peer, and exits 143.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import select
+import signal
 import sys
 import threading
 import time
@@ -34,6 +37,7 @@ from rlhf.errors import ConfigError
 from rlhf.platform import set_async_error_handling_env
 
 EXIT_CODE = 124
+TERMINATED_EXIT_CODE = 128 + signal.SIGTERM
 _PREFIX = peers.PREFIX
 
 
@@ -83,6 +87,7 @@ class Watchdog:
         if self.store is not None:
             self._store_call(peers.publish_identity, self.store, self.rank)
             self._same_host = dict.fromkeys(peers.same_host_ranks(self.rank, self.world_size))
+        self._wakeup = _Wakeup()
         self._thread = threading.Thread(target=self._run, name="rlhf-watchdog", daemon=True)
         self._thread.start()
 
@@ -91,8 +96,10 @@ class Watchdog:
         if self.store is not None and self._thread is not None:
             self._store_call(peers.mark_finished, self.store, self.rank)
         if self._thread is not None:
+            self._wakeup.wake()
             self._thread.join()
             self._thread = None
+            self._wakeup.close()
         if self._backstop_log is not None:
             faulthandler.cancel_dump_traceback_later()
             if self._backstop_log is not sys.stderr:
@@ -121,6 +128,15 @@ class Watchdog:
                                                                                         rank):
                 self._log_peer_failure(peers.describe_exit(rank, who))
                 return
+
+    def _terminated(self) -> None:
+        """SIGTERM: say so (and which same-host peer is gone) in the rank log, then exit as SIGTERM would."""
+        try:
+            self._append(f"[rlhf watchdog] rank {self.rank} pid {os.getpid()}: terminated by SIGTERM "
+                         f"(phase {self._status()['phase']})\n")
+            self._watch_same_host_peers()
+        finally:
+            os._exit(TERMINATED_EXIT_CODE)
 
     def _log_peer_failure(self, text: str) -> None:
         if self._peer_failure_logged.is_set():
@@ -170,7 +186,12 @@ class Watchdog:
                                           file=self._backstop_log)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
+        while True:
+            woken_by = self._wakeup.wait(self.poll_s)
+            if self._stop.is_set():
+                return
+            if signal.SIGTERM in woken_by:
+                self._terminated()
             status = self._status()
             self._publish(status)
             reason = self._expired() or self._peer_abort()
@@ -290,3 +311,40 @@ def _try_abort(group: dist.ProcessGroup | None) -> None:
     except Exception:  # noqa: BLE001 - best effort on the way out; os._exit follows regardless
         pass
 
+
+class _Wakeup:
+    """A pipe the watchdog thread sleeps on: stop() writes a byte; in the main thread, SIGTERM is routed to it
+    too (Python's wakeup fd is written by the C-level handler, whatever the main thread is blocked in)."""
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.write_fd, False)
+        self._restore = None
+        if threading.current_thread() is threading.main_thread():
+            old_fd = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
+            old_handler = signal.signal(signal.SIGTERM, _leave_sigterm_to_the_watchdog)
+            self._restore = (old_fd, old_handler)
+
+    def wait(self, timeout_s: float) -> bytes:
+        """The bytes written meanwhile (signal numbers, or 0 from `wake`), b"" after `timeout_s`."""
+        readable, _, _ = select.select([self.read_fd], [], [], timeout_s)
+        return os.read(self.read_fd, 64) if readable else b""
+
+    def wake(self) -> None:
+        try:
+            os.write(self.write_fd, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full: the thread wakes anyway
+
+    def close(self) -> None:
+        if self._restore is not None:
+            if threading.current_thread() is not threading.main_thread():
+                return  # only the main thread may restore; keep the fds so no signal writes into a reused one
+            signal.set_wakeup_fd(self._restore[0])
+            signal.signal(signal.SIGTERM, self._restore[1])
+        os.close(self.read_fd)
+        os.close(self.write_fd)
+
+
+def _leave_sigterm_to_the_watchdog(signum: int, frame: object) -> None:
+    """The watchdog thread, woken through the wakeup fd, logs and exits; the main thread carries on meanwhile."""

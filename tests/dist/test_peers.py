@@ -1,4 +1,5 @@
-"""Who died: a survivor's rank log names the SIGKILLed peer once; a peer that finished normally is never named."""
+"""Who died: a survivor's rank log names the SIGKILLed peer once (after a collective error, from a poll, or when
+the launcher SIGTERMs it while it is blocked); a peer that finished normally is never named."""
 
 import multiprocessing as mp
 import os
@@ -9,7 +10,7 @@ from datetime import timedelta
 import torch
 
 from rlhf.dist import peers
-from rlhf.dist.watchdog import Watchdog
+from rlhf.dist.watchdog import TERMINATED_EXIT_CODE, Watchdog
 from rlhf.testing.distributed import free_port
 
 
@@ -33,6 +34,16 @@ def _world_rank(rank: int, world_size: int, port: int, log_dir: str, scenario: s
         except RuntimeError:
             pass
         return
+    if scenario == "sigterm":  # rank 2 blocks in a collective until the launcher's SIGTERM
+        try:
+            with watchdog:
+                dist.barrier()
+                if rank == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                dist.recv(torch.zeros(1), src=2 - rank)  # 0 and 2 wait for each other: never sent
+        except RuntimeError:
+            pass  # rank 0 (the store host): rank 2 went away
+        return
     with watchdog:  # "poll": rank 1 is killed, rank 2 finishes normally, rank 0 checks on both
         dist.barrier()
         if rank == 1:
@@ -55,6 +66,9 @@ def _run(tmp_path, world_size: int, scenario: str) -> tuple[list[int], list[int]
              for rank in range(world_size)]
     for proc in procs:
         proc.start()
+    if scenario == "sigterm":  # what torchrun does once a rank died (here to rank 2 only: rank 0 keeps the store)
+        procs[1].join(timeout=120)
+        os.kill(procs[2].pid, signal.SIGTERM)
     for proc in procs:
         proc.join(timeout=120)
         if proc.is_alive():
@@ -80,3 +94,14 @@ def test_a_finished_peer_is_not_a_failure_a_killed_one_is(tmp_path):
     assert _failure_lines(logs[0]) == [f"[rlhf watchdog] rank 0: peer failure: rank 1 (pid {pids[1]} on "
                                        f"{socket.gethostname()}) has exited"]
     assert _failure_lines(logs[2]) == []
+
+
+def test_a_sigtermed_survivor_blocked_in_a_collective_logs_the_dead_peer_and_exits_143(tmp_path):
+    codes, pids, logs = _run(tmp_path, 3, "sigterm")
+    assert codes == [0, -signal.SIGKILL, TERMINATED_EXIT_CODE]
+    host = socket.gethostname()
+    assert f"[rlhf watchdog] rank 2 pid {pids[2]}: terminated by SIGTERM (phase None)\n" in logs[2]
+    assert _failure_lines(logs[2]) == [f"[rlhf watchdog] rank 2: peer failure: rank 1 (pid {pids[1]} on {host}) "
+                                       "has exited"]
+    assert _failure_lines(logs[0]) == [f"[rlhf watchdog] rank 0: peer failure: rank 1 (pid {pids[1]} on {host}) "
+                                       f"has exited; rank 2 (pid {pids[2]} on {host}) has exited"]
