@@ -40,6 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     parser.add_argument("--probe-tensors", type=int, default=2000, help="number of <1 KB tensors in the probe")
     parser.add_argument("--probe-timeout", type=float, default=60.0, help="seconds before the probe says HANG")
+    parser.add_argument("--clean-shm", action="store_true",
+                        help="only list rlhf's /dev/shm segments on this host and remove those of dead processes")
     add_config_args(parser)
     return parser
 
@@ -69,9 +71,27 @@ def _rank_row(runtime) -> dict:
             "local_rank": runtime.env.local_rank, "device": platform.device_name()}
 
 
+def clean_shm() -> int:
+    """List this host's rlhf shared-memory segments; unlink those whose owner process is gone."""
+    from rlhf.reshard.shm import SHM_DIR, list_segments, remove_dead_segments
+
+    removed = remove_dead_segments()
+    for segment in removed:
+        print(f"removed {segment.path} ({segment.size_bytes / 2**20:.1f} MB, job {segment.job}, "
+              f"owner pid {segment.owner_pid} gone)")
+    for segment in list_segments():
+        print(f"kept {segment.path} ({segment.size_bytes / 2**20:.1f} MB, job {segment.job}, "
+              f"owner pid {segment.owner_pid} {'running' if segment.owner_alive else 'gone'})")
+    print(f"{SHM_DIR}: removed {len(removed)} segment(s) of dead processes "
+          f"({sum(s.size_bytes for s in removed) / 2**20:.1f} MB)")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from rlhf.dist.probe import run_probe
 
+    if args.clean_shm:
+        return clean_shm()
     cfg = config_from_args(args)
     with distributed(cfg.dist.backend, timeout_s=cfg.dist.timeout_s, seed=cfg.dist.seed) as runtime:
         run_dir = setup_run(cfg.run, cfg, prefix="doctor")

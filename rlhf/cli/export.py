@@ -23,8 +23,10 @@ def run(args: argparse.Namespace) -> int:
     from rlhf.config import RlhfConfig, load_config
     from rlhf.dist.runtime import distributed
     from rlhf.errors import CheckpointError
+    from rlhf.trainer.checks import check_writable_folder
     from rlhf.trainer.export import export_checkpoint
 
+    check_writable_folder(args.out, "--out")
     run_dir = Path(args.run_dir)
     cfg = load_config(RlhfConfig, run_dir / "config.yaml")
     root = run_dir / "checkpoints"

@@ -18,19 +18,20 @@ _IDENTITY_KEYS = ("num_samples", "global_batch_size", "seed", "shuffle")
 
 
 class PromptSampler:
-    """Yields this DP rank's dataset indices for each step; `state_dict()` records the position."""
+    """Yields this DP rank's dataset indices for each step; `state_dict()` records the position. `batch_key`
+    names the config key the batch size came from in error messages."""
 
     def __init__(self, *, num_samples: int, global_batch_size: int, dp_rank: int, dp_size: int, seed: int,
-                 shuffle: bool = True) -> None:
+                 shuffle: bool = True, batch_key: str = "data.prompts_per_step") -> None:
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ConfigError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
         if global_batch_size < 1 or global_batch_size % dp_size:
-            raise ConfigError(f"data.global_batch_size={global_batch_size} must be a positive multiple of "
+            raise ConfigError(f"{batch_key}={global_batch_size} must be a positive multiple of "
                               f"the data-parallel size {dp_size}")
         if seed < 0:
             raise ConfigError(f"data.seed={seed} must be >= 0")
         if num_samples < global_batch_size:
-            raise ConfigError(f"the dataset has {num_samples} prompts, fewer than data.global_batch_size="
+            raise ConfigError(f"the dataset has {num_samples} prompts, fewer than {batch_key}="
                               f"{global_batch_size}; use a larger dataset or a smaller batch")
         self.num_samples, self.global_batch_size, self.seed, self.shuffle = \
             num_samples, global_batch_size, seed, shuffle

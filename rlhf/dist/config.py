@@ -31,10 +31,12 @@ class CommConfig:
     min_bucket_mb: float = 1.0
     strategy: Literal["bucket", "rs_ag", "plain"] = "bucket"
     verify: bool = False
-    step_timeout_s: float = 1800.0
+    step_timeout_s: float = 1800.0  # an RL step, the first weight push, validation before training
+    setup_timeout_s: float = 1800.0  # building the roles, resume, a checkpoint save, export
 
     def __post_init__(self) -> None:
         if self.min_bucket_mb <= 0:
             raise ConfigError(f"comm.min_bucket_mb={self.min_bucket_mb} must be > 0 (default 1.0)")
-        if self.step_timeout_s <= 0:
-            raise ConfigError(f"comm.step_timeout_s={self.step_timeout_s} must be > 0 seconds")
+        for name in ("step_timeout_s", "setup_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"comm.{name}={getattr(self, name)} must be > 0 seconds")

@@ -1,8 +1,10 @@
-"""A remote HTTP JSON reward service: batched POSTs with a timeout, retries with backoff, checked answers.
+"""A remote HTTP JSON reward service: batched POSTs under a deadline, retries with backoff, checked answers.
 
 Request: `{"samples": [{"index", "data_source", "prompt", "response", "ground_truth", "extra_info"}, ...]}`.
-Reply: `{"scores": [float, ...]}` in the same order. Connection errors, timeouts, HTTP 429 and 5xx are retried;
-other HTTP errors, malformed replies and NaN/inf scores are a `RewardError` naming the sample or batch.
+Reply: `{"scores": [float, ...]}` in the same order. Each attempt has one deadline for connect + send + the
+full reply (a trickling server cannot stall a step) and a reply-size cap. Connection errors, missed deadlines,
+HTTP 429 and 5xx are retried; other HTTP errors, oversized or malformed replies and NaN/inf scores are a
+`RewardError` naming the sample or batch.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import socket
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,12 +32,14 @@ RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
 
 @dataclass(kw_only=True)
 class RemoteRewardConfig:
-    """Where the service is and how hard to try: `max_retries` more attempts after the first, the wait
-    doubling from `retry_backoff_s`; up to `max_in_flight` batches of `batch_size` are sent at once."""
+    """Where the service is and how hard to try: each attempt must finish (connect, send, whole reply of at
+    most `max_reply_bytes`) within `timeout_s`; `max_retries` more attempts after the first, the wait doubling
+    from `retry_backoff_s`; up to `max_in_flight` batches of `batch_size` are sent at once."""
 
     url: str
     batch_size: int = 64
     timeout_s: float = 30.0
+    max_reply_bytes: int = 16 * 2**20
     max_retries: int = 3
     retry_backoff_s: float = 0.5
     max_in_flight: int = 4
@@ -42,7 +47,7 @@ class RemoteRewardConfig:
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"reward.remote.url={self.url!r} must start with http:// or https://")
-        for name in ("batch_size", "max_in_flight"):
+        for name in ("batch_size", "max_in_flight", "max_reply_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"reward.remote.{name}={getattr(self, name)} must be >= 1")
         if self.timeout_s <= 0 or self.max_retries < 0 or self.retry_backoff_s < 0:
@@ -106,19 +111,58 @@ class RemoteReward:
         raise AssertionError("unreachable")
 
     def _post(self, body: bytes, where: str) -> Any:
-        request = urllib.request.Request(self.config.url, data=body, method="POST",
-                                         headers={"Content-Type": "application/json"})
+        """One attempt: a timer cuts the connection at the deadline, whatever phase it is in."""
+        url = urllib.parse.urlsplit(self.config.url)
+        connection_type = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        connection = connection_type(url.hostname, url.port, timeout=self.config.timeout_s)
+        expired = threading.Event()
+        timer = threading.Timer(self.config.timeout_s, _cut, args=(connection, expired))
+        timer.start()
         try:
-            with urllib.request.urlopen(request, timeout=self.config.timeout_s) as response:
-                text = response.read()
-        except urllib.error.HTTPError as error:
-            detail = " ".join(error.read()[:200].decode(errors="replace").split())
-            if error.code in RETRIED_STATUSES:
-                raise _Retryable(f"HTTP {error.code} {detail}") from None
-            raise RewardError(f"{where} answered HTTP {error.code}: {detail}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as error:
-            raise _Retryable(f"{type(error).__name__}: {getattr(error, 'reason', error)}") from None
+            target = (url.path or "/") + (f"?{url.query}" if url.query else "")
+            connection.request("POST", target, body=body, headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            text = self._read_capped(response, where)
+        except (OSError, http.client.HTTPException) as error:
+            if expired.is_set():
+                raise _Retryable(self._missed_deadline()) from None
+            raise _Retryable(f"{type(error).__name__}: {error}") from None
+        finally:
+            timer.cancel()
+            connection.close()
+        if expired.is_set():
+            raise _Retryable(self._missed_deadline())
+        if response.status >= 400:
+            detail = " ".join(text[:200].decode(errors="replace").split())
+            if response.status in RETRIED_STATUSES:
+                raise _Retryable(f"HTTP {response.status} {detail}")
+            raise RewardError(f"{where} answered HTTP {response.status}: {detail}")
         try:
             return json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise RewardError(f"{where} replied with non-JSON: {text[:80]!r}") from None
+
+    def _read_capped(self, response: http.client.HTTPResponse, where: str) -> bytes:
+        limit = self.config.max_reply_bytes
+        chunks, size = [], 0
+        while chunk := response.read1(65536):
+            size += len(chunk)
+            if size > limit:
+                raise RewardError(f"{where} replied with more than reward.remote.max_reply_bytes={limit} bytes; "
+                                  "raise the cap or lower reward.remote.batch_size")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _missed_deadline(self) -> str:
+        return f"no full reply within reward.remote.timeout_s={self.config.timeout_s:g}s"
+
+
+def _cut(connection: http.client.HTTPConnection, expired: threading.Event) -> None:
+    """Deadline reached: shut the socket down so the blocked connect/send/read returns at once."""
+    expired.set()
+    sock = connection.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass

@@ -19,7 +19,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from rlhf.errors import RlhfError
+from rlhf.errors import CheckpointError, RlhfError
 from rlhf.models.forward import LossFn, forward_backward
 from rlhf.platform import current_device, megatron_compat
 from rlhf.train import offload as offload_lib
@@ -177,6 +177,7 @@ class TrainEngine:
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` saved, on the same layout; the next step is bitwise the uninterrupted one."""
         self._check_loaded()
+        check_same_model(self.model.module.state_dict(), state["model"])
         self.model.module.load_state_dict(state["model"], strict=True)
         load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -200,3 +201,20 @@ class TrainEngine:
     def _check_loaded(self) -> None:
         if self._offloaded is not None:
             raise RuntimeError(f"the {self.name} engine is offloaded; call reload() before using it")
+
+
+def check_same_model(own: dict[str, Any], saved: dict[str, Any]) -> None:
+    """One-line CheckpointError when saved model state is of another architecture or size than this model."""
+    fix = "the checkpoint is of another model; resume with the model.path the run was trained from"
+    for name, tensor in own.items():
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        other = saved.get(name)
+        if not isinstance(other, torch.Tensor):
+            raise CheckpointError(f"the checkpoint has no tensor {name!r}: {fix}")
+        if other.shape != tensor.shape:
+            raise CheckpointError(f"the checkpoint's {name!r} has shape {list(other.shape)}, this model's "
+                                  f"{list(tensor.shape)}: {fix}")
+    extra = sorted(name for name in saved if name not in own)
+    if extra:
+        raise CheckpointError(f"the checkpoint has {len(extra)} tensors this model lacks (first {extra[0]!r}): {fix}")

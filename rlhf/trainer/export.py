@@ -9,6 +9,7 @@ import torch.distributed as dist
 from rlhf.checkpoint import CheckpointManager
 from rlhf.config.schema import RlhfConfig
 from rlhf.dist.meshes import build_role_meshes
+from rlhf.dist.watchdog import Watchdog
 from rlhf.errors import ConfigError
 from rlhf.models.hf_export import export_hf
 from rlhf.trainer.loop import _mesh_config, _model_dims
@@ -16,11 +17,19 @@ from rlhf.trainer.roles import CriticRole, PolicyRole
 
 
 def export_checkpoint(cfg: RlhfConfig, checkpoint: str | Path, out_dir: str, role: str = "actor") -> None:
-    """Collective: rebuild `role` in the run's layout, load its weights from `checkpoint`, write HF to `out_dir`."""
+    """Collective: rebuild `role` in the run's layout, load its weights from `checkpoint`, write HF to `out_dir`;
+    a stall past comm.setup_timeout_s ends every rank with stacks on stderr."""
     if role not in ("actor", "critic"):
         raise ConfigError(f"export role={role!r} is not one of actor, critic")
     if role == "critic" and not cfg.algo.uses_critic:
         raise ConfigError("this run has no critic (algo.advantage.kind is not gae); export role=actor")
+    watchdog = Watchdog(timeout_s=cfg.comm.setup_timeout_s, log_file=None,
+                        store=dist.distributed_c10d._get_default_store())
+    with watchdog, watchdog.phase("export"):
+        _export(cfg, checkpoint, out_dir, role)
+
+
+def _export(cfg: RlhfConfig, checkpoint: str | Path, out_dir: str, role: str) -> None:
     manager = CheckpointManager(Path(checkpoint).parent)
     path = manager.resolve(str(checkpoint))
     meshes = build_role_meshes(_mesh_config(cfg), _model_dims(cfg.model.path), timeout_s=cfg.dist.timeout_s)

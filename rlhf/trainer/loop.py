@@ -3,18 +3,19 @@
     Trainer(cfg, run_dir).fit()
       build: meshes -> data -> reward -> actor / ref / critic / reward model / rollout engine (+ weight sync)
       loop:  resume? -> validate -> [rl_step -> reduce metrics -> log -> validate? -> checkpoint?]* -> plot
+Every stage after process-group init (build, resume, first push, validation, each step, each save) is a
+watchdog phase: a stall anywhere ends every rank with stacks in its log.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig
 
 from rlhf import platform
 from rlhf.algo.advantages import AdvantageKind, check_group_size
@@ -23,6 +24,7 @@ from rlhf.checkpoint import CheckpointManager
 from rlhf.checkpoint_verify import check_replicas
 from rlhf.config.schema import RlhfConfig
 from rlhf.data.loader import PromptLoader, load_prompts
+from rlhf.data.sampler import PromptSampler
 from rlhf.dist.watchdog import Watchdog
 from rlhf.dist.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes, plan_meshes
 from rlhf.errors import ConfigError
@@ -30,6 +32,8 @@ from rlhf.metrics import MetricReducer, MetricsSink, StepMetrics
 from rlhf.rollout.factory import build_engine, engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
 from rlhf.step import RLStack, rl_step
+from rlhf.trainer.checks import (check_kv_cache, check_model_folders, check_resume_path, check_writable_folder,
+                                 input_warnings, load_tokenizer, read_hf_config)
 from rlhf.trainer.config import DTYPES, check_batch_sizes
 from rlhf.trainer.memory import check_sleep, plan_memory_phases
 from rlhf.trainer.roles import CriticRole, PolicyRole, RewardModelRole
@@ -43,10 +47,7 @@ CONSOLE_KEYS = {"critic/score/mean": "reward", "val/score/mean@1": "val", "actor
 
 
 def _model_dims(path: str, label: str = "model.path") -> ModelDims:
-    if not path or not Path(path).is_dir():
-        raise ConfigError(f"{label}={path!r} is not a folder; point it at an HF model folder "
-                          "(config.json + safetensors), e.g. one written by `rlhf sft`")
-    hf_config = AutoConfig.from_pretrained(path)
+    hf_config = read_hf_config(path, label)
     num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0
     return ModelDims(hf_config.num_hidden_layers, hf_config.num_attention_heads,
                      getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads, num_experts)
@@ -112,6 +113,7 @@ def _sleep(cfg: RlhfConfig) -> str:
 def check_layouts(cfg: RlhfConfig, world_size: int) -> dict:
     """Every role's layout for `world_size` ranks, with the batch-split and memory-phase rules checked (pure)."""
     layouts = plan_meshes(_mesh_config(cfg), world_size, _model_dims(cfg.model.path), _role_dims(cfg))
+    check_model_folders(cfg)
     _check_batches(cfg, layouts)
     check_sleep(_sleep(cfg), _shares_weights(cfg, layouts))
     return layouts
@@ -125,13 +127,18 @@ def build_meshes(cfg: RlhfConfig) -> RoleMeshes:
 
 def preflight(cfg: RlhfConfig, world_size: int) -> None:
     """Every input check that needs no process group, run before the run folder exists: bad input writes nothing."""
-    check_layouts(cfg, world_size)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    records = load_prompts(cfg.data.train_files, tokenizer, cfg.data).records
-    if cfg.reward.model_path:
-        records = []  # the reward model scores training; rule rewards only score validation
-    if cfg.data.val_files:
-        records += load_prompts(cfg.data.val_files, tokenizer, cfg.data, label="data.val_files").records
+    check_writable_folder(cfg.run.output_dir, "run.output_dir")
+    check_resume_path(cfg.checkpoint.resume)
+    layouts = check_layouts(cfg, world_size)
+    check_model_folders(cfg)
+    tokenizer = load_tokenizer(cfg.model.path)
+    train = load_prompts(cfg.data.train_files, tokenizer, cfg.data)
+    PromptSampler(num_samples=len(train.records), global_batch_size=cfg.data.prompts_per_step, dp_rank=0,
+                  dp_size=layouts["rollout"].dp, seed=cfg.data.seed)
+    val = load_prompts(cfg.data.val_files, tokenizer, cfg.data, label="data.val_files") if cfg.data.val_files else None
+    check_kv_cache(cfg, max(len(ids) for prompts in (train, val) if prompts for ids in prompts.token_ids))
+    # the reward model scores training; rule rewards then only score validation
+    records = ([] if cfg.reward.model_path else train.records) + (val.records if val else [])
     Scorer(cfg.reward, tokenizer).check_sources(records)
 
 
@@ -147,16 +154,25 @@ def _resolved_algo(cfg: RlhfConfig, layouts: dict):
 class Trainer:
     def __init__(self, cfg: RlhfConfig, run_dir: RunDir) -> None:
         self.cfg, self.run_dir = cfg, run_dir
+        self.watchdog = self._watchdog()
+        with self.watchdog, self.watchdog.phase("build", self.cfg.comm.setup_timeout_s):
+            self._build(cfg, run_dir)
+
+    def _build(self, cfg: RlhfConfig, run_dir: RunDir) -> None:
+        """Meshes, data, reward and every role on its mesh, the rollout engine and its weight sync (collective)."""
         self.meshes: RoleMeshes = build_meshes(cfg)
         self.metric_reducer = MetricReducer(strategy=cfg.comm.strategy, min_bucket_mb=cfg.comm.min_bucket_mb,
                                             verify=cfg.comm.verify, timeout_s=cfg.dist.timeout_s)
         layouts = {role: mesh.layout for role, mesh in self.meshes.meshes.items()}
         _check_batches(cfg, layouts)
         algo = _resolved_algo(cfg, layouts)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.path)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         self.loader = self._build_data()
+        if run_dir.is_rank0:
+            for warning in input_warnings(cfg, self.tokenizer, self.loader.prompts, self.val):
+                log.warning(warning)
         self.scorer = Scorer(cfg.reward, self.tokenizer)
         self.scorer.check_sources(([] if cfg.reward.model_path else self.loader.prompts.records)
                                   + (self.val.records if self.val else []))
@@ -301,19 +317,22 @@ class Trainer:
 
     def fit(self) -> list[dict]:
         cfg = self.cfg.trainer
-        start = self._resume()
-        self.run_dir.commit_config()  # only now: a failed resume leaves the run's config.yaml as it was
-        self.sink = MetricsSink(self.run_dir.path, enabled=self.run_dir.is_rank0, tensorboard=cfg.tensorboard,
-                                first_step=start + 1 if start else 0)
-        self.push_initial_weights()
-        history = []
-        if start == 0 and cfg.val_before_train and self.val is not None:
-            values = {"step": 0, **self.validate(0)}
-            self.sink.write(0, values)
-            history.append(values)
-            log.info("before training: val/score/mean@1 = %.4f", values["val/score/mean@1"])
-        bar = progress(range(start + 1, cfg.total_steps + 1), desc="rl", total=cfg.total_steps - start)
-        with self._watchdog() as watchdog:
+        with self.watchdog as watchdog:
+            with watchdog.phase("resume", self.cfg.comm.setup_timeout_s):
+                start = self._resume()
+            self.run_dir.commit_config()  # only now: a failed resume leaves the run's config.yaml as it was
+            self.sink = MetricsSink(self.run_dir.path, enabled=self.run_dir.is_rank0, tensorboard=cfg.tensorboard,
+                                    first_step=start + 1 if start else 0)
+            with watchdog.phase("first weight push"):
+                self.push_initial_weights()
+            history = []
+            if start == 0 and cfg.val_before_train and self.val is not None:
+                with watchdog.phase("validation before training"):
+                    values = {"step": 0, **self.validate(0)}
+                self.sink.write(0, values)
+                history.append(values)
+                log.info("before training: val/score/mean@1 = %.4f", values["val/score/mean@1"])
+            bar = progress(range(start + 1, cfg.total_steps + 1), desc="rl", total=cfg.total_steps - start)
             for step in bar:
                 with watchdog.phase(f"rl_step {step}"):
                     history.append(self._step(step))
@@ -321,7 +340,7 @@ class Trainer:
         return history
 
     def _watchdog(self) -> Watchdog:
-        """A step that outlives comm.step_timeout_s dumps every rank's stacks to its log and exits non-zero."""
+        """A phase that outlives comm.step_timeout_s dumps every rank's stacks to its log and exits non-zero."""
         rank = dist.get_rank()
         return Watchdog(timeout_s=self.cfg.comm.step_timeout_s, log_file=self.run_dir.path / f"rank{rank}.log",
                         store=dist.distributed_c10d._get_default_store())
@@ -338,5 +357,6 @@ class Trainer:
                                                for k in CONSOLE_KEYS if k in values))
         every = self.cfg.checkpoint.every
         if (every and step % every == 0) or (step == cfg.total_steps and self.cfg.checkpoint.save_at_end):
-            self.checkpoints.save(step, self._state(step), meta=self._meta(), replicated=self._replicated())
+            with self.watchdog.phase(f"checkpoint step {step}", self.cfg.comm.setup_timeout_s):
+                self.checkpoints.save(step, self._state(step), meta=self._meta(), replicated=self._replicated())
         return {"step": step, **values}

@@ -66,6 +66,7 @@ def run_sft(cfg: RlhfConfig, sft: SftConfig, run_dir: RunDir) -> dict[str, float
     actor = PolicyRole("actor", meshes["actor"], cfg.model.path, update=cfg.actor, total_steps=sft.steps,
                        seed=cfg.dist.seed, fused_head=cfg.model.fused_head, params_dtype=cfg.model.torch_dtype)
     sampler = PromptSampler(num_samples=len(train.records), global_batch_size=sft.batch_size, dp_rank=0, dp_size=1,
+                            batch_key="sft.batch_size",
                             seed=cfg.data.seed)
     scorer = Scorer(cfg.reward, tokenizer)
     engine = _engine(cfg, actor, meshes["rollout"])

@@ -77,8 +77,8 @@ def test_state_of_another_run_is_refused():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"global_batch_size": 6, "dp_size": 4}, "data.global_batch_size=6 must be a positive multiple of the data-parallel size 4"),
-    ({"num_samples": 3}, "the dataset has 3 prompts, fewer than data.global_batch_size=4"),
+    ({"global_batch_size": 6, "dp_size": 4}, "data.prompts_per_step=6 must be a positive multiple of the data-parallel size 4"),
+    ({"num_samples": 3}, "the dataset has 3 prompts, fewer than data.prompts_per_step=4"),
     ({"dp_rank": 2, "dp_size": 2}, r"dp_rank=2 must be in \[0, dp_size=2\)"),
     ({"seed": -1}, "data.seed=-1 must be >= 0"),
 ])

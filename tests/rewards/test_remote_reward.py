@@ -2,7 +2,9 @@
 
 import json
 import math
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -104,8 +106,68 @@ def test_retries_run_out(service):
 
 def test_timeout(service):
     service.script = ["hang"]
-    with pytest.raises(RewardError, match=r"for samples 0-0 failed after 1 attempts: TimeoutError"):
+    with pytest.raises(RewardError, match=r"for samples 0-0 failed after 1 attempts: no full reply within "
+                                          r"reward\.remote\.timeout_s=0\.2s$"):
         remote(service, max_retries=0, timeout_s=0.2).score(records(1), ["a"])
+
+
+class RawReplyServer:
+    """Answers one request with `head` then `body`, `chunk` bytes every `pause_s`; stops by itself after the body
+    or when the client hangs up (a bounded loop: nothing outlives the test)."""
+
+    def __init__(self, head: bytes, body: bytes, chunk: int, pause_s: float):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/score"
+        self.head, self.body, self.chunk, self.pause_s = head, body, chunk, pause_s
+        self.sent = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        conn, _ = self.listener.accept()
+        with conn:
+            conn.recv(65536)
+            try:
+                conn.sendall(self.head)
+                for start in range(0, len(self.body), self.chunk):
+                    conn.sendall(self.body[start:start + self.chunk])
+                    self.sent += self.chunk
+                    time.sleep(self.pause_s)
+            except OSError:
+                pass  # the client cut the connection: done
+
+    def close(self):
+        self.thread.join()
+        self.listener.close()
+
+
+def test_a_trickling_server_misses_the_whole_request_deadline():
+    """1 byte per 0.05 s never trips a per-read timeout of 0.5 s, but the request as a whole must end at 0.5 s."""
+    body = json.dumps({"scores": [1.0]}).encode() + b" " * 400
+    server = RawReplyServer(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body), body, 1, 0.05)
+    try:
+        reward = RemoteReward(RemoteRewardConfig(url=server.url, max_retries=0, timeout_s=0.5))
+        with pytest.raises(RewardError) as info:
+            reward.score(records(1), ["a"])
+    finally:
+        server.close()
+    assert str(info.value) == (f"reward service {server.url} for samples 0-0 failed after 1 attempts: "
+                               "no full reply within reward.remote.timeout_s=0.5s")
+    assert server.sent < len(body)
+
+
+def test_an_oversized_reply_is_refused():
+    body = b'{"scores": [' + b"1.0, " * 20_000 + b"1.0]}"
+    server = RawReplyServer(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n", body, 4096, 0.0)
+    try:
+        reward = RemoteReward(RemoteRewardConfig(url=server.url, max_retries=3, max_reply_bytes=10_000))
+        with pytest.raises(RewardError) as info:
+            reward.score(records(1), ["a"])
+    finally:
+        server.close()
+    assert str(info.value) == (f"reward service {server.url} for samples 0-0 replied with more than "
+                               "reward.remote.max_reply_bytes=10000 bytes; raise the cap or lower "
+                               "reward.remote.batch_size")
 
 
 def test_client_error_is_not_retried(service):
@@ -142,7 +204,7 @@ class RewardServiceClosed:
 def test_unreachable_service():
     with RewardServiceClosed() as url:
         reward = RemoteReward(RemoteRewardConfig(url=url, max_retries=1, retry_backoff_s=0.0))
-        with pytest.raises(RewardError, match="failed after 2 attempts: URLError: .*[Cc]onnection refused"):
+        with pytest.raises(RewardError, match="failed after 2 attempts: ConnectionRefusedError: .*[Cc]onnection refused"):
             reward.score(records(1), ["a"])
 
 
@@ -151,6 +213,8 @@ def test_config_validation_and_factory(service):
         RemoteRewardConfig(url="localhost:1")
     with pytest.raises(ConfigError, match="reward.remote.batch_size=0 must be >= 1"):
         RemoteRewardConfig(url=service.url, batch_size=0)
+    with pytest.raises(ConfigError, match="reward.remote.max_reply_bytes=0 must be >= 1"):
+        RemoteRewardConfig(url=service.url, max_reply_bytes=0)
     with pytest.raises(ConfigError, match="reward.remote scores every sample"):
         RewardConfig(function="x.py:f", remote=RemoteRewardConfig(url=service.url))
     reward = build_reward(RewardConfig(remote=RemoteRewardConfig(url=service.url)))

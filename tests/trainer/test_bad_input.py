@@ -2,16 +2,22 @@
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fixtures import make_tiny_setup, trainer_config  # noqa: E402
 
-from rlhf.errors import ConfigError, DataError  # noqa: E402
+from rlhf.data.loader import load_prompts  # noqa: E402
+from rlhf.errors import CheckpointError, ConfigError, DataError  # noqa: E402
+from rlhf.train.engine import check_same_model  # noqa: E402
+from rlhf.trainer.checks import input_warnings, load_tokenizer  # noqa: E402
 from rlhf.trainer.loop import preflight  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,3 +109,99 @@ def test_dynamic_sampling_with_a_reward_model_and_bad_rollout_dtype(tiny, tmp_pa
         trainer_config(tiny, str(tmp_path), ["rollout.dtype=float16"])
     with pytest.raises(ConfigError, match=r"^algo\.rollout_correction\.bypass_mode=true anchors PPO"):
         trainer_config(tiny, str(tmp_path), ["algo.rollout_correction.bypass_mode=true"])
+
+
+def _copy_model(tiny, tmp_path, name, drop=()):
+    folder = tmp_path / name
+    shutil.copytree(tiny["model"], folder, ignore=shutil.ignore_patterns(*drop))
+    return folder
+
+
+def test_model_folder_problems_are_one_line_naming_the_folder(tiny, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match=rf"^model\.path='{empty}' has no config\.json, so it is not an HF model "
+                                          r"folder; point it at one"):
+        preflight(trainer_config(tiny, str(tmp_path), [f"model.path={empty}"]), world_size=1)
+    broken = _copy_model(tiny, tmp_path, "broken")
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=rf"^model\.path='{broken}': transformers cannot read its config\.json "
+                                          r"\(It looks like the config file at .* is not a valid JSON file\.\); "
+                                          r"fix the file or re-export the folder$"):
+        preflight(trainer_config(tiny, str(tmp_path), [f"model.path={broken}"]), world_size=1)
+    other = _copy_model(tiny, tmp_path, "gpt2")
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(config | {"model_type": "gpt2"}))
+    with pytest.raises(ConfigError, match=r"^unsupported architecture model_type='gpt2'; supported: llama, mistral"):
+        preflight(trainer_config(tiny, str(tmp_path), [f"model.path={other}"]), world_size=1)
+    no_tokenizer = _copy_model(tiny, tmp_path, "no_tokenizer", drop=("tokenizer*",))
+    with pytest.raises(ConfigError, match=rf"^model\.path='{no_tokenizer}' has no usable tokenizer \(.*\); copy the "
+                                          r"base model's tokenizer files \(tokenizer\.json, tokenizer_config\.json\)"):
+        preflight(trainer_config(tiny, str(tmp_path), [f"model.path={no_tokenizer}"]), world_size=1)
+    truncated = _copy_model(tiny, tmp_path, "truncated")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match=rf"^{weights} is not a readable safetensors file \(Error while "
+                                              r"deserializing header: .*\); re-download or re-export the model"):
+        preflight(trainer_config(tiny, str(tmp_path), [f"model.path={truncated}"]), world_size=1)
+
+
+def test_output_folder_resume_path_kv_cache_and_dataset_size_are_checked_first(tiny, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    with pytest.raises(ConfigError, match=rf"^run\.output_dir='{a_file}/runs': {a_file} is a file, not a folder"):
+        preflight(trainer_config(tiny, f"{a_file}/runs"), world_size=1)
+    with pytest.raises(ConfigError, match=r"^run\.output_dir='/proc/rlhf-runs': cannot write in /proc \(.*\); choose "
+                                          r"a writable run\.output_dir$"):
+        preflight(trainer_config(tiny, "/proc/rlhf-runs"), world_size=1)
+    with pytest.raises(CheckpointError, match=r"^checkpoint\.resume='/nope/step_3' is not a complete checkpoint"):
+        preflight(trainer_config(tiny, str(tmp_path), ["checkpoint.resume=/nope/step_3"]), world_size=1)
+    with pytest.raises(ConfigError, match=r"^the longest prompt \(\d+ tokens\) \+ sampling\.max_new_tokens=5 needs "
+                                          r"\d+ KV-cache positions but rollout\.native\.max_seq_len=8; raise "):
+        preflight(trainer_config(tiny, str(tmp_path), ["rollout.native.max_seq_len=8"]), world_size=1)
+    with pytest.raises(ConfigError, match=r"^sampling\.n=4 samples of one prompt need 4 KV-cache slots but "
+                                          r"rollout\.native\.max_batch_size=2"):
+        preflight(trainer_config(tiny, str(tmp_path), ["rollout.native.max_batch_size=2"]), world_size=1)
+    with pytest.raises(ConfigError, match=r"^the dataset has 16 prompts, fewer than data\.prompts_per_step=32; "):
+        preflight(trainer_config(tiny, str(tmp_path), ["data.prompts_per_step=32"]), world_size=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # the write probe left nothing
+
+
+def test_export_to_an_unwritable_folder_is_one_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-m", "rlhf", "export", "--run-dir", str(tmp_path),
+                          "--out", "/proc/rlhf-hf"],
+                         env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert re.fullmatch(r"rlhf export: error: --out='/proc/rlhf-hf': cannot write in /proc \(.*\); choose a "
+                        r"writable --out", out.stderr.strip()), out.stderr
+
+
+def test_resuming_into_another_model_is_one_line():
+    own = {"decoder.final_layernorm.weight": torch.ones(32), "output_layer.weight": torch.ones(8, 32)}
+    with pytest.raises(CheckpointError, match=r"^the checkpoint's 'output_layer.weight' has shape \[8, 64\], this "
+                                              r"model's \[8, 32\]: the checkpoint is of another model; resume with "
+                                              r"the model\.path the run was trained from$"):
+        check_same_model(own, own | {"output_layer.weight": torch.ones(8, 64)})
+    with pytest.raises(CheckpointError, match=r"^the checkpoint has no tensor 'output_layer.weight'"):
+        check_same_model(own, {"decoder.final_layernorm.weight": torch.ones(32)})
+    with pytest.raises(CheckpointError, match=r"^the checkpoint has 1 tensors this model lacks \(first 'extra'\)"):
+        check_same_model(own, own | {"extra": torch.ones(1)})
+    check_same_model(own, dict(own))
+
+
+def test_warnings_for_a_tokenizer_that_cannot_stop_and_unknown_characters(tiny, tmp_path):
+    cfg = trainer_config(tiny, str(tmp_path))
+    tokenizer = load_tokenizer(tiny["model"])
+    rows = [json.loads(line) for line in Path(tiny["train"]).read_text().splitlines()]
+    rows[3]["prompt"] = "4é+1="
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text("\n".join(json.dumps(r) for r in rows))
+    train = load_prompts([str(odd)], tokenizer, cfg.data)
+    assert input_warnings(cfg, tokenizer, train, None) == [
+        "1 of 16 prompts in data.train_files hold characters outside the tokenizer's vocabulary (1 tokens became "
+        "'<unk>'; first: record index 3); check that the tokenizer matches the data"]
+    tokenizer.pad_token, tokenizer.eos_token = None, None
+    assert input_warnings(cfg, tokenizer, load_prompts([tiny["train"]], tokenizer, cfg.data), None) == [
+        f"the tokenizer of model.path={tiny['model']!r} has neither a pad nor an eos token: no rollout can stop, "
+        "each runs to sampling.max_new_tokens=5; set eos_token in its tokenizer_config.json"]
