@@ -15,11 +15,11 @@ import socket
 from datetime import datetime, timezone
 
 import torch
-import torch.distributed as dist
 
 from rlhf import __version__, platform
 from rlhf.cli.common import add_config_args, config_from_args
 from rlhf.dist.meshes import build_role_meshes
+from rlhf.dist.wire import all_gather_json
 from rlhf.dist.runtime import distributed
 from rlhf.run_dir import close_run, get_logger, setup_run
 
@@ -98,8 +98,7 @@ def run(args: argparse.Namespace) -> int:
         log = get_logger("doctor")
         try:
             meshes = build_role_meshes(cfg.mesh, timeout_s=cfg.dist.timeout_s)
-            rows = [None] * runtime.world_size
-            dist.all_gather_object(rows, _rank_row(runtime))
+            rows = all_gather_json(_rank_row(runtime))
             probe = run_probe(group=None, num_tensors=args.probe_tensors, timeout_s=args.probe_timeout)
             report = {
                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

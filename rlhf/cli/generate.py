@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from rlhf.dist.wire import all_gather_json
 from rlhf.errors import ConfigError
 from rlhf.rollout.native.engine import NativeEngineConfig
 from rlhf.rollout.sampling_params import SamplingParams
@@ -73,8 +74,7 @@ def run(args: argparse.Namespace) -> int:
     rows = read_records(args.data, require_ground_truth=False)[:args.limit]
     mine = rows[engine.layout.dp_rank::engine.layout.dp]
     records = _generate_all(engine, tokenizer, mine, params, args.batch_size)
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(records if engine.layout.tp_rank == 0 else [], gathered, dst=0)
+    gathered = all_gather_json(records if engine.layout.tp_rank == 0 else [])
     if dist.get_rank() == 0:
         merged = sorted((r for part in gathered for r in part), key=lambda r: (r["index"], r["sample"]))
         out = Path(args.out)

@@ -54,7 +54,7 @@ class Watchdog:
                 raise ConfigError(f"watchdog {label}={value!r} must be a positive number of seconds")
         self.timeout_s = timeout_s
         self.collective_timeout_s = collective_timeout_s
-        self.log_file = os.fspath(log_file) if log_file is not None else None  # None: stderr
+        self.log_file = os.fspath(log_file) if log_file is not None else None  # None: the process stderr (fd 2)
         self.group = group
         self.store = store
         self.poll_s = poll_s
@@ -83,7 +83,7 @@ class Watchdog:
     def start(self) -> None:
         self._stop.clear()
         # held open for faulthandler's timer
-        self._backstop_log = open(self.log_file, "a") if self.log_file else sys.stderr  # noqa: SIM115
+        self._backstop_log = open(self.log_file, "a") if self.log_file else sys.__stderr__  # noqa: SIM115
         if self.store is not None:
             self._store_call(peers.publish_identity, self.store, self.rank)
             self._same_host = dict.fromkeys(peers.same_host_ranks(self.rank, self.world_size))
@@ -102,7 +102,7 @@ class Watchdog:
             self._wakeup.close()
         if self._backstop_log is not None:
             faulthandler.cancel_dump_traceback_later()
-            if self._backstop_log is not sys.stderr:
+            if self._backstop_log is not sys.__stderr__:
                 self._backstop_log.close()
             self._backstop_log = None
 
@@ -146,12 +146,12 @@ class Watchdog:
 
     def _append(self, text: str) -> None:
         try:
-            log = open(self.log_file, "a") if self.log_file else sys.stderr  # noqa: SIM115 - closed below
+            log = open(self.log_file, "a") if self.log_file else sys.__stderr__  # noqa: SIM115 - closed below
         except OSError:
-            log = sys.stderr
+            log = sys.__stderr__
         log.write(text)
         log.flush()
-        if log is not sys.stderr:
+        if log is not sys.__stderr__:
             log.close()
 
     @contextmanager
@@ -243,16 +243,16 @@ class Watchdog:
 
     def _write_report(self, reason: str, status: dict) -> None:
         try:
-            log = open(self.log_file, "a") if self.log_file else sys.stderr  # noqa: SIM115 - closed below
+            log = open(self.log_file, "a") if self.log_file else sys.__stderr__  # noqa: SIM115 - closed below
         except OSError:
-            log = sys.stderr
+            log = sys.__stderr__
         log.write(f"[rlhf watchdog] rank {self.rank} pid {os.getpid()}: {reason}\n"
                   f"[rlhf watchdog] {_describe(status)}\n")
         log.write(self._peer_report())
         log.flush()
         faulthandler.dump_traceback(file=log, all_threads=True)
         log.flush()
-        if log is not sys.stderr:
+        if log is not sys.__stderr__:
             os.fsync(log.fileno())
             log.close()
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rlhf.dist.wire import all_gather_json
 from rlhf.reshard.apply import dst_view, src_view
 from rlhf.reshard.schedule import Bucket, Schedule
 from rlhf.reshard.transport import TransportStats, pack, unpack
@@ -32,10 +33,7 @@ log = get_logger("reshard")
 
 def all_on_one_host(group: dist.ProcessGroup | None) -> bool:
     """True when every rank of `group` runs on this host (collective)."""
-    size = dist.get_world_size(group)
-    hosts: list = [None] * size
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    return len(set(hosts)) == 1
+    return len(set(all_gather_json(socket.gethostname(), group=group))) == 1
 
 
 def job_id() -> str:
@@ -46,9 +44,7 @@ def job_id() -> str:
 
 def _owner_prefixes(group: dist.ProcessGroup | None) -> dict[int, str]:
     """Every rank's segment-name prefix (job, its pid, a token shared by the group), by global rank (collective)."""
-    mine = (os.getpid(), uuid.uuid4().hex[:12])
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
+    gathered = all_gather_json([os.getpid(), uuid.uuid4().hex[:12]], group=group)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(gathered)))
     token, job = gathered[0][1], job_id()
     return {rank: f"{SEGMENT_PREFIX}{job}-p{pid}-{token}" for rank, (pid, _) in zip(ranks, gathered)}
