@@ -71,13 +71,13 @@ def eos_token_ids(hf_path: str) -> tuple[int, ...]:
 def build_engine(config: RolloutConfig, hf_path: str, pg_collection: Any,
                  dtype: torch.dtype = torch.float32) -> RolloutEngine:
     """The engine for this rank; the native one builds the megatron model on `pg_collection` (pp must be 1).
-    `dtype`: the weights of the native and hf engines (the trainer passes `model.dtype`)."""
+    `dtype`: the engine's weights (the trainer passes `model.dtype`; vllm: unless rollout.vllm.dtype is set)."""
     layout = engine_layout(pg_collection)
     eos = eos_token_ids(hf_path)
     if config.engine == "vllm":
         from rlhf.rollout.vllm_engine import VllmEngine
 
-        return VllmEngine(hf_path, config=config.vllm, layout=layout, eos_token_ids=eos)
+        return VllmEngine(hf_path, config=config.vllm, layout=layout, eos_token_ids=eos, dtype=dtype)
     if config.engine == "hf":
         from transformers import AutoModelForCausalLM
 

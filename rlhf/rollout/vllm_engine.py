@@ -4,8 +4,9 @@ TP group running the same calls. Runs on vLLM's CUDA build and on its CPU build 
 Built from the HF folder with dummy weights: it refuses to generate until a weight push has succeeded. A push
 takes full HF-named tensors (vLLM fuses and shards them itself), is checked against the checkpoint's names and
 shapes before anything moves, goes through vLLM's in-place `reload_weights` (the route that works with its CPU
-weight packing), and is verified after it by a probe of every layer through its own kernel (`vllm_weights`). Sleep levels are used where the platform has them (CUDA); elsewhere sleep and
-wake do nothing and `can_sleep` says so. Logprobs are vLLM's processed ones (logits / temperature after top-k/p).
+weight packing) and is verified by a probe of every layer through its own kernel (`vllm_weights`). Sleep
+levels are used where the platform has them (CUDA); elsewhere sleep and wake do nothing and `can_sleep` says
+so. Logprobs are vLLM's processed ones (logits / temperature, after top-k/top-p): what the sampler drew from.
 """
 
 from __future__ import annotations
@@ -44,12 +45,13 @@ def import_vllm() -> Any:
 @dataclass(kw_only=True)
 class VllmEngineConfig:
     """`kv_cache_gb`: the KV cache per rank; None: a `gpu_memory_utilization` share of an accelerator, and
-    1 GiB on CPU. `max_model_len` None: the model's. `enforce_eager`: skip torch.compile / graphs (fast start)."""
+    1 GiB on CPU. `max_model_len` None: the model's. `dtype` None: the trainer's `model.dtype`.
+    `enforce_eager`: skip torch.compile and graphs (starts in seconds instead of minutes)."""
 
     gpu_memory_utilization: float = 0.5
     kv_cache_gb: float | None = None
     max_model_len: int | None = None
-    dtype: str = "bfloat16"
+    dtype: str | None = None
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
@@ -59,7 +61,7 @@ class VllmEngineConfig:
             raise ConfigError(f"rollout.vllm.kv_cache_gb={self.kv_cache_gb} must be positive (or null)")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"rollout max_model_len={self.max_model_len} must be >= 1")
-        if self.dtype not in DTYPES:
+        if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"rollout.vllm.dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
 
     def memory_options(self, accelerator: bool) -> dict[str, Any]:
@@ -74,12 +76,13 @@ class VllmEngine:
     """One vLLM replica spanning this process's rollout TP group (every rank runs the same calls)."""
 
     def __init__(self, hf_path: str, *, config: VllmEngineConfig = VllmEngineConfig(),
-                 layout: EngineLayout = EngineLayout(), eos_token_ids: tuple[int, ...] = ()) -> None:
+                 layout: EngineLayout = EngineLayout(), eos_token_ids: tuple[int, ...] = (),
+                 dtype: torch.dtype = torch.float32) -> None:
         vllm = import_vllm()
         from vllm.platforms import current_platform
 
         self.vllm, self.layout, self.eos_token_ids = vllm, layout, tuple(eos_token_ids)
-        self.dtype = DTYPES[config.dtype]
+        self.dtype = DTYPES[config.dtype] if config.dtype is not None else dtype
         self.can_sleep = current_platform.is_sleep_mode_available()
         if not self.can_sleep:
             log.info("vllm: no sleep mode on this platform (%s): sleep/wake release nothing",
@@ -87,8 +90,9 @@ class VllmEngine:
         self.shapes = checkpoint_shapes(hf_path)
         self.policy_version = 0
         self.weights_ready = False  # dummy weights until a push succeeds; False again after a failed one
-        self.llm = vllm.LLM(model=hf_path, tensor_parallel_size=layout.tp, distributed_executor_backend="external_launcher",
-                            enable_sleep_mode=self.can_sleep, load_format="dummy", dtype=config.dtype,
+        self.llm = vllm.LLM(model=hf_path, tensor_parallel_size=layout.tp,
+                            distributed_executor_backend="external_launcher",
+                            enable_sleep_mode=self.can_sleep, load_format="dummy", dtype=self.dtype,
                             max_model_len=config.max_model_len, seed=replica_seed(0, layout.dp_rank),
                             skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
                             enforce_eager=config.enforce_eager, **config.memory_options(has_accelerator()))

@@ -10,7 +10,7 @@ The probe costs one matrix-vector product per weight on each side.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,16 @@ def checkpoint_shapes(hf_path: str) -> dict[str, tuple[int, ...]]:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
         shapes.update({name: tuple(entry["shape"]) for name, entry in header.items() if name != "__metadata__"})
     return shapes
+
+
+def checkpoint_weights(hf_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of an HF folder's safetensors files (what `rlhf generate --engine vllm` pushes)."""
+    from safetensors import safe_open
+
+    for file in sorted(Path(hf_path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
 
 
 def check_push(weights: Iterable[tuple[str, torch.Tensor]], shapes: Mapping[str, tuple[int, ...]]

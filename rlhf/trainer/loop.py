@@ -26,7 +26,7 @@ from rlhf.dist.watchdog import Watchdog
 from rlhf.dist.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes, plan_meshes
 from rlhf.errors import ConfigError
 from rlhf.metrics import MetricsSink
-from rlhf.rollout.factory import build_engine, engine_layout, eos_token_ids
+from rlhf.rollout.factory import build_engine, close_engine, engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
 from rlhf.step import RLStack, rl_step
 from rlhf.trainer.config import check_batch_sizes
@@ -244,10 +244,13 @@ class Trainer:
             history.append(values)
             log.info("before training: val/score/mean@1 = %.4f", values["val/score/mean@1"])
         bar = progress(range(start + 1, cfg.total_steps + 1), desc="rl", total=cfg.total_steps - start)
-        with self._watchdog() as watchdog:
-            for step in bar:
-                with watchdog.phase(f"rl_step {step}"):
-                    history.append(self._step(step))
+        try:
+            with self._watchdog() as watchdog:
+                for step in bar:
+                    with watchdog.phase(f"rl_step {step}"):
+                        history.append(self._step(step))
+        finally:
+            close_engine(self.stack.rollout)  # vLLM's teardown needs the process groups still alive
         self.sink.close()
         return history
 
