@@ -96,6 +96,7 @@ class VllmEngine:
                             max_model_len=config.max_model_len, seed=replica_seed(0, layout.dp_rank),
                             skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
                             enforce_eager=config.enforce_eager, **config.memory_options(has_accelerator()))
+        self.llm.collective_rpc(worker_unlink_cpu_shm)
         self._asleep: set[str] = set()
 
     def generate(self, prompts: PromptBatch, params: SamplingParams) -> Rollouts:
@@ -161,6 +162,23 @@ class VllmEngine:
         destroy_model_parallel()
         gc.unfreeze()  # vLLM froze its startup objects; let the collector free them with this engine
         self.weights_ready = False
+
+
+def worker_unlink_cpu_shm(worker: Any) -> None:
+    """Runs in a vLLM worker: remove the names of the shared-memory segments of vLLM's CPU TP/PP communicator
+    once every rank has mapped them. vLLM never unlinks them and, under external_launcher, names them the same
+    on every run, so a leftover segment fails the next engine start (`create shm ... errno: 17`)."""
+    import _posixshmem  # CPython's POSIX shared-memory calls (what multiprocessing.shared_memory uses)
+
+    from vllm.distributed import get_pp_group, get_tp_group
+
+    for group in (get_tp_group(), get_pp_group()):
+        shm = getattr(group.device_communicator, "dist_module", None)
+        if hasattr(shm, "group_name"):
+            try:
+                _posixshmem.shm_unlink(f"/{shm.group_name.lstrip('/')}_{shm.communicator.rank}")
+            except FileNotFoundError:
+                pass
 
 
 def rollouts_from_outputs(outputs: list, params: SamplingParams, pad_token_id: int,
