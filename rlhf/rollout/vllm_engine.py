@@ -46,13 +46,14 @@ def import_vllm() -> Any:
 class VllmEngineConfig:
     """`kv_cache_gb`: the KV cache per rank; None: a `gpu_memory_utilization` share of an accelerator, and
     1 GiB on CPU. `max_model_len` None: the model's. `dtype` None: the trainer's `model.dtype`.
-    `enforce_eager`: skip torch.compile and graphs (starts in seconds instead of minutes)."""
+    `enforce_eager`: skip torch.compile and graphs; None: eager on CPU (compiling costs minutes per start there,
+    see benchmarks/bench_rollout.py for what it buys), compiled on accelerators."""
 
     gpu_memory_utilization: float = 0.5
     kv_cache_gb: float | None = None
     max_model_len: int | None = None
     dtype: str | None = None
-    enforce_eager: bool = False
+    enforce_eager: bool | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -95,7 +96,9 @@ class VllmEngine:
                             enable_sleep_mode=self.can_sleep, load_format="dummy", dtype=self.dtype,
                             max_model_len=config.max_model_len, seed=replica_seed(0, layout.dp_rank),
                             skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
-                            enforce_eager=config.enforce_eager, **config.memory_options(has_accelerator()))
+                            enforce_eager=(not has_accelerator() if config.enforce_eager is None
+                                           else config.enforce_eager),
+                            **config.memory_options(has_accelerator()))
         self.llm.collective_rpc(worker_unlink_cpu_shm)
         self._asleep: set[str] = set()
 
