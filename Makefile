@@ -83,7 +83,7 @@ bench-reshard: install-bench
 bench-engine: install-bench
 	$(PY) benchmarks/bench_engine.py
 
-bench-rollout: install-bench
+bench-rollout: install-bench install-vllm
 	$(PY) benchmarks/bench_rollout.py
 
 bench-e2e: install-bench
