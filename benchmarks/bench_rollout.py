@@ -1,6 +1,7 @@
-"""Rollout throughput: rlhf's native engine vs `transformers.generate` (the `hf` engine), same weights/prompts.
+"""Rollout throughput: rlhf's native engine vs `transformers.generate` (the `hf` engine) and real vLLM (its CPU
+build, `make install-vllm`; compiled, vLLM's default, and eager), same weights/prompts.
 
-Two models: a tiny Qwen2-style model and SmolLM2-135M. Batch of 32 prompts, 64 sampled tokens each (EOS
+Two models: a tiny Qwen2-style model (head_dim 32: vLLM's CPU attention has no smaller kernel) and SmolLM2-135M. Batch of 32 prompts, 64 sampled tokens each (EOS
 ignored so both engines do the same work), alternating repeats, medians. Optionally (`--mcore`) megatron-core's
 own static-KV-cache inference forward (GPTModel + StaticInferenceContext, argmax only: a lower bound on its
 cost) as the evaluated alternative. Prints a table and writes benchmarks/results/rollout.json.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import statistics
@@ -37,7 +39,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "rollout.json"
 def _init_world() -> None:
     from rlhf.testing.distributed import free_port
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("gloo", rank=0, world_size=1)
 
 
@@ -49,11 +51,11 @@ def _model_folder(name: str, workdir: str) -> str:
     from rlhf.testing.tiny_models import tiny_hf_model
 
     path = os.path.join(workdir, "tiny")
-    tiny_hf_model("qwen2", seed=0).save_pretrained(path)
+    tiny_hf_model("qwen2", seed=0, num_heads=2, num_kv_heads=2).save_pretrained(path)
     return path
 
 
-def _engines(path: str, batch_size: int, max_seq_len: int) -> dict:
+def _engines(path: str, batch_size: int, max_seq_len: int, vllm_modes: list[str]) -> dict:
     from transformers import AutoModelForCausalLM
 
     from rlhf.dist.groups import build_layout_groups
@@ -65,7 +67,18 @@ def _engines(path: str, batch_size: int, max_seq_len: int) -> dict:
     native = build_engine(RolloutConfig(native=NativeEngineConfig(max_batch_size=batch_size,
                                                                   max_seq_len=max_seq_len)), path, pgs)
     hf = HFEngine(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), eos_token_ids=eos_token_ids(path))
-    return {"native": native, "hf": hf}
+    engines = {"native": native, "hf": hf}
+    if vllm_modes:
+        from rlhf.rollout.vllm_engine import VllmEngine, VllmEngineConfig
+        from rlhf.rollout.vllm_weights import checkpoint_weights
+
+        for mode in vllm_modes:
+            config = VllmEngineConfig(dtype="float32", kv_cache_gb=1.0, max_model_len=max_seq_len,
+                                      enforce_eager=mode == "eager")
+            engine = VllmEngine(path, config=config, eos_token_ids=eos_token_ids(path))
+            engine.load_weights(checkpoint_weights(path))
+            engines[f"vllm_{mode}"] = engine
+    return engines
 
 
 def _prompts(vocab_size: int, batch_size: int, seed: int) -> PromptBatch:
@@ -105,7 +118,7 @@ def bench_model(name: str, args, workdir: str, peaks: list[float]) -> list[dict]
 
     path = _model_folder(name, workdir)
     config = AutoConfig.from_pretrained(path)
-    engines = _engines(path, args.batch_size, args.max_seq_len)
+    engines = _engines(path, args.batch_size, args.max_seq_len, args.vllm)
     batch = _prompts(config.vocab_size, args.batch_size, seed=0)
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0, ignore_eos=True)
     for engine in engines.values():
@@ -127,6 +140,10 @@ def bench_model(name: str, args, workdir: str, peaks: list[float]) -> list[dict]
         runs = [time_static_decode(engines["native"].model, batch, args.new_tokens) for _ in range(args.repeats)]
         times["mcore_static"], prefill["mcore_static"] = [t for t, _ in runs], [p for _, p in runs]
         tokens["mcore_static"] = tokens["native"]
+    from rlhf.rollout.factory import close_engine
+
+    for engine in engines.values():
+        close_engine(engine)
     flops = _batch_flops(config, batch, args.new_tokens)
     rows = []
     for key in times:
@@ -148,6 +165,11 @@ def _summary(rows: list[dict], peak: float) -> dict:
         summary[f"hf_tok_s_{model}"] = tok_s(model, "hf")
         native = next(r for r in rows if r["model"] == model and r["engine"] == "native")
         summary[f"fraction_of_peak_{model}"] = native["model_gflop_s"] / peak
+        modes = [r["engine"] for r in rows if r["model"] == model and r["engine"].startswith("vllm_")]
+        for mode in modes:
+            summary[f"native_vs_{mode}_{model}"] = tok_s(model, "native") / tok_s(model, mode)
+        if modes:  # against vLLM's faster mode
+            summary[f"native_vs_vllm_{model}"] = tok_s(model, "native") / max(tok_s(model, m) for m in modes)
     return summary
 
 
@@ -162,9 +184,15 @@ def main() -> None:
                         help="torch threads; 1 by default: on a shared 2-core host OpenMP spinning at 2 threads "
                              "makes every engine's timings collapse and swing")
     parser.add_argument("--mcore", action="store_true", help="also time megatron-core's static inference forward")
+    parser.add_argument("--vllm", nargs="*", choices=["compiled", "eager"], default=None,
+                        help="vLLM modes to time (default: both when vLLM is installed; none: --vllm alone)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.vllm is None:
+        args.vllm = ["compiled", "eager"] if importlib.util.find_spec("vllm") else []
+        if not args.vllm:
+            print("vLLM is not installed (make install-vllm): timing native and hf only")
+    torch.set_num_threads(args.threads)  # before vLLM starts: it forbids changing the thread count later
     _init_world()
     peaks: list[float] = []
     with tempfile.TemporaryDirectory() as workdir:

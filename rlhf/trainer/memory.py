@@ -14,6 +14,7 @@ grads and optimizer state. Offloaded: roles that hold a model on this rank when 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from rlhf.rollout.engine import RolloutEngine
 if TYPE_CHECKING:
     from rlhf.dist.meshes import RoleMesh
 
+log = logging.getLogger(__name__)
 GB = 1024**3
 SLEEPS = ("none", "kv_cache", "kv_cache_and_weights")
 
@@ -69,7 +71,10 @@ class MemoryPhases:
                  sleep: str = "none") -> None:
         assert sleep in SLEEPS, sleep
         self.engine, self.roles = engine, list(roles)
-        self.sleeps = sleep != "none" and engine is not None
+        self.sleeps = sleep != "none" and engine is not None and getattr(engine, "can_sleep", True)
+        if sleep != "none" and engine is not None and not self.sleeps:
+            log.info("rollout.sleep=%s: the engine cannot sleep on this platform, so nothing is released "
+                     "between rollouts", sleep)
         self.release_weights = sleep == "kv_cache_and_weights"
 
     @contextmanager

@@ -1,5 +1,6 @@
 """`rlhf doctor` under torchrun on 4 CPU ranks: exits 0 with PASS, reports versions and meshes; bad input fails."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -7,6 +8,15 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _installed_vllm() -> str:
+    """vLLM's own version string when it is importable here (`make install-vllm` adds it), else not installed."""
+    if importlib.util.find_spec("vllm") is None:
+        return "not installed"
+    import vllm
+
+    return vllm.__version__
 
 
 def _env(tmp_path):
@@ -23,7 +33,7 @@ def test_doctor_on_4_ranks_passes(tmp_path):
     report = json.loads(out.stdout[out.stdout.index("{"):])
     assert report["probe"]["status"] == "PASS"
     assert report["world_size"] == 4 and [r["rank"] for r in report["ranks"]] == [0, 1, 2, 3]
-    assert report["versions"]["vllm"] == "not installed"
+    assert report["versions"]["vllm"] == _installed_vllm()
     assert report["versions"]["megatron-core"] == "0.16.1"
     assert {m["role"]: (m["tp"], m["dp"]) for m in report["meshes"]} == {
         "actor": (1, 4), "ref": (1, 4), "rollout": (2, 2)}

@@ -1,7 +1,12 @@
 """`rlhf generate` end to end on 2 ranks (dp=2): JSONL rows in dataset order, greedy equal to transformers."""
 
+import importlib.util
 import json
+import os
+import subprocess
+import sys
 
+import pytest
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -60,3 +65,36 @@ def test_generate_writes_jsonl_in_dataset_order(tmp_path):
         assert row["response"] == tokenizer.decode(row["tokens"], skip_special_tokens=True)
         torch.testing.assert_close(torch.tensor(row["logprobs"]),
                                    expected.response_logprobs_rt[i, :len(row["tokens"])], atol=1e-5, rtol=0)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM: make install-vllm")
+def test_generate_with_vllm_pushes_the_checkpoint_and_exits_cleanly(tmp_path):
+    """Real vLLM starts from dummy weights: the CLI must push the folder's. Its exit must raise nothing (vLLM's
+    teardown runs before rlhf ends the process group)."""
+    model_dir, data, out = tmp_path / "model", tmp_path / "prompts.jsonl", tmp_path / "gen.jsonl"
+    # head_dim 32: vLLM's CPU attention has no kernel for the default tiny model's 16
+    model = tiny_hf_model("qwen2", seed=2, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
+    model.save_pretrained(model_dir)
+    _save_char_tokenizer(model_dir)
+    prompts = ["1+2=", "what is 7-3?", "abc"]
+    data.write_text("".join(json.dumps({"prompt": p, "data_source": "toy"}) + "\n" for p in prompts))
+    proc = subprocess.run([sys.executable, "-m", "rlhf", "generate", "--model", str(model_dir), "--data", str(data),
+                           "--out", str(out), "--engine", "vllm", "--temperature", "0", "--max-new-tokens", "6"],
+                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for sign in ("Invalid process group", "Exception ignored", "Error in atexit"):
+        assert sign not in proc.stderr, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    token_lists = [r["prompt_tokens"] for r in rows]  # as the CLI encodes them
+    expected = HFEngine(model, eos_token_ids=(2,)).generate(PromptBatch.from_token_lists(token_lists),
+                                                            SamplingParams(max_new_tokens=6, temperature=0.0))
+    assert [r["tokens"] for r in rows] == [expected.response(i) for i in range(len(prompts))]
+    for row in rows:
+        tokens = torch.tensor([row["prompt_tokens"] + row["tokens"]])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(tokens).logits[0, len(row["prompt_tokens"]) - 1:-1], -1)
+        torch.testing.assert_close(torch.tensor(row["logprobs"]),
+                                   logprobs.gather(-1, tokens[0, len(row["prompt_tokens"]):, None])[:, 0],
+                                   atol=1e-5, rtol=0)

@@ -3,7 +3,7 @@
 import pytest
 
 from rlhf.errors import ConfigError
-from rlhf.rollout.sampling_params import SamplingParams
+from rlhf.rollout.sampling_params import SamplingParams, request_seed
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -30,3 +30,13 @@ def test_valid_values():
     assert greedy.greedy and greedy.top_k == -1
     sampled = SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=20, n=3)
     assert not sampled.greedy and sampled.n == 3
+
+
+def test_request_seeds_are_reproducible_and_apart_per_replica_and_request():
+    seeds = [request_seed(seed, dp_rank, index) for seed in (0, 1000) for dp_rank in range(2) for index in range(64)]
+    assert seeds == [request_seed(seed, dp_rank, index) for seed in (0, 1000) for dp_rank in range(2)
+                     for index in range(64)]
+    assert len(set(seeds)) == len(seeds) and all(0 <= s < 2**56 for s in seeds)
+    # vLLM seeds the n samples of a request with seed .. seed + n - 1: no two requests' ranges may overlap
+    ordered = sorted(seeds)
+    assert min(b - a for a, b in zip(ordered, ordered[1:])) > 1024

@@ -9,11 +9,12 @@ from rlhf.data.make import MakeConfig, make_dataset
 from rlhf.models.init import InitModelConfig, init_hf_model
 
 
-def make_tiny_setup(root: Path, num_train: int = 64, num_val: int = 16) -> dict[str, str]:
+def make_tiny_setup(root: Path, num_train: int = 64, num_val: int = 16, **model_dims) -> dict[str, str]:
+    """`model_dims` override the tiny model's InitModelConfig (vLLM's CPU attention needs head_dim >= 32)."""
     tokenizer = build_char_tokenizer()
-    model = init_hf_model(InitModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                                          intermediate_size=64, max_position_embeddings=64), tokenizer,
-                          root / "model")
+    dims = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                max_position_embeddings=64) | model_dims
+    model = init_hf_model(InitModelConfig(**dims), tokenizer, root / "model")
     task = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
     train = make_dataset(MakeConfig(task="chain_sum", num_samples=num_train, seed=1, prompt_format="expression",
                                     task_config=task), root / "train.jsonl")

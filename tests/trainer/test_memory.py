@@ -4,16 +4,12 @@ split placement change, the metrics it records, and the config errors for nonsen
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from rlhf.config import RlhfConfig, from_dict
 from rlhf.errors import ConfigError
 from rlhf.metrics import StepMetrics
 from rlhf.rewards.registry import RewardConfig
 from rlhf.rollout.factory import RolloutConfig
-from rlhf.rollout.sampling_params import SamplingParams
-from rlhf.rollout.types import PromptBatch
-from rlhf.rollout.vllm_engine import VllmEngine
 from rlhf.trainer.memory import MemoryPhases, ParkedRole, check_sleep, plan_memory_phases
 
 
@@ -112,39 +108,19 @@ def test_sleep_none_leaves_the_engine_alone():
     assert calls == [("actor.offload", False), "generate", "actor.reload", "update", "load_weights"]
 
 
-def _stand_in_vllm(calls):
-    class LLM:
-        def __init__(self, **kwargs):
-            model = SimpleNamespace(load_weights=lambda weights: calls.append("load_weights"))
-            self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(
-                worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))))
-
-        def generate(self, requests, sampling_params, use_tqdm):
-            calls.append("generate")
-            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[3], finish_reason="stop",
-                                                             logprobs=[{3: SimpleNamespace(logprob=-1.0)}])])]
-
-        def sleep(self, level):
-            calls.append(("sleep", level))
-
-        def wake_up(self, tags):
-            calls.append(("wake_up", tags))
-
-    return SimpleNamespace(LLM=LLM, SamplingParams=lambda **kw: kw)
-
-
-def test_vllm_adapter_in_the_phases_frees_weights_and_kv_and_takes_the_push():
+def test_an_engine_that_cannot_sleep_is_left_alone_and_says_so(caplog):
+    """vLLM on CPU has no sleep mode (`can_sleep=False`): the phases neither sleep nor wake it (nothing is
+    released, nothing claimed) and log that once."""
     calls = []
-    engine = VllmEngine("/m", vllm_module=_stand_in_vllm(calls))
-    phases = MemoryPhases(engine, sleep=RolloutConfig(engine="vllm").resolved_sleep(accelerator=True))
-    prompts, params = PromptBatch.from_token_lists([[1, 2]]), SamplingParams(max_new_tokens=2)
-    for _ in range(2):
-        with phases.rollout():
-            engine.generate(prompts, params)
-        with phases.weight_sync():
-            engine.load_weights([("model.norm.weight", torch.ones(2))])
-    step = [("sleep", 2), ("wake_up", ["weights"]), "load_weights", ("wake_up", ["kv_cache"]), "generate"]
-    assert calls == ["generate"] + step + [("sleep", 2), ("wake_up", ["weights"]), "load_weights"]
+    engine = RecordingEngine(calls)
+    engine.can_sleep = False
+    with caplog.at_level("INFO", logger="rlhf.trainer.memory"):
+        phases = MemoryPhases(engine, [ParkedRole("actor", RecordingRole("actor", calls))],
+                              sleep=RolloutConfig(engine="vllm").resolved_sleep(accelerator=False))
+    assert caplog.messages == ["rollout.sleep=kv_cache_and_weights: the engine cannot sleep on this platform, "
+                               "so nothing is released between rollouts"]
+    _one_step(phases, engine, calls, StepMetrics())
+    assert calls == [("actor.offload", False), "generate", "actor.reload", "update", "load_weights"]
 
 
 def test_sleep_defaults_per_engine_and_device():
