@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlhf.dist.collectives import all_reduce
+from rlhf.parallel.collectives import all_reduce
 from rlhf.testing.distributed import run_distributed
 
 STRATEGIES = ("torch_loop", "plain", "bucket", "bucket_verify", "rs_ag")

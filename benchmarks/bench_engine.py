@@ -70,8 +70,8 @@ class PeerTrainer:
 def _bench_rank(path: str, args: argparse.Namespace) -> list[dict]:
     from transformers import AutoConfig
 
-    from rlhf.dist.groups import build_layout_groups
-    from rlhf.dist.layout import ParallelLayout
+    from rlhf.parallel.groups import build_layout_groups
+    from rlhf.parallel.layout import ParallelLayout
     from rlhf.models.builder import build_gpt
     from rlhf.models.hf_load import load_hf_weights
     from rlhf.train.config import OptimConfig

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlhf.dist.layout import ParallelLayout
+from rlhf.parallel.layout import ParallelLayout
 from rlhf.metrics import MetricReducer, StepMetrics
 from rlhf.testing.distributed import run_distributed
 from rlhf.trainer.batch import TrainBatch

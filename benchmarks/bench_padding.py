@@ -53,9 +53,9 @@ def main() -> None:
     from transformers import AutoConfig
 
     import rlhf.trainer.roles as roles
-    from rlhf.dist.groups import build_layout_groups
-    from rlhf.dist.layout import ParallelLayout
-    from rlhf.dist.meshes import RoleMesh
+    from rlhf.parallel.groups import build_layout_groups
+    from rlhf.parallel.layout import ParallelLayout
+    from rlhf.parallel.meshes import RoleMesh
     from rlhf.testing.distributed import free_port
     from rlhf.train.config import OptimConfig
     from rlhf.trainer.config import AlgoConfig, UpdateConfig

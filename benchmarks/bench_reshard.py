@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig
 
-from rlhf.dist.layout import ParallelLayout
+from rlhf.parallel.layout import ParallelLayout
 from rlhf.models.param_specs import param_specs
 from rlhf.models.shard_rules import merge_shards, read_shard
 from rlhf.models.spec import ModelSpec

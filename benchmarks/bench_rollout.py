@@ -58,8 +58,8 @@ def _model_folder(name: str, workdir: str) -> str:
 def _engines(path: str, batch_size: int, max_seq_len: int, vllm_modes: list[str]) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from rlhf.dist.groups import build_layout_groups
-    from rlhf.dist.layout import ParallelLayout
+    from rlhf.parallel.groups import build_layout_groups
+    from rlhf.parallel.layout import ParallelLayout
     from rlhf.rollout.factory import RolloutConfig, build_engine, eos_token_ids
     from rlhf.rollout.native import NativeEngineConfig
 

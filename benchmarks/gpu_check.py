@@ -355,9 +355,9 @@ def main() -> None:
         args.head_rows, args.rl_steps = 16, 2
     elif not platform.has_accelerator():
         raise SystemExit("gpu_check: no accelerator visible; run this on a GPU machine (or pass --smoke)")
-    from rlhf.dist.groups import build_layout_groups
-    from rlhf.dist.layout import ParallelLayout
-    from rlhf.dist.runtime import distributed
+    from rlhf.parallel.groups import build_layout_groups
+    from rlhf.parallel.layout import ParallelLayout
+    from rlhf.parallel.runtime import distributed
 
     results: dict = {"name": "gpu_check", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                      "machine": {"device": platform.device_name(), "torch": torch.__version__,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Launch inside a Slurm allocation without torchrun: every task runs `python -m rlhf ...`, and rlhf reads
-# SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID and the node list itself (rlhf/dist/runtime.py).
+# SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID and the node list itself (rlhf/parallel/runtime.py).
 #   salloc -N 2 --ntasks-per-node=8 --gpus-per-node=8 launch/srun.sh train --config configs/my.yaml
 set -euo pipefail
 PYTHON=${PYTHON:-python}

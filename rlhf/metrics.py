@@ -107,7 +107,7 @@ class MetricReducer:
         return result
 
     def _collective(self, tensor: torch.Tensor, op: str, name: str) -> torch.Tensor:
-        from rlhf.dist.collectives import all_reduce
+        from rlhf.parallel.collectives import all_reduce
 
         all_reduce([tensor], op=op, group=self.group, strategy=self.strategy, min_bucket_mb=self.min_bucket_mb,
                    verify=self.verify, timeout_s=self.timeout_s, name=name)
@@ -148,7 +148,7 @@ class MetricReducer:
 
     def _relayout(self, entries: dict[str, tuple[float, Reduce]]) -> None:
         """Agree on the union of every rank's (name, reduce) pairs; names travel as UTF-8 text."""
-        from rlhf.dist.wire import all_gather_bytes
+        from rlhf.parallel.wire import all_gather_bytes
 
         mine = "\n".join(f"{reduce}\t{name}" for name, (_, reduce) in sorted(entries.items()))
         keys = set(self.layout)

@@ -55,7 +55,7 @@ def _agreed_name(cfg: RunConfig, prefix: str) -> str:
         return cfg.name
     name = f"{prefix}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     if dist.is_initialized() and dist.get_world_size() > 1:
-        from rlhf.dist.wire import broadcast_json
+        from rlhf.parallel.wire import broadcast_json
 
         name = broadcast_json(name, src=0)
     return name

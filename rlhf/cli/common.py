@@ -27,7 +27,7 @@ def run_in_world(cfg: RlhfConfig, prefix: str, body: Callable[[RlhfConfig, Any],
     """Start the world, check inputs (before any folder exists), open the run folder, run `body(cfg, run_dir)`;
     a failure is logged with its traceback to every rank's log before it propagates. With `defer_config` the
     body writes config.yaml itself (`RunDir.commit_config`)."""
-    from rlhf.dist.runtime import distributed
+    from rlhf.parallel.runtime import distributed
     from rlhf.run_dir import close_run, get_logger, setup_run
 
     with distributed(cfg.dist.backend, timeout_s=cfg.dist.timeout_s, seed=cfg.dist.seed) as runtime:

@@ -11,9 +11,9 @@ import argparse
 import torch
 from transformers import AutoConfig
 
-from rlhf.dist.groups import build_layout_groups
-from rlhf.dist.layout import ParallelLayout
-from rlhf.dist.runtime import distributed
+from rlhf.parallel.groups import build_layout_groups
+from rlhf.parallel.layout import ParallelLayout
+from rlhf.parallel.runtime import distributed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -18,9 +18,9 @@ import torch
 
 from rlhf import __version__, platform
 from rlhf.cli.common import add_config_args, config_from_args
-from rlhf.dist.meshes import build_role_meshes
-from rlhf.dist.wire import all_gather_json
-from rlhf.dist.runtime import distributed
+from rlhf.parallel.meshes import build_role_meshes
+from rlhf.parallel.wire import all_gather_json
+from rlhf.parallel.runtime import distributed
 from rlhf.run_dir import close_run, get_logger, setup_run
 
 # (label, distribution name, module that proves a usable install)
@@ -97,7 +97,7 @@ def clean_shm() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlhf.dist.probe import run_probe
+    from rlhf.parallel.probe import run_probe
 
     if args.clean_shm:
         return clean_shm()

@@ -21,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
 
     from rlhf.checkpoint import find_latest
     from rlhf.config import RlhfConfig, load_config
-    from rlhf.dist.runtime import distributed
+    from rlhf.parallel.runtime import distributed
     from rlhf.errors import CheckpointError
     from rlhf.trainer.checks import check_writable_folder
     from rlhf.trainer.export import export_checkpoint

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from rlhf.dist.wire import all_gather_json
+from rlhf.parallel.wire import all_gather_json
 from rlhf.errors import ConfigError
 from rlhf.rollout.native.engine import NativeEngineConfig
 from rlhf.rollout.sampling_params import SamplingParams
@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
     _init_world()
     from transformers import AutoTokenizer
 
-    from rlhf.dist.groups import build_layout_groups
-    from rlhf.dist.layout import ParallelLayout
+    from rlhf.parallel.groups import build_layout_groups
+    from rlhf.parallel.layout import ParallelLayout
     from rlhf.rollout.factory import RolloutConfig, build_engine, close_engine
     from rlhf.data.records import read_records
 

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     def body(cfg, run_dir) -> None:
         profile = run_profiled_steps(cfg, run_dir, steps=args.steps, warmup=args.warmup, counters=True,
                                      trace_dir=run_dir.path if args.trace else None)
-        from rlhf.dist.wire import all_gather_json
+        from rlhf.parallel.wire import all_gather_json
 
         per_rank = all_gather_json({"memory": profile.memory.peak_bytes, "comm": profile.comm.rows(),
                                     "timings": profile.local_timings})

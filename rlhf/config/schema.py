@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from rlhf.checkpoint import CheckpointConfig
 from rlhf.data.config import DataConfig
-from rlhf.dist.config import CommConfig, DistConfig
-from rlhf.dist.meshes import MeshConfig
+from rlhf.parallel.config import CommConfig, DistConfig
+from rlhf.parallel.meshes import MeshConfig
 from rlhf.rewards.registry import RewardConfig
 from rlhf.rollout.factory import RolloutConfig
 from rlhf.run_dir import RunConfig

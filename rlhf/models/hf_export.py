@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from rlhf.dist.wire import all_gather_json
+from rlhf.parallel.wire import all_gather_json
 from rlhf.errors import ConfigError
 from rlhf.models.hf_load import INDEX_FILE, param_specs_for, stage_params
 from rlhf.models.shard_rules import merge_shards

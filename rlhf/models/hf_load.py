@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from rlhf.dist.layout import ParallelLayout
+from rlhf.parallel.layout import ParallelLayout
 from rlhf.errors import CheckpointError
 from rlhf.models.param_specs import ParamSpec, hf_shapes, param_specs
 from rlhf.models.shard_rules import read_shard

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf.dist.layout import ParallelLayout
+from rlhf.parallel.layout import ParallelLayout
 from rlhf.models.spec import ModelSpec
 
 KINDS = ("replicated", "row", "vocab", "qkv", "gate_up")

@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from rlhf.dist.layout import ParallelLayout
+from rlhf.parallel.layout import ParallelLayout
 from rlhf.models.param_specs import param_specs
 from rlhf.models.spec import ModelSpec
 from rlhf.reshard.planner import min_received_numel, plan_rank

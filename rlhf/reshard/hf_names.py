@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from rlhf.dist.layout import ParallelLayout
+from rlhf.parallel.layout import ParallelLayout
 from rlhf.models.param_specs import param_specs
 from rlhf.models.shard_rules import merge_shards
 from rlhf.models.spec import ModelSpec

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from rlhf.dist.layout import ParallelLayout
+from rlhf.parallel.layout import ParallelLayout
 from rlhf.errors import ConfigError
 from rlhf.models.param_specs import ParamSpec, param_specs
 from rlhf.reshard.segments import Segment, cut_dim, is_replicated, padding_rows, shard_segments

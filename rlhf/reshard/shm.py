@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlhf.dist.wire import all_gather_json
+from rlhf.parallel.wire import all_gather_json
 from rlhf.reshard.apply import dst_view, src_view
 from rlhf.reshard.schedule import Bucket, Schedule
 from rlhf.reshard.transport import TransportStats, pack, unpack

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlhf.dist.layout import ParallelLayout
+from rlhf.parallel.layout import ParallelLayout
 from rlhf.errors import ConfigError
 from rlhf.models.hf_load import experts_per_rank, model_layout, param_specs_for, stage_params
 from rlhf.platform import current_device, has_accelerator, synchronize

@@ -209,7 +209,7 @@ def rollouts_from_outputs(outputs: list, params: SamplingParams, pad_token_id: i
 def hf_named_weights(megatron_weights: Iterable[tuple[str, torch.Tensor]], hf_config: Any) -> Iterator[
         tuple[str, torch.Tensor]]:
     """Full (tp=1) megatron tensors -> HF names and layouts, the form vLLM's `load_weights` takes."""
-    from rlhf.dist.layout import ParallelLayout
+    from rlhf.parallel.layout import ParallelLayout
     from rlhf.models.param_specs import param_specs
     from rlhf.models.shard_rules import merge_shards
     from rlhf.models.spec import ModelSpec

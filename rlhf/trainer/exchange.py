@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlhf.dist.layout import ParallelLayout
-from rlhf.dist.wire import all_gather_json, collective_device
+from rlhf.parallel.layout import ParallelLayout
+from rlhf.parallel.wire import all_gather_json, collective_device
 from rlhf.trainer.batch import TrainBatch
 
 

@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 from rlhf.checkpoint import CheckpointManager
 from rlhf.config.schema import RlhfConfig
-from rlhf.dist.meshes import build_role_meshes
-from rlhf.dist.watchdog import Watchdog
+from rlhf.parallel.meshes import build_role_meshes
+from rlhf.parallel.watchdog import Watchdog
 from rlhf.errors import ConfigError
 from rlhf.models.hf_export import export_hf
 from rlhf.trainer.loop import _mesh_config, _model_dims

@@ -25,8 +25,8 @@ from rlhf.checkpoint_verify import check_replicas
 from rlhf.config.schema import RlhfConfig
 from rlhf.data.loader import PromptLoader, load_prompts
 from rlhf.data.sampler import PromptSampler
-from rlhf.dist.watchdog import Watchdog
-from rlhf.dist.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes, plan_meshes
+from rlhf.parallel.watchdog import Watchdog
+from rlhf.parallel.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes, plan_meshes
 from rlhf.errors import ConfigError
 from rlhf.metrics import MetricReducer, MetricsSink, StepMetrics
 from rlhf.rollout.factory import build_engine, close_engine, engine_layout, eos_token_ids

@@ -26,7 +26,7 @@ from rlhf.metrics import StepMetrics
 from rlhf.rollout.engine import RolloutEngine
 
 if TYPE_CHECKING:
-    from rlhf.dist.meshes import RoleMesh
+    from rlhf.parallel.meshes import RoleMesh
 
 log = logging.getLogger(__name__)
 GB = 1024**3

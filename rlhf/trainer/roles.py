@@ -18,7 +18,7 @@ from rlhf.algo.actor_loss import ActorLossInputs, actor_loss
 from rlhf.algo.aggregation import GlobalCounts
 from rlhf.algo.value_loss import value_loss
 from rlhf.checkpoint import Replicated
-from rlhf.dist.meshes import RoleMesh
+from rlhf.parallel.meshes import RoleMesh
 from rlhf.errors import ConfigError
 from rlhf.models.builder import build_gpt
 from rlhf.models.forward import forward_backward, token_entropy, token_logprobs

@@ -15,7 +15,7 @@ from rlhf.config.schema import RlhfConfig
 from rlhf.data.loader import load_prompts
 from rlhf.data.sampler import PromptSampler
 from rlhf.data.tokenize import TokenizedPrompts
-from rlhf.dist.meshes import ModelDims, build_role_meshes
+from rlhf.parallel.meshes import ModelDims, build_role_meshes
 from rlhf.errors import ConfigError
 from rlhf.metrics import MetricReducer, MetricsSink, StepMetrics
 from rlhf.models.hf_export import export_hf

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.data.loader import TokenizedPrompts
-from rlhf.dist.wire import all_gather_json
+from rlhf.parallel.wire import all_gather_json
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.sampling_params import SamplingParams
 from rlhf.rollout.types import PromptBatch

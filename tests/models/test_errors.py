@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, MistralConfig
 
-from rlhf.dist.layout import ParallelLayout
+from rlhf.parallel.layout import ParallelLayout
 from rlhf.errors import CheckpointError, ConfigError
 from rlhf.models.hf_load import HfFolder, check_folder
 from rlhf.models.param_specs import param_specs
@@ -127,7 +127,7 @@ def test_truncated_or_empty_safetensors_is_named(hf_folder, cut):
 def _load_into_one_rank(path: str) -> str:
     from transformers import AutoConfig
 
-    from rlhf.dist.groups import GroupCache, build_layout_groups
+    from rlhf.parallel.groups import GroupCache, build_layout_groups
     from rlhf.models.builder import build_gpt
     from rlhf.models.hf_load import load_hf_weights
 

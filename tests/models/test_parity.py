@@ -38,7 +38,7 @@ TOKENS = dict(batch=2, seq=12)
 def _world(paths: dict[str, str], out_root: str, cases, skip_value_head: bool = False) -> dict:
     import torch.distributed as dist
 
-    from rlhf.dist.groups import GroupCache
+    from rlhf.parallel.groups import GroupCache
     from rlhf.models.forward import forward_backward
     from rlhf.models.hf_export import export_hf
     from tests.models import world

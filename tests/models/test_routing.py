@@ -24,7 +24,7 @@ CASES = [("qwen3_moe", "alltoall", False), ("qwen3_moe", "allgather", True), ("m
 
 
 def _world(paths: dict[str, str], out_root: str) -> dict:
-    from rlhf.dist.groups import GroupCache
+    from rlhf.parallel.groups import GroupCache
     from rlhf.models.forward import forward_backward
     from rlhf.models.hf_export import export_hf
     from rlhf.models.routing import RoutingRecorder

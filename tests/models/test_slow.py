@@ -53,7 +53,7 @@ def smollm_folder(tmp_path_factory):
 
 
 def _smollm_world(path: str) -> dict:
-    from rlhf.dist.groups import GroupCache
+    from rlhf.parallel.groups import GroupCache
     from rlhf.models.forward import forward_backward
     from tests.models import world
 
@@ -68,7 +68,7 @@ def _smollm_world(path: str) -> dict:
 def test_smollm2_at_tp3_matches_transformers(smollm_folder):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlhf.dist.layout import ParallelLayout
+    from rlhf.parallel.layout import ParallelLayout
     from rlhf.models.param_specs import param_specs
 
     config = AutoConfig.from_pretrained(smollm_folder)

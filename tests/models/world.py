@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from rlhf.dist.groups import GroupCache, build_layout_groups
-from rlhf.dist.layout import ParallelLayout
+from rlhf.parallel.groups import GroupCache, build_layout_groups
+from rlhf.parallel.layout import ParallelLayout
 from rlhf.models.builder import build_gpt
 from rlhf.models.forward import forward_backward, token_entropy, token_logprobs
 from rlhf.models.hf_load import load_hf_weights, param_specs_for, stage_params

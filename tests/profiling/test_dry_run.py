@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import LlamaForCausalLM
 
-from rlhf.dist.layout import ParallelLayout
+from rlhf.parallel.layout import ParallelLayout
 from rlhf.models.param_specs import param_specs
 from rlhf.profiling.dry_run import stage_params
 from rlhf.reshard.planner import plan_for_model

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen3MoeConfig
 
-from rlhf.dist.layout import ParallelLayout
+from rlhf.parallel.layout import ParallelLayout
 from rlhf.errors import ConfigError
 from rlhf.models.param_specs import hf_shapes, param_specs
 from rlhf.models.shard_rules import read_shard

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf.dist.layout import ParallelLayout
+from rlhf.parallel.layout import ParallelLayout
 from rlhf.reshard.planner import plan_for_model
 from rlhf.reshard.schedule import build_schedule
 from tests.reshard.test_planner import make_config

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlhf.dist.layout import ParallelLayout
+from rlhf.parallel.layout import ParallelLayout
 from rlhf.testing.distributed import run_distributed
 from rlhf.testing.tiny_models import FAMILIES, tiny_hf_model
 
@@ -31,7 +31,7 @@ PROMPTS = [[5, 17, 33, 8, 90, 4, 61], [9, 40], [71, 3, 3, 12, 60, 11]]
 def _models(path, src, dst, cache):
     from transformers import AutoConfig
 
-    from rlhf.dist.groups import build_layout_groups
+    from rlhf.parallel.groups import build_layout_groups
     from rlhf.models.builder import build_gpt
     from rlhf.models.hf_load import load_hf_weights
     from rlhf.rollout.factory import engine_layout
@@ -174,7 +174,7 @@ def _check_config_errors(path):
 
 
 def _world(paths):
-    from rlhf.dist.groups import GroupCache
+    from rlhf.parallel.groups import GroupCache
 
     _check_config_errors(paths["llama"])
     cache = GroupCache()

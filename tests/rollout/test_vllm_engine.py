@@ -145,8 +145,8 @@ def _check_family(family, path, expected, eos):
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from rlhf.dist.groups import build_layout_groups
-    from rlhf.dist.layout import ParallelLayout
+    from rlhf.parallel.groups import build_layout_groups
+    from rlhf.parallel.layout import ParallelLayout
     from rlhf.rollout.factory import RolloutConfig, build_engine, close_engine
     from rlhf.rollout.native import NativeEngineConfig
     from rlhf.rollout.vllm_engine import VllmEngine

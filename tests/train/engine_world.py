@@ -16,8 +16,8 @@ from tests.train.helpers import hf_sft_loss, nan_grads, poisoned, sft_batch
 
 
 def _groups() -> dict:
-    from rlhf.dist.groups import GroupCache, build_layout_groups
-    from rlhf.dist.layout import ParallelLayout
+    from rlhf.parallel.groups import GroupCache, build_layout_groups
+    from rlhf.parallel.layout import ParallelLayout
 
     cache, rank = GroupCache(), dist.get_rank()
     groups = {name: build_layout_groups(ParallelLayout(tp=tp, pp=pp, dp=dp), cache)
@@ -308,8 +308,8 @@ def engine_world(path: str) -> dict:
 
 def engine_world_4(path: str) -> dict:
     """The 4-rank layouts (TP2xDP2, PP2xDP2): parity with one rank and bitwise resume."""
-    from rlhf.dist.groups import GroupCache, build_layout_groups
-    from rlhf.dist.layout import ParallelLayout
+    from rlhf.parallel.groups import GroupCache, build_layout_groups
+    from rlhf.parallel.layout import ParallelLayout
 
     torch.use_deterministic_algorithms(True)
     cache, rank = GroupCache(), dist.get_rank()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rlhf.dist.layout import ParallelLayout
+from rlhf.parallel.layout import ParallelLayout
 from rlhf.testing.distributed import run_distributed
 from rlhf.trainer.batch import TrainBatch
 from rlhf.trainer.exchange import concat_batches, gather_global_batch, gather_rows, is_contributor

@@ -9,9 +9,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from fixtures import make_tiny_setup  # noqa: E402
 
-from rlhf.dist.groups import GroupCache, build_layout_groups  # noqa: E402
-from rlhf.dist.layout import ParallelLayout  # noqa: E402
-from rlhf.dist.meshes import RoleMesh  # noqa: E402
+from rlhf.parallel.groups import GroupCache, build_layout_groups  # noqa: E402
+from rlhf.parallel.layout import ParallelLayout  # noqa: E402
+from rlhf.parallel.meshes import RoleMesh  # noqa: E402
 from rlhf.testing.distributed import run_distributed  # noqa: E402
 from rlhf.train.config import OptimConfig  # noqa: E402
 from rlhf.trainer.batch import TrainBatch  # noqa: E402

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fixtures import make_tiny_setup, trainer_config  # noqa: E402
 
 from rlhf.config.loader import save_config  # noqa: E402
-from rlhf.dist.watchdog import EXIT_CODE  # noqa: E402
+from rlhf.parallel.watchdog import EXIT_CODE  # noqa: E402
 from rlhf.testing.distributed import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

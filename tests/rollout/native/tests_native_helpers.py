@@ -6,8 +6,8 @@ import torch.distributed as dist
 def native_engine(path, *, max_batch_size, max_seq_len, eos=(), **config):
     from transformers import AutoConfig
 
-    from rlhf.dist.groups import build_layout_groups
-    from rlhf.dist.layout import ParallelLayout
+    from rlhf.parallel.groups import build_layout_groups
+    from rlhf.parallel.layout import ParallelLayout
     from rlhf.models.builder import build_gpt
     from rlhf.models.hf_load import load_hf_weights
     from rlhf.rollout.factory import engine_layout

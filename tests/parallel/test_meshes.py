@@ -5,8 +5,8 @@ import torch.distributed as dist
 
 from rlhf.config import RlhfConfig, load_config
 from rlhf.config.loader import from_dict
-from rlhf.dist.layout import ParallelLayout
-from rlhf.dist.meshes import MeshConfig, ModelDims, build_role_meshes, plan_meshes
+from rlhf.parallel.layout import ParallelLayout
+from rlhf.parallel.meshes import MeshConfig, ModelDims, build_role_meshes, plan_meshes
 from rlhf.errors import ConfigError
 from rlhf.testing.distributed import run_distributed
 

@@ -9,7 +9,7 @@ small integers times a power of two (every summation order is exact); 2-rank dat
 import torch
 import torch.distributed as dist
 
-from rlhf.dist.collectives import all_gather, all_reduce, broadcast
+from rlhf.parallel.collectives import all_gather, all_reduce, broadcast
 from rlhf.errors import CollectiveMismatchError, ConfigError
 from rlhf.testing.distributed import run_distributed
 

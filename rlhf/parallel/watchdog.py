@@ -1,7 +1,7 @@
 """Turn a hang into a loud, all-ranks, non-zero exit with every thread's stack in each rank's log.
 
 A daemon thread watches the current phase (`with watchdog.phase("update_actor"):`) and the collective in
-flight (`rlhf.dist.inflight`). Past a deadline it writes the phase, the in-flight collective, the peers'
+flight (`rlhf.parallel.inflight`). Past a deadline it writes the phase, the in-flight collective, the peers'
 last heartbeats and a faulthandler dump of all threads to the rank log, then exits with `EXIT_CODE`.
 
 How every rank ends up non-zero: with a `store`, the first rank to expire posts an abort key; every other
@@ -12,7 +12,7 @@ Backstop: if the watchdog thread itself cannot run (a C call holding the GIL), f
 dumps the stacks to the same log and exits 1 (faulthandler's fixed code), `backstop_grace_s` after the deadline.
 
 Who died: with a store, each poll checks the pids of same-host peers, and a block left by an exception checks
-every peer (`rlhf.dist.peers`); the first finding is logged once, e.g. "peer failure: rank 1 (pid 7 on h) has
+every peer (`rlhf.parallel.peers`); the first finding is logged once, e.g. "peer failure: rank 1 (pid 7 on h) has
 exited". SIGTERM (torchrun ending the survivors of a dead rank) wakes the watchdog thread through Python's
 wakeup fd even while the main thread is blocked in a collective: it logs that, and the dead peer, and exits 143.
 """
@@ -32,7 +32,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from rlhf.dist import inflight, peers
+from rlhf.parallel import inflight, peers
 from rlhf.errors import ConfigError
 from rlhf.platform import set_async_error_handling_env
 

@@ -8,8 +8,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from rlhf.dist.collectives import all_reduce
-from rlhf.dist.watchdog import EXIT_CODE, Watchdog
+from rlhf.parallel.collectives import all_reduce
+from rlhf.parallel.watchdog import EXIT_CODE, Watchdog
 from rlhf.errors import ConfigError
 from rlhf.testing.distributed import free_port
 
@@ -118,7 +118,7 @@ def test_backstop_dumps_and_exits_when_the_watchdog_thread_cannot_run(tmp_path):
 
 def _beats_then_stuck_collective(log_file: str) -> None:
     """Beats keep a 2 s phase alive for 2.4 s of work; then a collective outlives its own 1 s deadline."""
-    from rlhf.dist import inflight
+    from rlhf.parallel import inflight
 
     with Watchdog(timeout_s=2.0, collective_timeout_s=1.0, log_file=log_file, poll_s=0.1) as watchdog:
         with watchdog.phase("update_actor"):

@@ -2,8 +2,8 @@
 
 import torch
 
-from rlhf.dist.buckets import TensorSpec
-from rlhf.dist.fingerprint import CallLayout, describe_mismatch
+from rlhf.parallel.buckets import TensorSpec
+from rlhf.parallel.fingerprint import CallLayout, describe_mismatch
 
 A = TensorSpec("a", (3,), torch.float32)
 B = TensorSpec("b", (2, 2), torch.bfloat16)

@@ -2,8 +2,8 @@
 
 import torch.distributed as dist
 
-from rlhf.dist.groups import GroupCache, build_layout_groups
-from rlhf.dist.layout import ParallelLayout
+from rlhf.parallel.groups import GroupCache, build_layout_groups
+from rlhf.parallel.layout import ParallelLayout
 from rlhf.testing.distributed import run_distributed
 
 LAYOUTS = [ParallelLayout(tp=2, pp=2, dp=1), ParallelLayout(tp=1, pp=2, dp=2), ParallelLayout(tp=4),

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf.dist.buckets import TensorSpec, bucket_bytes, canonical_entries, plan_buckets
+from rlhf.parallel.buckets import TensorSpec, bucket_bytes, canonical_entries, plan_buckets
 from rlhf.errors import ConfigError
 
 F32, BF16 = torch.float32, torch.bfloat16

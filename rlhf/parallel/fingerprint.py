@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from rlhf.errors import CollectiveMismatchError
-from rlhf.dist.buckets import TensorSpec
-from rlhf.dist.wire import all_gather_json, collective_device
+from rlhf.parallel.buckets import TensorSpec
+from rlhf.parallel.wire import all_gather_json, collective_device
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from rlhf.dist.layout import ParallelLayout
+from rlhf.parallel.layout import ParallelLayout
 from rlhf.errors import ConfigError
 
 

@@ -15,9 +15,9 @@ from typing import Literal, TypeVar
 import torch
 import torch.distributed as dist
 
-from rlhf.dist import inflight
-from rlhf.dist.buckets import Bucket, bucket_bytes, canonical_entries, plan_buckets, specs_of
-from rlhf.dist.fingerprint import CallLayout, verify_layout, wait
+from rlhf.parallel import inflight
+from rlhf.parallel.buckets import Bucket, bucket_bytes, canonical_entries, plan_buckets, specs_of
+from rlhf.parallel.fingerprint import CallLayout, verify_layout, wait
 from rlhf.errors import ConfigError
 
 Strategy = Literal["bucket", "rs_ag", "plain"]

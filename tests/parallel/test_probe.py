@@ -5,7 +5,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from rlhf.dist.probe import run_probe
+from rlhf.parallel.probe import run_probe
 from rlhf.testing.distributed import run_distributed
 
 

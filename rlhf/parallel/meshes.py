@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch.distributed as dist
 
-from rlhf.dist.groups import GroupCache, build_layout_groups
-from rlhf.dist.layout import ParallelLayout
+from rlhf.parallel.groups import GroupCache, build_layout_groups
+from rlhf.parallel.layout import ParallelLayout
 from rlhf.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from rlhf.dist.collectives import all_reduce
-from rlhf.dist.wire import collective_device
+from rlhf.parallel.collectives import all_reduce
+from rlhf.parallel.wire import collective_device
 from rlhf.errors import CollectiveMismatchError
 from rlhf.platform import synchronize
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from rlhf.dist.layout import ParallelLayout
+from rlhf.parallel.layout import ParallelLayout
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection

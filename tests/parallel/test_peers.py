@@ -9,8 +9,8 @@ from datetime import timedelta
 
 import torch
 
-from rlhf.dist import peers
-from rlhf.dist.watchdog import TERMINATED_EXIT_CODE, Watchdog
+from rlhf.parallel import peers
+from rlhf.parallel.watchdog import TERMINATED_EXIT_CODE, Watchdog
 from rlhf.testing.distributed import free_port
 
 

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch.distributed as dist
 
-from rlhf.dist.runtime import DistEnv, detect_env, distributed, first_host
+from rlhf.parallel.runtime import DistEnv, detect_env, distributed, first_host
 from rlhf.errors import ConfigError
 from rlhf.testing.distributed import free_port, run_distributed
 
