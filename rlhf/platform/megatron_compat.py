@@ -90,7 +90,11 @@ class _HostEvent:
 
 
 class _HostStream:
-    """Stands in for `torch.cuda.Stream` on a CPU host, where all work runs in program order."""
+    """Stands in for `torch.cuda.Stream` on a CPU host, where all work runs in program order. A class, not a
+    factory: libraries annotate with `torch.cuda.Stream | None` at import time (transformers' generation)."""
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        pass
 
     def wait_stream(self, _other: Any) -> None:
         return None
@@ -131,7 +135,7 @@ def _patch_torch() -> None:
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *args, **kwargs: None
-    torch.cuda.Stream = lambda *args, **kwargs: _HostStream()
+    torch.cuda.Stream = _HostStream
     torch.cuda.current_stream = lambda *args, **kwargs: _HOST_STREAM
     torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
     torch.cuda.get_rng_state = _cpu_rng_get

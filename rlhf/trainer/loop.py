@@ -113,7 +113,6 @@ def _sleep(cfg: RlhfConfig) -> str:
 def check_layouts(cfg: RlhfConfig, world_size: int) -> dict:
     """Every role's layout for `world_size` ranks, with the batch-split and memory-phase rules checked (pure)."""
     layouts = plan_meshes(_mesh_config(cfg), world_size, _model_dims(cfg.model.path), _role_dims(cfg))
-    check_model_folders(cfg)
     _check_batches(cfg, layouts)
     check_sleep(_sleep(cfg), _shares_weights(cfg, layouts))
     return layouts

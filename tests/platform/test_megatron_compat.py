@@ -50,3 +50,17 @@ def test_apply_adapts_megatron_only_and_is_idempotent():
                      "megatron_cuda_ordinal_device": "cpu", "proxy_isinstance": True,
                      "type_name": "torch.cuda.FloatTensor", "type_conversion": True, "cuda_identity": True,
                      "rng_redirected": True, "current_device": "cpu"}
+
+
+def _import_generation_after_compat() -> bool:
+    from rlhf.platform import megatron_compat
+
+    megatron_compat.apply()
+    import transformers.generation.continuous_batching.utils  # noqa: F401 - annotates with torch.cuda.Stream | None
+
+    return isinstance(torch.cuda.Stream(), object) and (torch.cuda.Stream | None) is not None
+
+
+def test_host_stream_is_a_type_so_later_imports_still_work():
+    """Regression: a lambda for torch.cuda.Stream broke transformers' generation import (`Stream | None`)."""
+    assert run_distributed(_import_generation_after_compat, 1, backend="none", timeout_s=300) == [True]
