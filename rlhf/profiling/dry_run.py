@@ -126,7 +126,9 @@ def dry_run(cfg: Any, world_size: int, rank: int, meshes_fn: Any) -> dict:
         dist.destroy_process_group()
     layouts = {role: mesh.layout for role, mesh in meshes.meshes.items()}
     shares = cfg.rollout.engine == "native" and layouts["rollout"] == layouts["actor"]
-    roles = [role_estimate(role, layout, hf_config, cfg, rank, shares)
+    paths = {"critic": cfg.model.critic_path, "reward": cfg.reward.model_path}
+    configs = {role: AutoConfig.from_pretrained(paths[role]) if paths.get(role) else hf_config for role in layouts}
+    roles = [role_estimate(role, layout, configs[role], cfg, rank, shares)
              for role, layout in layouts.items() if layout.contains(rank)]
     wire_bytes = DTYPE_BYTES[cfg.model.dtype]
     sync = weight_sync_estimate(hf_config, layouts["actor"], layouts["rollout"], rank, wire_bytes)

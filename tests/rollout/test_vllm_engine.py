@@ -17,12 +17,13 @@ from rlhf.rollout.types import FinishReason, PromptBatch
 from rlhf.rollout.vllm_engine import INSTALL_HINT, VllmEngineConfig, import_vllm
 from rlhf.rollout.vllm_weights import ProbeSum, check_push, verify_probe
 from rlhf.testing.distributed import run_distributed
-from rlhf.testing.tiny_models import FAMILIES, tiny_hf_model
+from rlhf.testing.tiny_models import tiny_hf_model
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 PROMPTS = [[5, 17, 33, 8, 90, 4, 61], [9, 40], [71, 3, 3, 3, 12, 60, 11, 23, 54, 7, 99], [44], [9, 40]]
 MAX_NEW = 12
-# vLLM's CPU attention needs head_dim 32+ (the default tiny models have 16)
+# vLLM's CPU attention needs head_dim 32+ (the default tiny models have 16; the tiny Qwen3 has a fixed 24)
+FAMILIES = ("llama", "qwen2")
 DIMS = dict(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 QKV, GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
