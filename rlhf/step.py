@@ -39,7 +39,7 @@ from rlhf.trainer.exchange import gather_global_batch, is_contributor
 from rlhf.trainer.memory import MemoryPhases
 from rlhf.trainer.roles import CriticRole, PolicyRole, RewardModelRole
 from rlhf.trainer.scoring import Scorer
-from rlhf.trainer.sync import WeightSync
+from rlhf.trainer.sync import EngineSync
 
 
 @dataclass
@@ -52,7 +52,7 @@ class RLStack:
     actor: PolicyRole
     ref: PolicyRole | None
     critic: CriticRole | None
-    weight_sync: WeightSync
+    weight_sync: EngineSync
     algo: AlgoConfig
     sampling: SamplingConfig
     actor_update: UpdateConfig

@@ -27,6 +27,7 @@ class RolloutEngine(Protocol):
     """Generate responses for prompts; take new weights; release and re-acquire memory around training."""
 
     layout: EngineLayout
+    policy_version: int  # how many weight syncs the engine has taken; stamped on every Rollouts (checkpointed)
 
     def generate(self, prompts: PromptBatch, params: SamplingParams) -> Rollouts:
         """All TP ranks of a replica call this with the same prompts and get the same rollouts."""

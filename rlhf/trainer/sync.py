@@ -12,8 +12,10 @@ from typing import Protocol
 from rlhf.rollout.engine import RolloutEngine
 
 
-class WeightSync(Protocol):
-    def sync(self) -> None:
+class EngineSync(Protocol):
+    """What the step calls after the updates: `SharedWeights` here, or `rlhf.reshard.WeightSync`."""
+
+    def sync(self) -> object:
         """Make the rollout engine generate with the actor's current weights; bump the policy version."""
 
 
