@@ -78,7 +78,8 @@ class RlhfArm:
     def __init__(self, model_path: str, prompts: Path, beta: float, lr: float, run_root: Path) -> None:
         from rlhf.config import RlhfConfig, from_dict
         from rlhf.run_dir import setup_run
-        from rlhf.trainer.loop import Trainer, preflight
+        from rlhf.trainer.loop import Trainer
+        from rlhf.trainer.preflight import preflight
 
         cfg = from_dict(RlhfConfig, rlhf_config(model_path, prompts, beta, lr, run_root))
         preflight(cfg, 1)

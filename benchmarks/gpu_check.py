@@ -264,7 +264,8 @@ def rl_steps(root: Path, args, model: str, prompts_per_step: int, new_tokens: in
     `--rl-steps` steps with the fused LM head and again with full logits; same seeds, so step-1 metrics agree."""
     from rlhf.config import RlhfConfig, from_dict
     from rlhf.run_dir import close_run, setup_run
-    from rlhf.trainer.loop import Trainer, preflight
+    from rlhf.trainer.loop import Trainer
+    from rlhf.trainer.preflight import preflight
 
     root.mkdir(parents=True, exist_ok=True)
     prompts = _arith_prompts(root / "prompts.jsonl", prompts_per_step * (args.rl_steps + 1))

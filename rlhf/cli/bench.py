@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from rlhf.profiling.runner import run_profiled_steps, throughput
-    from rlhf.trainer.loop import preflight
+    from rlhf.trainer.preflight import preflight
 
     check_steps(args.steps, args.warmup)
 

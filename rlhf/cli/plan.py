@@ -21,7 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     from rlhf.profiling.dry_run import dry_run, format_report
-    from rlhf.trainer.loop import build_meshes, check_layouts
+    from rlhf.trainer.preflight import build_meshes, check_layouts
 
     if args.world < 1 or not 0 <= args.as_rank < args.world:
         raise ConfigError(f"--world={args.world} must be >= 1 and --as-rank={args.as_rank} in "

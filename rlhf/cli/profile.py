@@ -31,7 +31,7 @@ def check_steps(steps: int, warmup: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rlhf.profiling.runner import run_profiled_steps
-    from rlhf.trainer.loop import preflight
+    from rlhf.trainer.preflight import preflight
 
     check_steps(args.steps, args.warmup)
 

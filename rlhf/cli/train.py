@@ -14,7 +14,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlhf.trainer.loop import Trainer, preflight
+    from rlhf.trainer.loop import Trainer
+    from rlhf.trainer.preflight import preflight
 
     run_in_world(config_from_args(args), "train", lambda cfg, run_dir: Trainer(cfg, run_dir).fit(), preflight,
                  defer_config=True)

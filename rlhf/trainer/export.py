@@ -12,7 +12,7 @@ from rlhf.parallel.meshes import build_role_meshes
 from rlhf.parallel.watchdog import Watchdog
 from rlhf.errors import ConfigError
 from rlhf.models.hf_export import export_hf
-from rlhf.trainer.loop import _mesh_config, _model_dims
+from rlhf.trainer.preflight import mesh_config, model_dims
 from rlhf.trainer.roles import CriticRole, PolicyRole
 
 
@@ -32,7 +32,7 @@ def export_checkpoint(cfg: RlhfConfig, checkpoint: str | Path, out_dir: str, rol
 def _export(cfg: RlhfConfig, checkpoint: str | Path, out_dir: str, role: str) -> None:
     manager = CheckpointManager(Path(checkpoint).parent)
     path = manager.resolve(str(checkpoint))
-    meshes = build_role_meshes(_mesh_config(cfg), _model_dims(cfg.model.path), timeout_s=cfg.dist.timeout_s)
+    meshes = build_role_meshes(mesh_config(cfg), model_dims(cfg.model.path), timeout_s=cfg.dist.timeout_s)
     if role == "actor":
         model_role = PolicyRole("actor", meshes["actor"], cfg.model.path, update=None, total_steps=0,
                                 params_dtype=cfg.model.torch_dtype)

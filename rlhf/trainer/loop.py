@@ -2,40 +2,36 @@
 
     Trainer(cfg, run_dir).fit()
       build: meshes -> data -> reward -> actor / ref / critic / reward model / rollout engine (+ weight sync)
-      loop:  resume? -> validate -> [rl_step -> reduce metrics -> log -> validate? -> checkpoint?]* -> plot
+      loop:  resume? -> validate -> [rl_step -> reduce metrics -> log -> validate? -> checkpoint?]*
+Layouts, groups and every input check come from `rlhf.trainer.preflight`.
 Every stage after process-group init (build, resume, first push, validation, each step, each save) is a
 watchdog phase: a stall anywhere ends every rank with stacks in its log.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import numpy as np
-import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
 from rlhf import platform
-from rlhf.algo.advantages import AdvantageKind, check_group_size
 from rlhf.algo.kl import KLController
 from rlhf.checkpoint import CheckpointManager
 from rlhf.checkpoint_verify import check_replicas
 from rlhf.config.schema import RlhfConfig
 from rlhf.data.loader import PromptLoader, load_prompts
-from rlhf.data.sampler import PromptSampler
 from rlhf.parallel.watchdog import Watchdog
-from rlhf.parallel.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes, plan_meshes
-from rlhf.errors import ConfigError
+from rlhf.parallel.meshes import RoleMeshes
 from rlhf.metrics import MetricReducer, MetricsSink, StepMetrics
 from rlhf.rollout.factory import build_engine, close_engine, engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
 from rlhf.step import RLStack, rl_step
-from rlhf.trainer.checks import (check_kv_cache, check_model_folders, check_resume_path, check_writable_folder,
-                                 input_warnings, load_tokenizer, read_hf_config)
-from rlhf.trainer.config import DTYPES, check_batch_sizes
-from rlhf.trainer.memory import check_sleep, plan_memory_phases
+from rlhf.trainer.checks import input_warnings, load_tokenizer
+from rlhf.trainer.memory import plan_memory_phases
+from rlhf.trainer.preflight import (architecture, build_meshes, check_batches, resolved_algo, resolved_sleep,
+                                    rollout_dtype, shares_weights)
 from rlhf.trainer.roles import CriticRole, PolicyRole, RewardModelRole
 from rlhf.trainer.scoring import Scorer
 from rlhf.trainer.sync import SharedWeights
@@ -44,110 +40,6 @@ from rlhf.trainer.validate import validate
 log = get_logger("trainer")
 CONSOLE_KEYS = {"critic/score/mean": "reward", "val/score/mean@1": "val", "actor/pg_loss": "pg_loss",
                 "actor/entropy": "entropy", "response_length/mean": "resp_len", "timing_s/step": "step_s"}
-
-
-def _model_dims(path: str, label: str = "model.path") -> ModelDims:
-    hf_config = read_hf_config(path, label)
-    num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0
-    return ModelDims(hf_config.num_hidden_layers, hf_config.num_attention_heads,
-                     getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads, num_experts)
-
-
-def _architecture(path: str) -> dict:
-    """What must not change across a resume: the HF config fields that define the model's parameters."""
-    hf_config = AutoConfig.from_pretrained(path)
-    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "vocab_size", "tie_word_embeddings")
-    return {key: getattr(hf_config, key, None) for key in keys}
-
-
-def _mesh_config(cfg: RlhfConfig):
-    """The mesh config with exactly the roles the algorithm uses (ref only with KL, critic only with GAE)."""
-    algo = cfg.algo
-    needed = {"actor", "rollout"} | ({"ref"} if algo.uses_ref else set()) | ({"critic"} if algo.uses_critic else set())
-    if cfg.reward.model_path:
-        needed.add("reward")
-    return dataclasses.replace(cfg.mesh, roles=[role for role in ROLES if role in needed])
-
-
-def _role_dims(cfg: RlhfConfig) -> dict[str, ModelDims]:
-    """Models that differ from the policy (critic, reward model) are checked against their own sizes."""
-    dims = {}
-    if cfg.algo.uses_critic and cfg.model.critic_path:
-        dims["critic"] = _model_dims(cfg.model.critic_path, "model.critic_path")
-    if cfg.reward.model_path:
-        if cfg.algo.advantage.kind == AdvantageKind.REMAX:
-            raise ConfigError("algo.advantage.kind=remax scores a greedy baseline with rule rewards; it cannot "
-                              "be combined with reward.model_path yet")
-        if cfg.algo.filter_groups.enable:
-            raise ConfigError("algo.filter_groups.enable=true filters groups on rule rewards before training; it "
-                              "cannot be combined with reward.model_path yet")
-        dims["reward"] = _model_dims(cfg.reward.model_path, "reward.model_path")
-    return dims
-
-
-def _check_batches(cfg: RlhfConfig, layouts: dict) -> None:
-    check_group_size(cfg.algo.advantage.kind, cfg.sampling.n)
-    for role in ("actor", "critic"):
-        if role in layouts:
-            check_batch_sizes(prompts_per_step=cfg.data.prompts_per_step, n=cfg.sampling.n,
-                              rollout_dp=layouts["rollout"].dp, role=role, role_dp=layouts[role].dp,
-                              update=getattr(cfg, role))
-
-
-def _rollout_dtype(cfg: RlhfConfig) -> torch.dtype:
-    return cfg.model.torch_dtype if cfg.rollout.dtype == "auto" else DTYPES[cfg.rollout.dtype]
-
-
-def _shares_weights(cfg: RlhfConfig, layouts: dict) -> bool:
-    """The colocated native engine in the actor's own layout and dtype generates with the actor's parameter
-    tensors."""
-    return (cfg.rollout.engine == "native" and layouts["rollout"] == layouts["actor"]
-            and _rollout_dtype(cfg) == cfg.model.torch_dtype)
-
-
-def _sleep(cfg: RlhfConfig) -> str:
-    return cfg.rollout.resolved_sleep(accelerator=platform.has_accelerator())
-
-
-def check_layouts(cfg: RlhfConfig, world_size: int) -> dict:
-    """Every role's layout for `world_size` ranks, with the batch-split and memory-phase rules checked (pure)."""
-    layouts = plan_meshes(_mesh_config(cfg), world_size, _model_dims(cfg.model.path), _role_dims(cfg))
-    _check_batches(cfg, layouts)
-    check_sleep(_sleep(cfg), _shares_weights(cfg, layouts))
-    return layouts
-
-
-def build_meshes(cfg: RlhfConfig) -> RoleMeshes:
-    """Create every role's process groups (collective over the world)."""
-    return build_role_meshes(_mesh_config(cfg), _model_dims(cfg.model.path), timeout_s=cfg.dist.timeout_s,
-                             role_dims=_role_dims(cfg))
-
-
-def preflight(cfg: RlhfConfig, world_size: int) -> None:
-    """Every input check that needs no process group, run before the run folder exists: bad input writes nothing."""
-    check_writable_folder(cfg.run.output_dir, "run.output_dir")
-    check_resume_path(cfg.checkpoint.resume)
-    layouts = check_layouts(cfg, world_size)
-    check_model_folders(cfg)
-    tokenizer = load_tokenizer(cfg.model.path)
-    train = load_prompts(cfg.data.train_files, tokenizer, cfg.data)
-    PromptSampler(num_samples=len(train.records), global_batch_size=cfg.data.prompts_per_step, dp_rank=0,
-                  dp_size=layouts["rollout"].dp, seed=cfg.data.seed)
-    val = load_prompts(cfg.data.val_files, tokenizer, cfg.data, label="data.val_files") if cfg.data.val_files else None
-    check_kv_cache(cfg, max(len(ids) for prompts in (train, val) if prompts for ids in prompts.token_ids))
-    # the reward model scores training; rule rewards then only score validation
-    records = ([] if cfg.reward.model_path else train.records) + (val.records if val else [])
-    Scorer(cfg.reward, tokenizer).check_sources(records)
-
-
-def _resolved_algo(cfg: RlhfConfig, layouts: dict):
-    """The algorithm with rollout correction's `auto` decided: on unless the engine shares the actor's weights."""
-    correction = cfg.algo.rollout_correction.resolved(weights_shared=_shares_weights(cfg, layouts))
-    if cfg.algo.rollout_correction.enable == "auto":
-        log.info("rollout correction (auto): %s", "on, the rollout engine has its own weights" if correction.enable
-                 else "off, the rollout engine samples with the actor's own weights")
-    return dataclasses.replace(cfg.algo, rollout_correction=correction)
 
 
 class Trainer:
@@ -163,8 +55,8 @@ class Trainer:
         self.metric_reducer = MetricReducer(strategy=cfg.comm.strategy, min_bucket_mb=cfg.comm.min_bucket_mb,
                                             verify=cfg.comm.verify, timeout_s=cfg.dist.timeout_s)
         layouts = {role: mesh.layout for role, mesh in self.meshes.meshes.items()}
-        _check_batches(cfg, layouts)
-        algo = _resolved_algo(cfg, layouts)
+        check_batches(cfg, layouts)
+        algo = resolved_algo(cfg, layouts)
         self.tokenizer = load_tokenizer(cfg.model.path)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
@@ -197,8 +89,8 @@ class Trainer:
         engine, weight_sync = self._build_rollout(actor)
         memory = plan_memory_phases(engine=engine, roles={"actor": actor, "critic": critic, "ref": ref,
                                                           "reward": reward_model},
-                                    on_rollout_mesh=self.meshes["rollout"].is_member, sleep=_sleep(cfg),
-                                    weights_shared=_shares_weights(cfg, layouts))
+                                    on_rollout_mesh=self.meshes["rollout"].is_member, sleep=resolved_sleep(cfg),
+                                    weights_shared=shares_weights(cfg, layouts))
         self._weights_pushed = False
         self.stack = RLStack(rollout=engine, rollout_layout=self.meshes["rollout"].layout, scorer=self.scorer,
                              actor=actor, ref=ref, critic=critic, weight_sync=weight_sync, algo=algo,
@@ -224,7 +116,7 @@ class Trainer:
         """
         cfg, mesh = self.cfg, self.meshes["rollout"]
         actor_layout = self.meshes["actor"].layout
-        if _shares_weights(cfg, {"rollout": mesh.layout, "actor": actor_layout}):
+        if shares_weights(cfg, {"rollout": mesh.layout, "actor": actor_layout}):
             if not mesh.is_member:
                 return None, SharedWeights(None)
             from rlhf.rollout.native.engine import NativeEngine
@@ -235,7 +127,7 @@ class Trainer:
             return engine, SharedWeights(engine)
         from rlhf.reshard.sync import WeightSync
 
-        dtype = _rollout_dtype(cfg)
+        dtype = rollout_dtype(cfg)
         engine = build_engine(cfg.rollout, cfg.model.path, mesh.pgs, dtype=dtype) if mesh.is_member else None
         sync = WeightSync(actor.model, actor_layout, mesh.layout, engine,
                           hf_config=AutoConfig.from_pretrained(cfg.model.path), verify=cfg.comm.verify,
@@ -260,7 +152,7 @@ class Trainer:
         if self.stack.critic:
             models["critic"] = self.cfg.model.critic_path or self.cfg.model.path
         return {"layouts": {role: m.layout.describe() for role, m in self.meshes.meshes.items()},
-                "models": {role: _architecture(path) for role, path in models.items()}}
+                "models": {role: architecture(path) for role, path in models.items()}}
 
     def _resume(self) -> int:
         """Load and verify the checkpoint to resume from (if any); its DP replicas must then be bitwise equal."""

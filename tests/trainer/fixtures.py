@@ -48,7 +48,8 @@ def trainer_config(paths: dict[str, str], run_root: str, overrides: list[str] | 
 def run_trainer(paths: dict[str, str], run_root: str, overrides: list[str]) -> list[dict]:
     """Build and fit a Trainer on this (already initialised) world; returns the metrics history."""
     from rlhf.run_dir import close_run, setup_run
-    from rlhf.trainer.loop import Trainer, preflight
+    from rlhf.trainer.loop import Trainer
+    from rlhf.trainer.preflight import preflight
 
     import torch.distributed as dist
 

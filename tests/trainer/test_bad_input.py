@@ -18,7 +18,7 @@ from rlhf.data.loader import load_prompts  # noqa: E402
 from rlhf.errors import CheckpointError, ConfigError, DataError  # noqa: E402
 from rlhf.train.engine import check_same_model  # noqa: E402
 from rlhf.trainer.checks import input_warnings, load_tokenizer  # noqa: E402
-from rlhf.trainer.loop import preflight  # noqa: E402
+from rlhf.trainer.preflight import preflight  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

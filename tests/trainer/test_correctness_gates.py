@@ -42,7 +42,8 @@ def _watched_run(paths, root, overrides, config=None):
     from rlhf.config import RlhfConfig
     from rlhf.config.loader import load_config
     from rlhf.run_dir import close_run, setup_run
-    from rlhf.trainer.loop import Trainer, preflight
+    from rlhf.trainer.loop import Trainer
+    from rlhf.trainer.preflight import preflight
 
     cfg = trainer_config(paths, root, overrides)
     if config is not None:  # a recipe file under the tiny setup's paths and sizes

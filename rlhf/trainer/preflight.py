@@ -1,0 +1,129 @@
+"""Everything decided from the config before a role is built: role layouts and their checks, the process groups,
+and `preflight` (every input check, run before the run folder exists, so bad input writes nothing)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from transformers import AutoConfig
+
+from rlhf import platform
+from rlhf.algo.advantages import AdvantageKind, check_group_size
+from rlhf.config.schema import RlhfConfig
+from rlhf.data.loader import load_prompts
+from rlhf.data.sampler import PromptSampler
+from rlhf.errors import ConfigError
+from rlhf.parallel.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes, plan_meshes
+from rlhf.run_dir import get_logger
+from rlhf.trainer.checks import (check_kv_cache, check_model_folders, check_resume_path, check_writable_folder,
+                                 load_tokenizer, read_hf_config)
+from rlhf.trainer.config import DTYPES, check_batch_sizes
+from rlhf.trainer.memory import check_sleep
+from rlhf.trainer.scoring import Scorer
+
+log = get_logger("trainer")
+
+
+def model_dims(path: str, label: str = "model.path") -> ModelDims:
+    hf_config = read_hf_config(path, label)
+    num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0
+    return ModelDims(hf_config.num_hidden_layers, hf_config.num_attention_heads,
+                     getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads, num_experts)
+
+
+def architecture(path: str) -> dict:
+    """What must not change across a resume: the HF config fields that define the model's parameters."""
+    hf_config = AutoConfig.from_pretrained(path)
+    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "vocab_size", "tie_word_embeddings")
+    return {key: getattr(hf_config, key, None) for key in keys}
+
+
+def mesh_config(cfg: RlhfConfig):
+    """The mesh config with exactly the roles the algorithm uses (ref only with KL, critic only with GAE)."""
+    algo = cfg.algo
+    needed = {"actor", "rollout"} | ({"ref"} if algo.uses_ref else set()) | ({"critic"} if algo.uses_critic else set())
+    if cfg.reward.model_path:
+        needed.add("reward")
+    return dataclasses.replace(cfg.mesh, roles=[role for role in ROLES if role in needed])
+
+
+def role_dims(cfg: RlhfConfig) -> dict[str, ModelDims]:
+    """Models that differ from the policy (critic, reward model) are checked against their own sizes."""
+    dims = {}
+    if cfg.algo.uses_critic and cfg.model.critic_path:
+        dims["critic"] = model_dims(cfg.model.critic_path, "model.critic_path")
+    if cfg.reward.model_path:
+        if cfg.algo.advantage.kind == AdvantageKind.REMAX:
+            raise ConfigError("algo.advantage.kind=remax scores a greedy baseline with rule rewards; it cannot "
+                              "be combined with reward.model_path yet")
+        if cfg.algo.filter_groups.enable:
+            raise ConfigError("algo.filter_groups.enable=true filters groups on rule rewards before training; it "
+                              "cannot be combined with reward.model_path yet")
+        dims["reward"] = model_dims(cfg.reward.model_path, "reward.model_path")
+    return dims
+
+
+def check_batches(cfg: RlhfConfig, layouts: dict) -> None:
+    check_group_size(cfg.algo.advantage.kind, cfg.sampling.n)
+    for role in ("actor", "critic"):
+        if role in layouts:
+            check_batch_sizes(prompts_per_step=cfg.data.prompts_per_step, n=cfg.sampling.n,
+                              rollout_dp=layouts["rollout"].dp, role=role, role_dp=layouts[role].dp,
+                              update=getattr(cfg, role))
+
+
+def rollout_dtype(cfg: RlhfConfig) -> torch.dtype:
+    return cfg.model.torch_dtype if cfg.rollout.dtype == "auto" else DTYPES[cfg.rollout.dtype]
+
+
+def shares_weights(cfg: RlhfConfig, layouts: dict) -> bool:
+    """The colocated native engine in the actor's own layout and dtype generates with the actor's parameter
+    tensors."""
+    return (cfg.rollout.engine == "native" and layouts["rollout"] == layouts["actor"]
+            and rollout_dtype(cfg) == cfg.model.torch_dtype)
+
+
+def resolved_sleep(cfg: RlhfConfig) -> str:
+    return cfg.rollout.resolved_sleep(accelerator=platform.has_accelerator())
+
+
+def check_layouts(cfg: RlhfConfig, world_size: int) -> dict:
+    """Every role's layout for `world_size` ranks, with the batch-split and memory-phase rules checked (pure)."""
+    layouts = plan_meshes(mesh_config(cfg), world_size, model_dims(cfg.model.path), role_dims(cfg))
+    check_batches(cfg, layouts)
+    check_sleep(resolved_sleep(cfg), shares_weights(cfg, layouts))
+    return layouts
+
+
+def build_meshes(cfg: RlhfConfig) -> RoleMeshes:
+    """Create every role's process groups (collective over the world)."""
+    return build_role_meshes(mesh_config(cfg), model_dims(cfg.model.path), timeout_s=cfg.dist.timeout_s,
+                             role_dims=role_dims(cfg))
+
+
+def preflight(cfg: RlhfConfig, world_size: int) -> None:
+    """Every input check that needs no process group, run before the run folder exists: bad input writes nothing."""
+    check_writable_folder(cfg.run.output_dir, "run.output_dir")
+    check_resume_path(cfg.checkpoint.resume)
+    layouts = check_layouts(cfg, world_size)
+    check_model_folders(cfg)
+    tokenizer = load_tokenizer(cfg.model.path)
+    train = load_prompts(cfg.data.train_files, tokenizer, cfg.data)
+    PromptSampler(num_samples=len(train.records), global_batch_size=cfg.data.prompts_per_step, dp_rank=0,
+                  dp_size=layouts["rollout"].dp, seed=cfg.data.seed)
+    val = load_prompts(cfg.data.val_files, tokenizer, cfg.data, label="data.val_files") if cfg.data.val_files else None
+    check_kv_cache(cfg, max(len(ids) for prompts in (train, val) if prompts for ids in prompts.token_ids))
+    # the reward model scores training; rule rewards then only score validation
+    records = ([] if cfg.reward.model_path else train.records) + (val.records if val else [])
+    Scorer(cfg.reward, tokenizer).check_sources(records)
+
+
+def resolved_algo(cfg: RlhfConfig, layouts: dict):
+    """The algorithm with rollout correction's `auto` decided: on unless the engine shares the actor's weights."""
+    correction = cfg.algo.rollout_correction.resolved(weights_shared=shares_weights(cfg, layouts))
+    if cfg.algo.rollout_correction.enable == "auto":
+        log.info("rollout correction (auto): %s", "on, the rollout engine has its own weights" if correction.enable
+                 else "off, the rollout engine samples with the actor's own weights")
+    return dataclasses.replace(cfg.algo, rollout_correction=correction)
