@@ -76,7 +76,7 @@ def _bench_rank(path: str, args: argparse.Namespace) -> list[dict]:
     from rlhf.models.hf_load import load_hf_weights
     from rlhf.train.config import OptimConfig
     from rlhf.train.engine import TrainEngine
-    from rlhf.train.sft import sft_micro_batches, sft_step
+    from rlhf.testing.engine_nll import sft_micro_batches, sft_step
 
     groups = build_layout_groups(ParallelLayout(tp=1, pp=1, dp=1))
     model = build_gpt(AutoConfig.from_pretrained(path), groups)

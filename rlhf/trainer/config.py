@@ -146,7 +146,8 @@ class RefConfig:
 
 @dataclass(kw_only=True)
 class TrainerConfig:
-    """The loop: steps, validation cadence, logging."""
+    """The loop: steps, validation cadence, logging. `plot`: every run ends by drawing `curve.png` in its folder
+    (reward, validation, KL, response length per step; needs matplotlib)."""
 
     total_steps: int = 10
     val_every: int = 0

@@ -24,12 +24,13 @@ from rlhf.config.schema import RlhfConfig
 from rlhf.data.loader import PromptLoader, load_prompts
 from rlhf.parallel.watchdog import Watchdog
 from rlhf.parallel.meshes import RoleMeshes
-from rlhf.metrics import MetricReducer, MetricsSink, StepMetrics
+from rlhf.metrics import MetricReducer, MetricsSink, StepMetrics, read_jsonl
 from rlhf.rollout.factory import build_engine, close_engine, engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
 from rlhf.step import RLStack, rl_step
 from rlhf.trainer.checks import input_warnings, load_tokenizer
 from rlhf.trainer.memory import plan_memory_phases
+from rlhf.trainer.plot import plot_run
 from rlhf.trainer.preflight import (architecture, build_meshes, check_batches, resolved_algo, resolved_sleep,
                                     rollout_dtype, shares_weights)
 from rlhf.trainer.roles import CriticRole, PolicyRole, RewardModelRole
@@ -231,7 +232,15 @@ class Trainer:
         finally:
             close_engine(self.stack.rollout)  # vLLM's teardown needs the process groups still alive
         self.sink.close()
+        self._write_curve()
         return history
+
+    def _write_curve(self) -> None:
+        """trainer.plot: rank 0 draws curve.png from the run's whole metrics.jsonl (resumed segments included)."""
+        if not (self.cfg.trainer.plot and self.run_dir.is_rank0):
+            return
+        path = plot_run(read_jsonl(self.run_dir.path / "metrics.jsonl"), self.run_dir.path)
+        log.info("learning curve: %s", path or "none (matplotlib is not installed; pip install matplotlib)")
 
     def _watchdog(self) -> Watchdog:
         """A phase that outlives comm.step_timeout_s dumps every rank's stacks to its log and exits non-zero."""

@@ -1,6 +1,7 @@
-"""Learning-curve figure and before/after summary of a demo run (SFT then RL), from the runs' metrics.jsonl.
+"""Learning-curve figures from runs' metrics.jsonl: `curve.png` of every RL run (`trainer.plot`), and the demo's
+before/after summary (SFT then RL).
 
-    python -m rlhf.trainer.plot --sft runs/demo/sft --rl runs/demo/grpo --out runs/demo
+    python -m rlhf.trainer.plot --rl runs/demo/grpo --out runs/demo [--sft runs/demo/sft]
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from rlhf.metrics import read_jsonl
 
 VAL = "val/score/mean@1"
 REWARD = "critic/score/mean"
+# The run curve's panels: a title and the metrics it draws (those a run logged; KL is the loss term or the penalty).
+RUN_PANELS = (("train reward", (REWARD,)), ("validation score", ("val/score/mean@",)),
+              ("KL to the reference", ("actor/kl_loss", "actor/reward_kl_penalty")),
+              ("response length (tokens)", ("response_length/mean",)))
 
 
 def summarize(sft_rows: list[dict], rl_rows: list[dict]) -> dict:
@@ -26,14 +31,50 @@ def summarize(sft_rows: list[dict], rl_rows: list[dict]) -> dict:
             "rl_steps": max((r["step"] for r in rl_rows), default=0)}
 
 
-def plot(sft_rows: list[dict], rl_rows: list[dict], out: Path) -> Path | None:
-    """curve.png: train reward per RL step, and held-out accuracy across SFT then RL steps."""
+def _pyplot():
+    """matplotlib's pyplot on the file-only backend, or None where matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def _series(rows: list[dict], prefixes: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
+    """Each logged metric whose name starts with one of `prefixes`, as (step, value) points."""
+    names = sorted({k for r in rows for k in r if k.startswith(prefixes)})
+    return {n: [(r["step"], r[n]) for r in rows if n in r] for n in names}
+
+
+def plot_run(rows: list[dict], out: Path) -> Path | None:
+    """out/curve.png of one RL run: train reward, validation, KL and response length per step (None: no matplotlib)."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, (title, prefixes) in zip(axes.flat, RUN_PANELS):
+        series = _series(rows, prefixes)
+        for name, points in series.items():
+            ax.plot(*zip(*points), "o-" if name.startswith("val/") else "-", label=name, markersize=3)
+        if series:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "not logged by this run", ha="center", va="center", transform=ax.transAxes)
+        ax.set(title=title, xlabel="RL step")
+    fig.tight_layout()
+    path = out / "curve.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot(sft_rows: list[dict], rl_rows: list[dict], out: Path) -> Path | None:
+    """curve.png: train reward per RL step, and held-out accuracy across SFT then RL steps."""
+    plt = _pyplot()
+    if plt is None:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     rl_reward = [(r["step"], r[REWARD]) for r in rl_rows if REWARD in r]
@@ -59,19 +100,21 @@ def plot(sft_rows: list[dict], rl_rows: list[dict], out: Path) -> Path | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sft", required=True)
+    parser.add_argument("--sft", help="the SFT run before RL (its validation curve comes first)")
     parser.add_argument("--rl", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    sft_rows = read_jsonl(Path(args.sft) / "metrics.jsonl")
+    sft_rows = read_jsonl(Path(args.sft) / "metrics.jsonl") if args.sft else []
     rl_rows = read_jsonl(Path(args.rl) / "metrics.jsonl")
     out = Path(args.out)
     summary = summarize(sft_rows, rl_rows)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     figure = plot(sft_rows, rl_rows, out)
-    print(f"held-out accuracy after SFT only : {summary['sft_only_accuracy']:.3f}")
-    print(f"held-out accuracy after GRPO     : {summary['rl_final_accuracy']:.3f} "
-          f"(best {summary['rl_best_accuracy']:.3f}, {summary['rl_steps']} RL steps)")
+    if summary["sft_only_accuracy"] is not None:
+        print(f"held-out accuracy after SFT only : {summary['sft_only_accuracy']:.3f}")
+    if summary["rl_final_accuracy"] is not None:
+        print(f"held-out accuracy after GRPO     : {summary['rl_final_accuracy']:.3f} "
+              f"(best {summary['rl_best_accuracy']:.3f}, {summary['rl_steps']} RL steps)")
     print(f"curve: {figure or 'matplotlib not installed, no figure'}; summary: {out / 'summary.json'}")
     return 0
 

@@ -44,7 +44,7 @@ def _engine(path: str, pgs, *, load: bool = True, seed: int = 1234, name: str = 
 
 
 def _batches(pgs, num_micro_batches: int, seed: int, num_rows: int = 8, seq_len: int = 16) -> list:
-    from rlhf.train.sft import sft_micro_batches
+    from rlhf.testing.engine_nll import sft_micro_batches
 
     tokens, mask = sft_batch(num_rows, seq_len, seed)
     return sft_micro_batches(tokens, mask, dp_rank=pgs.dp.rank(), dp_size=pgs.dp.size(),
@@ -52,7 +52,7 @@ def _batches(pgs, num_micro_batches: int, seed: int, num_rows: int = 8, seq_len:
 
 
 def _loss_fn(engine):
-    from rlhf.train.sft import sft_loss
+    from rlhf.testing.engine_nll import sft_loss
 
     return sft_loss(engine.pg_collection.tp, engine.module.rlhf_spec.vocab_size)
 
@@ -143,7 +143,7 @@ def check_sft_learns(path: str, pg: dict) -> dict:
     """12 SFT steps at DP2 on one batch: the answer NLL falls well below its start."""
     engine = _engine(path, pg["dp2"], lr=3e-3)
     batches = _batches(pg["dp2"], 1, seed=6)
-    from rlhf.train.sft import sft_step
+    from rlhf.testing.engine_nll import sft_step
 
     return {"losses": [sft_step(engine, batches).loss for _ in range(12)]}
 

@@ -40,7 +40,7 @@ def trainer_config(paths: dict[str, str], run_root: str, overrides: list[str] | 
         "actor": {"optim": {"lr": 1e-3}, "micro_batch_size": 4},
         "critic": {"optim": {"lr": 1e-3}, "micro_batch_size": 4},
         "rollout": {"native": {"max_batch_size": 16, "max_seq_len": 32}},
-        "trainer": {"total_steps": 2, "tensorboard": False},
+        "trainer": {"total_steps": 2, "tensorboard": False, "plot": False},
     }
     return from_dict(RlhfConfig, apply_overrides(data, list(overrides or [])))
 

@@ -2,7 +2,7 @@
 
 import json
 
-from rlhf.trainer.plot import main
+from rlhf.trainer.plot import RUN_PANELS, _series, main, plot_run
 
 
 def _write(path, rows):
@@ -20,3 +20,17 @@ def test_summary_and_curve(tmp_path, capsys):
     assert (summary["sft_only_accuracy"], summary["rl_final_accuracy"], summary["rl_best_accuracy"]) == (0.1, 0.2, 0.25)
     assert "after GRPO     : 0.200 (best 0.250, 2 RL steps)" in capsys.readouterr().out
     assert (tmp_path / "curve.png").stat().st_size > 1000
+
+
+def test_run_curve_draws_each_panel_from_what_the_run_logged(tmp_path, capsys):
+    rows = [{"step": 0, "val/score/mean@4": 0.1},
+            {"step": 1, "critic/score/mean": 0.2, "actor/kl_loss": 0.01, "response_length/mean": 5.0},
+            {"step": 2, "critic/score/mean": 0.3, "actor/kl_loss": 0.02, "response_length/mean": 4.0,
+             "val/score/mean@4": 0.3}]
+    drawn = {title: _series(rows, prefixes) for title, prefixes in RUN_PANELS}
+    assert drawn["validation score"] == {"val/score/mean@4": [(0, 0.1), (2, 0.3)]}
+    assert drawn["KL to the reference"] == {"actor/kl_loss": [(1, 0.01), (2, 0.02)]}
+    assert plot_run(rows, tmp_path) == tmp_path / "curve.png" and (tmp_path / "curve.png").stat().st_size > 1000
+    _write(tmp_path / "rl", rows)  # the summary script runs without an SFT run
+    assert main(["--rl", str(tmp_path / "rl"), "--out", str(tmp_path)]) == 0
+    assert "after SFT only" not in capsys.readouterr().out

@@ -1,5 +1,6 @@
-"""`rlhf sft` (rlhf.trainer.sft): the same losses with the fused LM head and with full logits at TP2, the loss
-falls, validation runs, and the exported folder loads in transformers with the trained weights."""
+"""`rlhf sft` (rlhf.trainer.sft): the first step's loss is transformers' answer NLL of the same batch, the same
+losses with the fused LM head and with full logits at TP2, the loss falls, validation runs, and the exported folder
+loads in transformers with the trained weights."""
 
 import json
 import sys
@@ -36,6 +37,31 @@ def _sft_runs(paths, root):
     return out
 
 
+def _hf_first_step_loss(paths, root) -> float:
+    """transformers' token-mean NLL over the answer tokens (+ EOS) of the batch `rlhf sft` draws first."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf.data.loader import load_prompts
+    from rlhf.data.sampler import PromptSampler
+    from rlhf.trainer.sft import sft_batch
+
+    cfg = trainer_config(paths, root, ["sft.batch_size=8"])
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    train = load_prompts(cfg.data.train_files, tokenizer, cfg.data)
+    sampler = PromptSampler(num_samples=len(train.records), global_batch_size=8, dp_rank=0, dp_size=1,
+                            batch_key="sft.batch_size", seed=cfg.data.seed)
+    batch = sft_batch(train, sampler.next_indices(), tokenizer, pad)
+    positions = torch.arange(batch.tokens_bs.shape[1])[None, :] - batch.prompt_lengths_b[:, None]
+    answer = (positions >= 0) & (positions < batch.response_lengths_b[:, None])
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(batch.tokens_bs).logits.float(), dim=-1)[:, :-1]
+    picked = logprobs.gather(-1, batch.tokens_bs[:, 1:, None]).squeeze(-1)
+    weights = answer[:, 1:].float()
+    return float(-(picked * weights).sum() / weights.sum())
+
+
 def test_sft_fused_head_matches_full_logits_at_tp2(tiny, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -46,6 +72,7 @@ def test_sft_fused_head_matches_full_logits_at_tp2(tiny, tmp_path):
         losses[fused] = [row["sft/loss"] for row in rows if "sft/loss" in row]
         assert "val/score/mean@1" in val
     assert len(losses[True]) == 4
+    assert losses[True][0] == pytest.approx(_hf_first_step_loss(tiny, str(tmp_path)), abs=1e-5)
     assert losses[True] == pytest.approx(losses[False], abs=1e-5)
     assert losses[True][-1] < losses[True][0]
     exported = [AutoModelForCausalLM.from_pretrained(tmp_path / f"export_{fused}") for fused in (True, False)]

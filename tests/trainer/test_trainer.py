@@ -20,7 +20,8 @@ def tiny(tmp_path_factory):
 
 def _four_rank_runs(paths, root, reward_model):
     grpo = run_trainer(paths, f"{root}/grpo", [
-        "mesh.actor.tp=2", "mesh.rollout.tp=2", "mesh.ref.tp=2", "algo.kl.coef=0.01", "run.name=grpo"])
+        "mesh.actor.tp=2", "mesh.rollout.tp=2", "mesh.ref.tp=2", "algo.kl.coef=0.01", "run.name=grpo",
+        "trainer.plot=true"])
     ppo = run_trainer(paths, f"{root}/ppo", [
         "mesh.placement=split", "mesh.actor={tp: 2, ranks: [0, 2]}", "mesh.rollout={tp: 2, ranks: [0, 2]}",
         "mesh.critic={ranks: [2, 4]}", "algo.advantage.kind=gae", "algo.advantage.lam=0.95",
@@ -64,6 +65,8 @@ def test_grpo_tp2_dp2_and_ppo_split_placement_on_4_ranks(tiny, tmp_path):
     assert math.isfinite(remax[-1]["actor/pg_loss"]), "ReMax's greedy baseline runs on every TP rank"
     logged = read_jsonl(tmp_path / "grpo/grpo/metrics.jsonl")
     assert [row["step"] for row in logged] == [0, 1, 2]
+    assert (tmp_path / "grpo/grpo/curve.png").stat().st_size > 1000, "trainer.plot draws every run's curve"
+    assert not (tmp_path / "ppo/ppo/curve.png").exists()
     assert (tmp_path / "ppo/ppo/checkpoints/step_2/manifest.json").is_file()
 
 

@@ -1,7 +1,8 @@
-"""Supervised fine-tuning on answer tokens: the loss, the micro-batch split, and one step on a `TrainEngine`.
+"""Answer-token NLL on a bare `TrainEngine`: the loss the engine tests and `bench-engine` compare with transformers.
 
-The loss is the token-mean NLL over the answer tokens of the GLOBAL batch, computed as a token sum divided by
-the global answer-token count, so it is exact for any DP size and micro-batching (see `rlhf.train.engine`).
+Not a training path (`rlhf sft` runs `rlhf.trainer.sft` through the actor role). The loss is the token-mean NLL
+over the answer tokens of the GLOBAL batch, computed as a token sum divided by the global answer-token count, so
+it is exact for any DP size and micro-batching (see `rlhf.train.engine`).
 """
 
 from __future__ import annotations

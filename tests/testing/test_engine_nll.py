@@ -1,4 +1,4 @@
-"""SFT micro-batching: rows per DP rank, global answer-token count, and the errors for bad batches."""
+"""Answer-token NLL micro-batching (rlhf.testing.engine_nll): rows per DP rank, the global answer-token count, errors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlhf.errors import ConfigError
-from rlhf.train.sft import sft_micro_batches
+from rlhf.testing.engine_nll import sft_micro_batches
 
 
 def test_rows_are_split_per_dp_rank_and_carry_the_global_count():
