@@ -56,7 +56,6 @@ class RLStack:
     algo: AlgoConfig
     sampling: SamplingConfig
     actor_update: UpdateConfig
-    critic_update: UpdateConfig
     kl_controller: KLController
     pad_token_id: int
     reward_model: RewardModelRole | None = None
@@ -110,19 +109,18 @@ def score_and_update(stack: RLStack, batch: TrainBatch, metrics: StepMetrics) ->
     """The global batch scored by every model role, with advantages; then the actor and critic updates."""
     if stack.reward_model is not None:
         with metrics.timer("reward"):
-            batch.scores_b = shaped_scores(stack, batch, stack.reward_model.scores(
-                batch, stack.actor_update.micro_batch_size))
+            batch.scores_b = shaped_scores(stack, batch, stack.reward_model.scores(batch))
     if needs_old_logprobs(stack):
         with metrics.timer("old_log_prob"):
-            batch.old_logprobs_bt = stack.actor.logprobs(batch, stack.actor_update.micro_batch_size)
+            batch.old_logprobs_bt = stack.actor.logprobs(batch)
     elif bypasses_old_logprobs(stack):
         batch.old_logprobs_bt = batch.rollout_logprobs_bt
     if stack.ref is not None:
         with metrics.timer("ref"):
-            batch.ref_logprobs_bt = stack.ref.logprobs(batch, stack.actor_update.micro_batch_size)
+            batch.ref_logprobs_bt = stack.ref.logprobs(batch)
     if stack.critic is not None:
         with metrics.timer("values"):
-            batch.values_bt = stack.critic.values(batch, stack.critic_update.micro_batch_size)
+            batch.values_bt = stack.critic.values(batch)
     with metrics.timer("adv"):
         add_advantages(batch, stack, metrics)
         add_loss_filters(batch, stack, metrics)

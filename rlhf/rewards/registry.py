@@ -48,15 +48,19 @@ class RewardConfig:
     `file.py:fn`; `function` is used for every source no pattern matches; the built-in table comes last.
     With `remote` set, every sample is scored by that HTTP service instead. With `model_path` (an HF
     sequence-classification folder) a reward model on the reward mesh scores training rollouts; the rule
-    functions then serve validation only. `model_offload` parks its weights on the host during rollouts."""
+    functions then serve validation only. `model_offload` parks its weights on the host during rollouts;
+    `model_micro_batch_size` sequences go through one reward-model forward per DP rank."""
 
     function: str | None = None
     by_source: dict[str, str] = field(default_factory=dict)
     remote: RemoteRewardConfig | None = None
     model_path: str = ""
     model_offload: bool = False
+    model_micro_batch_size: int = 8
 
     def __post_init__(self) -> None:
+        if self.model_micro_batch_size < 1:
+            raise ConfigError(f"reward.model_micro_batch_size={self.model_micro_batch_size} must be >= 1")
         if self.model_offload and not self.model_path:
             raise ConfigError("reward.model_offload=true needs a reward model to offload; set reward.model_path "
                               "or drop reward.model_offload")

@@ -91,8 +91,9 @@ class TrainBatch:
         per = self.size // count
         return self.select(slice(index * per, (index + 1) * per))
 
-    def chunks(self, size: int) -> list["TrainBatch"]:
-        assert self.size % size == 0, (self.size, size)
+    def chunks(self, size: int, *, ragged: bool = False) -> list["TrainBatch"]:
+        """Consecutive row blocks of `size` (`ragged`: the last one may be smaller)."""
+        assert ragged or self.size % size == 0, (self.size, size)
         return [self.select(slice(start, start + size)) for start in range(0, self.size, size)]
 
 

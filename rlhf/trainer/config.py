@@ -139,9 +139,15 @@ class UpdateConfig:
 
 @dataclass(kw_only=True)
 class RefConfig:
-    """The frozen reference policy: `offload` parks its weights on the host while the rollout engine runs."""
+    """The frozen reference policy: `offload` parks its weights on the host while the rollout engine runs;
+    `micro_batch_size` sequences go through one forward per DP rank."""
 
     offload: bool = False
+    micro_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1:
+            raise ConfigError(f"ref.micro_batch_size={self.micro_batch_size} must be >= 1")
 
 
 @dataclass(kw_only=True)

@@ -74,7 +74,7 @@ class Trainer:
                            fused_head=cfg.model.fused_head, temperature=cfg.sampling.logprob_temperature,
                            params_dtype=cfg.model.torch_dtype, moe_kwargs=cfg.model.moe.build_kwargs())
         ref = (PolicyRole("ref", self.meshes["ref"], cfg.model.path, update=None, total_steps=0,
-                          seed=cfg.dist.seed, offload_frozen=cfg.ref.offload, fused_head=cfg.model.fused_head,
+                          micro_batch_size=cfg.ref.micro_batch_size, seed=cfg.dist.seed, offload_frozen=cfg.ref.offload, fused_head=cfg.model.fused_head,
                           temperature=cfg.sampling.logprob_temperature, params_dtype=cfg.model.torch_dtype,
                           moe_kwargs=cfg.model.moe.build_kwargs())
                if algo.uses_ref else None)
@@ -84,7 +84,8 @@ class Trainer:
                              params_dtype=cfg.model.torch_dtype, moe_kwargs=cfg.model.moe.build_kwargs())
                   if algo.uses_critic else None)
         reward_model = (RewardModelRole("reward", self.meshes["reward"], cfg.reward.model_path, update=None,
-                                        total_steps=0, value_head=True, offload_frozen=cfg.reward.model_offload,
+                                        total_steps=0, micro_batch_size=cfg.reward.model_micro_batch_size,
+                                        value_head=True, offload_frozen=cfg.reward.model_offload,
                                         params_dtype=cfg.model.torch_dtype)
                         if cfg.reward.model_path else None)
         engine, weight_sync = self._build_rollout(actor)
@@ -95,7 +96,7 @@ class Trainer:
         self._weights_pushed = False
         self.stack = RLStack(rollout=engine, rollout_layout=self.meshes["rollout"].layout, scorer=self.scorer,
                              actor=actor, ref=ref, critic=critic, weight_sync=weight_sync, algo=algo,
-                             sampling=cfg.sampling, actor_update=cfg.actor, critic_update=cfg.critic,
+                             sampling=cfg.sampling, actor_update=cfg.actor,
                              kl_controller=KLController.from_config(algo.kl), pad_token_id=self.pad_token_id,
                              reward_model=reward_model, memory=memory)
         self.checkpoints = CheckpointManager(run_dir.path / "checkpoints", cfg.checkpoint.keep_last)

@@ -68,10 +68,13 @@ class ModelRole:
     """A megatron GPT (LM or value head) on one role mesh, optionally trained by a `TrainEngine`."""
 
     def __init__(self, name: str, mesh: RoleMesh, hf_path: str, *, update: UpdateConfig | None,
-                 total_steps: int, value_head: bool = False, recompute: bool = False, seed: int = 1234,
-                 offload_frozen: bool = False, params_dtype: torch.dtype = torch.float32,
-                 moe_kwargs: dict | None = None) -> None:
+                 total_steps: int, micro_batch_size: int | None = None, value_head: bool = False,
+                 recompute: bool = False, seed: int = 1234, offload_frozen: bool = False,
+                 params_dtype: torch.dtype = torch.float32, moe_kwargs: dict | None = None) -> None:
+        """`micro_batch_size`: sequences per forward-only micro-batch (default: the update's micro-batch size)."""
         self.name, self.mesh, self.update_config = name, mesh, update
+        self.micro_batch_size = micro_batch_size or (update.micro_batch_size if update is not None else 0)
+        assert self.micro_batch_size > 0, f"{name}: a frozen role needs its own micro_batch_size"
         self.model: torch.nn.Module | None = None
         self.engine: TrainEngine | None = None
         self.offload_frozen = offload_frozen and update is None
@@ -125,8 +128,7 @@ class ModelRole:
             offload_lib.reload_frozen(self._parked)
             self._parked = None
 
-    def _forward(self, batch: TrainBatch, micro_batch_size: int,
-                 fn: Callable[[torch.Tensor, TrainBatch], torch.Tensor]) -> torch.Tensor:
+    def _forward(self, batch: TrainBatch, fn: Callable[[torch.Tensor, TrainBatch], torch.Tensor]) -> torch.Tensor:
         """`fn(output, micro_batch) -> [b, T]` over this rank's DP shard, gathered to the whole batch `[B, T]`."""
         if self._parked is not None:
             raise RuntimeError(f"the {self.name} model is offloaded; call reload() before using it")
@@ -135,7 +137,7 @@ class ModelRole:
         if self.mesh.is_member:
             shard = batch.select(balance).shard(self.dp_rank, self.dp_size).to(current_device())
             order = _by_length(shard)
-            micro = self._micro_batches(shard.select(order), min(micro_batch_size, shard.size))
+            micro = self._micro_batches(shard.select(order), min(self.micro_batch_size, shard.size), ragged=True)
 
             def step(output: torch.Tensor, micro_batch: TrainBatch) -> tuple[torch.Tensor, dict]:
                 out = fn(output, micro_batch).detach()
@@ -153,13 +155,16 @@ class ModelRole:
                 local = local.cpu()  # the step's batch lives on the host
         return gather_rows(local, self.mesh.layout)[torch.argsort(balance)]
 
-    def _micro_batches(self, shard: TrainBatch, size: int) -> list[TrainBatch]:
+    def _micro_batches(self, shard: TrainBatch, size: int, *, ragged: bool = False) -> list[TrainBatch]:
         """`shard` in micro-batches of `size` rows, each cut to its own longest row (compute scales with the
         micro-batch's length, not the step's; callers sort rows by length first so similar lengths share a
-        micro-batch); with pp > 1 the schedule needs one shape, so the shard's."""
+        micro-batch); with pp > 1 the schedule needs one shape, so the shard's, and equal micro-batches: a
+        `ragged` split (forward only) then takes the largest size <= `size` that divides the shard."""
         if self.mesh.pgs.pp.size() > 1:
+            if ragged:
+                size = max(d for d in range(1, size + 1) if shard.size % d == 0)
             return shard.trimmed().chunks(size)
-        return [micro.trimmed() for micro in shard.chunks(size)]
+        return [micro.trimmed() for micro in shard.chunks(size, ragged=ragged)]
 
     def _train(self, batch: TrainBatch, loss_fn: Callable[[torch.Tensor, TrainBatch, GlobalCounts], tuple],
                prefix: str) -> dict[str, float]:
@@ -244,7 +249,7 @@ class PolicyRole(ModelRole):
                                        self.temperature)
         return gather_response(logp_bs, mb), gather_response(entropy_bs, mb)
 
-    def logprobs(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         def fn(output: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
             if self.fused_head:
                 return self._token_stats(output, mb)[0]
@@ -252,7 +257,7 @@ class PolicyRole(ModelRole):
                                                   self.temperature), mb)
 
         with self._output_mode():
-            return self._forward(batch, micro_batch_size, fn)
+            return self._forward(batch, fn)
 
     def update(self, batch: TrainBatch, algo: AlgoConfig) -> dict[str, float]:
         use_kl_loss = algo.kl.use_as_loss
@@ -291,11 +296,11 @@ class PolicyRole(ModelRole):
 class CriticRole(ModelRole):
     """Value model: per-token values of the state before each response token, and the clipped value update."""
 
-    def values(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
+    def values(self, batch: TrainBatch) -> torch.Tensor:
         def fn(values_bs1: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
             return gather_response(values_bs1.squeeze(-1).float(), mb)
 
-        return self._forward(batch, micro_batch_size, fn)
+        return self._forward(batch, fn)
 
     def update(self, batch: TrainBatch, algo: AlgoConfig) -> dict[str, float]:
         def loss_fn(values_bs1: torch.Tensor, mb: TrainBatch, counts: GlobalCounts) -> tuple:
@@ -310,9 +315,9 @@ class CriticRole(ModelRole):
 class RewardModelRole(ModelRole):
     """A frozen reward model (value head): the sequence reward is its value at the last response token."""
 
-    def scores(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
+    def scores(self, batch: TrainBatch) -> torch.Tensor:
         def fn(values_bs1: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
             last_b = (mb.prompt_lengths_b + mb.response_lengths_b - 1).clamp(max=mb.tokens_bs.shape[1] - 1)
             return values_bs1.squeeze(-1).float().gather(1, last_b[:, None]).squeeze(1)
 
-        return self._forward(batch, micro_batch_size, fn)
+        return self._forward(batch, fn)

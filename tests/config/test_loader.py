@@ -32,6 +32,8 @@ def test_defaults_live_in_the_dataclasses():
     ("mesh.actor.tp.x=3", r"^override 'mesh\.actor\.tp\.x=3': 'tp' is a value, not a section$"),
     ("dist.timeout_s=0", r"^dist\.timeout_s=0\.0 must be > 0 seconds$"),
     ("mesh.actor.tp", r"^override 'mesh\.actor\.tp' must look like section\.key=value"),
+    ("ref.micro_batch_size=0", r"^ref\.micro_batch_size=0 must be >= 1$"),
+    ("reward.model_micro_batch_size=0", r"^reward\.model_micro_batch_size=0 must be >= 1$"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):

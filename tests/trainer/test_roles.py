@@ -55,7 +55,7 @@ def _update_at(paths, layouts_and_micro):
                           update=UpdateConfig(micro_batch_size=2, optim=OptimConfig(lr=1e-3),
                                               recompute_old_logprobs=recompute))
         batch = fixed_batch()
-        batch.old_logprobs_bt = role.logprobs(batch, 2) if recompute else None
+        batch.old_logprobs_bt = role.logprobs(batch) if recompute else None
         on_policy.append(role.update(batch, AlgoConfig()))
     return out, on_policy
 
@@ -87,8 +87,9 @@ def _reward_scores(paths, reward_path):
     out = []
     for layout in (ParallelLayout(dp=2), ParallelLayout(tp=2)):
         mesh = RoleMesh("reward", layout, build_layout_groups(layout, cache))
-        role = RewardModelRole("reward", mesh, reward_path, update=None, total_steps=0, value_head=True)
-        out.append(role.scores(fixed_batch(), 2).tolist())
+        role = RewardModelRole("reward", mesh, reward_path, update=None, total_steps=0, micro_batch_size=2,
+                               value_head=True)
+        out.append(role.scores(fixed_batch()).tolist())
     return out
 
 
@@ -119,9 +120,9 @@ def _fused_vs_full_logits(paths):
             mesh = RoleMesh("actor", layout, build_layout_groups(layout, cache))
             role = PolicyRole("actor", mesh, paths["model"], total_steps=4, fused_head=fused, temperature=0.7,
                               update=UpdateConfig(micro_batch_size=4, optim=OptimConfig(lr=1e-2)))
-            before = role.logprobs(fixed_batch(), 4)
+            before = role.logprobs(fixed_batch())
             metrics = role.update(fixed_batch(), algo)
-            out[(name, fused)] = (before, metrics, role.logprobs(fixed_batch(), 4))
+            out[(name, fused)] = (before, metrics, role.logprobs(fixed_batch()))
     return out
 
 

@@ -21,7 +21,7 @@ def tiny(tmp_path_factory):
 def _four_rank_runs(paths, root, reward_model):
     grpo = run_trainer(paths, f"{root}/grpo", [
         "mesh.actor.tp=2", "mesh.rollout.tp=2", "mesh.ref.tp=2", "algo.kl.coef=0.01", "run.name=grpo",
-        "trainer.plot=true"])
+        "trainer.plot=true", "ref.micro_batch_size=2"])
     ppo = run_trainer(paths, f"{root}/ppo", [
         "mesh.placement=split", "mesh.actor={tp: 2, ranks: [0, 2]}", "mesh.rollout={tp: 2, ranks: [0, 2]}",
         "mesh.critic={ranks: [2, 4]}", "algo.advantage.kind=gae", "algo.advantage.lam=0.95",
@@ -30,7 +30,8 @@ def _four_rank_runs(paths, root, reward_model):
         "actor.epochs=2", "actor.mini_batches=2"])
     rm = run_trainer(paths, f"{root}/rm", [
         "mesh.placement=split", "mesh.actor={ranks: [0, 2]}", "mesh.rollout={ranks: [0, 2]}",
-        "mesh.reward={tp: 2, ranks: [2, 4]}", f"reward.model_path={reward_model}", "run.name=rm"])
+        "mesh.reward={tp: 2, ranks: [2, 4]}", f"reward.model_path={reward_model}", "run.name=rm",
+        "reward.model_micro_batch_size=3"])
     remax = run_trainer(paths, f"{root}/remax", ["mesh.actor.tp=2", "mesh.rollout.tp=2", "run.name=remax",
                                                  "algo.advantage.kind=remax", "trainer.total_steps=1",
                                                  "trainer.val_before_train=false"])
