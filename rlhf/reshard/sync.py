@@ -64,8 +64,10 @@ class WeightSync:
 
     def __init__(self, src_model: torch.nn.Module | None, src_layout: ParallelLayout, dst_layout: ParallelLayout,
                  engine: Any | None, *, hf_config: Any = None, dtype: torch.dtype | None = None,
-                 method: str = "auto", max_bucket_mb: float | None = None, verify: bool = False,
-                 hf_names: bool = False, group: dist.ProcessGroup | None = None) -> None:
+                 method: str = "auto", max_bucket_mb: float | None = None, coalesce: bool = True,
+                 verify: bool = False, hf_names: bool = False, group: dist.ProcessGroup | None = None) -> None:
+        """`coalesce`: pack a pair's small tensors into buckets of `max_bucket_mb` (comm.strategy bucket/rs_ag);
+        off, every tensor slice travels as its own message (comm.strategy=plain)."""
         if max_bucket_mb is None:
             max_bucket_mb = ACCELERATOR_BUCKET_MB if has_accelerator() else CPU_BUCKET_MB
         if max_bucket_mb <= 0:
@@ -91,7 +93,8 @@ class WeightSync:
         self.plan = plan_for_model(self.hf_config, src_layout, plan_layout, value_head=self.value_head)
         self.dtype = dtype or _agreed_dtype(src_model, group)
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        self.schedule = build_schedule(self.plan, max_bucket_numel=max(1, int(max_bucket_mb * 2**20) // itemsize))
+        max_numel = max(1, int(max_bucket_mb * 2**20) // itemsize) if coalesce else 1
+        self.schedule = build_schedule(self.plan, max_bucket_numel=max_numel)
         self.method = _resolve_method(method, group)
         self.shm = None
         if self.method == "shm":

@@ -133,7 +133,9 @@ class Trainer:
         engine = build_engine(cfg.rollout, cfg.model.path, mesh.pgs, dtype=dtype) if mesh.is_member else None
         sync = WeightSync(actor.model, actor_layout, mesh.layout, engine,
                           hf_config=AutoConfig.from_pretrained(cfg.model.path), verify=cfg.comm.verify,
-                          hf_names=cfg.rollout.engine != "native", dtype=dtype)
+                          hf_names=cfg.rollout.engine != "native", dtype=dtype,
+                          method=cfg.comm.weight_sync_method, max_bucket_mb=cfg.comm.weight_sync_bucket_mb or None,
+                          coalesce=cfg.comm.strategy != "plain")
         return engine, sync
 
     # -- state -----------------------------------------------------------------------------------------------

@@ -32,6 +32,9 @@ def test_defaults_live_in_the_dataclasses():
     ("mesh.actor.tp.x=3", r"^override 'mesh\.actor\.tp\.x=3': 'tp' is a value, not a section$"),
     ("dist.timeout_s=0", r"^dist\.timeout_s=0\.0 must be > 0 seconds$"),
     ("mesh.actor.tp", r"^override 'mesh\.actor\.tp' must look like section\.key=value"),
+    ("comm.weight_sync_method=nccl", r"^comm\.weight_sync_method='nccl' is not one of 'auto', 'shm', 'p2p', "
+                                     r"'all_to_all'$"),
+    ("comm.weight_sync_bucket_mb=-1", r"^comm\.weight_sync_bucket_mb=-1\.0 must be >= 0 \(0: the platform default\)$"),
     ("ref.micro_batch_size=0", r"^ref\.micro_batch_size=0 must be >= 1$"),
     ("reward.model_micro_batch_size=0", r"^reward\.model_micro_batch_size=0 must be >= 1$"),
 ])

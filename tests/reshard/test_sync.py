@@ -99,6 +99,10 @@ def _check_pair(path, src, dst, cache, fc2_name="decoder.layers.0.mlp.linear_fc2
         for name, want in _reference_shards(path, config, dst).items():
             want = want if dtype is None else want.to(dtype).to(torch.float32)
             assert torch.equal(weights[name].detach(), want), (method, dtype, name)
+    engine = make_engine(load=False)  # comm.strategy=plain: one message per tensor slice, still bitwise
+    plain = WeightSync(src_model, src, dst, engine, method="p2p", coalesce=False, verify=True).sync()
+    stats["plain_messages"] = (plain.num_messages, sum(not t.is_local and rank in (t.src_rank, t.dst_rank)
+                                                       for t in sync.plan.transfers), plain.num_verified)
     engine = make_engine(load=False)
     sync = WeightSync(src_model, src, dst, engine, verify=True, max_bucket_mb=0.001)
     if engine is not None:  # weights released while asleep come back through the sync
@@ -208,6 +212,11 @@ def test_sync_is_bitwise_for_every_layout_pair(hf_paths):
                 if key == "num_rounds_small_buckets":
                     num_rounds, has_remote = value
                     assert (num_rounds > 1) == has_remote, (family, pair)
+                    continue
+                if key == "plain_messages":
+                    num_messages, num_remote_slices, num_verified = value
+                    assert num_messages == num_remote_slices, (family, pair, rank)
+                    assert (num_verified > 0) == dst.contains(rank), (family, pair, rank)
                     continue
                 bytes_received, min_numel, num_verified = value
                 itemsize = 2 if "bfloat16" in key[1] else 4

@@ -27,7 +27,8 @@ def _four_rank_runs(paths, root, reward_model):
         "mesh.critic={ranks: [2, 4]}", "algo.advantage.kind=gae", "algo.advantage.lam=0.95",
         "algo.kl.coef=0.05", "algo.kl.in_reward=true", "mesh.ref={tp: 1, ranks: [0, 2]}", "run.name=ppo",
         "sampling.temperature=0.7",  # training logprobs at the sampling temperature match the rollout's
-        "actor.epochs=2", "actor.mini_batches=2"])
+        "actor.epochs=2", "actor.mini_batches=2",
+        "comm.strategy=plain"])  # metrics and the split-placement weight sync without buckets
     rm = run_trainer(paths, f"{root}/rm", [
         "mesh.placement=split", "mesh.actor={ranks: [0, 2]}", "mesh.rollout={ranks: [0, 2]}",
         "mesh.reward={tp: 2, ranks: [2, 4]}", f"reward.model_path={reward_model}", "run.name=rm",
