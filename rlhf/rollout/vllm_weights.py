@@ -4,6 +4,8 @@ landed (after it).
 Probe: every vLLM layer is applied to a fixed pseudo-random vector through its own kernel (`quant_method.apply`
 for linear layers, so it reads packed CPU weights too) and summed over the TP group; the same sums computed
 from the pushed HF tensors must agree to the dtype's precision. Dummy, stale or partly loaded weights fail it.
+MoE experts (vLLM's fused `w13_weight` [experts, 2 x intermediate / tp, hidden] and `w2_weight` [experts,
+hidden, intermediate / tp], which its kernels read as they are) are probed per expert matrix the same way.
 The probe costs one matrix-vector product per weight on each side.
 """
 
@@ -27,7 +29,8 @@ PROBE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-
 class ProbeSum:
     """One vLLM layer (or loose parameter) applied to the probe vector and summed over the TP group.
 
-    `hf_names`: the HF tensors it is built from (fused layers have several); `kind`: linear | embedding | param.
+    `hf_names`: the HF tensors it is built from (fused layers have several; experts: the HF prefix of the
+    layer's experts); `kind`: linear | embedding | param | experts.
     """
 
     module: str
@@ -82,9 +85,33 @@ def check_push(weights: Iterable[tuple[str, torch.Tensor]], shapes: Mapping[str,
     return pushed
 
 
+# HF names of one expert's (gate, up, down) projections: Qwen3-MoE / Qwen2-MoE, Mixtral.
+EXPERT_NAMINGS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def expert_weight_names(prefix: str, weights: Mapping[str, torch.Tensor]) -> list[tuple[str, str, str]]:
+    """(gate, up, down) HF weight names of every expert under `prefix` (`...mlp.experts`), in expert order."""
+    for naming in EXPERT_NAMINGS:
+        names, expert = [], 0
+        while f"{prefix}.{expert}.{naming[0]}.weight" in weights:
+            names.append(tuple(f"{prefix}.{expert}.{part}.weight" for part in naming))
+            expert += 1
+        if names:
+            return names
+    return []
+
+
 def expected_sum(probe: ProbeSum, weights: Mapping[str, torch.Tensor]) -> tuple[float, float]:
     """(value, scale) of `probe` computed from the pushed HF tensors; scale = the same sum over |W| and |x|."""
     value = scale = 0.0
+    if probe.kind == "experts":  # down(silu(gate x) * up x) per expert, as the fused kernel computes it
+        for gate, up, down in expert_weight_names(probe.hf_names[0], weights):
+            w_gate, w_up, w_down = (weights[name].double() for name in (gate, up, down))
+            x = probe_vector(w_gate.shape[1]).double()
+            inner = torch.nn.functional.silu(w_gate @ x) * (w_up @ x)
+            value += float((w_down @ inner).sum())
+            scale += float((w_down.abs() @ inner.abs()).sum())
+        return value, scale
     for name in probe.hf_names:
         if probe.kind == "param":
             tensor = weights[name].double().flatten()
@@ -104,7 +131,10 @@ def verify_probe(probes: list[ProbeSum], weights: Mapping[str, torch.Tensor], dt
     """WeightSyncError naming the first layer whose engine-side probe disagrees with the pushed tensors."""
     tolerance = PROBE_TOLERANCE[dtype]
     for probe in probes:
-        if any(_weight_name(probe, name) not in weights for name in probe.hf_names):
+        if probe.kind == "experts" and not expert_weight_names(probe.hf_names[0], weights):
+            raise WeightSyncError(f"vllm weight push: engine layer {probe.module!r} holds experts, the push carries "
+                                  f"none under {probe.hf_names[0]!r}")
+        if probe.kind != "experts" and any(_weight_name(probe, name) not in weights for name in probe.hf_names):
             raise WeightSyncError(f"vllm weight push: engine layer {probe.module!r} is built from "
                                   f"{list(probe.hf_names)}, which the push does not carry")
         value, scale = expected_sum(probe, weights)
@@ -120,7 +150,9 @@ def _weight_name(probe: ProbeSum, name: str) -> str:
 
 def worker_reload(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
     """Runs inside a vLLM worker: vLLM's in-place reload, then the weight processing of a tied head again (the
-    layer-wise reload processes the head, e.g. packs it for the CPU GEMM, before the shared embedding lands)."""
+    layer-wise reload processes the head, e.g. packs it for the CPU GEMM, before the shared embedding lands) and
+    the experts kernel's own processing of fused MoE experts (vLLM runs it on the first load only, so a reload
+    leaves them in checkpoint layout, not the CPU kernel's prepacked one; the probe catches either)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
     worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
@@ -130,6 +162,13 @@ def worker_reload(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
     for module in model.modules():
         if isinstance(module, ParallelLMHead) and id(module.weight) in embedding_weights:
             module.quant_method.process_weights_after_loading(module)
+        elif _is_experts(module):
+            module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
+
+
+def _is_experts(module: Any) -> bool:
+    """vLLM's fused MoE experts layer (all experts of one layer in `w13_weight` and `w2_weight`)."""
+    return hasattr(module, "w13_weight") and hasattr(module, "w2_weight")
 
 
 def worker_probe(worker: Any) -> list[ProbeSum]:
@@ -147,7 +186,10 @@ def worker_probe(worker: Any) -> list[ProbeSum]:
     for name, module in model.named_modules():
         own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in owner]
         owner.update({id(p): name for _, p in module.named_parameters(recurse=False) if id(p) not in owner})
-        if isinstance(module, LinearBase):
+        if _is_experts(module):
+            probes.append(("experts", name, (name.removesuffix(".routed_experts"),)))
+            values.append(_experts_sum(module, tp_rank))
+        elif isinstance(module, LinearBase):
             probes.append(("linear", name, _hf_names(name, packed)))
             values.append(_linear_sum(module, tp_rank))
         elif isinstance(module, VocabParallelEmbedding):
@@ -168,12 +210,26 @@ def _hf_names(module_name: str, packed: Mapping[str, list[str]]) -> tuple[str, .
     return tuple(f"{parent}.{part}" for part in packed[leaf]) if leaf in packed else (module_name,)
 
 
+def _experts_sum(module: Any, tp_rank: int) -> float:
+    """This rank's share of its experts: the probe token routed to each expert alone (weight 1) through the
+    layer's own fused kernel (which reads prepacked CPU weights), its partial output summed."""
+    hidden = module.w13_weight.shape[2]
+    x = probe_vector(hidden).to(module.w13_weight.dtype)[None]
+    weight = torch.ones(1, 1, dtype=torch.float32)
+    total = 0.0
+    for expert in range(module.w13_weight.shape[0]):
+        ids = torch.full((1, 1), expert, dtype=torch.int32)
+        total += float(module.quant_method.apply(module, x, weight, ids, None, None).double().sum())
+    return total
+
+
 def _linear_sum(module: Any, tp_rank: int) -> float:
     """This rank's share: its input slice through its kernel. Counted once over the group: a replicated layer,
     replicated kv heads, a row-parallel bias (added once after the all-reduce)."""
-    width = module.input_size_per_partition
+    width = getattr(module, "input_size_per_partition", module.input_size)  # replicated layers (MoE router)
     row_parallel = width < module.input_size
-    replicated = not row_parallel and module.output_size_per_partition == module.output_size
+    replicated = not row_parallel and getattr(module, "output_size_per_partition",
+                                              module.output_size) == module.output_size
     if replicated and tp_rank != 0:
         return 0.0
     x = probe_vector(module.input_size)[tp_rank * width if row_parallel else 0:][:width]

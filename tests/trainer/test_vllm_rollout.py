@@ -1,7 +1,7 @@
 """GRPO with real vLLM as the rollout engine on 2 gloo ranks (`make test-vllm`), one launched world: rollout
-tp=2, then tp=1 x dp=2, and a resume with engine=vllm equal to the uninterrupted run. In fp32 the rollout
-logprobs (vLLM's, at the sampling temperature) equal the training forward's within 1e-5 at every step, which
-holds only if every sync left the engine with the actor's weights."""
+tp=2, then tp=1 x dp=2, a resume with engine=vllm equal to the uninterrupted run, and a Qwen3-MoE policy
+(vLLM's fused experts). In fp32 the rollout logprobs (vLLM's, at the sampling temperature) equal the training
+forward's within 1e-5 at every step, which holds only if every sync left the engine with the actor's weights."""
 
 import importlib.util
 import math
@@ -25,11 +25,13 @@ VLLM = ["rollout.engine=vllm", "rollout.vllm.enforce_eager=true", "rollout.vllm.
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     # vLLM's CPU attention needs head_dim >= 32
-    return make_tiny_setup(tmp_path_factory.mktemp("tiny"), num_val=4, hidden_size=64, num_heads=2,
-                           num_kv_heads=2, intermediate_size=128)
+    dims = dict(num_val=4, hidden_size=64, num_heads=2, num_kv_heads=2, intermediate_size=128)
+    moe = make_tiny_setup(tmp_path_factory.mktemp("moe"), arch="qwen3_moe", num_experts=4,
+                          num_experts_per_token=2, expert_intermediate_size=128, **dims)
+    return make_tiny_setup(tmp_path_factory.mktemp("tiny"), **dims), moe
 
 
-def _runs(paths, root):
+def _runs(paths, moe_paths, root):
     reward = Path(root) / "length_reward.py"  # a reward that varies within groups, so every step updates
     reward.write_text("def score(data_source, solution, ground_truth, extra_info):\n"
                       "    return float(len(solution) % 2)\n")
@@ -39,7 +41,8 @@ def _runs(paths, root):
     full = run_trainer(paths, f"{root}/full", resume)
     run_trainer(paths, f"{root}/split", resume + ["trainer.total_steps=2"])
     resumed = run_trainer(paths, f"{root}/split", resume)
-    return tp2, full, resumed
+    moe = run_trainer(moe_paths, f"{root}/moe", common + ["run.name=moe"])
+    return tp2, full, resumed, moe
 
 
 def _comparable(row):
@@ -47,13 +50,14 @@ def _comparable(row):
 
 
 def test_grpo_with_vllm_at_tp2_and_dp2_and_exact_resume(tiny, tmp_path):
-    results = run_distributed(_runs, 2, tiny, str(tmp_path), env={"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout_s=1500)
-    tp2, full, resumed = results[0]
+    results = run_distributed(_runs, 2, *tiny, str(tmp_path), env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+                              timeout_s=1500)
+    tp2, full, resumed, moe = results[0]
     assert results[1] == results[0], "every rank sees the same reduced metrics"
     assert [row["step"] for row in tp2] == [0, 1, 2, 3] and [row["step"] for row in full] == [1, 2, 3]
-    for row in tp2[1:] + full:
+    for row in tp2[1:] + full + moe[1:]:
         assert math.isfinite(row["actor/pg_loss"]) and row["actor/grad_norm"] > 0, row
         assert row["rollout/logprob_diff_max"] <= 1e-5, row["rollout/logprob_diff_max"]
     assert "val/score/mean@1" in tp2[0] and "val/score/mean@1" in tp2[-1]
-    assert [row["step"] for row in resumed] == [3]
+    assert [row["step"] for row in resumed] == [3] and [row["step"] for row in moe] == [0, 1, 2, 3]
     assert _comparable(full[2]) == _comparable(resumed[0])
