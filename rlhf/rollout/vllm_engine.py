@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,18 +205,3 @@ def rollouts_from_outputs(outputs: list, params: SamplingParams, pad_token_id: i
                     finish_reasons=reasons, prompt_index_r=torch.tensor([i for i, _ in completions], dtype=torch.long),
                     policy_version=policy_version, pad_token_id=pad_token_id)
 
-
-def hf_named_weights(megatron_weights: Iterable[tuple[str, torch.Tensor]], hf_config: Any) -> Iterator[
-        tuple[str, torch.Tensor]]:
-    """Full (tp=1) megatron tensors -> HF names and layouts, the form vLLM's `load_weights` takes."""
-    from rlhf.parallel.layout import ParallelLayout
-    from rlhf.models.param_specs import param_specs
-    from rlhf.models.shard_rules import merge_shards
-    from rlhf.models.spec import ModelSpec
-
-    spec = ModelSpec.from_hf(hf_config)
-    by_name = {p.name: p for p in param_specs(hf_config, ParallelLayout()) if not p.tied_copy}
-    for name, tensor in megatron_weights:
-        if name not in by_name:
-            raise ConfigError(f"hf_named_weights: {name!r} is not a parameter of this model")
-        yield from merge_shards(by_name[name], [tensor], spec).items()

@@ -22,7 +22,7 @@ def _raises(fn, message):
 
 def _lifecycle(path):
     from rlhf.platform import linear
-    from rlhf.rollout.vllm_engine import hf_named_weights
+    from rlhf.reshard.hf_names import hf_named
     from tests_native_helpers import native_engine
 
     linear.MIN_PACKED_NUMEL = 0  # pack even the tiny model's weights: re-packing after updates is under test
@@ -73,7 +73,7 @@ def _lifecycle(path):
     assert repacked.response_tokens_rt.tolist() == unpacked.response_tokens_rt.tolist() != reference
     assert torch.allclose(repacked.response_logprobs_rt, unpacked.response_logprobs_rt, atol=1e-5)
 
-    hf_names = dict(hf_named_weights(full.items(), model.rlhf_hf_config))
+    hf_names = dict(hf_named(model.rlhf_hf_config, full))
     same_tokens = changed.response_tokens_rt.tolist() == reference  # logits x2 keeps every argmax
     sharper = bool((changed.response_logprobs_rt > first.response_logprobs_rt).all())
     return {name: t.tolist() for name, t in hf_names.items()}, same_tokens and sharper
