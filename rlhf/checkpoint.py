@@ -20,9 +20,9 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -37,7 +37,7 @@ from rlhf.state_file import decode_state, encode_state
 STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"
 LATEST = "latest"
-FORMAT = "rlhf-checkpoint/3"  # 2 held per-layout model files; 1 pickled rank<k>.pt files (never loaded: they can run code)
+FORMAT = "rlhf-checkpoint/3"  # 2: per-layout model files; 1: pickled rank<k>.pt (never loaded: they can run code)
 RoleTensors = dict[str, dict[str, dict[str, Any]]]  # role -> kind -> HF name -> tensor
 log = get_logger("checkpoint")
 

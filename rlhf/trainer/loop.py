@@ -11,6 +11,7 @@ watchdog phase: a stall anywhere ends every rank with stacks in its log.
 from __future__ import annotations
 
 import random
+import shutil
 
 import numpy as np
 import torch.distributed as dist
@@ -273,6 +274,13 @@ class Trainer:
             if (ckpt.every and step % ckpt.every == 0) or (last and ckpt.save_at_end):
                 self.checkpoints.save(step, self._state(step), meta=self._meta(), tensors=self._tensors(),
                                       wait=not ckpt.async_save or last)
-            if ckpt.save_hf_every and step % ckpt.save_hf_every == 0 and self.stack.actor.mesh.is_member:
-                export_hf(self.stack.actor.model, str(self.run_dir.path / "hf" / f"step_{step}"),
-                          tokenizer_dir=self.cfg.model.path)
+            if ckpt.save_hf_every and step % ckpt.save_hf_every == 0:
+                self._save_hf(self.run_dir.path / "hf" / f"step_{step}")
+
+    def _save_hf(self, folder) -> None:
+        """Collective: the actor as an HF folder (tokenizer, generation config); one a resumed run rewrites."""
+        if self.run_dir.is_rank0 and folder.exists():
+            shutil.rmtree(folder)
+        dist.barrier()
+        if self.stack.actor.mesh.is_member:
+            export_hf(self.stack.actor.model, str(folder), tokenizer_dir=self.cfg.model.path)
