@@ -1,14 +1,16 @@
-"""Crash-safe, verified checkpoints: `<run>/checkpoints/step_<N>/` with one state file per rank plus a manifest.
+"""Crash-safe, verified, reshardable checkpoints: `<run>/checkpoints/step_<N>/` with state files and a manifest.
 
-Write protocol (DESIGN.md §10): every rank writes `rank<k>.safetensors` (tensors + a JSON state tree, never a
-pickle: `rlhf.state_file`) into `step_<N>.tmp/` and fsyncs it; state identical across a group (a role's model and
-replicated optimizer across its DP replicas) is cut out and written once, by the group's first rank, as
-`<name>.safetensors` (`Replicated`), so bytes do not grow with DP. Rank 0 then writes `manifest.json` (every file's
-size and sha256, the world size, layouts and model) last, renames the folder to `step_<N>`, rewrites `latest`
+Write protocol (DESIGN.md §10): every rank writes `rank<k>.safetensors` (its small state: tensors + a JSON tree,
+never a pickle: `rlhf.state_file`) into `step_<N>.tmp/`; a role's weights and optimizer state arrive as full
+tensors under HF names (`rlhf.train.state`), each kept by one rank and written to `<role>_<kind>_r<k>.safetensors`,
+so bytes do not grow with DP and any layout can read them back. State identical across a group can also be cut
+out and written once (`Replicated`). When every rank has written (at once, or with `async_save` at the next
+commit: the files are written by a thread meanwhile), rank 0 writes `manifest.json` (every file's size and
+sha256, the tensor index, world size, layouts, models) last, renames the folder to `step_<N>`, rewrites `latest`
 (temp file + rename) and prunes beyond `keep_last`. The manifest is the commit point: a folder without one is
-never complete. On load every rank verifies its file against the manifest before any state is used and all ranks
-agree on the verdict; `resume: auto` falls back to the newest checkpoint that verifies. Resume needs the same
-world size and layouts (recorded in the manifest); to change layouts, export to HF and import again.
+never complete, so a crash or failed write mid-save leaves the previous checkpoint as latest. On load the ranks
+verify the files between them against the manifest before any state is used and agree on the verdict;
+`resume: auto` falls back to the newest checkpoint that verifies.
 """
 
 from __future__ import annotations
@@ -18,21 +20,25 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from rlhf.checkpoint_verify import agree, all_gather_json, entry_problem, file_entry
+from rlhf.checkpoint_verify import agree, all_gather_json, entry_problem, file_problem
+from rlhf.checkpoint_write import Writer, fsync_dir, write_durable
 from rlhf.errors import CheckpointError, ConfigError
+from rlhf.models.hf_load import HfFolder, open_safetensors
 from rlhf.run_dir import get_logger
 from rlhf.state_file import decode_state, encode_state
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"
 LATEST = "latest"
-FORMAT = "rlhf-checkpoint/2"  # 1 was pickled rank<k>.pt files with meta.json: never loaded (they can run code)
+FORMAT = "rlhf-checkpoint/3"  # 2: per-layout model files; 1: pickled rank<k>.pt (never loaded: they can run code)
+RoleTensors = dict[str, dict[str, dict[str, Any]]]  # role -> kind -> HF name -> tensor
 log = get_logger("checkpoint")
 
 
@@ -42,18 +48,24 @@ class CorruptCheckpointError(CheckpointError):
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
-    """`every` steps (0 = only at the end); keep the newest `keep_last`; `resume`: auto | none | a folder path."""
+    """`every` steps (0 = only at the end); keep the newest `keep_last`; `resume`: auto | none | a folder path;
+    `async_save`: write while the next step trains (published at the next step boundary); `save_hf_every`: an HF
+    copy of the actor under `<run>/hf/step_<N>` every that many steps (0 = never)."""
 
     every: int = 0
     keep_last: int = 2
     resume: str = "auto"
     save_at_end: bool = True
+    async_save: bool = False
+    save_hf_every: int = 0
 
     def __post_init__(self) -> None:
         if self.every < 0:
             raise ConfigError(f"checkpoint.every={self.every} must be >= 0 (0 saves only at the end)")
         if self.keep_last < 1:
             raise ConfigError(f"checkpoint.keep_last={self.keep_last} must be >= 1")
+        if self.save_hf_every < 0:
+            raise ConfigError(f"checkpoint.save_hf_every={self.save_hf_every} must be >= 0 (0 writes no HF copies)")
 
 
 def _rank() -> int:
@@ -67,22 +79,6 @@ def _world() -> int:
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durable(path: Path, data: bytes) -> None:
-    """Write `data` to `path` and fsync it before returning."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def rank_file(rank: int) -> str:
@@ -181,6 +177,16 @@ def _split(state: dict[str, Any], replicated: list[Replicated]) -> tuple[dict[st
     return local, shared
 
 
+def _merged_index(indexes) -> dict[str, dict[str, dict[str, str]]]:
+    """Every rank's role -> kind -> HF name -> file index, as one."""
+    merged: dict[str, dict[str, dict[str, str]]] = {}
+    for index in indexes:
+        for role, kinds in index.items():
+            for kind, files in kinds.items():
+                merged.setdefault(role, {}).setdefault(kind, {}).update(files)
+    return merged
+
+
 def _insert(state: dict[str, Any], path: tuple[str, ...], subtree: Any) -> None:
     for key in path[:-1]:
         state = state[key]
@@ -188,13 +194,50 @@ def _insert(state: dict[str, Any], path: tuple[str, ...], subtree: Any) -> None:
 
 
 def _check_meta(path: Path, manifest: dict, expected: dict[str, Any]) -> None:
-    if manifest["world_size"] != _world():
-        raise CheckpointError(f"checkpoint {path} was written by {manifest['world_size']} ranks, this run has "
-                              f"{_world()}; resume with the same world size or export to HF and re-import")
     for key, want in expected.items():
         if manifest.get(key) != want:
             raise CheckpointError(f"checkpoint {path} has {key}={manifest.get(key)!r} but this run has "
                                   f"{want!r}; resume with the same setting or export to HF and re-import")
+
+
+def _own_file(manifest: dict) -> str:
+    """This rank's state file; a rank beyond the writing world's reads rank 0's (the world was resized)."""
+    name = rank_file(_rank())
+    return name if name in manifest["files"] else rank_file(0)
+
+
+def _tensor_files(manifest: dict) -> list[str]:
+    return sorted({file for kinds in manifest.get("tensors", {}).values() for files in kinds.values()
+                   for file in files.values()})
+
+
+def _verify_tensor_files(path: Path, manifest: dict) -> None:
+    """This rank's share of the tensor files (round robin): sha256 against the manifest, then the header."""
+    for name in _tensor_files(manifest)[_rank()::_world()]:
+        problem = file_problem(path / name, manifest["files"].get(name))
+        if problem:
+            raise CorruptCheckpointError(problem)
+        try:
+            with open_safetensors(str(path / name)):
+                pass
+        except CheckpointError as error:
+            raise CorruptCheckpointError(str(error)) from None
+
+
+def tensor_folders(path: Path, manifest: dict, role: str) -> Callable[[str], HfFolder]:
+    """`kind -> HfFolder` over a checkpoint's full tensors of `role` (kinds: model, exp_avg, exp_avg_sq,
+    master; an fp32 run has no master: its weights are the masters)."""
+    kinds = manifest.get("tensors", {}).get(role)
+    if kinds is None:
+        raise CheckpointError(f"checkpoint {path} holds no weights of the {role}")
+
+    def folder_of(kind: str) -> HfFolder:
+        files = kinds.get(kind) or (kinds["model"] if kind == "master" else None)
+        if files is None:
+            raise CheckpointError(f"checkpoint {path} holds no {kind} state of the {role}")
+        return HfFolder.of_files(str(path), files)
+
+    return folder_of
 
 
 def _read_verified(file: Path, manifest: dict) -> Any:
@@ -212,49 +255,91 @@ def _read_verified(file: Path, manifest: dict) -> Any:
         raise CorruptCheckpointError(str(error)) from None
 
 
+@dataclass
+class _Pending:
+    """A save whose files are being written; published by `CheckpointManager.commit`."""
+
+    step: int
+    tmp: Path
+    final: Path
+    meta: dict[str, Any]
+    index: dict[str, dict[str, dict[str, str]]]  # role -> kind -> HF name -> file
+    writer: Writer
+
+
 class CheckpointManager:
     """Saves and restores per-rank state under `<run>/checkpoints/`. All ranks call every method."""
 
     def __init__(self, root: str | Path, keep_last: int = 2) -> None:
         self.root = Path(root)
         self.keep_last = keep_last
+        self._pending: _Pending | None = None
 
     def save(self, step: int, state: dict[str, Any], meta: dict[str, Any] | None = None,
-             replicated: list[Replicated] = ()) -> Path:
-        """Collective: write this rank's `state` (each `replicated` subtree once per group); rank 0 commits the
-        manifest once every rank has written."""
-        rank, world = _rank(), _world()
-        final = self.root / f"step_{step}"
-        tmp = self.root / f"step_{step}.tmp"
+             replicated: list[Replicated] = (), tensors: RoleTensors | None = None, wait: bool = True) -> Path:
+        """Collective: write this rank's `state` (each `replicated` subtree once per group) and the full
+        `tensors` it keeps; published at once, or (`wait=False`) by the next `commit` while a thread writes."""
+        self.commit()  # an earlier async save is published (or refused) before this one starts
+        rank = _rank()
+        final, tmp = self.root / f"step_{step}", self.root / f"step_{step}.tmp"
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted write
             tmp.mkdir()
         _barrier()
         local, shared = _split(state, list(replicated))
-        entries = []
-        for name, tree in [(rank_file(rank), local), *shared]:
-            data = encode_state(tree)
-            _write_durable(tmp / name, data)
-            entries.append([name, file_entry(data)])
-        written = [entry for per_rank in all_gather_json(entries) for entry in per_rank]
+        jobs = [(name, encode_state(tree)) for name, tree in [(rank_file(rank), local), *shared]]
+        index: dict[str, dict[str, dict[str, str]]] = {}
+        for role, kinds in (tensors or {}).items():
+            for kind, named in kinds.items():
+                file = f"{role}_{kind}_r{rank}.safetensors"
+                index.setdefault(role, {})[kind] = {name: file for name in named}
+                if named:
+                    jobs.append((file, named))
+        writer = Writer(tmp, jobs)
+        self._pending = _Pending(step, tmp, final, dict(meta or {}), index, writer)
+        if wait:
+            writer.run()
+            self.commit()
+        else:
+            writer.start()
+        return final
+
+    def commit(self) -> Path | None:
+        """Collective: wait until every rank has written the pending save, then publish it (rank 0: manifest,
+        rename, `latest`, prune). A rank whose writer failed makes it a CheckpointError on every rank, and the
+        previous checkpoint stays latest. Nothing pending: returns None."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        entries, error = pending.writer.result()
+        reports = all_gather_json([entries, error, pending.index])
+        failed = [(rank, report[1]) for rank, report in enumerate(reports) if report[1]]
+        if failed:
+            rank, reason = failed[0]
+            raise CheckpointError(f"checkpoint {pending.final} was not published: rank {rank} failed to write "
+                                  f"it ({reason}); the previous checkpoint stays latest")
+        written = [entry for report in reports for entry in report[0]]
         files = dict(written)
         assert len(files) == len(written), f"two ranks wrote one file: {sorted(name for name, _ in written)}"
-        if rank == 0:
-            record = {"format": FORMAT, "step": step, "world_size": world, "time": time.time(), **(meta or {}),
-                      "files": files}
-            _write_durable(tmp / MANIFEST, json.dumps(record, indent=2).encode())
-            _fsync_dir(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(self.root)
-            latest_tmp = self.root / f"{LATEST}.tmp"
-            _write_durable(latest_tmp, final.name.encode())
-            os.replace(latest_tmp, self.root / LATEST)
-            self._prune()
+        if _rank() == 0:
+            self._publish(pending, files, _merged_index(report[2] for report in reports))
         _barrier()
-        return final
+        return pending.final
+
+    def _publish(self, pending: _Pending, files: dict, tensors: dict) -> None:
+        record = {"format": FORMAT, "step": pending.step, "world_size": _world(), "time": time.time(),
+                  **pending.meta, "tensors": tensors, "files": files}
+        write_durable(pending.tmp / MANIFEST, json.dumps(record, indent=2).encode())
+        fsync_dir(pending.tmp)
+        if pending.final.exists():
+            shutil.rmtree(pending.final)
+        os.replace(pending.tmp, pending.final)
+        fsync_dir(self.root)
+        latest_tmp = self.root / f"{LATEST}.tmp"
+        write_durable(latest_tmp, pending.final.name.encode())
+        os.replace(latest_tmp, self.root / LATEST)
+        self._prune()
 
     def _prune(self) -> None:
         complete = sorted((p for p in self.root.iterdir() if p.is_dir() and is_complete(p)), key=_step_of)
@@ -275,8 +360,9 @@ class CheckpointManager:
 
     def load(self, path: Path, expected_meta: dict[str, Any] | None = None,
              replicated: list[Replicated] = ()) -> tuple[dict[str, Any], dict]:
-        """Collective: this rank's state (with its `replicated` subtrees) and the manifest, after every rank
-        verified the files it reads (sizes, sha256).
+        """Collective: this rank's state (with its `replicated` subtrees) and the manifest, after the ranks
+        verified every file between them (sizes, sha256; tensor files round robin). Any world size may load:
+        the full tensors are read through `tensor_folders`, a rank the writing world lacked reads rank 0's file.
 
         Manifest keys in `expected_meta` must match exactly (CheckpointError); a file that does not verify is a
         CorruptCheckpointError naming it, raised on every rank.
@@ -285,9 +371,10 @@ class CheckpointManager:
         try:
             manifest = read_manifest(path)
             _check_meta(path, manifest, expected_meta or {})
-            state = _read_verified(path / rank_file(_rank()), manifest)
+            state = _read_verified(path / _own_file(manifest), manifest)
             for spec in replicated:
                 _insert(state, spec.path, _read_verified(path / spec.file, manifest))
+            _verify_tensor_files(path, manifest)
         except CheckpointError as error:
             failure = [isinstance(error, CorruptCheckpointError), str(error)]
         failure = agree(failure)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from rlhf.errors import CheckpointError
 
 # Bits of a parameter as integers of the same width: a checksum that any flipped bit changes.
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_READ_BYTES = 1 << 24
 
 
 def file_entry(data: bytes) -> dict[str, Any]:
@@ -33,6 +35,30 @@ def entry_problem(name: str, data: bytes, entry: dict[str, Any] | None) -> str |
         return f"{name} has {len(data)} bytes, the manifest says {entry.get('size')} (truncated or replaced)"
     if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
         return f"{name} does not match its sha256 in the manifest (corrupted)"
+    return None
+
+
+def disk_entry(path: Path) -> dict[str, Any]:
+    """`file_entry` of a file on disk, hashed in chunks (tensor files can be larger than memory allows)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_READ_BYTES), b""):
+            digest.update(block)
+    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def file_problem(path: Path, entry: dict[str, Any] | None) -> str | None:
+    """`entry_problem` for a file on disk, read in chunks."""
+    if entry is None:
+        return f"{path} is not listed in the manifest"
+    try:
+        actual = disk_entry(path)
+    except OSError as error:
+        return f"{path} is unreadable ({error.strerror})"
+    if actual["size"] != entry.get("size"):
+        return f"{path} has {actual['size']} bytes, the manifest says {entry.get('size')} (truncated or replaced)"
+    if actual["sha256"] != entry.get("sha256"):
+        return f"{path} does not match its sha256 in the manifest (corrupted)"
     return None
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+import torch.distributed as dist
 from transformers import AutoConfig
 
 from rlhf.parallel.groups import build_layout_groups
@@ -29,7 +30,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     to_ckpt.add_argument("--value-head", action="store_true",
                          help="critic/reward model: scalar head from score.weight, or fresh from a causal LM")
     to_hf = directions.add_parser("ckpt-to-hf", help="sharded rlhf checkpoint -> HF safetensors folder")
-    to_hf.add_argument("--ckpt", required=True, help="rlhf checkpoint folder (from hf-to-ckpt or training)")
+    to_hf.add_argument("--ckpt", required=True, help="rlhf checkpoint folder (from hf-to-ckpt, or a training "
+                                                     "run's checkpoints/step_<N>: its actor)")
     to_hf.add_argument("--out", required=True, help="HF folder to create (must not exist)")
     to_hf.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from this HF folder")
     to_hf.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -60,10 +62,21 @@ def _hf_to_ckpt(args: argparse.Namespace, world_size: int) -> None:
 
 
 def _ckpt_to_hf(args: argparse.Namespace, world_size: int) -> None:
+    from pathlib import Path
+
+    from rlhf.checkpoint import MANIFEST
     from rlhf.models.builder import build_gpt
     from rlhf.models.hf_export import export_hf
     from rlhf.models.mcore_ckpt import load_model_shards, read_meta
 
+    if (Path(args.ckpt) / MANIFEST).is_file():  # a training checkpoint: one process merges it, any world size
+        from rlhf.trainer.export import export_checkpoint
+
+        if dist.get_rank() == 0:
+            export_checkpoint(args.ckpt, args.out, tokenizer_dir=args.tokenizer_dir,
+                              dtype=DTYPES[args.dtype] if args.dtype else None)
+        dist.barrier()
+        return
     meta = read_meta(args.ckpt)
     config = AutoConfig.for_model(**meta["hf_config"])
     layout = _checked_layout(config, world_size, tp=meta["tp"], pp=meta["pp"])

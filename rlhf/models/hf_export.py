@@ -52,22 +52,23 @@ class _ShardWriter:
         self.buffer, self.num_files = {}, self.num_files + 1
 
 
-def _hf_config_for_export(model: Any, dtype: torch.dtype) -> Any:
-    config = model.rlhf_hf_config.__class__.from_dict(model.rlhf_hf_config.to_dict())
-    archs = SEQ_CLS_ARCHS if model.rlhf_value_head else CAUSAL_LM_ARCHS
-    config.architectures = [next(arch for arch, kind in archs.items() if kind == model.rlhf_spec.model_type)]
-    if model.rlhf_value_head:
+def export_config(hf_config: Any, value_head: bool, dtype: torch.dtype) -> Any:
+    """A copy of `hf_config` naming the HF class that loads the export (causal LM or scalar-score model)."""
+    config = hf_config.__class__.from_dict(hf_config.to_dict())
+    archs = SEQ_CLS_ARCHS if value_head else CAUSAL_LM_ARCHS
+    config.architectures = [next(arch for arch, kind in archs.items() if kind == config.model_type)]
+    if value_head:
         config.num_labels = 1
     config.dtype = dtype
     return config
 
 
-def _write_metadata(model: Any, folder: str, weight_map: dict[str, str], tokenizer_dir: str | None,
-                    dtype: torch.dtype) -> None:
+def write_metadata(config: Any, folder: str, weight_map: dict[str, str], tokenizer_dir: str | None) -> None:
+    """The index, config and tokenizer (+ generation config) files of an HF folder whose shards are written."""
     total = sum(os.path.getsize(os.path.join(folder, f)) for f in set(weight_map.values()))
     with open(os.path.join(folder, INDEX_FILE), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-    _hf_config_for_export(model, dtype).save_pretrained(folder)
+    config.save_pretrained(folder)
     for name in TOKENIZER_FILES if tokenizer_dir else ():
         source = os.path.join(tokenizer_dir, name)
         if os.path.exists(source):
@@ -108,7 +109,8 @@ def export_hf(model: Any, out_dir: str, *, tokenizer_dir: str | None = None, dty
     # tp x ep x pp ranks of one expert-dp replica: every writer of replica 0 (just the pp group's ranks at ep=1)
     maps = all_gather_json(writer.weight_map, group=groups.tp_ep_pp)
     if is_writer and pp_group.rank() == 0:
-        _write_metadata(model, staging, {k: v for m in maps for k, v in m.items()}, tokenizer_dir, dtype)
+        write_metadata(export_config(model.rlhf_hf_config, model.rlhf_value_head, dtype), staging,
+                       {k: v for m in maps for k, v in m.items()}, tokenizer_dir)
         os.rename(staging, out_dir)
     dist.barrier(group=groups.mp)  # the folder is in place for every rank of the layout, other dp replicas too
     dist.barrier(group=groups.dp)

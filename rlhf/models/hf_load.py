@@ -48,6 +48,13 @@ class HfFolder:
             raise CheckpointError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
         self._handles: dict[str, Any] = {}
 
+    @classmethod
+    def of_files(cls, path: str, file_of: dict[str, str]) -> HfFolder:
+        """A view of tensors named in `file_of` (name -> file under `path`), e.g. a training checkpoint's."""
+        folder = cls.__new__(cls)
+        folder.path, folder.file_of, folder._handles = path, dict(file_of), {}
+        return folder
+
     def _handle(self, name: str) -> Any:
         file = self.file_of[name]
         if file not in self._handles:

@@ -19,13 +19,14 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from rlhf.errors import CheckpointError, RlhfError
+from rlhf.errors import RlhfError
 from rlhf.models.forward import LossFn, forward_backward
+from rlhf.models.hf_load import HfFolder, check_folder
 from rlhf.platform import current_device, megatron_compat
 from rlhf.train import offload as offload_lib
 from rlhf.train.config import OptimConfig
 from rlhf.train.optim import build_optimizer, build_scheduler
-from rlhf.train.state import load_optimizer_state, optimizer_state
+from rlhf.train.state import Tensors, adam_step, checkpoint_tensors, load_checkpoint_tensors
 
 ForwardFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict]]
 
@@ -162,24 +163,22 @@ class TrainEngine:
                                                                 [self.optimizer])))
 
     def state_dict(self) -> dict:
-        """This rank's model, optimizer and scheduler state (for a per-rank checkpoint file).
-
-        Tensors alias the live state: serialise it before the next step.
-        """
+        """This rank's small, layout-free state (scheduler, step counts); the tensors: `checkpoint_tensors`."""
         self._check_loaded()
-        return {"model": self.model.module.state_dict(), "optimizer": optimizer_state(self.optimizer),
-                "scheduler": self.scheduler.state_dict(), "num_steps": self.num_steps}
+        return {"scheduler": self.scheduler.state_dict(), "num_steps": self.num_steps,
+                "optimizer_steps": adam_step(self.optimizer)}
 
-    def dp_replicated_keys(self) -> tuple[str, ...]:
-        """Keys of `state_dict()` equal on every DP replica: the model, and the optimizer unless DP-sharded."""
-        return ("model",) if self.config.use_distributed_optimizer else ("model", "optimizer")
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what `state_dict` saved, on the same layout; the next step is bitwise the uninterrupted one."""
+    def checkpoint_tensors(self) -> Tensors:
+        """Collective over the role's mesh: the full weight and Adam tensors this rank writes (host copies)."""
         self._check_loaded()
-        check_same_model(self.model.module.state_dict(), state["model"])
-        self.model.module.load_state_dict(state["model"], strict=True)
-        load_optimizer_state(self.optimizer, state["optimizer"])
+        return checkpoint_tensors(self.model.module, self.optimizer)
+
+    def load_state_dict(self, state: dict, folder_of: Callable[[str], HfFolder]) -> None:
+        """Restore what `state_dict` and `checkpoint_tensors` saved, from any layout; on the same layout the
+        next step is bitwise the uninterrupted one. A checkpoint of another model is a CheckpointError."""
+        self._check_loaded()
+        check_folder(folder_of("model"), self.model.module.rlhf_spec, value_head=self.model.module.rlhf_value_head)
+        load_checkpoint_tensors(self.model.module, self.optimizer, folder_of, state["optimizer_steps"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.num_steps = state["num_steps"]
 
@@ -201,20 +200,3 @@ class TrainEngine:
     def _check_loaded(self) -> None:
         if self._offloaded is not None:
             raise RuntimeError(f"the {self.name} engine is offloaded; call reload() before using it")
-
-
-def check_same_model(own: dict[str, Any], saved: dict[str, Any]) -> None:
-    """One-line CheckpointError when saved model state is of another architecture or size than this model."""
-    fix = "the checkpoint is of another model; resume with the model.path the run was trained from"
-    for name, tensor in own.items():
-        if not isinstance(tensor, torch.Tensor):
-            continue
-        other = saved.get(name)
-        if not isinstance(other, torch.Tensor):
-            raise CheckpointError(f"the checkpoint has no tensor {name!r}: {fix}")
-        if other.shape != tensor.shape:
-            raise CheckpointError(f"the checkpoint's {name!r} has shape {list(other.shape)}, this model's "
-                                  f"{list(tensor.shape)}: {fix}")
-    extra = sorted(name for name in saved if name not in own)
-    if extra:
-        raise CheckpointError(f"the checkpoint has {len(extra)} tensors this model lacks (first {extra[0]!r}): {fix}")

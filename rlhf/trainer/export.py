@@ -1,46 +1,104 @@
-"""Export a role's weights from a trainer checkpoint as an HF folder (run on the checkpoint's world size)."""
+"""Export a role's weights from a trainer checkpoint as an HF folder, in one CPU process whatever world size
+trained it: the checkpoint holds full tensors under HF names, streamed one at a time into HF safetensors
+shards (memory: one tensor). Written to `<out>.partial` and renamed at the end."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import struct
 from pathlib import Path
 
-import torch.distributed as dist
+import torch
+from transformers import AutoConfig
 
-from rlhf.checkpoint import CheckpointManager
-from rlhf.config.schema import RlhfConfig
-from rlhf.parallel.meshes import build_role_meshes
-from rlhf.parallel.watchdog import Watchdog
-from rlhf.errors import ConfigError
-from rlhf.models.hf_export import export_hf
-from rlhf.trainer.preflight import mesh_config, model_dims
-from rlhf.trainer.roles import CriticRole, PolicyRole
+from rlhf.checkpoint import CheckpointManager, CorruptCheckpointError, read_manifest, tensor_folders
+from rlhf.checkpoint_verify import file_problem
+from rlhf.errors import CheckpointError, ConfigError
+from rlhf.models.hf_export import export_config, write_metadata
+from rlhf.models.hf_load import HfFolder, check_folder, folder_head
+from rlhf.models.param_specs import hf_shapes
+from rlhf.models.spec import ModelSpec
+
+_DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 
 
-def export_checkpoint(cfg: RlhfConfig, checkpoint: str | Path, out_dir: str, role: str = "actor") -> None:
-    """Collective: rebuild `role` in the run's layout, load its weights from `checkpoint`, write HF to `out_dir`;
-    a stall past comm.setup_timeout_s ends every rank with stacks on stderr."""
+def export_checkpoint(step_dir: str | Path, out_dir: str, role: str = "actor", *, tokenizer_dir: str | None = None,
+                      dtype: torch.dtype | None = None, max_shard_bytes: int = 2 << 30) -> None:
+    """Write `role`'s weights from the checkpoint `step_dir` as an HF folder `out_dir` (cast to `dtype`,
+    default the checkpoint's), with the tokenizer and generation config from `tokenizer_dir`."""
     if role not in ("actor", "critic"):
         raise ConfigError(f"export role={role!r} is not one of actor, critic")
-    if role == "critic" and not cfg.algo.uses_critic:
-        raise ConfigError("this run has no critic (algo.advantage.kind is not gae); export role=actor")
-    watchdog = Watchdog(timeout_s=cfg.comm.setup_timeout_s, log_file=None,
-                        store=dist.distributed_c10d._get_default_store())
-    with watchdog, watchdog.phase("export"):
-        _export(cfg, checkpoint, out_dir, role)
+    if os.path.exists(out_dir):
+        raise ConfigError(f"export folder {out_dir} already exists; choose a new folder")
+    path = CheckpointManager(Path(step_dir).parent).resolve(str(step_dir))
+    manifest = read_manifest(path)
+    if role not in manifest.get("hf_configs", {}):
+        raise CheckpointError(f"checkpoint {path} holds no {role} (roles: {sorted(manifest.get('hf_configs', {}))})")
+    folder = tensor_folders(path, manifest, role)("model")
+    for file in sorted(set(folder.file_of.values())):
+        problem = file_problem(path / file, manifest["files"].get(file))
+        if problem:
+            raise CorruptCheckpointError(problem)
+    hf_config = AutoConfig.for_model(**manifest["hf_configs"][role])
+    value_head = role == "critic"
+    check_folder(folder, ModelSpec.from_hf(hf_config), value_head=value_head)
+    names = list(hf_shapes(ModelSpec.from_hf(hf_config), head=folder_head(folder, value_head)))
+    dtype = dtype or _dtype_of(folder, names[0])
+    staging = out_dir.rstrip("/") + ".partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    weight_map = {}
+    for index, shard in enumerate(_shards(folder, names, dtype, max_shard_bytes)):
+        file = f"model-{index + 1:05d}.safetensors"
+        write_streamed(os.path.join(staging, file), {name: folder.shape(name) for name in shard}, dtype,
+                       lambda name: folder.slice(name)[:])
+        weight_map.update({name: file for name in shard})
+    write_metadata(export_config(hf_config, value_head, dtype), staging, weight_map, tokenizer_dir)
+    os.rename(staging, out_dir)
 
 
-def _export(cfg: RlhfConfig, checkpoint: str | Path, out_dir: str, role: str) -> None:
-    manager = CheckpointManager(Path(checkpoint).parent)
-    path = manager.resolve(str(checkpoint))
-    meshes = build_role_meshes(mesh_config(cfg), model_dims(cfg.model.path), timeout_s=cfg.dist.timeout_s)
-    if role == "actor":
-        model_role = PolicyRole("actor", meshes["actor"], cfg.model.path, update=None, total_steps=0,
-                                params_dtype=cfg.model.torch_dtype)
-    else:
-        model_role = CriticRole("critic", meshes["critic"], cfg.model.critic_path or cfg.model.path, update=None,
-                                total_steps=0, value_head=True, params_dtype=cfg.model.torch_dtype)
-    state, _ = manager.load(path, replicated=model_role.replicated_state(keys=("model",)))
-    if model_role.model is not None:
-        model_role.model.load_state_dict(state[role]["model"], strict=True)
-        export_hf(model_role.model, out_dir, tokenizer_dir=cfg.model.path)
-    dist.barrier()
+def _dtype_of(folder: HfFolder, name: str) -> torch.dtype:
+    code = folder.slice(name).get_dtype()
+    return next(dtype for dtype, known in _DTYPE_CODES.items() if known == code)
+
+
+def _shards(folder: HfFolder, names: list[str], dtype: torch.dtype, max_bytes: int) -> list[list[str]]:
+    """`names` in order, cut into shards of at most `max_bytes` (a larger tensor gets a shard of its own)."""
+    shards, size, item = [[]], 0, torch.empty((), dtype=dtype).element_size()
+    for name in names:
+        nbytes = item * _numel(folder.shape(name))
+        if shards[-1] and size + nbytes > max_bytes:
+            shards, size = shards + [[]], 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def write_streamed(path: str, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, read) -> None:
+    """A safetensors file of the tensors `read(name)` (cast to `dtype`) for `shapes`' names, header first, then
+    one tensor at a time: memory holds a single tensor."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    item = torch.empty((), dtype=dtype).element_size()
+    for name, shape in shapes.items():
+        nbytes = item * _numel(shape)
+        header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)) + encoded)
+        for name, shape in shapes.items():
+            tensor = read(name).to(dtype).contiguous()
+            assert tuple(tensor.shape) == tuple(shape), (name, tensor.shape, shape)
+            f.write(tensor.view(torch.uint8).numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())

@@ -11,6 +11,7 @@ watchdog phase: a stall anywhere ends every rank with stacks in its log.
 from __future__ import annotations
 
 import random
+import shutil
 
 import numpy as np
 import torch.distributed as dist
@@ -18,13 +19,14 @@ from transformers import AutoConfig
 
 from rlhf import platform
 from rlhf.algo.kl import KLController
-from rlhf.checkpoint import CheckpointManager
+from rlhf.checkpoint import CheckpointManager, tensor_folders
 from rlhf.checkpoint_verify import check_replicas
 from rlhf.config.schema import RlhfConfig
 from rlhf.data.loader import PromptLoader, load_prompts
 from rlhf.parallel.watchdog import Watchdog
 from rlhf.parallel.meshes import RoleMeshes
 from rlhf.metrics import MetricReducer, MetricsSink, StepMetrics, read_jsonl
+from rlhf.models.hf_export import export_hf
 from rlhf.rollout.factory import build_engine, close_engine, engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
 from rlhf.step import RLStack, rl_step
@@ -146,37 +148,49 @@ class Trainer:
                 "policy_version": getattr(self.stack.rollout, "policy_version", 0),
                 "rng": {"torch": platform.rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
 
-    def _replicated(self) -> list:
-        """What the trained roles' DP replicas share: written once per checkpoint, not once per replica."""
-        return [spec for role in (self.stack.actor, self.stack.critic) if role is not None
-                for spec in role.replicated_state()]
+    def _tensors(self) -> dict:
+        """Collective: the trained roles' full weight and optimizer tensors this rank writes (layout-free)."""
+        return {role.name: role.checkpoint_tensors() for role in self._trained() if role.mesh.is_member}
 
-    def _meta(self) -> dict:
+    def _trained(self) -> list:
+        return [role for role in (self.stack.actor, self.stack.critic) if role is not None]
+
+    def _models(self) -> dict:
+        """What must match on resume: the trained roles' architectures (layouts may change)."""
         models = {"actor": self.cfg.model.path}
         if self.stack.critic:
             models["critic"] = self.cfg.model.critic_path or self.cfg.model.path
-        return {"layouts": {role: m.layout.describe() for role, m in self.meshes.meshes.items()},
-                "models": {role: architecture(path) for role, path in models.items()}}
+        return {"models": {role: architecture(path) for role, path in models.items()}}
+
+    def _meta(self) -> dict:
+        paths = {"actor": self.cfg.model.path, "critic": self.cfg.model.critic_path or self.cfg.model.path}
+        return {"layouts": {role: m.layout.describe() for role, m in self.meshes.meshes.items()}, **self._models(),
+                "hf_configs": {role.name: AutoConfig.from_pretrained(paths[role.name]).to_dict()
+                               for role in self._trained()}}
 
     def _resume(self) -> int:
-        """Load and verify the checkpoint to resume from (if any); its DP replicas must then be bitwise equal."""
-        found = self.checkpoints.load_for_resume(self.cfg.checkpoint.resume, expected_meta=self._meta(),
-                                                 replicated=self._replicated())
+        """Load and verify the checkpoint to resume from (if any), on this run's layouts whatever wrote it; its
+        DP replicas must then be bitwise equal."""
+        found = self.checkpoints.load_for_resume(self.cfg.checkpoint.resume, expected_meta=self._models())
         if found is None:
             return 0
-        path, state, _ = found
-        trained = [role for role in (self.stack.actor, self.stack.critic) if role is not None]
+        path, state, manifest = found
+        layouts = {role: m.layout.describe() for role, m in self.meshes.meshes.items()}
+        if manifest.get("layouts") != layouts:
+            log.info("resharding %s: layouts %s -> %s", path.name, manifest.get("layouts"), layouts)
+        trained = self._trained()
         for role in trained:
-            role.load_state_dict(state[role.name])
+            role.load_state_dict(state[role.name], tensor_folders(path, manifest, role.name))
         check_replicas({role.name: (role.model, role.mesh.pgs.dp if role.mesh.is_member else None)
                         for role in trained})
         self.loader.load_state_dict(state["loader"])
         self.stack.kl_controller.load_state_dict(state["kl"])
         if self.stack.rollout is not None:
             self.stack.rollout.policy_version = state["policy_version"]
-        platform.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
+        if manifest["world_size"] == dist.get_world_size():
+            platform.set_rng_state(state["rng"]["torch"])
+            random.setstate(state["rng"]["python"])
+            np.random.set_state(state["rng"]["numpy"])
         log.info("resumed from %s (step %d)", path, state["step"])
         return state["step"]
 
@@ -261,8 +275,24 @@ class Trainer:
         self.sink.write(step, values)
         log.info("step %d: %s", step, "  ".join(f"{CONSOLE_KEYS[k]}={values[k]:.4g}"
                                                for k in CONSOLE_KEYS if k in values))
-        every = self.cfg.checkpoint.every
-        if (every and step % every == 0) or (step == cfg.total_steps and self.cfg.checkpoint.save_at_end):
-            with self.watchdog.phase(f"checkpoint step {step}", self.cfg.comm.setup_timeout_s):
-                self.checkpoints.save(step, self._state(step), meta=self._meta(), replicated=self._replicated())
+        self._checkpoint(step)
         return {"step": step, **values}
+
+    def _checkpoint(self, step: int) -> None:
+        """At a step boundary: publish an async save still pending, then save (and write an HF copy) if due."""
+        ckpt, last = self.cfg.checkpoint, step == self.cfg.trainer.total_steps
+        with self.watchdog.phase(f"checkpoint step {step}", self.cfg.comm.setup_timeout_s):
+            self.checkpoints.commit()
+            if (ckpt.every and step % ckpt.every == 0) or (last and ckpt.save_at_end):
+                self.checkpoints.save(step, self._state(step), meta=self._meta(), tensors=self._tensors(),
+                                      wait=not ckpt.async_save or last)
+            if ckpt.save_hf_every and step % ckpt.save_hf_every == 0:
+                self._save_hf(self.run_dir.path / "hf" / f"step_{step}")
+
+    def _save_hf(self, folder) -> None:
+        """Collective: the actor as an HF folder (tokenizer, generation config); one a resumed run rewrites."""
+        if self.run_dir.is_rank0 and folder.exists():
+            shutil.rmtree(folder)
+        dist.barrier()
+        if self.stack.actor.mesh.is_member:
+            export_hf(self.stack.actor.model, str(folder), tokenizer_dir=self.cfg.model.path)

@@ -17,7 +17,6 @@ from transformers import AutoConfig
 from rlhf.algo.actor_loss import ActorLossInputs, actor_loss
 from rlhf.algo.aggregation import GlobalCounts
 from rlhf.algo.value_loss import value_loss
-from rlhf.checkpoint import Replicated
 from rlhf.parallel.meshes import RoleMesh
 from rlhf.errors import ConfigError
 from rlhf.models.builder import build_gpt
@@ -201,18 +200,13 @@ class ModelRole:
     def state_dict(self) -> dict[str, Any]:
         return self.engine.state_dict() if self.engine is not None else {}
 
-    def replicated_state(self, keys: tuple[str, ...] | None = None) -> list[Replicated]:
-        """The parts of this rank's state its DP replicas share (`keys`, default the engine's), to write once."""
-        if not self.mesh.is_member or (keys is None and self.engine is None):
-            return []
-        pgs = self.mesh.pgs
-        coords = f"tp{pgs.tp.rank()}_pp{pgs.pp.rank()}"
-        return [Replicated((self.name, key), f"{self.name}_{key}_{coords}", pgs.dp)
-                for key in (keys if keys is not None else self.engine.dp_replicated_keys())]
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Collective over the role's mesh: the full weight and optimizer tensors this rank writes."""
+        return self.engine.checkpoint_tensors() if self.engine is not None else {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], folder_of: Callable[[str], Any]) -> None:
         if self.engine is not None:
-            self.engine.load_state_dict(state)
+            self.engine.load_state_dict(state, folder_of)
 
 
 class PolicyRole(ModelRole):

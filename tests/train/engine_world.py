@@ -224,11 +224,17 @@ def _abort_message(path: str, pg: dict, corrupt) -> str:
     return ""
 
 
-def _roundtrip(state: dict) -> dict:
-    """Through the checkpoint's own file format (safetensors + a JSON tree, no pickle)."""
-    from rlhf.state_file import decode_state, encode_state
+def _through_checkpoint(engine, folder: str):
+    """Save and load through the checkpoint's own files (full tensors under HF names + a JSON tree, no pickle):
+    (state, kind -> folder) for `load_state_dict`."""
+    from pathlib import Path
 
-    return decode_state(encode_state(state), "state")
+    from rlhf.checkpoint import CheckpointManager, tensor_folders
+
+    manager = CheckpointManager(folder)
+    path = manager.save(1, {"engine": engine.state_dict()}, tensors={"engine": engine.checkpoint_tensors()})
+    state, manifest = manager.load(Path(path))
+    return state["engine"], tensor_folders(Path(path), manifest, "engine")
 
 
 def check_resume(path: str, pg: dict, layout: str, distributed_optimizer: bool,
@@ -241,12 +247,12 @@ def check_resume(path: str, pg: dict, layout: str, distributed_optimizer: bool,
                  use_distributed_optimizer=distributed_optimizer, params_dtype=params_dtype)
     original = _engine(path, pgs, **optim)
     losses = [original.train_step(b, _loss_fn(original)).loss for b in batches[:2]]
-    saved = _roundtrip(original.state_dict())
+    saved = _through_checkpoint(original, f"{path}-ckpt-{layout}-{distributed_optimizer}-{params_dtype}")
     original.offload()
     original.reload()
     losses += [original.train_step(b, _loss_fn(original)).loss for b in batches[2:]]
     resumed = _engine(path, pgs, load=False, seed=4321, **optim)
-    resumed.load_state_dict(saved)
+    resumed.load_state_dict(*saved)
     resumed_losses = [resumed.train_step(b, _loss_fn(resumed)).loss for b in batches[2:]]
     return {"weights_equal": _bitwise(_weights(original), _weights(resumed)),
             "losses_equal": losses[2:] == resumed_losses, "lr_equal": original.lr == resumed.lr,

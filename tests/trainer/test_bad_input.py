@@ -16,7 +16,6 @@ from fixtures import make_tiny_setup, trainer_config  # noqa: E402
 
 from rlhf.data.loader import load_prompts  # noqa: E402
 from rlhf.errors import CheckpointError, ConfigError, DataError  # noqa: E402
-from rlhf.train.engine import check_same_model  # noqa: E402
 from rlhf.trainer.checks import input_warnings, load_tokenizer  # noqa: E402
 from rlhf.trainer.preflight import preflight  # noqa: E402
 
@@ -177,17 +176,24 @@ def test_export_to_an_unwritable_folder_is_one_line(tmp_path):
                         r"writable --out", out.stderr.strip()), out.stderr
 
 
-def test_resuming_into_another_model_is_one_line():
-    own = {"decoder.final_layernorm.weight": torch.ones(32), "output_layer.weight": torch.ones(8, 32)}
-    with pytest.raises(CheckpointError, match=r"^the checkpoint's 'output_layer.weight' has shape \[8, 64\], this "
-                                              r"model's \[8, 32\]: the checkpoint is of another model; resume with "
-                                              r"the model\.path the run was trained from$"):
-        check_same_model(own, own | {"output_layer.weight": torch.ones(8, 64)})
-    with pytest.raises(CheckpointError, match=r"^the checkpoint has no tensor 'output_layer.weight'"):
-        check_same_model(own, {"decoder.final_layernorm.weight": torch.ones(32)})
-    with pytest.raises(CheckpointError, match=r"^the checkpoint has 1 tensors this model lacks \(first 'extra'\)"):
-        check_same_model(own, own | {"extra": torch.ones(1)})
-    check_same_model(own, dict(own))
+def test_resuming_into_another_model_is_one_line(tiny, tmp_path):
+    """A checkpoint's weights (full tensors under HF names) are checked against the model before any is used."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from rlhf.models.hf_load import HfFolder, check_folder
+    from rlhf.models.spec import ModelSpec
+
+    spec = ModelSpec.from_hf(AutoConfig.from_pretrained(tiny["model"]))
+    tensors = load_file(f"{tiny['model']}/model.safetensors")
+    save_file(tensors | {"model.norm.weight": torch.ones(64)}, tmp_path / "actor_model_r0.safetensors")
+    folder = HfFolder.of_files(str(tmp_path), {name: "actor_model_r0.safetensors" for name in tensors})
+    with pytest.raises(CheckpointError, match=rf"^tensor 'model.norm.weight' in {tmp_path} has shape \[64\], "
+                                              r"config expects \[32\]$"):
+        check_folder(folder, spec)
+    del folder.file_of["model.norm.weight"]
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path} is missing tensor 'model.norm.weight'"):
+        check_folder(folder, spec)
 
 
 def test_warnings_for_a_tokenizer_that_cannot_stop_and_unknown_characters(tiny, tmp_path):

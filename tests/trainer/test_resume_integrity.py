@@ -1,5 +1,5 @@
 """Resume safety on 2 ranks, in one launched world: metrics and TensorBoard never repeat a step after resuming
-from an older checkpoint; a corrupt shard is skipped by `resume: auto` (saying so); a failed resume leaves
+from an older checkpoint; a corrupt weight shard is skipped by `resume: auto` (saying so); a failed resume leaves
 config.yaml as it was; diverged DP replicas are a named error; a pickle planted in a checkpoint never runs,
 neither on resume nor on export."""
 
@@ -63,27 +63,18 @@ def _tensorboard_steps(run: Path) -> list[int]:
     return [event.step for event in events.Scalars("actor/pg_loss")]
 
 
-def _main_params(tree):
-    """Every main-parameter shard (`param`) in a distributed optimizer's saved state."""
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            yield from ([value] if key == "param" else _main_params(value))
-    elif isinstance(tree, (list, tuple)):
-        for value in tree:
-            yield from _main_params(value)
+def _replica_divergence() -> str | None:
+    """The replica check on a model whose copy on rank 1 holds one shifted weight."""
+    import torch
+    import torch.distributed as dist
 
+    from rlhf.checkpoint_verify import replica_problem
 
-def _diverge_rank1(step: Path) -> None:
-    """Shift rank 1's main-parameter shard (loaded into its model copy) and re-sign: only the replica check
-    can see it."""
-    from rlhf.state_file import decode_state, encode_state
-
-    file = step / "rank1.safetensors"
-    state = decode_state(file.read_bytes(), str(file))
-    for shard in _main_params(state["actor"]["optimizer"]):
-        shard += 1.0
-    file.write_bytes(encode_state(state))
-    resign(step, file.name)
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.fill_(1.0 + dist.get_rank())
+        model.bias.zero_()
+    return replica_problem("actor", model, dist.group.WORLD)
 
 
 def _export_cli(run: Path, out_dir: str) -> tuple[int, str]:
@@ -112,7 +103,7 @@ def _integrity_runs(paths: dict, root: str, marker: str) -> dict:
     again = run_trainer(paths, root, common + ["trainer.total_steps=3", f"checkpoint.resume={ckpt}/step_1"])
     out["steps_after_resume"] = [row["step"] for row in read_jsonl(run / "metrics.jsonl")]
     out["tensorboard_after_resume"] = _tensorboard_steps(run) if (run / "tensorboard").exists() else None
-    _on_rank0(lambda: _flip(ckpt / "step_3" / "rank1.safetensors"))
+    _on_rank0(lambda: _flip(ckpt / "step_3" / "actor_model_r1.safetensors"))
     fallback = run_trainer(paths, root, common + ["trainer.total_steps=4"])
     out["fallback_steps"] = [row["step"] for row in fallback]
     out["fallback_equals_uninterrupted"] = _comparable(fallback[0]) == _comparable(again[-1])
@@ -125,12 +116,12 @@ def _integrity_runs(paths: dict, root: str, marker: str) -> dict:
                                                                               f"model.path={paths['other_model']}"]))
     out["config_unchanged"] = (run / "config.yaml").read_bytes() == config_before
     out["manifest"] = json.loads((ckpt / "step_4" / "manifest.json").read_text())["files"]
-    _on_rank0(lambda: _diverge_rank1(ckpt / "step_4"))
-    out["divergence_error"] = _error_of(lambda: run_trainer(paths, root, common + ["trainer.total_steps=5"]))
+    out["divergence_error"] = _replica_divergence()
 
     def plant():
-        (ckpt / "step_4" / "rank0.safetensors").write_bytes(pickle.dumps(WritesMarker(marker)))
-        resign(ckpt / "step_4", "rank0.safetensors")
+        for name in ("rank0.safetensors", "actor_model_r0.safetensors"):
+            (ckpt / "step_4" / name).write_bytes(pickle.dumps(WritesMarker(marker)))
+            resign(ckpt / "step_4", name)
 
     _on_rank0(plant)
     out["export"] = _export_cli(run, f"{root}/exported")
@@ -151,7 +142,7 @@ def test_resume_bookkeeping_corruption_divergence_and_planted_pickle(tiny, tmp_p
     # Resuming from step 1 of a 3-step run rewrites the metrics to step 1 first: no step appears twice.
     assert out["steps_after_resume"] == [0, 1, 2, 3] and out["tensorboard_after_resume"] == [1, 2, 3]
     # A flipped shard of step_3 is skipped with one line naming it; step_2 resumes exactly.
-    skip = (f"checkpoint: skipping step_3: {ckpt}/step_3/rank1.safetensors does not match its sha256 in the "
+    skip = (f"checkpoint: skipping step_3: {ckpt}/step_3/actor_model_r1.safetensors does not match its sha256 in the "
             "manifest (corrupted)")
     assert skip in out["log"] and f"resumed from {ckpt}/step_2 (step 2)" in out["log"]
     assert out["fallback_steps"] == [3, 4] and out["fallback_equals_uninterrupted"] and out["grad_norm"] > 0
@@ -160,21 +151,21 @@ def test_resume_bookkeeping_corruption_divergence_and_planted_pickle(tiny, tmp_p
     assert out["model_error"].startswith(f"CheckpointError: checkpoint {ckpt}/step_4 has models=")
     assert "'hidden_size': 32" in out["model_error"] and "'hidden_size': 48" in out["model_error"]
     assert out["config_unchanged"]
-    # Written once across DP: the model by DP rank 0 alone; each rank's file holds its Adam shard (main params and
-    # two moments of half the model: 1.5x the model's bytes) and no model copy (that would make it >= 2.5x).
-    sizes = {name: entry["size"] for name, entry in out["manifest"].items()}
-    assert sorted(sizes) == ["actor_model_tp0_pp0.safetensors", "rank0.safetensors", "rank1.safetensors"]
-    assert all(sizes[f"rank{k}.safetensors"] < 2 * sizes["actor_model_tp0_pp0.safetensors"] for k in (0, 1))
-    # One weight of rank 1's copy shifted (manifest re-signed): the replica check names the role and ranks.
-    assert out["divergence_error"].startswith("CheckpointError: the actor's DP replicas differ after loading the "
-                                              "checkpoint: rank 0 and rank 1 hold different ")
-    assert out["divergence_error"].endswith(".weight (a corrupted or mixed checkpoint)")
-    # A pickle planted as rank0's shard (checksum re-signed) is refused on export and on resume; it never ran.
+    # Written once across DP: every rank keeps a share of the full weights and Adam moments (no copy per replica).
+    kinds = ("model", "exp_avg", "exp_avg_sq")
+    assert sorted(out["manifest"]) == sorted(["rank0.safetensors", "rank1.safetensors"] +
+                                             [f"actor_{kind}_r{rank}.safetensors" for kind in kinds for rank in (0, 1)])
+    # One weight of rank 1's copy shifted: the replica check names the role and ranks.
+    assert out["divergence_error"] == ("the actor's DP replicas differ after loading the checkpoint: rank 0 and "
+                                       "rank 1 hold different weight (a corrupted or mixed checkpoint)")
+    # A pickle planted as rank0's state file and weight shard (checksums re-signed) is refused on export and on
+    # resume; it never ran.
     refused = f"{ckpt}/step_4/rank0.safetensors is not an rlhf state file"
     assert out["resume_error"].startswith(f"CorruptCheckpointError: {refused}")
+    unreadable = f"{ckpt}/step_4/actor_model_r0.safetensors is not a readable safetensors file"
     for code, stderr in (r["export"] for r in results):  # `rlhf export --run`: one line on every rank, exit 2
         errors = [line for line in stderr.splitlines() if line.startswith("rlhf export: error: ")]
-        assert code == 2 and len(errors) == 1 and errors[0].startswith(f"rlhf export: error: {refused}"), stderr
+        assert code == 2 and len(errors) == 1 and errors[0].startswith(f"rlhf export: error: {unreadable}"), stderr
     assert not (tmp_path / "exported").exists()
     assert not marker.exists()
     pickle.loads((ckpt / "step_4" / "rank0.safetensors").read_bytes())  # the control: the payload does run code
