@@ -45,14 +45,14 @@ def replay_config(cfg: RlhfConfig) -> RlhfConfig:
 
 
 def replay_preflight(cfg: RlhfConfig, world_size: int) -> None:
-    """`rlhf train`'s checks, then the dump folder's (format, columns, sizes, tokens of the first dump)."""
-    preflight(cfg, world_size)
+    """The dump folder's checks (format, columns, sizes; the first dump's tokens), then `rlhf train`'s."""
+    files = check_dumps(cfg.replay.rollouts, num_steps=cfg.trainer.total_steps,
+                        rows_per_step=cfg.data.prompts_per_step * cfg.sampling.n)
     run_path = (Path(cfg.run.output_dir) / cfg.run.name).resolve() if cfg.run.name else None
     if run_path is not None and run_path in Path(cfg.replay.rollouts).resolve().parents:
         raise ConfigError(f"--rollouts {cfg.replay.rollouts} lies in the replay's own run folder {run_path}; "
                           f"set run.name to another name")
-    files = check_dumps(cfg.replay.rollouts, num_steps=cfg.trainer.total_steps,
-                        rows_per_step=cfg.data.prompts_per_step * cfg.sampling.n)
+    preflight(cfg, world_size)
     read_dump(files[0], read_hf_config(cfg.model.path).vocab_size)
 
 

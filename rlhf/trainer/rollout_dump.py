@@ -124,7 +124,7 @@ def check_dumps(folder: str | Path, *, num_steps: int, rows_per_step: int) -> li
     footers: format, columns and row count; every problem is a one-line ConfigError naming the file."""
     files = _dump_files(Path(folder))
     if len(files) < num_steps:
-        raise ConfigError(f"--rollouts {folder} holds {len(files)} step dumps but trainer.total_steps={num_steps}; "
+        raise ConfigError(f"--rollouts {folder} holds {len(files)} step dump(s) but trainer.total_steps={num_steps}; "
                           f"set trainer.total_steps<={len(files)}")
     for path in files[:num_steps]:
         parquet = _open(path)

@@ -80,7 +80,7 @@ def test_bad_dump_folders_are_one_line_config_errors(tmp_path):
         assert str(error.value) == message and "\n" not in message
     good = tmp_path / "good"
     _write(good, 1)
-    with pytest.raises(ConfigError, match=r"^--rollouts .*/good holds 1 step dumps but trainer.total_steps=2; "
+    with pytest.raises(ConfigError, match=r"^--rollouts .*/good holds 1 step dump\(s\) but trainer.total_steps=2; "
                                           r"set trainer.total_steps<=1$"):
         check_dumps(good, num_steps=2, rows_per_step=4)
     with pytest.raises(ConfigError, match=r"step_000001.parquet has 4 rollouts, but data.prompts_per_step x "
