@@ -93,7 +93,9 @@ def _dump_files(folder: Path) -> list[Path]:
         raise ConfigError(f"--rollouts {folder}: no such folder; {FIX}")
     files = sorted(folder.glob("step_*.parquet"))
     if not files:
-        raise ConfigError(f"--rollouts {folder} holds no step_<N>.parquet dumps; {FIX}")
+        inside = folder / "rollouts"
+        fix = f"did you mean --rollouts {inside}?" if inside.is_dir() else FIX
+        raise ConfigError(f"--rollouts {folder} holds no step_<N>.parquet dumps; {fix}")
     return files
 
 

@@ -1,5 +1,5 @@
-"""`rlhf replay` from the command line: a bad dump folder or a missing --rollouts is one line on stderr, exit 2,
-and no run folder is made."""
+"""`rlhf replay` from the command line: a bad dump folder is one line on stderr, exit 2, and no run folder is
+made."""
 
 import os
 import subprocess
@@ -29,7 +29,4 @@ def test_bad_rollouts_folder_is_one_line_and_writes_nothing(tmp_path):
     assert out.stderr.strip().splitlines()[-1] == (
         f"rlhf replay: error: rollout dump {tmp_path / 'dumps/step_000001.parquet'} is not a readable parquet file "
         "(ArrowInvalid); point --rollouts at the rollouts/ folder of a run trained with trainer.dump_rollouts=true")
-    out = _replay(["--config", str(cfg)], tmp_path)
-    assert out.returncode == 2 and out.stderr.strip() == (
-        "rlhf replay: error: rlhf replay needs the dumps to train on: --rollouts DIR (a run's rollouts/ folder)")
     assert not (tmp_path / "runs").exists()

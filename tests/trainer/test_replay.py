@@ -117,3 +117,16 @@ def test_replaying_a_runs_own_dumps_reproduces_its_updates(tiny, tmp_path):
         assert sample["data_source"] == "reasoning_gym/chain_sum"
         assert sample["ground_truth"] == str(val[sample["index"]]["reward_model"]["ground_truth"])
         assert sample["score"] == float(len(sample["response"]) % 2)
+
+
+def test_replay_needs_rollouts_and_turns_auto_correction_on(tiny, tmp_path):
+    from rlhf.errors import ConfigError
+    from rlhf.trainer.replay import replay_config
+
+    with pytest.raises(ConfigError, match=r"^rlhf replay needs the dumps to train on: --rollouts DIR \(a run's "
+                                          r"rollouts/ folder\)$"):
+        replay_config(trainer_config(tiny, str(tmp_path)))
+    cfg = replay_config(trainer_config(tiny, str(tmp_path), ["replay.rollouts=x", "trainer.dump_rollouts=true"]))
+    assert cfg.algo.rollout_correction.enable is True and cfg.trainer.dump_rollouts is False
+    kept = replay_config(trainer_config(tiny, str(tmp_path), ["replay.rollouts=x", "algo.rollout_correction.enable=false"]))
+    assert kept.algo.rollout_correction.enable is False

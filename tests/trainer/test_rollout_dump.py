@@ -78,9 +78,12 @@ def test_bad_dump_folders_are_one_line_config_errors(tmp_path):
         with pytest.raises(ConfigError) as error:
             check_dumps(folder, num_steps=1, rows_per_step=4)
         assert str(error.value) == message and "\n" not in message
-    good = tmp_path / "good"
+    good = tmp_path / "run/rollouts"
     _write(good, 1)
-    with pytest.raises(ConfigError, match=r"^--rollouts .*/good holds 1 step dump\(s\) but trainer.total_steps=2; "
+    with pytest.raises(ConfigError, match=rf"^--rollouts {tmp_path / 'run'} holds no step_<N>.parquet dumps; did you "
+                                          rf"mean --rollouts {good}\?$"):
+        check_dumps(tmp_path / "run", num_steps=1, rows_per_step=4)
+    with pytest.raises(ConfigError, match=r"^--rollouts .*/rollouts holds 1 step dump\(s\) but trainer.total_steps=2; "
                                           r"set trainer.total_steps<=1$"):
         check_dumps(good, num_steps=2, rows_per_step=4)
     with pytest.raises(ConfigError, match=r"step_000001.parquet has 4 rollouts, but data.prompts_per_step x "
