@@ -46,15 +46,20 @@ def _runs(paths, root):
     reward = Path(root) / "length_reward.py"  # a dense signal, so the updates move the weights
     reward.write_text("def score(data_source, solution, ground_truth, extra_info):\n"
                       "    return float(len(solution) % 2)\n")
+    other = Path(root) / "val_other.jsonl"  # a second data source in validation: 2 prompts, listed first
+    rows = [json.loads(line) for line in open(paths["val"])][:2]
+    other.write_text("".join(json.dumps({**row, "data_source": "other/src"}) + "\n" for row in rows))
     common = ["reward.by_source={}", f"reward.function={reward}:score", "actor.optim.lr=0.05", "algo.kl.coef=0.01",
-              "algo.rollout_correction.enable=true", "trainer.total_steps=3", "trainer.val_samples=2",
-              "sampling.val_n=2", "sampling.val_temperature=1.0"]
+              "algo.rollout_correction.enable=true", "trainer.total_steps=3", "trainer.val_samples=3",
+              "sampling.val_n=2", "sampling.val_temperature=1.0", f"data.val_files=[{other},{paths['val']}]"]
     original = run_trainer(paths, f"{root}/orig", common + ["run.name=o", "trainer.dump_rollouts=true"])
     dumps = f"{root}/orig/o/rollouts"
     same = _replay(paths, f"{root}/replay", common + ["run.name=r", f"replay.rollouts={dumps}",
                                                       "trainer.dump_rollouts=true"])
-    # Reward normalisation, no validation (no engine built), stopped at step 2 and resumed = uninterrupted.
-    norm = common + ["replay.reward_norm=true", "data.val_files=[]", f"replay.rollouts={dumps}", "checkpoint.every=2"]
+    # Reward normalisation at another learning rate, no validation (no engine built), stopped at step 2 and
+    # resumed = uninterrupted.
+    norm = common + ["replay.reward_norm=true", "data.val_files=[]", f"replay.rollouts={dumps}", "checkpoint.every=2",
+                     "actor.optim.lr=0.01"]
     full = _replay(paths, f"{root}/norm", norm + ["run.name=n"])
     _replay(paths, f"{root}/norm_split", norm + ["run.name=n", "trainer.total_steps=2"])
     resumed = _replay(paths, f"{root}/norm_split", norm + ["run.name=n"])
@@ -98,24 +103,31 @@ def test_replaying_a_runs_own_dumps_reproduces_its_updates(tiny, tmp_path):
             assert _close(ours[key], theirs[key]), (key, ours[key], theirs[key])
         assert "timing_s/gen" not in theirs and "timing_s/load" in theirs
         assert theirs["replay/raw_score/mean"] == theirs["critic/score/mean"]
-    for key in ("val/score/mean@1", "val/score/mean@2", "val/reasoning_gym/chain_sum/score/mean@2"):
+    sources = ("val/other/src/score/mean@2", "val/reasoning_gym/chain_sum/score/mean@2")
+    for key in ("val/score/mean@1", "val/score/mean@2", "val/reasoning_gym/chain_sum/score/pass@2") + sources:
         assert original[-1][key] == same["history"][-1][key], key
-    assert original[0]["val/score/mean@2"] == original[0]["val/reasoning_gym/chain_sum/score/mean@2"]
+    for row in (original[0], original[-1]):  # per-source means weigh up to the overall one (2 + 4 prompts)
+        assert _close(row["val/score/mean@2"], (2 * row[sources[0]] + 4 * row[sources[1]]) / 6)
     # Reward normalisation scales every step's scores by the running std; the resumed replay is exact.
     assert not full["engine"] and [row["step"] for row in full["history"]] == [1, 2, 3]
     for row in full["history"]:
         assert row["replay/reward_std"] > 0
         assert _close(row["critic/score/mean"], row["replay/raw_score/mean"] / row["replay/reward_std"]), row
+    # Another learning rate, other updates: from step 2 on the policy is not the one that sampled the dumps, and
+    # the importance weights correct for it.
+    assert full["history"][1]["rollout/logprob_diff_max"] > 1e-3 > same["history"][2]["rollout/logprob_diff_max"]
+    assert full["history"][1]["rollout_corr/is_weight_max"] > 1 + 1e-3
     assert [row["step"] for row in resumed["history"]] == [3]
     comparable = {k: v for k, v in full["history"][-1].items() if not k.startswith(("timing_s/", "perf/", "memory/"))}
     assert comparable == {k: resumed["history"][-1][k] for k in comparable}
-    # Validation generations as text: samples.jsonl (val_samples=2 per validation), steps 0 and 3.
+    # Validation generations as text: samples.jsonl (val_samples=3 per validation), steps 0 and 3.
     samples = read_jsonl(tmp_path / "orig/o/samples.jsonl")
-    assert [(s["step"], s["index"]) for s in samples] == [(0, 0), (0, 1), (3, 0), (3, 1)]
+    assert [(s["step"], s["index"]) for s in samples] == [(0, 0), (0, 1), (0, 2), (3, 0), (3, 1), (3, 2)]
     val = [json.loads(line) for line in open(tiny["val"])]
     for sample in samples:
-        assert sample["data_source"] == "reasoning_gym/chain_sum"
-        assert sample["ground_truth"] == str(val[sample["index"]]["reward_model"]["ground_truth"])
+        assert sample["data_source"] == ("other/src" if sample["index"] < 2 else "reasoning_gym/chain_sum")
+        truth = val[sample["index"] % 2 if sample["index"] < 2 else sample["index"] - 2]["reward_model"]["ground_truth"]
+        assert sample["ground_truth"] == str(truth) and sample["prompt"].endswith("=")
         assert sample["score"] == float(len(sample["response"]) % 2)
 
 
