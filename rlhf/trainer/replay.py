@@ -65,6 +65,8 @@ class Replayer(Trainer):
         self.vocab_size = read_hf_config(cfg.model.path).vocab_size
         self.reward_stats, self._folded = RunningMeanStd(), 0
         super().__init__(cfg, run_dir)
+        log.info("replay: %d step dumps from %s (reward_norm=%s, validation engine: %s)", len(self.dumps),
+                 cfg.replay.rollouts, cfg.replay.reward_norm, "yes" if cfg.data.val_files else "none")
 
     def _build_rollout(self, actor):
         """An engine only to validate with; none (and nothing to sync) without validation prompts."""

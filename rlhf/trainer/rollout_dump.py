@@ -69,12 +69,14 @@ def batch_table(batch: TrainBatch, step: int, records: dict[int, PromptRecord], 
 
 
 class RolloutDumper:
-    """Writes the steps due (`every`) on rank 0, each file atomically (temp file + rename)."""
+    """Writes the steps due (`every`) on rank 0, each file atomically (temp file + rename). The first write
+    removes dumps from that step on: they belong to an earlier attempt past the step this run resumed from."""
 
     def __init__(self, folder: Path, *, every: int, records: Sequence[PromptRecord], tokenizer: Any,
                  enabled: bool) -> None:
         self.folder, self.every, self.enabled, self.tokenizer = folder, every, enabled, tokenizer
         self.records = {record.index: record for record in records}
+        self._first = True
 
     def write(self, batch: TrainBatch, step: int) -> None:
         if not self.enabled or step % self.every:
@@ -82,6 +84,11 @@ class RolloutDumper:
         import pyarrow.parquet as pq
 
         self.folder.mkdir(parents=True, exist_ok=True)
+        if self._first:
+            for stale in self.folder.glob("step_*.parquet"):
+                if stale.stem.removeprefix("step_").isdigit() and int(stale.stem.removeprefix("step_")) >= step:
+                    stale.unlink()
+            self._first = False
         path = dump_path(self.folder, step)
         tmp = path.with_name(path.name + ".tmp")
         pq.write_table(batch_table(batch, step, self.records, self.tokenizer), tmp)

@@ -58,6 +58,10 @@ def test_a_dump_reads_back_as_the_batch_it_trained_on(tmp_path):
     RolloutDumper(tmp_path, every=2, records=[], tokenizer=None, enabled=True).write(batch, 7)  # not due
     RolloutDumper(tmp_path, every=1, records=[], tokenizer=None, enabled=False).write(batch, 8)  # not rank 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000005.parquet"]
+    # A run resumed at step 4 replaces what an earlier attempt dumped from step 4 on.
+    _write(tmp_path, 9)
+    _write(tmp_path, 4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000004.parquet"]
 
 
 def test_bad_dump_folders_are_one_line_config_errors(tmp_path):
