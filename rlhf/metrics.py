@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +21,9 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+
+from rlhf.loggers import RunInfo, build_loggers
+from rlhf.run_dir import quiet_console
 
 Reduce = Literal["mean", "sum", "max", "min"]
 # Role metrics that are the same on every contributor (not shard sums).
@@ -169,55 +171,34 @@ def _layout_hash(layout: tuple[tuple[str, str], ...]) -> int:
 
 
 class MetricsSink:
-    """Rank 0 writes `metrics.jsonl` (one object per step) and TensorBoard events under the run folder.
+    """Rank 0 writes each step's metrics to the `trainer.logger` backends (`rlhf.loggers`): by default
+    `metrics.jsonl` (one object per step) and TensorBoard events under the run folder.
 
     With `first_step` (a run starting or resuming there), rows of an earlier attempt at or after it are dropped
-    from `metrics.jsonl` (atomically) and TensorBoard purges its events from that step on, so no step repeats.
+    from the jsonl files (atomically) and TensorBoard purges its events from that step on, so no step repeats.
     """
 
-    def __init__(self, run_path: Path, enabled: bool, tensorboard: bool = True, first_step: int | None = None) -> None:
+    def __init__(self, run_path: Path, enabled: bool, tensorboard: bool = True, first_step: int | None = None,
+                 loggers: list[str] | None = None, info: RunInfo | None = None) -> None:
         self.enabled = enabled
-        jsonl = run_path / "metrics.jsonl"
-        if enabled and first_step is not None and jsonl.is_file():
-            _drop_rows_from(jsonl, first_step)
-        self._jsonl = open(jsonl, "a") if enabled else None
-        self._tb = None
-        if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(run_path / "tensorboard"), purge_step=first_step)
+        names = loggers if loggers is not None else ["jsonl"] + (["tensorboard"] if tensorboard else [])
+        self._backends = build_loggers(names, run_path, first_step, info) if enabled else []
+        if enabled and "console" not in names and loggers is not None:
+            quiet_console()
 
     def write(self, step: int, values: dict[str, float]) -> None:
-        if not self.enabled:
-            return
-        clean = {k: (v if math.isfinite(v) else str(v)) for k, v in sorted(values.items())}
-        self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
-        self._jsonl.flush()
-        if self._tb is not None:
-            for name, value in values.items():
-                self._tb.add_scalar(name, value, step)
-            self._tb.flush()
+        for backend in self._backends:
+            backend.write(step, values)
+
+    def write_samples(self, step: int, samples: list[dict]) -> None:
+        """Validation generations as text (samples.jsonl, TensorBoard text, a wandb table, an mlflow artifact)."""
+        if samples:
+            for backend in self._backends:
+                backend.write_samples(step, samples)
 
     def close(self) -> None:
-        if self._jsonl is not None:
-            self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
-
-
-def _drop_rows_from(path: Path, first_step: int) -> None:
-    """Rewrite `path` (temp file + rename) without the rows whose step is `first_step` or later (or torn)."""
-    kept = []
-    with open(path) as f:
-        for line in f:
-            try:
-                if json.loads(line)["step"] < first_step:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue  # a line torn by a crash mid-write
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
+        for backend in self._backends:
+            backend.close()
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

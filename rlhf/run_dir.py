@@ -22,6 +22,7 @@ from rlhf.errors import ConfigError
 T = TypeVar("T")
 LOGGER_NAME = "rlhf"
 _FORMAT = "%(asctime)s rank%(rank)s %(levelname)s %(name)s: %(message)s"
+_CONSOLE = "rlhf-console"
 
 
 @dataclass(kw_only=True)
@@ -107,6 +108,7 @@ def setup_run(cfg: RunConfig, resolved_config: Any = None, prefix: str = "run", 
     logger.addHandler(file_handler)
     if rank == 0:
         console = logging.StreamHandler(sys.stdout)
+        console.set_name(_CONSOLE)
         console.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(console)
     logger.propagate = False
@@ -118,6 +120,13 @@ def setup_run(cfg: RunConfig, resolved_config: Any = None, prefix: str = "run", 
 
 def get_logger(name: str = "") -> logging.Logger:
     return logging.getLogger(f"{LOGGER_NAME}.{name}" if name else LOGGER_NAME)
+
+
+def quiet_console() -> None:
+    """Rank 0's console shows warnings and errors only (`trainer.logger` without console); rank0.log keeps all."""
+    for handler in logging.getLogger(LOGGER_NAME).handlers:
+        if handler.get_name() == _CONSOLE:
+            handler.setLevel(logging.WARNING)
 
 
 def close_run() -> None:

@@ -7,6 +7,7 @@
           │             ──► advantages (GAE | GRPO | RLOO | REINFORCE++ | ReMax), KL in reward
           │             ──► rollout correction weights / rejection, overlong filtering (the actor's loss mask)
           │             ──► actor.update · critic.update
+          │             ──► dump the scored batch (trainer.dump_rollouts: rollouts/step_<N>.parquet)
   sync    │             ──► weight sync actor ─► rollout engine, policy version + 1
 
 Heavy work lives in the stages; this file only sequences them and records verl-named metrics.
@@ -60,6 +61,7 @@ class RLStack:
     pad_token_id: int
     reward_model: RewardModelRole | None = None
     memory: MemoryPhases = field(default_factory=MemoryPhases)
+    dump: Callable[[TrainBatch, int], None] | None = None  # `trainer.dump_rollouts`: (scored batch, step)
 
 
 def rl_step(stack: RLStack, prompts: PromptStep, step: int,
@@ -70,10 +72,30 @@ def rl_step(stack: RLStack, prompts: PromptStep, step: int,
     with metrics.timer("step"):
         with stack.memory.rollout(metrics):
             batch = collect_batch(stack, prompts, step, more_prompts, metrics)
-        with stack.memory.training(metrics):
-            score_and_update(stack, batch, metrics)
-        with stack.memory.weight_sync(metrics), metrics.timer("update_weights"):
-            stack.weight_sync.sync()
+        train_and_sync(stack, batch, step, metrics)
+    record_batch_metrics(metrics, batch, stack)
+    return metrics
+
+
+def train_and_sync(stack: RLStack, batch: TrainBatch, step: int, metrics: StepMetrics) -> None:
+    """The training phase on a global batch (generated now, or read from a dump by `rlhf replay`), the dump of
+    the scored batch, then the weight sync."""
+    with stack.memory.training(metrics):
+        score_and_update(stack, batch, metrics)
+    if stack.dump is not None:
+        with metrics.timer("dump"):
+            stack.dump(batch, step)
+    with stack.memory.weight_sync(metrics), metrics.timer("update_weights"):
+        stack.weight_sync.sync()
+
+
+def replay_step(stack: RLStack, load: Callable[[], TrainBatch], step: int) -> StepMetrics:
+    """`rl_step` on a batch read back (`rlhf replay`: `load` returns the step's dumped, scored rollouts)."""
+    metrics = StepMetrics()
+    with metrics.timer("step"):
+        with metrics.timer("load"):
+            batch = load()
+        train_and_sync(stack, batch, step, metrics)
     record_batch_metrics(metrics, batch, stack)
     return metrics
 
@@ -161,6 +183,8 @@ def generate_and_score(stack: RLStack, prompts: PromptStep, step: int, gen_round
     if not is_contributor(stack.rollout_layout, dist.get_rank()):
         return None
     batch = build_train_batch(prompt_batch, rollouts)
+    batch.sample_index_b = torch.tensor([record.index for record in prompts.records],
+                                        dtype=torch.long)[rollouts.prompt_index_r]
     if stack.reward_model is not None:
         return batch  # scored by the reward model on its own mesh, after the gather
     batch.scores_b = shaped_scores(stack, batch, stack.scorer.score(prompts.records, rollouts))

@@ -15,6 +15,7 @@ from rlhf.errors import RlhfError
 # Subcommand -> module; modules not present in this build are simply not offered.
 COMMANDS = {
     "train": "rlhf.cli.train",
+    "replay": "rlhf.cli.replay",
     "sft": "rlhf.cli.sft",
     "init-model": "rlhf.cli.init_model",
     "export": "rlhf.cli.export",

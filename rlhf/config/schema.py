@@ -11,8 +11,8 @@ from rlhf.parallel.meshes import MeshConfig
 from rlhf.rewards.registry import RewardConfig
 from rlhf.rollout.factory import RolloutConfig
 from rlhf.run_dir import RunConfig
-from rlhf.trainer.config import (AlgoConfig, ModelConfig, RefConfig, SamplingConfig, SftConfig, TrainerConfig,
-                                 UpdateConfig)
+from rlhf.trainer.config import (AlgoConfig, ModelConfig, RefConfig, ReplayConfig, SamplingConfig, SftConfig,
+                                 TrainerConfig, UpdateConfig)
 
 
 @dataclass(kw_only=True)
@@ -33,3 +33,4 @@ class RlhfConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sft: SftConfig = field(default_factory=SftConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)

@@ -34,6 +34,8 @@ class TrainBatch:
     returns_bt: torch.Tensor | None = None  # fp32 [B, T] critic targets
     is_weights_bt: torch.Tensor | None = None  # fp32 [B, T] rollout-correction weights on the policy loss
     loss_mask_bt: torch.Tensor | None = None  # bool [B, T] tokens in the actor loss (None: response_mask_bt)
+    sample_index_b: torch.Tensor | None = None  # int64 [B] dataset index of the row's prompt (rollout dumps)
+    policy_version_b: torch.Tensor | None = None  # int64 [B] weight syncs the generating engine had taken
     pad_token_id: int = 0
 
     @property
@@ -134,4 +136,5 @@ def build_train_batch(prompts: PromptBatch, rollouts: Rollouts) -> TrainBatch:
                       response_lengths_b=rollouts.response_lengths_r.clone(), response_mask_bt=mask_rt,
                       group_index_b=prompt_index_r.clone(),
                       rollout_logprobs_bt=_sampled_logprobs(rollouts).float() * mask_rt, truncated_b=truncated_r,
+                      policy_version_b=torch.full((rollouts.num_rollouts,), rollouts.policy_version, dtype=torch.long),
                       pad_token_id=rollouts.pad_token_id)

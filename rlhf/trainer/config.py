@@ -150,22 +150,57 @@ class RefConfig:
             raise ConfigError(f"ref.micro_batch_size={self.micro_batch_size} must be >= 1")
 
 
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+
+
 @dataclass(kw_only=True)
 class TrainerConfig:
-    """The loop: steps, validation cadence, logging. `plot`: every run ends by drawing `curve.png` in its folder
-    (reward, validation, KL, response length per step; needs matplotlib)."""
+    """The loop: steps, validation cadence, logging. `logger`: where metrics go (`tensorboard=false` drops
+    TensorBoard too); wandb and mlflow runs are named `project_name` / `experiment_name` (default: the run's
+    name). `val_samples` validation generations per validation go to samples.jsonl and TensorBoard text.
+    `dump_rollouts`: every `dump_every`-th step's scored rollouts as rollouts/step_<N>.parquet (`rlhf replay`).
+    `plot`: every run ends by drawing `curve.png` in its folder (reward, validation, KL, response length per
+    step; needs matplotlib)."""
 
     total_steps: int = 10
     val_every: int = 0
     val_before_train: bool = True
     tensorboard: bool = True
     plot: bool = True
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    project_name: str = "rlhf"
+    experiment_name: str = ""
+    val_samples: int = 4
+    dump_rollouts: bool = False
+    dump_every: int = 1
 
     def __post_init__(self) -> None:
         if self.total_steps < 1:
             raise ConfigError(f"trainer.total_steps={self.total_steps} must be >= 1")
         if self.val_every < 0:
             raise ConfigError(f"trainer.val_every={self.val_every} must be >= 0 (0: only before and after)")
+        unknown = [name for name in self.logger if name not in LOGGERS]
+        if unknown:
+            raise ConfigError(f"trainer.logger={self.logger} has unknown logger(s) {', '.join(map(str, unknown))}; "
+                              f"choose from {', '.join(LOGGERS)}")
+        if self.val_samples < 0:
+            raise ConfigError(f"trainer.val_samples={self.val_samples} must be >= 0 (0: no generations logged)")
+        if self.dump_every < 1:
+            raise ConfigError(f"trainer.dump_every={self.dump_every} must be >= 1")
+
+    @property
+    def loggers(self) -> list[str]:
+        """The metric writers in use (`tensorboard=false` drops TensorBoard from the list)."""
+        return [name for name in self.logger if name != "tensorboard" or self.tensorboard]
+
+
+@dataclass(kw_only=True)
+class ReplayConfig:
+    """`rlhf replay`: `rollouts` is the folder of step dumps to train on (`--rollouts`); `reward_norm` divides
+    each step's scores by the running std of every score replayed so far (RunningMeanStd; signs are kept)."""
+
+    rollouts: str = ""
+    reward_norm: bool = False
 
 
 def check_batch_sizes(*, prompts_per_step: int, n: int, rollout_dp: int, role: str, role_dp: int,

@@ -21,10 +21,12 @@ from rlhf import platform
 from rlhf.algo.kl import KLController
 from rlhf.checkpoint import CheckpointManager, tensor_folders
 from rlhf.checkpoint_verify import check_replicas
+from rlhf.config.loader import to_dict
 from rlhf.config.schema import RlhfConfig
 from rlhf.data.loader import PromptLoader, load_prompts
 from rlhf.parallel.watchdog import Watchdog
 from rlhf.parallel.meshes import RoleMeshes
+from rlhf.loggers import RunInfo
 from rlhf.metrics import MetricReducer, MetricsSink, StepMetrics, read_jsonl
 from rlhf.models.hf_export import export_hf
 from rlhf.rollout.factory import build_engine, close_engine, engine_layout, eos_token_ids
@@ -38,7 +40,8 @@ from rlhf.trainer.preflight import (architecture, build_meshes, check_batches, r
 from rlhf.trainer.roles import CriticRole, PolicyRole, RewardModelRole
 from rlhf.trainer.scoring import Scorer
 from rlhf.trainer.sync import SharedWeights
-from rlhf.trainer.validate import validate
+from rlhf.trainer.rollout_dump import RolloutDumper
+from rlhf.trainer.validate import run_validation
 
 log = get_logger("trainer")
 CONSOLE_KEYS = {"critic/score/mean": "reward", "val/score/mean@1": "val", "actor/pg_loss": "pg_loss",
@@ -101,6 +104,10 @@ class Trainer:
                              sampling=cfg.sampling, actor_update=cfg.actor,
                              kl_controller=KLController.from_config(algo.kl), pad_token_id=self.pad_token_id,
                              reward_model=reward_model, memory=memory)
+        if cfg.trainer.dump_rollouts:
+            self.stack.dump = RolloutDumper(run_dir.path / "rollouts", every=cfg.trainer.dump_every,
+                                            records=self.loader.prompts.records, tokenizer=self.tokenizer,
+                                            enabled=run_dir.is_rank0).write
         self.checkpoints = CheckpointManager(run_dir.path / "checkpoints", cfg.checkpoint.keep_last)
         self.sink: MetricsSink | None = None  # opened once the resumed step is known
 
@@ -221,8 +228,12 @@ class Trainer:
         native = self.cfg.rollout.native
         chunk = max(1, native.max_batch_size // max(1, self.cfg.sampling.val_n))
         with self.stack.memory.rollout(sync_follows=False):
-            return validate(self.stack.rollout, self.stack.rollout_layout, self.val, self.scorer,
-                            self.cfg.sampling.val_params(step), chunk, self.pad_token_id)
+            result = run_validation(self.stack.rollout, self.stack.rollout_layout, self.val, self.scorer,
+                                    self.cfg.sampling.val_params(step), chunk, self.pad_token_id,
+                                    num_samples=self.cfg.trainer.val_samples)
+        if self.sink is not None:
+            self.sink.write_samples(step, result.samples)
+        return result.metrics
 
     def fit(self) -> list[dict]:
         cfg = self.cfg.trainer
@@ -231,8 +242,10 @@ class Trainer:
                 with watchdog.phase("resume", self.cfg.comm.setup_timeout_s):
                     start = self._resume()
                 self.run_dir.commit_config()  # only now: a failed resume leaves the run's config.yaml as it was
-                self.sink = MetricsSink(self.run_dir.path, enabled=self.run_dir.is_rank0,
-                                        tensorboard=cfg.tensorboard, first_step=start + 1 if start else 0)
+                self.sink = MetricsSink(self.run_dir.path, enabled=self.run_dir.is_rank0, loggers=cfg.loggers,
+                                        first_step=start + 1 if start else 0, info=RunInfo(
+                                            project=cfg.project_name, config=to_dict(self.cfg),
+                                            experiment=cfg.experiment_name or self.run_dir.path.name))
                 with watchdog.phase("first weight push"):
                     self.push_initial_weights()
                 history = []
@@ -254,9 +267,13 @@ class Trainer:
 
     def _write_curve(self) -> None:
         """trainer.plot: rank 0 draws curve.png from the run's whole metrics.jsonl (resumed segments included)."""
+        metrics = self.run_dir.path / "metrics.jsonl"
         if not (self.cfg.trainer.plot and self.run_dir.is_rank0):
             return
-        path = plot_run(read_jsonl(self.run_dir.path / "metrics.jsonl"), self.run_dir.path)
+        if not metrics.is_file():
+            log.info("learning curve: none (trainer.logger writes no metrics.jsonl)")
+            return
+        path = plot_run(read_jsonl(metrics), self.run_dir.path)
         log.info("learning curve: %s", path or "none (matplotlib is not installed; pip install matplotlib)")
 
     def _watchdog(self) -> Watchdog:

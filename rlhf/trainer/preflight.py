@@ -14,6 +14,7 @@ from rlhf.config.schema import RlhfConfig
 from rlhf.data.loader import load_prompts
 from rlhf.data.sampler import PromptSampler
 from rlhf.errors import ConfigError
+from rlhf.loggers import check_loggers
 from rlhf.parallel.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes, plan_meshes
 from rlhf.run_dir import get_logger
 from rlhf.trainer.checks import (check_kv_cache, check_model_folders, check_resume_path, check_writable_folder,
@@ -107,6 +108,7 @@ def preflight(cfg: RlhfConfig, world_size: int) -> None:
     """Every input check that needs no process group, run before the run folder exists: bad input writes nothing."""
     check_writable_folder(cfg.run.output_dir, "run.output_dir")
     check_resume_path(cfg.checkpoint.resume)
+    check_loggers(cfg.trainer.loggers)
     layouts = check_layouts(cfg, world_size)
     check_model_folders(cfg)
     tokenizer = load_tokenizer(cfg.model.path)

@@ -1,6 +1,9 @@
-"""Validation on held-out prompts: mean@1 (greedy by default), and mean@n / pass@n when `sampling.val_n > 1`."""
+"""Validation on held-out prompts: mean@1 (greedy by default), and mean@n / pass@n when `sampling.val_n > 1`, over
+all prompts and per data source (`val/<data_source>/score/mean@n`); the first prompts' generations as text."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -9,9 +12,15 @@ from rlhf.data.loader import TokenizedPrompts
 from rlhf.parallel.wire import all_gather_json
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.sampling_params import SamplingParams
-from rlhf.rollout.types import PromptBatch
+from rlhf.rollout.types import PromptBatch, Rollouts
 from rlhf.trainer.exchange import is_contributor
 from rlhf.trainer.scoring import Scorer
+
+
+@dataclass
+class Validation:
+    metrics: dict[str, float]
+    samples: list[dict] = field(default_factory=list)  # the first prompts: prompt, response, score, ...
 
 
 def _my_rows(num: int, dp_rank: int, dp_size: int) -> range:
@@ -19,12 +28,34 @@ def _my_rows(num: int, dp_rank: int, dp_size: int) -> range:
     return range(dp_rank * per, min(num, (dp_rank + 1) * per))
 
 
-def validate(engine: RolloutEngine | None, layout, prompts: TokenizedPrompts, scorer: Scorer,
-             params: SamplingParams, chunk_prompts: int, pad_token_id: int) -> dict[str, float]:
+def _sample(prompts: TokenizedPrompts, index: int, rollouts: Rollouts, row: int, scorer: Scorer,
+            scores: list[float]) -> dict:
+    """The first generation of prompt `index` (row `row` of the chunk) as text."""
+    record = prompts.records[index]
+    first = int((rollouts.prompt_index_r == row).nonzero()[0])
+    return {"index": record.index, "data_source": record.data_source, "ground_truth": record.ground_truth,
+            "prompt": scorer.tokenizer.decode(prompts.token_ids[index], skip_special_tokens=False),
+            "response": scorer.tokenizer.decode(rollouts.response(first), skip_special_tokens=True),
+            "score": scores[0]}
+
+
+def score_metrics(scores_pn: torch.Tensor, prefix: str = "val") -> dict[str, float]:
+    """mean@1 over each prompt's first sample; with n > 1 samples, mean@n and pass@n (a score >= 1 solves)."""
+    metrics = {f"{prefix}/score/mean@1": float(scores_pn[:, 0].mean())}
+    if scores_pn.shape[1] > 1:
+        n = scores_pn.shape[1]
+        metrics[f"{prefix}/score/mean@{n}"] = float(scores_pn.mean())
+        metrics[f"{prefix}/score/pass@{n}"] = float((scores_pn.max(dim=1).values >= 1.0).double().mean())
+    return metrics
+
+
+def run_validation(engine: RolloutEngine | None, layout, prompts: TokenizedPrompts, scorer: Scorer,
+                   params: SamplingParams, chunk_prompts: int, pad_token_id: int, num_samples: int = 0) -> Validation:
     """Collective over the world: each rollout replica scores its share of the prompts; every rank gets the
-    metrics. A score of at least 1.0 counts as solved for pass@n."""
+    metrics and the first `num_samples` prompts' generations."""
     rank = dist.get_rank()
     local: list[list[float]] = []
+    samples: list[dict] = []
     if engine is not None:
         rows = _my_rows(len(prompts.records), engine.layout.dp_rank, engine.layout.dp)
         for start in range(rows.start, rows.stop, chunk_prompts):
@@ -33,15 +64,24 @@ def validate(engine: RolloutEngine | None, layout, prompts: TokenizedPrompts, sc
             rollouts = engine.generate(batch, params)
             if is_contributor(layout, rank):
                 scores = scorer.score([prompts.records[i] for i in index], rollouts)
-                for row in range(len(index)):
+                for row, i in enumerate(index):
                     local.append(scores[rollouts.prompt_index_r == row].tolist())
-    everyone = all_gather_json(local if is_contributor(layout, rank) else None)
-    per_prompt = [scores for part in everyone if part is not None for scores in part]
+                    if i < num_samples:
+                        samples.append(_sample(prompts, i, rollouts, row, scorer, local[-1]))
+    everyone = all_gather_json({"scores": local, "samples": samples} if is_contributor(layout, rank) else None)
+    per_prompt = [scores for part in everyone if part is not None for scores in part["scores"]]
     assert len(per_prompt) == len(prompts.records), (len(per_prompt), len(prompts.records))
     scores_pn = torch.tensor(per_prompt, dtype=torch.float64)
-    metrics = {"val/score/mean@1": float(scores_pn[:, 0].mean())}
-    if scores_pn.shape[1] > 1:
-        n = scores_pn.shape[1]
-        metrics[f"val/score/mean@{n}"] = float(scores_pn.mean())
-        metrics[f"val/score/pass@{n}"] = float((scores_pn.max(dim=1).values >= 1.0).double().mean())
-    return metrics
+    metrics = score_metrics(scores_pn)
+    sources = [record.data_source for record in prompts.records]
+    for source in sorted(set(sources)):
+        rows_p = torch.tensor([s == source for s in sources])
+        metrics.update(score_metrics(scores_pn[rows_p], prefix=f"val/{source}"))
+    all_samples = [sample for part in everyone if part is not None for sample in part["samples"]]
+    return Validation(metrics=metrics, samples=all_samples)
+
+
+def validate(engine: RolloutEngine | None, layout, prompts: TokenizedPrompts, scorer: Scorer,
+             params: SamplingParams, chunk_prompts: int, pad_token_id: int) -> dict[str, float]:
+    """The metrics of `run_validation` (collective)."""
+    return run_validation(engine, layout, prompts, scorer, params, chunk_prompts, pad_token_id).metrics

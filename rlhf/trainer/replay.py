@@ -1,0 +1,101 @@
+"""`rlhf replay`: the trainer with each step's batch read from a rollout dump (`trainer.dump_rollouts`) instead of
+generated. Step k trains on the k-th dump of `replay.rollouts`: its token ids, scores and rollout logprobs.
+
+    dump k ──► [reward_norm: scores / running std] ──► old/ref logprobs, values ──► advantages
+           ──► rollout correction (the dumped logprobs are pi_rollout) ──► actor.update · critic.update
+
+No rollout engine is built unless validation needs one (data.val_files); then it validates as `rlhf train`
+does. Resume is the trainer's; the reward statistics are rebuilt from the dumps already trained on (the same
+merges in the same order, so a resumed replay equals an uninterrupted one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from rlhf.algo.running_stats import RunningMeanStd
+from rlhf.config.schema import RlhfConfig
+from rlhf.errors import ConfigError
+from rlhf.metrics import StepMetrics
+from rlhf.run_dir import RunDir, get_logger
+from rlhf.step import replay_step
+from rlhf.trainer.batch import TrainBatch
+from rlhf.trainer.checks import read_hf_config
+from rlhf.trainer.loop import Trainer
+from rlhf.trainer.preflight import preflight
+from rlhf.trainer.rollout_dump import check_dumps, read_dump, read_scores
+from rlhf.trainer.sync import SharedWeights
+
+log = get_logger("replay")
+
+
+def replay_config(cfg: RlhfConfig) -> RlhfConfig:
+    """The config a replay runs: rollout correction's `auto` is on (the dumps came from another policy's
+    weights), and nothing is dumped again."""
+    if not cfg.replay.rollouts:
+        raise ConfigError("rlhf replay needs the dumps to train on: --rollouts DIR (a run's rollouts/ folder)")
+    algo = cfg.algo
+    if algo.rollout_correction.enable == "auto":
+        algo = dataclasses.replace(algo, rollout_correction=dataclasses.replace(algo.rollout_correction, enable=True))
+    trainer = dataclasses.replace(cfg.trainer, dump_rollouts=False)
+    return dataclasses.replace(cfg, algo=algo, trainer=trainer)
+
+
+def replay_preflight(cfg: RlhfConfig, world_size: int) -> None:
+    """The dump folder's checks (format, columns, sizes; the first dump's tokens), then `rlhf train`'s."""
+    files = check_dumps(cfg.replay.rollouts, num_steps=cfg.trainer.total_steps,
+                        rows_per_step=cfg.data.prompts_per_step * cfg.sampling.n)
+    run_path = (Path(cfg.run.output_dir) / cfg.run.name).resolve() if cfg.run.name else None
+    if run_path is not None and run_path in Path(cfg.replay.rollouts).resolve().parents:
+        raise ConfigError(f"--rollouts {cfg.replay.rollouts} lies in the replay's own run folder {run_path}; "
+                          f"set run.name to another name")
+    preflight(cfg, world_size)
+    read_dump(files[0], read_hf_config(cfg.model.path).vocab_size)
+
+
+class Replayer(Trainer):
+    """The RL trainer on dumped rollouts: same roles, updates, validation, metrics and checkpoints."""
+
+    def __init__(self, cfg: RlhfConfig, run_dir: RunDir) -> None:
+        self.dumps = check_dumps(cfg.replay.rollouts, num_steps=cfg.trainer.total_steps,
+                                 rows_per_step=cfg.data.prompts_per_step * cfg.sampling.n)
+        self.vocab_size = read_hf_config(cfg.model.path).vocab_size
+        self.reward_stats, self._folded = RunningMeanStd(), 0
+        super().__init__(cfg, run_dir)
+        log.info("replay: %d step dumps from %s (reward_norm=%s, validation engine: %s)", len(self.dumps),
+                 cfg.replay.rollouts, cfg.replay.reward_norm, "yes" if cfg.data.val_files else "none")
+
+    def _build_rollout(self, actor):
+        """An engine only to validate with; none (and nothing to sync) without validation prompts."""
+        if self.cfg.data.val_files:
+            return super()._build_rollout(actor)
+        return None, SharedWeights(None)
+
+    def run_step(self, step: int) -> StepMetrics:
+        self.push_initial_weights()
+        raw = {}
+        metrics = replay_step(self.stack, lambda: self._batch(step, raw), step)
+        metrics.add_global("replay/raw_score/mean", raw["mean"])
+        if self.cfg.replay.reward_norm:
+            metrics.add_global("replay/reward_std", self.reward_stats.std)
+        return metrics
+
+    def _batch(self, step: int, raw: dict) -> TrainBatch:
+        batch = read_dump(self.dumps[step - 1], self.vocab_size)
+        raw["mean"] = float(batch.scores_b.mean())
+        if self.cfg.replay.reward_norm:
+            batch.scores_b = self._normalized(batch.scores_b, step)
+        return batch
+
+    def _normalized(self, scores_b: torch.Tensor, step: int) -> torch.Tensor:
+        """Scores divided by the running std of every score replayed through `step` (a resumed replay first
+        folds in the dumps its checkpoint had trained on)."""
+        while self._folded < step - 1:
+            self.reward_stats.update(read_scores(self.dumps[self._folded]))
+            self._folded += 1
+        self.reward_stats.update(scores_b)
+        self._folded = step
+        return self.reward_stats.normalize(scores_b, center=False)

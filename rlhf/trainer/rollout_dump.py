@@ -1,0 +1,189 @@
+"""Rollout dumps: each step's global batch as `rollouts/step_<N>.parquet` in the run folder
+(`trainer.dump_rollouts`), and read back as `TrainBatch`es by `rlhf replay`.
+
+One row per rollout: prompt and response ids and text, the rollout's token logprobs, the sequence score, the
+advantages, policy version, data_source, uid (the prompt's dataset index) and group. The step's batch is already
+gathered on every rank (`gather_global_batch`), so rank 0 writes it with no further collective. Plain parquet
+columns only (never pickle); the file's metadata holds the format name, the pad token and the response width.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf.data.records import PromptRecord
+from rlhf.errors import ConfigError
+from rlhf.trainer.batch import TrainBatch
+
+FORMAT = "rlhf.rollouts/1"
+REQUIRED = ("step", "policy_version", "uid", "group", "data_source", "prompt_ids", "response_ids",
+            "rollout_logprobs", "score", "truncated")
+FIX = "point --rollouts at the rollouts/ folder of a run trained with trainer.dump_rollouts=true"
+
+
+def dump_path(folder: Path, step: int) -> Path:
+    return folder / f"step_{step:06d}.parquet"
+
+
+def _rows(values_bt: torch.Tensor, lengths_b: torch.Tensor, start_b: torch.Tensor | None = None) -> list[list]:
+    starts = start_b.tolist() if start_b is not None else [0] * len(lengths_b)
+    return [values_bt[row, start:start + length].tolist()
+            for row, (start, length) in enumerate(zip(starts, lengths_b.tolist()))]
+
+
+def batch_table(batch: TrainBatch, step: int, records: dict[int, PromptRecord], tokenizer: Any):
+    """The batch as a pyarrow table (one row per rollout) with the dump's metadata."""
+    import pyarrow as pa
+
+    assert batch.sample_index_b is not None and batch.policy_version_b is not None, "set by generate_and_score"
+    prompt_ids = _rows(batch.tokens_bs, batch.prompt_lengths_b)
+    response_ids = _rows(batch.tokens_bs, batch.response_lengths_b, batch.prompt_lengths_b)
+    uids = batch.sample_index_b.tolist()
+    columns = {
+        "step": pa.array([step] * batch.size, pa.int64()),
+        "policy_version": pa.array(batch.policy_version_b.tolist(), pa.int64()),
+        "uid": pa.array(uids, pa.int64()),
+        "group": pa.array(batch.group_index_b.tolist(), pa.int64()),
+        "data_source": pa.array([records[uid].data_source for uid in uids], pa.string()),
+        "prompt": pa.array([tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids], pa.string()),
+        "response": pa.array([tokenizer.decode(ids, skip_special_tokens=True) for ids in response_ids],
+                             pa.string()),
+        "prompt_ids": pa.array(prompt_ids, pa.list_(pa.int64())),
+        "response_ids": pa.array(response_ids, pa.list_(pa.int64())),
+        "score": pa.array(batch.scores_b.tolist(), pa.float32()),
+        "truncated": pa.array(batch.truncated_b.tolist(), pa.bool_()),
+    }
+    for name, field in (("rollout_logprobs", "rollout_logprobs_bt"), ("old_logprobs", "old_logprobs_bt"),
+                        ("ref_logprobs", "ref_logprobs_bt"), ("values", "values_bt"), ("advantages", "advantages_bt")):
+        values_bt = getattr(batch, field)
+        if values_bt is not None:
+            columns[name] = pa.array(_rows(values_bt.float(), batch.response_lengths_b), pa.list_(pa.float32()))
+    meta = {"format": FORMAT, "pad_token_id": batch.pad_token_id, "response_width": batch.response_width}
+    return pa.table(columns).replace_schema_metadata({"rlhf": json.dumps(meta)})
+
+
+class RolloutDumper:
+    """Writes the steps due (`every`) on rank 0, each file atomically (temp file + rename). The first write
+    removes dumps from that step on: they belong to an earlier attempt past the step this run resumed from."""
+
+    def __init__(self, folder: Path, *, every: int, records: Sequence[PromptRecord], tokenizer: Any,
+                 enabled: bool) -> None:
+        self.folder, self.every, self.enabled, self.tokenizer = folder, every, enabled, tokenizer
+        self.records = {record.index: record for record in records}
+        self._first = True
+
+    def write(self, batch: TrainBatch, step: int) -> None:
+        if not self.enabled or step % self.every:
+            return
+        import pyarrow.parquet as pq
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if self._first:
+            for stale in self.folder.glob("step_*.parquet"):
+                if stale.stem.removeprefix("step_").isdigit() and int(stale.stem.removeprefix("step_")) >= step:
+                    stale.unlink()
+            self._first = False
+        path = dump_path(self.folder, step)
+        tmp = path.with_name(path.name + ".tmp")
+        pq.write_table(batch_table(batch, step, self.records, self.tokenizer), tmp)
+        os.replace(tmp, path)
+
+
+def _dump_files(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        raise ConfigError(f"--rollouts {folder}: no such folder; {FIX}")
+    files = sorted(folder.glob("step_*.parquet"))
+    if not files:
+        inside = folder / "rollouts"
+        fix = f"did you mean --rollouts {inside}?" if inside.is_dir() else FIX
+        raise ConfigError(f"--rollouts {folder} holds no step_<N>.parquet dumps; {fix}")
+    return files
+
+
+def _open(path: Path):
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except Exception as error:  # pyarrow raises several unrelated types for a bad file
+        raise ConfigError(f"rollout dump {path} is not a readable parquet file ({type(error).__name__}); "
+                          f"{FIX}") from None
+
+
+def _check_schema(path: Path, parquet) -> dict:
+    raw = (parquet.schema_arrow.metadata or {}).get(b"rlhf")
+    meta = json.loads(raw) if raw else {}
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"rollout dump {path} is not an rlhf rollout dump (format {meta.get('format')!r}, "
+                          f"expected {FORMAT!r}); {FIX}")
+    missing = [name for name in REQUIRED if name not in parquet.schema_arrow.names]
+    if missing:
+        raise ConfigError(f"rollout dump {path} lacks the column(s) {', '.join(missing)}; {FIX}")
+    return meta
+
+
+def check_dumps(folder: str | Path, *, num_steps: int, rows_per_step: int) -> list[Path]:
+    """The dumps replay step 1..num_steps trains on (the folder's files in step order), checked from their
+    footers: format, columns and row count; every problem is a one-line ConfigError naming the file."""
+    files = _dump_files(Path(folder))
+    if len(files) < num_steps:
+        raise ConfigError(f"--rollouts {folder} holds {len(files)} step dump(s) but trainer.total_steps={num_steps}; "
+                          f"set trainer.total_steps<={len(files)}")
+    for path in files[:num_steps]:
+        parquet = _open(path)
+        _check_schema(path, parquet)
+        if parquet.metadata.num_rows != rows_per_step:
+            raise ConfigError(f"rollout dump {path} has {parquet.metadata.num_rows} rollouts, but "
+                              f"data.prompts_per_step x sampling.n = {rows_per_step}; replay with the config of "
+                              f"the run that wrote it")
+    return files[:num_steps]
+
+
+def _padded(rows: list[list], width: int, dtype: torch.dtype, value: float = 0) -> torch.Tensor:
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for row, values in enumerate(rows):
+        out[row, :len(values)] = torch.tensor(values, dtype=dtype)
+    return out
+
+
+def read_dump(path: Path, vocab_size: int) -> TrainBatch:
+    """A dump as the TrainBatch its step trained on (scores and rollout logprobs; the rest is recomputed)."""
+    parquet = _open(path)
+    meta = _check_schema(path, parquet)
+    table = parquet.read().to_pydict()
+    prompt_ids, response_ids = table["prompt_ids"], table["response_ids"]
+    if any(len(p) < 1 for p in prompt_ids) or any(len(r) != len(lp) for r, lp in
+                                                   zip(response_ids, table["rollout_logprobs"])):
+        raise ConfigError(f"rollout dump {path} has an empty prompt or a response whose logprobs do not match "
+                          f"its length; {FIX}")
+    top = max(max(ids, default=0) for ids in prompt_ids + response_ids)
+    if top >= vocab_size:
+        raise ConfigError(f"rollout dump {path} holds token id {top}, outside model.path's vocabulary of "
+                          f"{vocab_size}; replay with the model (tokenizer) the dump was made with")
+    sequences = [p + r for p, r in zip(prompt_ids, response_ids)]
+    lengths_b = torch.tensor([len(r) for r in response_ids], dtype=torch.long)
+    width = max(int(meta["response_width"]), int(lengths_b.max()) if len(lengths_b) else 1)
+    mask_bt = torch.arange(width)[None, :] < lengths_b[:, None]
+    pad = int(meta["pad_token_id"])
+    return TrainBatch(
+        tokens_bs=_padded(sequences, max(2, max(map(len, sequences))), torch.long, pad),
+        prompt_lengths_b=torch.tensor([len(p) for p in prompt_ids], dtype=torch.long),
+        response_lengths_b=lengths_b, response_mask_bt=mask_bt,
+        group_index_b=torch.tensor(table["group"], dtype=torch.long),
+        rollout_logprobs_bt=_padded(table["rollout_logprobs"], width, torch.float32),
+        truncated_b=torch.tensor(table["truncated"], dtype=torch.bool),
+        scores_b=torch.tensor(table["score"], dtype=torch.float32),
+        sample_index_b=torch.tensor(table["uid"], dtype=torch.long),
+        policy_version_b=torch.tensor(table["policy_version"], dtype=torch.long),
+        pad_token_id=pad)
+
+
+def read_scores(path: Path) -> torch.Tensor:
+    """The dump's sequence scores (float32 [B]) alone."""
+    return torch.tensor(_open(path).read(columns=["score"]).column("score").to_pylist(), dtype=torch.float32)

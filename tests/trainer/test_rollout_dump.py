@@ -1,0 +1,105 @@
+"""Rollout dumps without a world: a batch written and read back is the batch it trained on; every bad dump
+folder is a one-line ConfigError naming the file and the fix."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from rlhf.data.char_tokenizer import build_char_tokenizer
+from rlhf.data.records import PromptRecord
+from rlhf.errors import ConfigError
+from rlhf.trainer.batch import TrainBatch
+from rlhf.trainer.rollout_dump import RolloutDumper, check_dumps, dump_path, read_dump, read_scores
+
+VOCAB = 18  # the char tokenizer: 4 special tokens + "0123456789+-= "
+
+
+def _batch() -> TrainBatch:
+    """Two prompts of different lengths, two responses each (one empty), right-padded as the trainer builds them."""
+    prompts, responses = [[5, 6, 16], [7, 14]], [[8, 3], [9, 10, 11], [3], []]
+    rows = [prompts[i // 2] + r for i, r in enumerate(responses)]
+    tokens = torch.zeros(4, 6, dtype=torch.long)
+    for i, row in enumerate(rows):
+        tokens[i, :len(row)] = torch.tensor(row)
+    lengths = torch.tensor([len(r) for r in responses])
+    mask = torch.arange(4)[None, :] < lengths[:, None]  # a response width of 4, wider than the longest
+    logprobs = -torch.rand(4, 4) * mask
+    return TrainBatch(tokens_bs=tokens, prompt_lengths_b=torch.tensor([3, 3, 2, 2]), response_lengths_b=lengths,
+                      response_mask_bt=mask, group_index_b=torch.tensor([0, 0, 1, 1]), rollout_logprobs_bt=logprobs,
+                      truncated_b=torch.tensor([False, True, False, False]),
+                      scores_b=torch.tensor([1.0, 0.0, 0.5, -1.0]), advantages_bt=torch.randn(4, 4) * mask,
+                      sample_index_b=torch.tensor([7, 7, 2, 2]), policy_version_b=torch.full((4,), 3))
+
+
+def _write(folder, step, batch=None):
+    records = [PromptRecord(prompt="x", data_source=f"src{i % 2}", ground_truth="1", index=i) for i in range(8)]
+    RolloutDumper(folder, every=1, records=records, tokenizer=build_char_tokenizer(), enabled=True).write(
+        batch or _batch(), step)
+    return dump_path(folder, step)
+
+
+def test_a_dump_reads_back_as_the_batch_it_trained_on(tmp_path):
+    batch = _batch()
+    path = _write(tmp_path, 5, batch)
+    back = read_dump(path, VOCAB)
+    for name in ("tokens_bs", "prompt_lengths_b", "response_lengths_b", "response_mask_bt", "group_index_b",
+                 "rollout_logprobs_bt", "truncated_b", "scores_b", "sample_index_b", "policy_version_b"):
+        assert torch.equal(getattr(back, name), getattr(batch, name)), name
+    assert back.advantages_bt is None and back.old_logprobs_bt is None, "recomputed by the replay"
+    assert torch.equal(read_scores(path), batch.scores_b)
+    rows = pq.read_table(path).to_pylist()
+    assert [row["data_source"] for row in rows] == ["src1", "src1", "src0", "src0"]
+    assert [row["response"] for row in rows] == ["4", "567", "", ""]  # <eos> (3) is skipped in the text
+    assert rows[0]["prompt"] == "12=" and rows[0]["advantages"] == batch.advantages_bt[0, :2].tolist()
+    assert not list(tmp_path.glob("*.tmp"))
+    RolloutDumper(tmp_path, every=2, records=[], tokenizer=None, enabled=True).write(batch, 7)  # not due
+    RolloutDumper(tmp_path, every=1, records=[], tokenizer=None, enabled=False).write(batch, 8)  # not rank 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000005.parquet"]
+    # A run resumed at step 4 replaces what an earlier attempt dumped from step 4 on.
+    _write(tmp_path, 9)
+    _write(tmp_path, 4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000004.parquet"]
+
+
+def test_bad_dump_folders_are_one_line_config_errors(tmp_path):
+    fix = "point --rollouts at the rollouts/ folder of a run trained with trainer.dump_rollouts=true"
+    cases = []
+    cases.append((tmp_path / "missing", f"--rollouts {tmp_path / 'missing'}: no such folder; {fix}"))
+    (tmp_path / "empty").mkdir()
+    cases.append((tmp_path / "empty", f"--rollouts {tmp_path / 'empty'} holds no step_<N>.parquet dumps; {fix}"))
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk/step_000001.parquet").write_text("not parquet")
+    cases.append((tmp_path / "junk", f"rollout dump {tmp_path / 'junk/step_000001.parquet'} is not a readable "
+                                     f"parquet file (ArrowInvalid); {fix}"))
+    (tmp_path / "foreign").mkdir()
+    pq.write_table(pa.table({"prompt": ["1+1"]}), tmp_path / "foreign/step_000001.parquet")
+    cases.append((tmp_path / "foreign", f"rollout dump {tmp_path / 'foreign/step_000001.parquet'} is not an rlhf "
+                                        f"rollout dump (format None, expected 'rlhf.rollouts/1'); {fix}"))
+    for folder, message in cases:
+        with pytest.raises(ConfigError) as error:
+            check_dumps(folder, num_steps=1, rows_per_step=4)
+        assert str(error.value) == message and "\n" not in message
+    good = tmp_path / "run/rollouts"
+    _write(good, 1)
+    with pytest.raises(ConfigError, match=rf"^--rollouts {tmp_path / 'run'} holds no step_<N>.parquet dumps; did you "
+                                          rf"mean --rollouts {good}\?$"):
+        check_dumps(tmp_path / "run", num_steps=1, rows_per_step=4)
+    with pytest.raises(ConfigError, match=r"^--rollouts .*/rollouts holds 1 step dump\(s\) but trainer.total_steps=2; "
+                                          r"set trainer.total_steps<=1$"):
+        check_dumps(good, num_steps=2, rows_per_step=4)
+    with pytest.raises(ConfigError, match=r"step_000001.parquet has 4 rollouts, but data.prompts_per_step x "
+                                          r"sampling.n = 8; replay with the config of the run that wrote it$"):
+        check_dumps(good, num_steps=1, rows_per_step=8)
+    assert check_dumps(good, num_steps=1, rows_per_step=4) == [dump_path(good, 1)]
+    with pytest.raises(ConfigError, match=r"holds token id 16, outside model.path's vocabulary of 12; replay with "
+                                          r"the model \(tokenizer\) the dump was made with$"):
+        read_dump(dump_path(good, 1), 12)
+    table = pq.read_table(dump_path(good, 1))
+    pq.write_table(table.drop(["score"]).replace_schema_metadata(table.schema.metadata), good / "step_000002.parquet")
+    with pytest.raises(ConfigError, match=r"step_000002.parquet lacks the column\(s\) score; point --rollouts"):
+        check_dumps(good, num_steps=2, rows_per_step=4)
+    assert json.loads(table.schema.metadata[b"rlhf"]) == {"format": "rlhf.rollouts/1", "pad_token_id": 0,
+                                                          "response_width": 4}
