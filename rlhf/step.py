@@ -61,6 +61,7 @@ class RLStack:
     pad_token_id: int
     reward_model: RewardModelRole | None = None
     memory: MemoryPhases = field(default_factory=MemoryPhases)
+    last_batch: TrainBatch | None = None  # the last step's scored batch (what alerts.nan_policy=abort dumps)
 
 
 def rl_step(stack: RLStack, prompts: PromptStep, step: int,
@@ -76,6 +77,7 @@ def rl_step(stack: RLStack, prompts: PromptStep, step: int,
         with stack.memory.weight_sync(metrics), metrics.timer("update_weights"):
             stack.weight_sync.sync()
     record_batch_metrics(metrics, batch, stack)
+    stack.last_batch = batch
     return metrics
 
 
@@ -218,6 +220,13 @@ def _masked_mean(x_bt: torch.Tensor, mask_bt: torch.Tensor) -> float:
     return float((x_bt * mask_bt).sum() / mask_bt.sum().clamp(min=1))
 
 
+def _empty_b(batch: TrainBatch) -> torch.Tensor:
+    """Responses that stopped at their first token (an immediate EOS: nothing generated)."""
+    stopped_b = ~batch.truncated_b if batch.truncated_b is not None else torch.ones_like(batch.response_lengths_b,
+                                                                                          dtype=torch.bool)
+    return (batch.response_lengths_b <= 1) & stopped_b
+
+
 def record_batch_metrics(metrics: StepMetrics, batch: TrainBatch, stack: RLStack) -> None:
     """Metrics of the global batch (identical on every rank, so rank 0 reports them)."""
     mask = batch.response_mask_bt
@@ -234,6 +243,7 @@ def record_batch_metrics(metrics: StepMetrics, batch: TrainBatch, stack: RLStack
         "response_length/max": float(lengths.max()),
         "response_length/min": float(lengths.min()),
         "response_length/clip_ratio": float((lengths >= stack.sampling.max_new_tokens).float().mean()),
+        "response_length/empty_ratio": float(_empty_b(batch).float().mean()),
         "prompt_length/mean": float(batch.prompt_lengths_b.float().mean()),
         "perf/total_num_tokens": float(num_tokens),
         "perf/throughput": num_tokens / max(step_s, 1e-9) / world,

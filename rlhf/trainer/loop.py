@@ -2,7 +2,7 @@
 
     Trainer(cfg, run_dir).fit()
       build: meshes -> data -> reward -> actor / ref / critic / reward model / rollout engine (+ weight sync)
-      loop:  resume? -> validate -> [rl_step -> reduce metrics -> log -> validate? -> checkpoint?]*
+      loop:  resume? -> validate -> [rl_step -> reduce metrics -> alerts -> log -> validate? -> checkpoint?]*
 Layouts, groups and every input check come from `rlhf.trainer.preflight`.
 Every stage after process-group init (build, resume, first push, validation, each step, each save) is a
 watchdog phase: a stall anywhere ends every rank with stacks in its log.
@@ -25,6 +25,8 @@ from rlhf.data.loader import PromptLoader, load_prompts
 from rlhf.parallel.watchdog import Watchdog
 from rlhf.parallel.meshes import RoleMeshes
 from rlhf.metrics import MetricReducer, MetricsSink, StepMetrics
+from rlhf.ops.alerts import AlertMonitor
+from rlhf.ops.prometheus import PrometheusExporter
 from rlhf.rollout.factory import build_engine, close_engine, engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
 from rlhf.step import RLStack, rl_step
@@ -99,6 +101,8 @@ class Trainer:
                              reward_model=reward_model, memory=memory)
         self.checkpoints = CheckpointManager(run_dir.path / "checkpoints", cfg.checkpoint.keep_last)
         self.sink: MetricsSink | None = None  # opened once the resumed step is known
+        self.alerts = AlertMonitor(cfg.alerts, run_dir.path, is_rank0=run_dir.is_rank0)
+        self.exporter: PrometheusExporter | None = None  # rank 0 serves while `fit` runs
 
     def _build_data(self) -> PromptLoader:
         rollout = self.meshes["rollout"]
@@ -215,6 +219,7 @@ class Trainer:
                 self.run_dir.commit_config()  # only now: a failed resume leaves the run's config.yaml as it was
                 self.sink = MetricsSink(self.run_dir.path, enabled=self.run_dir.is_rank0,
                                         tensorboard=cfg.tensorboard, first_step=start + 1 if start else 0)
+                self._start_exporter()
                 with watchdog.phase("first weight push"):
                     self.push_initial_weights()
                 history = []
@@ -230,8 +235,20 @@ class Trainer:
                         history.append(self._step(step))
         finally:
             close_engine(self.stack.rollout)  # vLLM's teardown needs the process groups still alive
+            if self.exporter is not None:
+                self.exporter.close()
         self.sink.close()
         return history
+
+    def _start_exporter(self) -> None:
+        """`metrics.prometheus_port` != 0: rank 0 serves /metrics, heartbeats read from the rendezvous store."""
+        metrics = self.cfg.metrics
+        if not metrics.prometheus_port or not self.run_dir.is_rank0:
+            return
+        self.exporter = PrometheusExporter(metrics, world_size=dist.get_world_size(),
+                                           store=dist.distributed_c10d._get_default_store())
+        (self.run_dir.path / "prometheus.port").write_text(f"{self.exporter.port}\n")
+        log.info("prometheus: serving http://%s:%d/metrics", metrics.prometheus_host, self.exporter.port)
 
     def _watchdog(self) -> Watchdog:
         """A phase that outlives comm.step_timeout_s dumps every rank's stacks to its log and exits non-zero."""
@@ -243,10 +260,13 @@ class Trainer:
         """One RL step plus its validation, logging and checkpoint."""
         cfg = self.cfg.trainer
         values = self.run_step(step).reduced(self.metric_reducer)
+        values.update(self.alerts.observe(step, values, self.stack.last_batch))
         if (cfg.val_every and step % cfg.val_every == 0) or step == cfg.total_steps:
             values.update(self.validate(step))
         values["training/global_step"] = step
         self.sink.write(step, values)
+        if self.exporter is not None:
+            self.exporter.update(step, values, self.alerts.counts)
         log.info("step %d: %s", step, "  ".join(f"{CONSOLE_KEYS[k]}={values[k]:.4g}"
                                                for k in CONSOLE_KEYS if k in values))
         every = self.cfg.checkpoint.every
