@@ -2,7 +2,9 @@
 
 Every rank sees the same reduced metrics, so every rank finds the same alerts (an abort needs no vote). Rank 0
 logs one warning line per alert, counts it (`alerts/<name>` metrics, the Prometheus counters) and POSTs it as
-JSON to `alerts.webhook_url`. NaN/inf in a loss or gradient: the optimizer has already skipped that update
+JSON to `alerts.webhook_url`. The detectors' windows are checkpointed: a resumed run alerts as the uninterrupted
+one. The throughput drop is judged on wall time, so its metric is `perf/throughput_drop` (beside the other
+timing-derived values, which no two runs share) and `alerts/count` leaves it out. NaN/inf in a loss or gradient: the optimizer has already skipped that update
 (no optimizer or scheduler step); `nan_policy: abort` then writes the step's batch as safetensors + JSON under
 `<run>/nan_dumps/step_<N>/` and ends every rank with a `NonFiniteError` naming the step.
 """
@@ -115,6 +117,18 @@ class AlertDetectors:
                                    f"{median:.4g}"))
         return found
 
+    def detectors(self) -> dict:
+        return {**{f"loss:{k}": v for k, v in self.loss.items()}, **{f"grad:{k}": v for k, v in self.grad.items()},
+                "length": self.length, "throughput": self.throughput, "reward": self.reward}
+
+    def state_dict(self) -> dict:
+        return {"detectors": {name: d.state_dict() for name, d in self.detectors().items()}, "empty": self._empty}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, detector in self.detectors().items():
+            detector.load_state_dict(state["detectors"][name])
+        self._empty = bool(state["empty"])
+
     def _nan(self, step: int, values: dict[str, float]) -> list[Alert]:
         bad = non_finite(values, FINITE_METRICS)
         skipped = [f"{name}={values[name]:g}" for name in SKIP_METRICS if values.get(name, 0) > 0]
@@ -150,8 +164,12 @@ class AlertDetectors:
 
 
 def alert_metrics(alerts: list[Alert]) -> dict[str, float]:
-    """`alerts/count` every step, `alerts/<name>` = 1 for each alert raised in it."""
-    return {"alerts/count": float(len(alerts)), **{f"alerts/{alert.name}": 1.0 for alert in alerts}}
+    """`alerts/count` every step, `alerts/<name>` = 1 for each alert raised in it (`perf/throughput_drop`)."""
+    counted = [alert for alert in alerts if alert.name != "throughput_drop"]
+    out = {"alerts/count": float(len(counted)), **{f"alerts/{alert.name}": 1.0 for alert in counted}}
+    if len(counted) < len(alerts):
+        out["perf/throughput_drop"] = 1.0
+    return out
 
 
 def post_webhook(url: str, payload: dict, timeout_s: float) -> str | None:
@@ -204,6 +222,13 @@ class AlertMonitor:
         if nan is not None and self.cfg.nan_policy == "abort":
             self._abort(nan, values, batch)
         return alert_metrics(alerts)
+
+    def state_dict(self) -> dict:
+        return {"detectors": self.detectors.state_dict(), "counts": dict(self.counts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.detectors.load_state_dict(state["detectors"])
+        self.counts.update({name: int(n) for name, n in state["counts"].items()})
 
     def _report(self, alert: Alert, values: dict[str, float]) -> None:
         log.warning(alert.line())

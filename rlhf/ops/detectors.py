@@ -29,7 +29,20 @@ def non_finite(values: dict[str, float], names: tuple[str, ...]) -> list[str]:
     return [f"{name}={values[name]}" for name in names if name in values and not math.isfinite(values[name])]
 
 
-class SpikeDetector:
+class _Windowed:
+    """A detector's window as checkpoint state (plain floats), so a resumed run alerts as the uninterrupted one."""
+
+    history: deque
+
+    def state_dict(self) -> dict:
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history.clear()
+        self.history.extend(float(v) for v in state["history"])
+
+
+class SpikeDetector(_Windowed):
     """A value whose robust z-score over the last `window` values exceeds `z_threshold` (`upward_only`: only
     increases count, as for a gradient norm); silent until `min_history` values have been seen."""
 
@@ -46,7 +59,7 @@ class SpikeDetector:
         return z if (z if self.upward_only else abs(z)) > self.z_threshold else None
 
 
-class DropDetector:
+class DropDetector(_Windowed):
     """A value below `ratio` x the median of the last `window` values (throughput, response length)."""
 
     def __init__(self, *, window: int, min_history: int, ratio: float) -> None:
@@ -62,7 +75,7 @@ class DropDetector:
         return median if median > 0 and value < self.ratio * median else None
 
 
-class FlatDetector:
+class FlatDetector(_Windowed):
     """Fires once when the last `steps` values all lie within `tolerance` of each other; re-arms on change."""
 
     def __init__(self, *, steps: int, tolerance: float) -> None:
@@ -78,3 +91,10 @@ class FlatDetector:
         fire = flat and not self._fired
         self._fired = flat
         return fire
+
+    def state_dict(self) -> dict:
+        return {"history": list(self.history), "fired": self._fired}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self._fired = bool(state["fired"])

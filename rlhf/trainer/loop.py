@@ -144,6 +144,7 @@ class Trainer:
                 "critic": self.stack.critic.state_dict() if self.stack.critic else {},
                 "loader": self.loader.state_dict(), "kl": self.stack.kl_controller.state_dict(),
                 "policy_version": getattr(self.stack.rollout, "policy_version", 0),
+                "alerts": self.alerts.state_dict(),
                 "rng": {"torch": platform.rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
 
     def _replicated(self) -> list:
@@ -172,6 +173,8 @@ class Trainer:
                         for role in trained})
         self.loader.load_state_dict(state["loader"])
         self.stack.kl_controller.load_state_dict(state["kl"])
+        if "alerts" in state:  # checkpoints written before alerts existed start with empty windows
+            self.alerts.load_state_dict(state["alerts"])
         if self.stack.rollout is not None:
             self.stack.rollout.policy_version = state["policy_version"]
         platform.set_rng_state(state["rng"]["torch"])

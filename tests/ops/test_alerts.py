@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from rlhf.config import RlhfConfig, from_dict
 from rlhf.errors import ConfigError, NonFiniteError
-from rlhf.ops.alerts import AlertDetectors, AlertMonitor, AlertsConfig, alert_metrics
+from rlhf.ops.alerts import Alert, AlertDetectors, AlertMonitor, AlertsConfig, alert_metrics
+from rlhf.state_file import decode_state, encode_state
 from rlhf.trainer.batch import TrainBatch
 
 
@@ -109,6 +110,8 @@ def test_monitor_logs_one_line_posts_the_webhook_and_counts(tmp_path, caplog):
     assert hook.received == [{"alert": "nan", "step": 1, "run": "myrun", "count": 1, "message": line.split(": ", 1)[1]}]
     assert monitor.counts["nan"] == 1 and sum(monitor.counts.values()) == 1
     assert alert_metrics([]) == {"alerts/count": 0.0}
+    timed = [Alert("throughput_drop", 3, "slow"), Alert("loss_spike", 3, "up")]
+    assert alert_metrics(timed) == {"alerts/count": 1.0, "alerts/loss_spike": 1.0, "perf/throughput_drop": 1.0}
 
 
 def test_unreachable_webhook_is_one_warning_and_training_goes_on(tmp_path, caplog):
@@ -140,3 +143,19 @@ def test_abort_dumps_the_batch_as_safetensors_and_json_and_names_the_step(tmp_pa
     # skip (the default) goes on; a disabled monitor reports nothing
     assert AlertMonitor(AlertsConfig(), tmp_path, is_rank0=True).observe(4, {"actor/pg_loss": math.nan})["alerts/nan"]
     assert AlertMonitor(AlertsConfig(enable=False), tmp_path, is_rank0=True).observe(4, {"actor/pg_loss": math.nan}) == {}
+
+
+def test_detector_state_round_trips_so_a_resumed_run_alerts_as_the_uninterrupted_one():
+    changes = {9: {"actor/pg_loss": 5.0, "perf/throughput": 100.0}, 10: {"critic/score/mean": 0.3}}
+    full = AlertDetectors(AlertsConfig(reward_flat_steps=3))
+    first = AlertDetectors(AlertsConfig(reward_flat_steps=3))
+    for step in range(1, 7):
+        full.check(step, _steady(step))
+        first.check(step, _steady(step))
+    resumed = AlertDetectors(AlertsConfig(reward_flat_steps=3))
+    resumed.load_state_dict(decode_state(encode_state(first.state_dict()), "alerts"))  # as a checkpoint holds it
+    for step in range(7, 13):
+        values = _steady(step) | changes.get(step, {})
+        assert [a.line() for a in resumed.check(step, values)] == [a.line() for a in full.check(step, values)]
+    assert full.state_dict() == resumed.state_dict()
+    assert AlertDetectors(AlertsConfig()).state_dict() != full.state_dict()
