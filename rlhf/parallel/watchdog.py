@@ -86,6 +86,7 @@ class Watchdog:
         self._backstop_log = open(self.log_file, "a") if self.log_file else sys.__stderr__  # noqa: SIM115
         if self.store is not None:
             _store_call(peers.publish_identity, self.store, self.rank)
+            self._publish(self._status())  # a rank's heartbeat exists from the moment its watchdog runs
             self._same_host = dict.fromkeys(peers.same_host_ranks(self.rank, self.world_size))
         self._wakeup = _Wakeup()
         self._thread = threading.Thread(target=self._run, name="rlhf-watchdog", daemon=True)
