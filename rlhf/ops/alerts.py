@@ -2,11 +2,12 @@
 
 Every rank sees the same reduced metrics, so every rank finds the same alerts (an abort needs no vote). Rank 0
 logs one warning line per alert, counts it (`alerts/<name>` metrics, the Prometheus counters) and POSTs it as
-JSON to `alerts.webhook_url`. The detectors' windows are checkpointed: a resumed run alerts as the uninterrupted
-one. The throughput drop is judged on wall time, so its metric is `perf/throughput_drop` (beside the other
-timing-derived values, which no two runs share) and `alerts/count` leaves it out. NaN/inf in a loss or gradient: the optimizer has already skipped that update
-(no optimizer or scheduler step); `nan_policy: abort` then writes the step's batch as safetensors + JSON under
-`<run>/nan_dumps/step_<N>/` and ends every rank with a `NonFiniteError` naming the step.
+JSON to `alerts.webhook_url`. NaN/inf in a loss or gradient: the optimizer has already skipped that update (no
+optimizer or scheduler step, `TrainEngine`); `nan_policy: abort` then writes the step's batch as safetensors +
+JSON under `<run>/nan_dumps/step_<N>/` and ends every rank with a `NonFiniteError` naming the step.
+The detectors' windows are checkpointed: a resumed run alerts as the uninterrupted one. The throughput drop is
+judged on wall time, so its metric is `perf/throughput_drop` (beside the other timing-derived values, which no
+two runs share) and `alerts/count` leaves it out.
 """
 
 from __future__ import annotations

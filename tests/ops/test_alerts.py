@@ -142,7 +142,8 @@ def test_abort_dumps_the_batch_as_safetensors_and_json_and_names_the_step(tmp_pa
     assert info["fields"]["pad_token_id"] == 0 and "old_logprobs_bt" not in info["fields"]
     # skip (the default) goes on; a disabled monitor reports nothing
     assert AlertMonitor(AlertsConfig(), tmp_path, is_rank0=True).observe(4, {"actor/pg_loss": math.nan})["alerts/nan"]
-    assert AlertMonitor(AlertsConfig(enable=False), tmp_path, is_rank0=True).observe(4, {"actor/pg_loss": math.nan}) == {}
+    disabled = AlertMonitor(AlertsConfig(enable=False), tmp_path, is_rank0=True)
+    assert disabled.observe(4, {"actor/pg_loss": math.nan}) == {}
 
 
 def test_detector_state_round_trips_so_a_resumed_run_alerts_as_the_uninterrupted_one():

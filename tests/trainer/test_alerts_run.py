@@ -1,7 +1,7 @@
 """Alerts and the Prometheus endpoint in a real 2-rank GRPO run: a crafted NaN in step 2's old logprobs (as a
-forward that blew up would give; a NaN reward is a RewardError before any update) makes the loss and gradients
-NaN: the update is skipped (no optimizer step, weights bitwise unchanged) or the run aborts with the batch dumped; rank 0's /metrics is scraped
-after steps 1 and 2 and parsed strictly."""
+forward that blew up would give; a NaN reward is a RewardError before any update) makes the loss NaN: the update
+is skipped (no optimizer step, weights bitwise unchanged) or the run aborts with the batch dumped; rank 0's
+/metrics is scraped after steps 1 and 2 and parsed strictly."""
 
 import json
 import math
@@ -118,7 +118,8 @@ def test_nan_skip_and_abort_alerts_and_prometheus_scrape_on_2_ranks(tiny, tmp_pa
     for rank_skip, _ in results:
         assert [(s["num_steps"], s.get("unchanged")) for s in rank_skip["steps"]] == [(1, None), (1, True), (2, False)]
     rows = {row["step"]: row for row in skip["history"]}
-    assert rows[2]["alerts/nan"] == 1.0 and rows[2]["actor/skipped_steps"] == 1.0 and math.isnan(rows[2]["actor/pg_loss"])
+    assert rows[2]["alerts/nan"] == 1.0 and rows[2]["actor/skipped_steps"] == 1.0
+    assert math.isnan(rows[2]["actor/pg_loss"])
     assert rows[1]["alerts/count"] == rows[3]["alerts/count"] == 0.0 and "alerts/nan" not in rows[3]
     assert read_jsonl(Path(skip["run"]) / "metrics.jsonl")[1]["alerts/nan"] == 1.0
     line = ("alert nan at step 2: non-finite loss or gradient (actor/pg_loss=nan, actor/skipped_steps=1); the "
