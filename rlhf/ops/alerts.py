@@ -218,7 +218,7 @@ class AlertMonitor:
         for alert in alerts:
             self.counts[alert.name] += 1
             if self.is_rank0:
-                self._report(alert, values)
+                self._report(alert)
         nan = next((alert for alert in alerts if alert.name == "nan"), None)
         if nan is not None and self.cfg.nan_policy == "abort":
             self._abort(nan, values, batch)
@@ -231,7 +231,7 @@ class AlertMonitor:
         self.detectors.load_state_dict(state["detectors"])
         self.counts.update({name: int(n) for name, n in state["counts"].items()})
 
-    def _report(self, alert: Alert, values: dict[str, float]) -> None:
+    def _report(self, alert: Alert) -> None:
         log.warning(alert.line())
         if self.cfg.webhook_url:
             payload = {"alert": alert.name, "step": alert.step, "message": alert.message,

@@ -16,12 +16,11 @@ _MAD_TO_SIGMA = 0.6745
 
 
 def robust_z(value: float, history: list[float]) -> float:
-    """(value - median) / (MAD / 0.6745) over `history`; a flat history makes any change infinitely far."""
+    """(value - median) / (MAD / 0.6745) over `history`; 0 when the history has no spread (MAD 0) to judge by,
+    e.g. GRPO steps whose groups all scored alike have a loss and grad norm of exactly 0."""
     median = statistics.median(history)
     mad = statistics.median(abs(x - median) for x in history)
-    if mad == 0:
-        return 0.0 if value == median else math.copysign(math.inf, value - median)
-    return _MAD_TO_SIGMA * (value - median) / mad
+    return _MAD_TO_SIGMA * (value - median) / mad if mad > 0 else 0.0
 
 
 def non_finite(values: dict[str, float], names: tuple[str, ...]) -> list[str]:

@@ -14,8 +14,12 @@ def _fired(detector, values):
 def test_robust_z_uses_median_and_mad():
     history = [1.0, 2.0, 3.0, 4.0, 100.0]  # median 3, MAD 1: the outlier in the history does not widen it
     assert robust_z(5.0, history) == pytest.approx(0.6745 * 2)
-    assert robust_z(3.0, [3.0] * 4) == 0.0
-    assert robust_z(3.5, [3.0] * 4) == math.inf and robust_z(2.5, [3.0] * 4) == -math.inf
+    assert robust_z(3.0, [3.0] * 4) == robust_z(3.5, [3.0] * 4) == 0.0, "no spread, no scale to judge by"
+
+
+def test_first_nonzero_loss_after_all_zero_steps_is_no_spike():
+    detector = SpikeDetector(window=20, min_history=5, z_threshold=8.0, upward_only=True)
+    assert _fired(detector, [0.0] * 6 + [0.3, 0.25, 0.0, 0.31]) == []
 
 
 def test_spike_detector_fires_on_the_spikes_only():
