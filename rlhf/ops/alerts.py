@@ -2,7 +2,7 @@
 
 Every rank sees the same reduced metrics, so every rank finds the same alerts (an abort needs no vote). Rank 0
 logs one warning line per alert, counts it (`alerts/<name>` metrics, the Prometheus counters) and POSTs it as
-JSON to `alerts.webhook_url`. NaN/inf in a loss or gradient: the optimizer has already skipped that update (no
+JSON to `alerts.webhook_url` (from a thread: a slow endpoint never stalls a step). NaN/inf in a loss or gradient: the optimizer has already skipped that update (no
 optimizer or scheduler step, `TrainEngine`); `nan_policy: abort` then writes the step's batch as safetensors +
 JSON under `<run>/nan_dumps/step_<N>/` and ends every rank with a `NonFiniteError` naming the step.
 The detectors' windows are checkpointed: a resumed run alerts as the uninterrupted one. The throughput drop is
@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import queue
+import threading
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -185,6 +187,30 @@ def post_webhook(url: str, payload: dict, timeout_s: float) -> str | None:
         return f"alerts: webhook {url} failed ({error}); training goes on"
 
 
+class WebhookSender:
+    """POSTs payloads in order from a daemon thread; `close()` returns once the queued ones are delivered or have
+    failed (each POST is bounded by `timeout_s`)."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self.url, self.timeout_s = url, timeout_s
+        self._queue: queue.Queue[dict | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="rlhf-alert-webhook", daemon=True)
+        self._thread.start()
+
+    def send(self, payload: dict) -> None:
+        self._queue.put(payload)
+
+    def _run(self) -> None:
+        while (payload := self._queue.get()) is not None:
+            failure = post_webhook(self.url, payload, self.timeout_s)
+            if failure:
+                log.warning(failure)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
 def dump_batch(batch: Any, folder: Path, info: dict) -> None:
     """The step's TrainBatch as `batch.safetensors` (every tensor field) + `batch.json` (scalars, shapes, `info`)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -209,6 +235,8 @@ class AlertMonitor:
         self.cfg, self.run_path, self.is_rank0 = cfg, run_path, is_rank0
         self.detectors = AlertDetectors(cfg)
         self.counts = dict.fromkeys(ALERT_NAMES, 0)
+        self._webhook = (WebhookSender(cfg.webhook_url, cfg.webhook_timeout_s)
+                         if cfg.enable and cfg.webhook_url and is_rank0 else None)
 
     def observe(self, step: int, values: dict[str, float], batch: Any = None) -> dict[str, float]:
         """The step's `alerts/*` metrics; under `nan_policy: abort`, dumps `batch` and raises on every rank."""
@@ -231,22 +259,26 @@ class AlertMonitor:
         self.detectors.load_state_dict(state["detectors"])
         self.counts.update({name: int(n) for name, n in state["counts"].items()})
 
+    def close(self) -> None:
+        """Deliver the webhook posts still queued (the run's end, or an abort)."""
+        if self._webhook is not None:
+            self._webhook.close()
+            self._webhook = None
+
     def _report(self, alert: Alert) -> None:
         log.warning(alert.line())
-        if self.cfg.webhook_url:
-            payload = {"alert": alert.name, "step": alert.step, "message": alert.message,
-                       "run": self.run_path.name, "count": self.counts[alert.name]}
-            failure = post_webhook(self.cfg.webhook_url, payload, self.cfg.webhook_timeout_s)
-            if failure:
-                log.warning(failure)
+        if self._webhook is not None:
+            self._webhook.send({"alert": alert.name, "step": alert.step, "message": alert.message,
+                                "run": self.run_path.name, "count": self.counts[alert.name]})
 
     def _abort(self, alert: Alert, values: dict[str, float], batch: Any) -> None:
         folder = self.run_path / "nan_dumps" / f"step_{alert.step}"
         if self.is_rank0 and batch is not None:
             metrics = {k: (v if math.isfinite(v) else str(v)) for k, v in sorted(values.items())}
             dump_batch(batch, folder, {"step": alert.step, "alert": alert.message, "metrics": metrics})
+        self.close()
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()  # the dump is complete before any rank exits (a launcher then ends the others)
+            dist.barrier()  # dump and webhook are done before any rank exits (a launcher then ends the others)
         dumped = f"batch dumped to {folder} (batch.safetensors + batch.json)" if batch is not None else "no batch"
         raise NonFiniteError(f"step {alert.step}: {alert.message}; {dumped}; aborting as alerts.nan_policy='abort' "
                              "(set 'skip' to skip such steps)")

@@ -238,6 +238,7 @@ class Trainer:
                         history.append(self._step(step))
         finally:
             close_engine(self.stack.rollout)  # vLLM's teardown needs the process groups still alive
+            self.alerts.close()
             if self.exporter is not None:
                 self.exporter.close()
         self.sink.close()

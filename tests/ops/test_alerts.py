@@ -101,6 +101,7 @@ def test_monitor_logs_one_line_posts_the_webhook_and_counts(tmp_path, caplog):
         with caplog.at_level(logging.WARNING, logger="rlhf.alerts"):
             metrics = monitor.observe(1, {"actor/pg_loss": math.nan, "actor/skipped_steps": 1.0})
             quiet = monitor.observe(2, {"actor/pg_loss": 0.1, "actor/skipped_steps": 0.0})
+            monitor.close()  # delivers the queued posts
     finally:
         hook.close()
     line = ("alert nan at step 1: non-finite loss or gradient (actor/pg_loss=nan, actor/skipped_steps=1); "
@@ -120,6 +121,7 @@ def test_unreachable_webhook_is_one_warning_and_training_goes_on(tmp_path, caplo
     monitor = AlertMonitor(AlertsConfig(webhook_url=hook.url), tmp_path, is_rank0=True)
     with caplog.at_level(logging.WARNING, logger="rlhf.alerts"):
         monitor.observe(1, {"actor/grad_norm": math.inf})
+        monitor.close()
     assert len(caplog.records) == 2 and caplog.records[1].getMessage().startswith(
         f"alerts: webhook {hook.url} failed (") and caplog.records[1].getMessage().endswith("); training goes on")
 
