@@ -23,3 +23,7 @@ class RewardError(RlhfError, RuntimeError):
 
 class CheckpointError(RlhfError, RuntimeError):
     """A checkpoint is missing, incomplete or does not match the model it is loaded into."""
+
+
+class NonFiniteError(RlhfError, RuntimeError):
+    """A train step produced a NaN/inf loss or gradient under a `nan_policy` of "abort"; names the step."""

@@ -144,6 +144,8 @@ class MetricReducer:
                 out[name] = total / count
             elif reduce == "sum":
                 out[name] = total
+            elif math.isnan(total):  # a MAX all-reduce may drop a NaN (gloo compares); the SUM slot keeps it
+                out[name] = math.nan
             else:
                 out[name] = maxed[2 * i] if reduce == "max" else -maxed[2 * i + 1]
         return dict(sorted(out.items()))

@@ -62,6 +62,7 @@ class RLStack:
     reward_model: RewardModelRole | None = None
     memory: MemoryPhases = field(default_factory=MemoryPhases)
     dump: Callable[[TrainBatch, int], None] | None = None  # `trainer.dump_rollouts`: (scored batch, step)
+    last_batch: TrainBatch | None = None  # the last step's scored batch (what alerts.nan_policy=abort dumps)
 
 
 def rl_step(stack: RLStack, prompts: PromptStep, step: int,
@@ -80,6 +81,7 @@ def rl_step(stack: RLStack, prompts: PromptStep, step: int,
 def train_and_sync(stack: RLStack, batch: TrainBatch, step: int, metrics: StepMetrics) -> None:
     """The training phase on a global batch (generated now, or read from a dump by `rlhf replay`), the dump of
     the scored batch, then the weight sync."""
+    stack.last_batch = batch
     with stack.memory.training(metrics):
         score_and_update(stack, batch, metrics)
     if stack.dump is not None:
@@ -240,6 +242,13 @@ def _masked_mean(x_bt: torch.Tensor, mask_bt: torch.Tensor) -> float:
     return float((x_bt * mask_bt).sum() / mask_bt.sum().clamp(min=1))
 
 
+def _empty_b(batch: TrainBatch) -> torch.Tensor:
+    """Responses that stopped at their first token (an immediate EOS: nothing generated)."""
+    stopped_b = ~batch.truncated_b if batch.truncated_b is not None else torch.ones_like(batch.response_lengths_b,
+                                                                                          dtype=torch.bool)
+    return (batch.response_lengths_b <= 1) & stopped_b
+
+
 def record_batch_metrics(metrics: StepMetrics, batch: TrainBatch, stack: RLStack) -> None:
     """Metrics of the global batch (identical on every rank, so rank 0 reports them)."""
     mask = batch.response_mask_bt
@@ -256,6 +265,7 @@ def record_batch_metrics(metrics: StepMetrics, batch: TrainBatch, stack: RLStack
         "response_length/max": float(lengths.max()),
         "response_length/min": float(lengths.min()),
         "response_length/clip_ratio": float((lengths >= stack.sampling.max_new_tokens).float().mean()),
+        "response_length/empty_ratio": float(_empty_b(batch).float().mean()),
         "prompt_length/mean": float(batch.prompt_lengths_b.float().mean()),
         "perf/total_num_tokens": float(num_tokens),
         "perf/throughput": num_tokens / max(step_s, 1e-9) / world,

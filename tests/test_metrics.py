@@ -4,6 +4,8 @@ error when ranks disagree on a metric's reduction."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch.distributed as dist
 
@@ -41,7 +43,13 @@ def _reduce_steps() -> dict:
         results.append(reducer.reduce(_step(rank, step)))
         counts.append({k: calls[k] - before[k] for k in calls})
     dist.all_reduce = real_all_reduce
-    return {"results": results, "relayouts": reducer.num_relayouts, "counts": counts}
+    nan_step = StepMetrics()  # a NaN on one rank survives max/min reductions (alerts read it)
+    nan_step.add_global("critic/score/mean", math.nan)
+    nan_step.add("actor/grad_norm", math.nan if rank == 1 else 1.0, "max")
+    nan_step.add("response_length/min", math.nan if rank == 2 else 3.0, "min")
+    nan_step.add("timing_s/gen", 1.0 + rank, "max")
+    nans = {name: repr(value) for name, value in MetricReducer().reduce(nan_step).items()}
+    return {"results": results, "relayouts": reducer.num_relayouts, "counts": counts, "nans": nans}
 
 
 def test_reduced_values_and_collectives_per_step():
@@ -54,6 +62,8 @@ def test_reduced_values_and_collectives_per_step():
                      "training/lr": 0.2}
     assert step3["late/new"] == 42.0 and step3["loss"] == 4.0
     assert outs[0]["relayouts"] == 2  # step 1 (empty layout) and step 3 (a new metric on rank 2)
+    assert all(out["nans"] == {"actor/grad_norm": "nan", "critic/score/mean": "nan", "response_length/min": "nan",
+                               "timing_s/gen": "3.0"} for out in outs)
     counts = outs[0]["counts"]
     # steady state: one bucketed SUM and one MAX all-reduce; with comm.verify each is preceded by a fingerprint
     # exchange (which is what turns a layout mismatch into an error instead of a hang)

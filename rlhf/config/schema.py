@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from rlhf.checkpoint import CheckpointConfig
 from rlhf.data.config import DataConfig
+from rlhf.ops.alerts import AlertsConfig
+from rlhf.ops.prometheus import MetricsConfig
 from rlhf.parallel.config import CommConfig, DistConfig
 from rlhf.parallel.meshes import MeshConfig
 from rlhf.rewards.registry import RewardConfig
@@ -34,3 +36,5 @@ class RlhfConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sft: SftConfig = field(default_factory=SftConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    alerts: AlertsConfig = field(default_factory=AlertsConfig)

@@ -85,7 +85,8 @@ class Watchdog:
         # held open for faulthandler's timer
         self._backstop_log = open(self.log_file, "a") if self.log_file else sys.__stderr__  # noqa: SIM115
         if self.store is not None:
-            self._store_call(peers.publish_identity, self.store, self.rank)
+            _store_call(peers.publish_identity, self.store, self.rank)
+            self._publish(self._status())  # a rank's heartbeat exists from the moment its watchdog runs
             self._same_host = dict.fromkeys(peers.same_host_ranks(self.rank, self.world_size))
         self._wakeup = _Wakeup()
         self._thread = threading.Thread(target=self._run, name="rlhf-watchdog", daemon=True)
@@ -94,7 +95,7 @@ class Watchdog:
     def stop(self) -> None:
         self._stop.set()
         if self.store is not None and self._thread is not None:
-            self._store_call(peers.mark_finished, self.store, self.rank)
+            _store_call(peers.mark_finished, self.store, self.rank)
         if self._thread is not None:
             self._wakeup.wake()
             self._thread.join()
@@ -123,8 +124,8 @@ class Watchdog:
             return
         for rank, who in self._same_host.items():
             if who is None:
-                who = self._same_host[rank] = self._store_call(peers.identity, self.store, rank)
-            if who is not None and peers.pid_gone(who["pid"]) and not self._store_call(peers.finished, self.store,
+                who = self._same_host[rank] = _store_call(peers.identity, self.store, rank)
+            if who is not None and peers.pid_gone(who["pid"]) and not _store_call(peers.finished, self.store,
                                                                                         rank):
                 self._log_peer_failure(peers.describe_exit(rank, who))
                 return
@@ -221,20 +222,20 @@ class Watchdog:
 
     def _publish(self, status: dict) -> None:
         if self.store is not None:
-            self._store_call(self.store.set, f"{_PREFIX}/heartbeat/{self.rank}", json.dumps(status))
+            _store_call(self.store.set, f"{_PREFIX}/heartbeat/{self.rank}", json.dumps(status))
 
     def _peer_abort(self) -> str | None:
         key = f"{_PREFIX}/abort"
-        if self.store is None or not self._store_call(self.store.check, [key]):
+        if self.store is None or not _store_call(self.store.check, [key]):
             return None
-        cause = self._store_call(self.store.get, key)
+        cause = _store_call(self.store.get, key)
         return f"aborting because {cause.decode() if cause else 'a peer aborted'}"
 
     def _fire(self, reason: str, status: dict) -> None:
         """Post the abort, write the evidence, let peers dump theirs, abort the group; always exit."""
         try:
             if self.store is not None:
-                self._store_call(self.store.set, f"{_PREFIX}/abort", f"rank {self.rank}: {reason}")
+                _store_call(self.store.set, f"{_PREFIX}/abort", f"rank {self.rank}: {reason}")
             self._write_report(reason, status)
             self._await_peers()
             _abort_group(self.group)
@@ -260,13 +261,10 @@ class Watchdog:
         if self.store is None:
             return "[rlhf watchdog] no store: peer heartbeats unknown\n"
         lines = []
-        for rank in range(self.world_size):
-            key = f"{_PREFIX}/heartbeat/{rank}"
-            raw = self._store_call(self.store.get, key) if self._store_call(self.store.check, [key]) else None
-            if raw is None:
+        for rank, beat in read_heartbeats(self.store, self.world_size).items():
+            if beat is None:
                 lines.append(f"[rlhf watchdog]   rank {rank}: no heartbeat\n")
                 continue
-            beat = json.loads(raw)
             age_s = time.time() - beat["time"]
             lines.append(f"[rlhf watchdog]   rank {rank}: {age_s:.1f}s ago, {_describe(beat)}\n")
         return "[rlhf watchdog] last heartbeats:\n" + "".join(lines)
@@ -275,18 +273,29 @@ class Watchdog:
         """Ack our dump, then wait (bounded) for every rank's ack so the store host outlives the others' dumps."""
         if self.store is None:
             return
-        self._store_call(self.store.set, f"{_PREFIX}/ack/{self.rank}", "1")
+        _store_call(self.store.set, f"{_PREFIX}/ack/{self.rank}", "1")
         keys = [f"{_PREFIX}/ack/{rank}" for rank in range(self.world_size)]
         deadline = time.monotonic() + self.ack_wait_s
-        while time.monotonic() < deadline and not self._store_call(self.store.check, keys):
+        while time.monotonic() < deadline and not _store_call(self.store.check, keys):
             time.sleep(min(0.1, self.poll_s))
 
-    def _store_call(self, method, *args):
-        """A store operation that tolerates a dead store host (the watchdog must reach its exit)."""
-        try:
-            return method(*args)
-        except (RuntimeError, dist.DistStoreError, OSError, peers.StoreUnreachable):
-            return None
+
+def _store_call(method, *args):
+    """A store operation that tolerates a dead store host (the watchdog must reach its exit)."""
+    try:
+        return method(*args)
+    except (RuntimeError, dist.DistStoreError, OSError, peers.StoreUnreachable):
+        return None
+
+
+def read_heartbeats(store: dist.Store, world_size: int) -> dict[int, dict | None]:
+    """Every rank's last published status (`time` is its wall clock then), None where there is none yet."""
+    beats: dict[int, dict | None] = {}
+    for rank in range(world_size):
+        key = f"{_PREFIX}/heartbeat/{rank}"
+        raw = _store_call(store.get, key) if _store_call(store.check, [key]) else None
+        beats[rank] = json.loads(raw) if raw is not None else None
+    return beats
 
 
 def _describe(status: dict) -> str:

@@ -19,7 +19,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from rlhf.errors import RlhfError
+from rlhf.errors import NonFiniteError
 from rlhf.models.forward import LossFn, forward_backward
 from rlhf.models.hf_load import HfFolder, check_folder
 from rlhf.platform import current_device, megatron_compat
@@ -29,10 +29,6 @@ from rlhf.train.optim import build_optimizer, build_scheduler
 from rlhf.train.state import Tensors, adam_step, checkpoint_tensors, load_checkpoint_tensors
 
 ForwardFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict]]
-
-
-class NonFiniteError(RlhfError, RuntimeError):
-    """A train step produced a NaN/inf loss or gradient under `nan_policy="abort"`; names role and step."""
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Each failure is one line naming the path or key and the fix: a folder that is not an HF model, a config.json
 transformers cannot read, missing tokenizer files, unreadable safetensors, an output folder that cannot be
-written, a KV cache too small for the prompts, a resume path that is no checkpoint.
+written, a KV cache too small for the prompts, a resume path that is no checkpoint, a reward model whose
+tokenizer ends or pads sequences with other tokens than the policy's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from transformers import AutoConfig, AutoTokenizer
 from rlhf.checkpoint import CheckpointManager
 from rlhf.data.tokenize import TokenizedPrompts
 from rlhf.errors import ConfigError
-from rlhf.models.hf_load import HfFolder, check_folder
+from rlhf.models.hf_load import HfFolder, check_folder, folder_head
 from rlhf.models.spec import ModelSpec
 
 
@@ -96,9 +97,46 @@ def check_kv_cache(cfg: Any, longest_prompt: int) -> None:
                               f"rollout.native.max_batch_size={native.max_batch_size}; raise it or lower {key}")
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _special_ids(tokenizer: Any) -> dict[str, int | None]:
+    """The eos id and the pad id rollouts are padded with (the trainer pads with eos when there is no pad)."""
+    eos = tokenizer.eos_token_id
+    return {"eos_token_id": eos, "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos}
+
+
+def check_reward_tokenizer(cfg: Any, tokenizer: Any) -> None:
+    """A reward model reads the policy's token ids and scores the last one (its eos): a reward model folder that
+    ships a tokenizer must agree with the policy's on eos and pad, or every score is read at the wrong token."""
+    path = cfg.reward.model_path
+    if not path or not any((Path(path) / name).is_file() for name in _TOKENIZER_FILES):
+        return
+    policy, reward = _special_ids(tokenizer), _special_ids(load_tokenizer(path, "reward.model_path"))
+    for key, policy_id in policy.items():
+        if reward[key] != policy_id:
+            raise ConfigError(
+                f"reward.model_path={path!r} has {key}={reward[key]} but the policy's tokenizer (model.path="
+                f"{cfg.model.path!r}) has {key}={policy_id}: the reward model scores the policy's tokens, so it "
+                "must use the same tokenizer; train the reward model from the policy's tokenizer, or, if the "
+                "vocabularies are the same, copy model.path's tokenizer files into the reward model folder")
+
+
+def score_head_warning(cfg: Any) -> str | None:
+    """A reward model folder without `score.weight` gets a freshly initialised head: its rewards are noise."""
+    path = cfg.reward.model_path
+    if not path or folder_head(HfFolder(path), value_head=True) != "none":
+        return None
+    return (f"reward.model_path={path!r} has no score head (score.weight), so the reward model's head is randomly "
+            "initialised and its rewards are noise; point reward.model_path at a trained reward model "
+            "(e.g. AutoModelForSequenceClassification with num_labels=1)")
+
+
 def input_warnings(cfg: Any, tokenizer: Any, train: TokenizedPrompts, val: TokenizedPrompts | None) -> list[str]:
-    """Inputs that run but train badly: a tokenizer that cannot end a rollout, prompts that became unknowns."""
-    found = [pad_and_eos_warning(tokenizer, cfg), unknown_token_warning(train, tokenizer, "data.train_files")]
+    """Inputs that run but train badly: a tokenizer that cannot end a rollout, prompts that became unknowns,
+    a reward model with a random score head."""
+    found = [pad_and_eos_warning(tokenizer, cfg), unknown_token_warning(train, tokenizer, "data.train_files"),
+             score_head_warning(cfg)]
     if val is not None:
         found.append(unknown_token_warning(val, tokenizer, "data.val_files"))
     return [warning for warning in found if warning]

@@ -65,8 +65,26 @@ class SamplingConfig:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        self._check_can_generate()
         self.train_params(0)
         self.val_params(0)
+
+    def _check_can_generate(self) -> None:
+        """Settings under which no rollout can be generated, named by their config keys (at config load)."""
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ConfigError(f"sampling.max_new_tokens={self.max_new_tokens!r} cannot generate: every response "
+                              "needs at least one token; set it >= 1")
+        if self.top_p <= 0:
+            greedy = " (greedy)" if self.temperature == 0 else ""
+            raise ConfigError(f"sampling.temperature={self.temperature:g}{greedy} with sampling.top_p={self.top_p:g} "
+                              "cannot generate: top_p=0 keeps no token; use top_p=1.0 (top_p is ignored when "
+                              "greedy) or a value in (0, 1]")
+        if self.n < 1 or self.val_n < 1:
+            raise ConfigError(f"sampling.n={self.n} and sampling.val_n={self.val_n} (samples per prompt) must be >= 1")
+        if self.val_temperature == 0 and self.val_n > 1:
+            raise ConfigError(f"sampling.val_n={self.val_n} with sampling.val_temperature=0 (greedy) gives "
+                              f"{self.val_n} identical responses per prompt; use sampling.val_n=1 or "
+                              "sampling.val_temperature > 0")
 
     @property
     def logprob_temperature(self) -> float:

@@ -2,7 +2,7 @@
 
     Trainer(cfg, run_dir).fit()
       build: meshes -> data -> reward -> actor / ref / critic / reward model / rollout engine (+ weight sync)
-      loop:  resume? -> validate -> [rl_step -> reduce metrics -> log -> validate? -> checkpoint?]*
+      loop:  resume? -> validate -> [rl_step -> reduce metrics -> alerts -> log -> validate? -> checkpoint?]*
 Layouts, groups and every input check come from `rlhf.trainer.preflight`.
 Every stage after process-group init (build, resume, first push, validation, each step, each save) is a
 watchdog phase: a stall anywhere ends every rank with stacks in its log.
@@ -29,6 +29,8 @@ from rlhf.parallel.meshes import RoleMeshes
 from rlhf.loggers import RunInfo
 from rlhf.metrics import MetricReducer, MetricsSink, StepMetrics, read_jsonl
 from rlhf.models.hf_export import export_hf
+from rlhf.ops.alerts import AlertMonitor
+from rlhf.ops.prometheus import PrometheusExporter
 from rlhf.rollout.factory import build_engine, close_engine, engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
 from rlhf.step import RLStack, rl_step
@@ -110,6 +112,8 @@ class Trainer:
                                             enabled=run_dir.is_rank0).write
         self.checkpoints = CheckpointManager(run_dir.path / "checkpoints", cfg.checkpoint.keep_last)
         self.sink: MetricsSink | None = None  # opened once the resumed step is known
+        self.alerts = AlertMonitor(cfg.alerts, run_dir.path, is_rank0=run_dir.is_rank0)
+        self.exporter: PrometheusExporter | None = None  # rank 0 serves while `fit` runs
 
     def _build_data(self) -> PromptLoader:
         rollout = self.meshes["rollout"]
@@ -153,6 +157,7 @@ class Trainer:
                 "critic": self.stack.critic.state_dict() if self.stack.critic else {},
                 "loader": self.loader.state_dict(), "kl": self.stack.kl_controller.state_dict(),
                 "policy_version": getattr(self.stack.rollout, "policy_version", 0),
+                "alerts": self.alerts.state_dict(),
                 "rng": {"torch": platform.rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
 
     def _tensors(self) -> dict:
@@ -192,6 +197,8 @@ class Trainer:
                         for role in trained})
         self.loader.load_state_dict(state["loader"])
         self.stack.kl_controller.load_state_dict(state["kl"])
+        if "alerts" in state:  # checkpoints written before alerts existed start with empty windows
+            self.alerts.load_state_dict(state["alerts"])
         if self.stack.rollout is not None:
             self.stack.rollout.policy_version = state["policy_version"]
         if manifest["world_size"] == dist.get_world_size():
@@ -246,6 +253,7 @@ class Trainer:
                                         first_step=start + 1 if start else 0, info=RunInfo(
                                             project=cfg.project_name, config=to_dict(self.cfg),
                                             experiment=cfg.experiment_name or self.run_dir.path.name))
+                self._start_exporter()
                 with watchdog.phase("first weight push"):
                     self.push_initial_weights()
                 history = []
@@ -261,6 +269,9 @@ class Trainer:
                         history.append(self._step(step))
         finally:
             close_engine(self.stack.rollout)  # vLLM's teardown needs the process groups still alive
+            self.alerts.close()
+            if self.exporter is not None:
+                self.exporter.close()
         self.sink.close()
         self._write_curve()
         return history
@@ -276,6 +287,16 @@ class Trainer:
         path = plot_run(read_jsonl(metrics), self.run_dir.path)
         log.info("learning curve: %s", path or "none (matplotlib is not installed; pip install matplotlib)")
 
+    def _start_exporter(self) -> None:
+        """`metrics.prometheus_port` != 0: rank 0 serves /metrics, heartbeats read from the rendezvous store."""
+        metrics = self.cfg.metrics
+        if not metrics.prometheus_port or not self.run_dir.is_rank0:
+            return
+        self.exporter = PrometheusExporter(metrics, world_size=dist.get_world_size(),
+                                           store=dist.distributed_c10d._get_default_store())
+        (self.run_dir.path / "prometheus.port").write_text(f"{self.exporter.port}\n")
+        log.info("prometheus: serving http://%s:%d/metrics", metrics.prometheus_host, self.exporter.port)
+
     def _watchdog(self) -> Watchdog:
         """A phase that outlives comm.step_timeout_s dumps every rank's stacks to its log and exits non-zero."""
         rank = dist.get_rank()
@@ -286,10 +307,13 @@ class Trainer:
         """One RL step plus its validation, logging and checkpoint."""
         cfg = self.cfg.trainer
         values = self.run_step(step).reduced(self.metric_reducer)
+        values.update(self.alerts.observe(step, values, self.stack.last_batch))
         if (cfg.val_every and step % cfg.val_every == 0) or step == cfg.total_steps:
             values.update(self.validate(step))
         values["training/global_step"] = step
         self.sink.write(step, values)
+        if self.exporter is not None:
+            self.exporter.update(step, values, self.alerts.counts)
         log.info("step %d: %s", step, "  ".join(f"{CONSOLE_KEYS[k]}={values[k]:.4g}"
                                                for k in CONSOLE_KEYS if k in values))
         self._checkpoint(step)

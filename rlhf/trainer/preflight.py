@@ -17,8 +17,8 @@ from rlhf.errors import ConfigError
 from rlhf.loggers import check_loggers
 from rlhf.parallel.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes, plan_meshes
 from rlhf.run_dir import get_logger
-from rlhf.trainer.checks import (check_kv_cache, check_model_folders, check_resume_path, check_writable_folder,
-                                 load_tokenizer, read_hf_config)
+from rlhf.trainer.checks import (check_kv_cache, check_model_folders, check_resume_path, check_reward_tokenizer,
+                                 check_writable_folder, load_tokenizer, read_hf_config)
 from rlhf.trainer.config import DTYPES, check_batch_sizes
 from rlhf.trainer.memory import check_sleep
 from rlhf.trainer.scoring import Scorer
@@ -112,6 +112,7 @@ def preflight(cfg: RlhfConfig, world_size: int) -> None:
     layouts = check_layouts(cfg, world_size)
     check_model_folders(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
+    check_reward_tokenizer(cfg, tokenizer)
     train = load_prompts(cfg.data.train_files, tokenizer, cfg.data)
     PromptSampler(num_samples=len(train.records), global_batch_size=cfg.data.prompts_per_step, dp_rank=0,
                   dp_size=layouts["rollout"].dp, seed=cfg.data.seed)

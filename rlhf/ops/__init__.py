@@ -1,0 +1,1 @@
+"""Operations: training alerts (NaN, spikes, collapse, flat reward, throughput) and the Prometheus endpoint."""

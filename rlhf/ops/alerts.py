@@ -1,0 +1,284 @@
+"""Training alerts (`alerts.*`): each step's reduced metrics go through the detectors of `rlhf.ops.detectors`.
+
+Every rank sees the same reduced metrics, so every rank finds the same alerts (an abort needs no vote). Rank 0
+logs one warning line per alert, counts it (`alerts/<name>` metrics, the Prometheus counters) and POSTs it as
+JSON to `alerts.webhook_url` (from a thread: a slow endpoint never stalls a step). NaN/inf in a loss or gradient: the optimizer has already skipped that update (no
+optimizer or scheduler step, `TrainEngine`); `nan_policy: abort` then writes the step's batch as safetensors +
+JSON under `<run>/nan_dumps/step_<N>/` and ends every rank with a `NonFiniteError` naming the step.
+The detectors' windows are checkpointed: a resumed run alerts as the uninterrupted one. The throughput drop is
+judged on wall time, so its metric is `perf/throughput_drop` (beside the other timing-derived values, which no
+two runs share) and `alerts/count` leaves it out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import queue
+import threading
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from rlhf.errors import ConfigError, NonFiniteError
+from rlhf.ops.detectors import DropDetector, FlatDetector, SpikeDetector, non_finite
+from rlhf.run_dir import get_logger
+
+log = get_logger("alerts")
+NAN_POLICIES = ("skip", "abort")
+ALERT_NAMES = ("nan", "loss_spike", "grad_norm_spike", "response_length_collapse", "empty_generations",
+               "reward_flat", "throughput_drop")
+# Metrics whose NaN/inf means the step's update is unusable (the optimizer skips such updates).
+FINITE_METRICS = ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy", "critic/vf_loss",
+                  "critic/grad_norm", "critic/score/mean", "critic/advantages/mean")
+SKIP_METRICS = ("actor/skipped_steps", "critic/skipped_steps")
+LOSSES = ("actor/pg_loss", "critic/vf_loss")
+GRAD_NORMS = ("actor/grad_norm", "critic/grad_norm")
+
+
+@dataclass(kw_only=True)
+class AlertsConfig:
+    """Which step metrics raise an alert. Spikes: robust z-score (median/MAD over the last `window` steps) above
+    `spike_z`; collapse / throughput drop: below a ratio of the window median; detectors wait for `min_history`
+    steps. `reward_flat_steps`: mean reward unchanged (within `reward_flat_tolerance`) that many steps (0: off).
+    `nan_policy`: `skip` the update of a non-finite step and go on, or `abort` with a dump of the batch."""
+
+    enable: bool = True
+    nan_policy: str = "skip"
+    window: int = 20
+    min_history: int = 5
+    spike_z: float = 8.0
+    length_collapse_ratio: float = 0.25
+    empty_ratio: float = 0.5
+    reward_flat_steps: int = 10
+    reward_flat_tolerance: float = 1e-6
+    throughput_drop_ratio: float = 0.5
+    webhook_url: str = ""
+    webhook_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.nan_policy not in NAN_POLICIES:
+            raise ConfigError(f"alerts.nan_policy={self.nan_policy!r} is not one of {', '.join(NAN_POLICIES)}")
+        if not 1 <= self.min_history <= self.window:
+            raise ConfigError(f"alerts.min_history={self.min_history} must be in [1, alerts.window={self.window}]")
+        if not self.spike_z > 0:
+            raise ConfigError(f"alerts.spike_z={self.spike_z} must be > 0")
+        for name in ("length_collapse_ratio", "empty_ratio", "throughput_drop_ratio"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"alerts.{name}={getattr(self, name)} must be in [0, 1]")
+        if self.reward_flat_steps < 0 or self.reward_flat_steps == 1:
+            raise ConfigError(f"alerts.reward_flat_steps={self.reward_flat_steps} must be 0 (off) or >= 2")
+        if self.webhook_url and not self.webhook_url.startswith(("http://", "https://")):
+            raise ConfigError(f"alerts.webhook_url={self.webhook_url!r} must be an http:// or https:// URL")
+        if not self.webhook_timeout_s > 0:
+            raise ConfigError(f"alerts.webhook_timeout_s={self.webhook_timeout_s} must be > 0")
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    step: int
+    message: str
+
+    def line(self) -> str:
+        return f"alert {self.name} at step {self.step}: {self.message}"
+
+
+class AlertDetectors:
+    """Every detector of one run, fed one step's reduced metrics at a time (pure: no logging, no I/O)."""
+
+    def __init__(self, cfg: AlertsConfig) -> None:
+        self.cfg = cfg
+        window = dict(window=cfg.window, min_history=cfg.min_history)
+        self.loss = {name: SpikeDetector(**window, z_threshold=cfg.spike_z) for name in LOSSES}
+        self.grad = {name: SpikeDetector(**window, z_threshold=cfg.spike_z, upward_only=True) for name in GRAD_NORMS}
+        self.length = DropDetector(**window, ratio=cfg.length_collapse_ratio)
+        self.throughput = DropDetector(**window, ratio=cfg.throughput_drop_ratio)
+        self.reward = FlatDetector(steps=cfg.reward_flat_steps, tolerance=cfg.reward_flat_tolerance)
+        self._empty = False
+
+    def check(self, step: int, values: dict[str, float]) -> list[Alert]:
+        found = self._nan(step, values)
+        found += self._spikes(step, values)
+        found += self._responses(step, values)
+        if self.cfg.reward_flat_steps and "critic/score/mean" in values and self.reward.update(
+                values["critic/score/mean"]):
+            found.append(Alert("reward_flat", step, f"critic/score/mean={values['critic/score/mean']:.4g} has not "
+                               f"changed for {self.cfg.reward_flat_steps} steps (no learning signal)"))
+        if "perf/throughput" in values:
+            median = self.throughput.update(values["perf/throughput"])
+            if median is not None:
+                found.append(Alert("throughput_drop", step, f"perf/throughput={values['perf/throughput']:.4g} "
+                                   f"tokens/s is below {self.cfg.throughput_drop_ratio:g} x its recent median "
+                                   f"{median:.4g}"))
+        return found
+
+    def detectors(self) -> dict:
+        return {**{f"loss:{k}": v for k, v in self.loss.items()}, **{f"grad:{k}": v for k, v in self.grad.items()},
+                "length": self.length, "throughput": self.throughput, "reward": self.reward}
+
+    def state_dict(self) -> dict:
+        return {"detectors": {name: d.state_dict() for name, d in self.detectors().items()}, "empty": self._empty}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, detector in self.detectors().items():
+            detector.load_state_dict(state["detectors"][name])
+        self._empty = bool(state["empty"])
+
+    def _nan(self, step: int, values: dict[str, float]) -> list[Alert]:
+        bad = non_finite(values, FINITE_METRICS)
+        skipped = [f"{name}={values[name]:g}" for name in SKIP_METRICS if values.get(name, 0) > 0]
+        if not bad and not skipped:
+            return []
+        what = ", ".join(bad + skipped)
+        return [Alert("nan", step, f"non-finite loss or gradient ({what}); the optimizer skipped the update")]
+
+    def _spikes(self, step: int, values: dict[str, float]) -> list[Alert]:
+        found = []
+        for kind, detectors in (("loss_spike", self.loss), ("grad_norm_spike", self.grad)):
+            for name, detector in detectors.items():
+                z = detector.update(values[name]) if name in values else None
+                if z is not None:
+                    found.append(Alert(kind, step, f"{name}={values[name]:.4g} is {z:+.3g} robust standard "
+                                       f"deviations from its last {len(detector.history)} steps"))
+        return found
+
+    def _responses(self, step: int, values: dict[str, float]) -> list[Alert]:
+        found = []
+        if "response_length/mean" in values:
+            median = self.length.update(values["response_length/mean"])
+            if median is not None:
+                found.append(Alert("response_length_collapse", step, f"response_length/mean="
+                                   f"{values['response_length/mean']:.4g} fell below "
+                                   f"{self.cfg.length_collapse_ratio:g} x its recent median {median:.4g}"))
+        empty = values.get("response_length/empty_ratio", 0.0) > self.cfg.empty_ratio
+        if empty and not self._empty:  # once per episode, not once per step
+            found.append(Alert("empty_generations", step, f"{values['response_length/empty_ratio']:.0%} of the "
+                               f"responses are empty (alerts.empty_ratio={self.cfg.empty_ratio:g})"))
+        self._empty = empty
+        return found
+
+
+def alert_metrics(alerts: list[Alert]) -> dict[str, float]:
+    """`alerts/count` every step, `alerts/<name>` = 1 for each alert raised in it (`perf/throughput_drop`)."""
+    counted = [alert for alert in alerts if alert.name != "throughput_drop"]
+    out = {"alerts/count": float(len(counted)), **{f"alerts/{alert.name}": 1.0 for alert in counted}}
+    if len(counted) < len(alerts):
+        out["perf/throughput_drop"] = 1.0
+    return out
+
+
+def post_webhook(url: str, payload: dict, timeout_s: float) -> str | None:
+    """POST `payload` as JSON; the failure as one line (None when delivered). Never raises."""
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            reply.read()
+        return None
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        return f"alerts: webhook {url} failed ({error}); training goes on"
+
+
+class WebhookSender:
+    """POSTs payloads in order from a daemon thread; `close()` returns once the queued ones are delivered or have
+    failed (each POST is bounded by `timeout_s`)."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self.url, self.timeout_s = url, timeout_s
+        self._queue: queue.Queue[dict | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="rlhf-alert-webhook", daemon=True)
+        self._thread.start()
+
+    def send(self, payload: dict) -> None:
+        self._queue.put(payload)
+
+    def _run(self) -> None:
+        while (payload := self._queue.get()) is not None:
+            failure = post_webhook(self.url, payload, self.timeout_s)
+            if failure:
+                log.warning(failure)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
+def dump_batch(batch: Any, folder: Path, info: dict) -> None:
+    """The step's TrainBatch as `batch.safetensors` (every tensor field) + `batch.json` (scalars, shapes, `info`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors, fields = {}, {}
+    for field in dataclasses.fields(batch):
+        value = getattr(batch, field.name)
+        if isinstance(value, torch.Tensor):
+            tensors[field.name] = value.detach().cpu().contiguous()
+            fields[field.name] = {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."),
+                                  "non_finite": int((~torch.isfinite(value)).sum()) if value.is_floating_point()
+                                  else 0}
+        elif value is not None:
+            fields[field.name] = value
+    save_file(tensors, str(folder / "batch.safetensors"))
+    (folder / "batch.json").write_text(json.dumps({**info, "fields": fields}, indent=1, sort_keys=True) + "\n")
+
+
+class AlertMonitor:
+    """The run's alerts: detect on every rank, report on rank 0, apply `nan_policy`; counts per alert name."""
+
+    def __init__(self, cfg: AlertsConfig, run_path: Path, *, is_rank0: bool) -> None:
+        self.cfg, self.run_path, self.is_rank0 = cfg, run_path, is_rank0
+        self.detectors = AlertDetectors(cfg)
+        self.counts = dict.fromkeys(ALERT_NAMES, 0)
+        self._webhook = (WebhookSender(cfg.webhook_url, cfg.webhook_timeout_s)
+                         if cfg.enable and cfg.webhook_url and is_rank0 else None)
+
+    def observe(self, step: int, values: dict[str, float], batch: Any = None) -> dict[str, float]:
+        """The step's `alerts/*` metrics; under `nan_policy: abort`, dumps `batch` and raises on every rank."""
+        if not self.cfg.enable:
+            return {}
+        alerts = self.detectors.check(step, values)
+        for alert in alerts:
+            self.counts[alert.name] += 1
+            if self.is_rank0:
+                self._report(alert)
+        nan = next((alert for alert in alerts if alert.name == "nan"), None)
+        if nan is not None and self.cfg.nan_policy == "abort":
+            self._abort(nan, values, batch)
+        return alert_metrics(alerts)
+
+    def state_dict(self) -> dict:
+        return {"detectors": self.detectors.state_dict(), "counts": dict(self.counts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.detectors.load_state_dict(state["detectors"])
+        self.counts.update({name: int(n) for name, n in state["counts"].items()})
+
+    def close(self) -> None:
+        """Deliver the webhook posts still queued (the run's end, or an abort)."""
+        if self._webhook is not None:
+            self._webhook.close()
+            self._webhook = None
+
+    def _report(self, alert: Alert) -> None:
+        log.warning(alert.line())
+        if self._webhook is not None:
+            self._webhook.send({"alert": alert.name, "step": alert.step, "message": alert.message,
+                                "run": self.run_path.name, "count": self.counts[alert.name]})
+
+    def _abort(self, alert: Alert, values: dict[str, float], batch: Any) -> None:
+        folder = self.run_path / "nan_dumps" / f"step_{alert.step}"
+        if self.is_rank0 and batch is not None:
+            metrics = {k: (v if math.isfinite(v) else str(v)) for k, v in sorted(values.items())}
+            dump_batch(batch, folder, {"step": alert.step, "alert": alert.message, "metrics": metrics})
+        self.close()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()  # dump and webhook are done before any rank exits (a launcher then ends the others)
+        dumped = f"batch dumped to {folder} (batch.safetensors + batch.json)" if batch is not None else "no batch"
+        raise NonFiniteError(f"step {alert.step}: {alert.message}; {dumped}; aborting as alerts.nan_policy='abort' "
+                             "(set 'skip' to skip such steps)")
