@@ -25,7 +25,7 @@ from typing import Any
 import torch.distributed as dist
 
 from rlhf.checkpoint_verify import agree, all_gather_json, entry_problem, file_entry
-from rlhf.errors import CheckpointError, ConfigError
+from rlhf.errors import CheckpointError
 from rlhf.run_dir import get_logger
 from rlhf.state_file import decode_state, encode_state
 
@@ -38,22 +38,6 @@ log = get_logger("checkpoint")
 
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint whose files do not verify against its manifest (`resume: auto` falls back past it)."""
-
-
-@dataclass(kw_only=True)
-class CheckpointConfig:
-    """`every` steps (0 = only at the end); keep the newest `keep_last`; `resume`: auto | none | a folder path."""
-
-    every: int = 0
-    keep_last: int = 2
-    resume: str = "auto"
-    save_at_end: bool = True
-
-    def __post_init__(self) -> None:
-        if self.every < 0:
-            raise ConfigError(f"checkpoint.every={self.every} must be >= 0 (0 saves only at the end)")
-        if self.keep_last < 1:
-            raise ConfigError(f"checkpoint.keep_last={self.keep_last} must be >= 1")
 
 
 def _rank() -> int:

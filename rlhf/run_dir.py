@@ -17,26 +17,11 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from tqdm import tqdm
 
-from rlhf.errors import ConfigError
+from rlhf.run_config import RunConfig
 
 T = TypeVar("T")
 LOGGER_NAME = "rlhf"
 _FORMAT = "%(asctime)s rank%(rank)s %(levelname)s %(name)s: %(message)s"
-
-
-@dataclass(kw_only=True)
-class RunConfig:
-    """Run identity and output location; an empty name becomes `<prefix>-<UTC time>` (agreed by all ranks)."""
-
-    name: str = ""
-    output_dir: str = "runs"
-    log_level: str = "INFO"
-
-    def __post_init__(self) -> None:
-        if "/" in self.name or self.name in (".", ".."):
-            raise ConfigError(f"run.name={self.name!r} must be a plain folder name (no '/')")
-        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            raise ConfigError(f"run.log_level={self.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
 
 
 class _RankFilter(logging.Filter):

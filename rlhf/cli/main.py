@@ -25,6 +25,7 @@ COMMANDS = {
     "profile": "rlhf.cli.profile",
     "bench": "rlhf.cli.bench",
     "plan": "rlhf.cli.plan",
+    "config": "rlhf.cli.config",
 }
 
 

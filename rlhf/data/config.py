@@ -16,13 +16,15 @@ class DataConfig:
     """Prompts over `max_prompt_length` tokens raise (`error`), are dropped (`filter`), or lose their `left`
     or `right` end. Each step draws `prompts_per_step` prompts over all DP ranks, from a `seed`ed order."""
 
+    # training prompt files, JSONL or parquet in verl's schema (a path or a list)
     train_files: list[str] = field(default_factory=list)
+    # held-out prompt files for validation (a path or a list); empty: no validation
     val_files: list[str] = field(default_factory=list)
-    max_prompt_length: int = 512
-    truncation: Truncation = "error"
-    prompts_per_step: int = 8
-    seed: int = 0
-    shuffle: bool = True
+    max_prompt_length: int = 512  # prompt token limit after the chat template
+    truncation: Truncation = "error"  # what happens to a longer prompt: raise, drop it, or cut its left or right end
+    prompts_per_step: int = 8  # prompts per RL step over all DP ranks (rollouts = this x sampling.n)
+    seed: int = 0  # seed of the prompt order
+    shuffle: bool = True  # shuffle the prompts each epoch
 
     def __post_init__(self) -> None:
         if self.max_prompt_length < 1:

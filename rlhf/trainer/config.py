@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from rlhf.algo.advantages import AdvantageConfig, AdvantageKind
-from rlhf.algo.dapo import FilterGroupsConfig, OverlongBufferConfig
-from rlhf.algo.kl import KLConfig
-from rlhf.algo.policy_loss import PolicyLossConfig
-from rlhf.algo.rollout_correction import RolloutCorrectionConfig
-from rlhf.algo.value_loss import ValueLossConfig
+from rlhf.algo.config import (AdvantageConfig, AdvantageKind, FilterGroupsConfig, KLConfig, OverlongBufferConfig,
+                              PolicyLossConfig, RolloutCorrectionConfig, ValueLossConfig)
 from rlhf.errors import ConfigError
-from rlhf.models.routing import MoeConfig
+from rlhf.models.config import MoeConfig
 from rlhf.rollout.sampling_params import SamplingParams
 from rlhf.train.config import OptimConfig
 
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "bfloat16")  # names of torch dtypes; torch is imported only where tensors are built
 
 
 @dataclass(kw_only=True)
@@ -31,10 +28,10 @@ class ModelConfig:
     megatron's optimizer keeps fp32 master weights and gradients are reduced in fp32. `moe`: router losses and
     token dispatcher of MoE models (ignored for dense ones)."""
 
-    path: str = ""
-    critic_path: str = ""
-    recompute: bool = False
-    fused_head: bool = True
+    path: str = ""  # HF folder (safetensors + tokenizer) of the actor, reference and rollout engine
+    critic_path: str = ""  # HF folder the critic starts from; empty: `path` with a fresh value head
+    recompute: bool = False  # full activation recomputation in the actor (less memory, one more forward)
+    fused_head: bool = True  # logprobs through a chunked fused LM head on response tokens, never [tokens, vocab]
     dtype: str = "float32"  # parameters of every role; bfloat16 trains with fp32 master weights and fp32 grads
     moe: MoeConfig = field(default_factory=MoeConfig)
 
@@ -44,7 +41,9 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
 
 @dataclass(kw_only=True)
@@ -54,15 +53,15 @@ class SamplingConfig:
     `ignore_eos` makes training rollouts always run `max_new_tokens` (fixed-length benchmarks). The actor and
     reference score tokens at the sampling `temperature` (`logprob_temperature`), as verl does."""
 
-    n: int = 4
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int = 0
-    val_n: int = 1
-    val_temperature: float = 0.0
-    ignore_eos: bool = False
+    n: int = 4  # samples per prompt in training rollouts (GRPO/RLOO group size)
+    max_new_tokens: int = 64  # response length limit (training and validation)
+    temperature: float = 1.0  # training sampling temperature; 0 is greedy
+    top_p: float = 1.0  # nucleus sampling mass; 1.0 is off
+    top_k: int = -1  # top-k filter; -1 is off
+    seed: int = 0  # sampling seed (mixed with the step and the engine's DP rank)
+    val_n: int = 1  # samples per validation prompt (mean@n, pass@n when > 1)
+    val_temperature: float = 0.0  # validation temperature; 0 is greedy
+    ignore_eos: bool = False  # training rollouts always run max_new_tokens (fixed-length benchmarks)
 
     def __post_init__(self) -> None:
         self.train_params(0)
@@ -101,7 +100,7 @@ class AlgoConfig:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
-    overlong_filter: bool = False
+    overlong_filter: bool = False  # truncated responses (hit max_new_tokens) leave the loss
 
     @property
     def uses_critic(self) -> bool:
@@ -123,9 +122,10 @@ class UpdateConfig:
     """
 
     optim: OptimConfig = field(default_factory=OptimConfig)
-    epochs: int = 1
-    mini_batches: int = 1
-    micro_batch_size: int = 8
+    epochs: int = 1  # passes over each step's batch (PPO epochs)
+    mini_batches: int = 1  # optimizer steps per epoch (the batch is split into this many)
+    micro_batch_size: int = 8  # sequences per forward/backward on one DP rank (gradient accumulation)
+    # false skips the separate old-logprob forward (strictly on-policy updates only)
     recompute_old_logprobs: bool = True
 
     def __post_init__(self) -> None:
@@ -141,18 +141,17 @@ class UpdateConfig:
 class RefConfig:
     """The frozen reference policy: `offload` parks its weights on the host while the rollout engine runs."""
 
-    offload: bool = False
+    offload: bool = False  # park the reference weights on the host while the rollout engine runs
 
 
 @dataclass(kw_only=True)
 class TrainerConfig:
     """The loop: steps, validation cadence, logging."""
 
-    total_steps: int = 10
-    val_every: int = 0
-    val_before_train: bool = True
-    tensorboard: bool = True
-    plot: bool = True
+    total_steps: int = 10  # RL steps to run (a resumed run continues up to this count)
+    val_every: int = 0  # validate every N steps; 0: only before training and at the end
+    val_before_train: bool = True  # validate once before the first step
+    tensorboard: bool = True  # also write TensorBoard events to <run>/tensorboard
 
     def __post_init__(self) -> None:
         if self.total_steps < 1:
@@ -181,10 +180,10 @@ def check_batch_sizes(*, prompts_per_step: int, n: int, rollout_dp: int, role: s
 class SftConfig:
     """`steps` optimizer steps of `batch_size` examples; validation every `val_every`; export to `out_dir`."""
 
-    steps: int = 100
-    batch_size: int = 64
-    val_every: int = 0
-    out_dir: str = ""
+    steps: int = 100  # optimizer steps
+    batch_size: int = 64  # examples per optimizer step
+    val_every: int = 0  # validate every N steps; 0: only at the end
+    out_dir: str = ""  # export the SFT policy as an HF folder here; empty: no export
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1:

@@ -1,0 +1,38 @@
+"""Config sections of a run's folder and its checkpoints, free of torch (the owners: run_dir.py, checkpoint.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhf.errors import ConfigError
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Run identity and output location; an empty name becomes `<prefix>-<UTC time>` (agreed by all ranks)."""
+
+    name: str = ""  # the run's folder name under output_dir; empty: `<command>-<UTC time>`
+    output_dir: str = "runs"  # where run folders are created (`~` is expanded)
+    log_level: str = "INFO"  # level of the console and of every rank's log file
+
+    def __post_init__(self) -> None:
+        if "/" in self.name or self.name in (".", ".."):
+            raise ConfigError(f"run.name={self.name!r} must be a plain folder name (no '/')")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"run.log_level={self.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """`every` steps (0 = only at the end); keep the newest `keep_last`; `resume`: auto | none | a folder path."""
+
+    every: int = 0  # save every N steps; 0 saves only at the end
+    keep_last: int = 2  # how many of the newest checkpoints are kept
+    resume: str = "auto"  # auto: the newest complete checkpoint of this run's folder; none; or a checkpoint folder
+    save_at_end: bool = True  # save after the last step (also when `every` is 0)
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"checkpoint.every={self.every} must be >= 0 (0 saves only at the end)")
+        if self.keep_last < 1:
+            raise ConfigError(f"checkpoint.keep_last={self.keep_last} must be >= 1")
