@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from rlhf.errors import ConfigError
@@ -16,6 +17,7 @@ class RunConfig:
     log_level: str = "INFO"  # level of the console and of every rank's log file
 
     def __post_init__(self) -> None:
+        self.output_dir = os.path.expanduser(self.output_dir)
         if "/" in self.name or self.name in (".", ".."):
             raise ConfigError(f"run.name={self.name!r} must be a plain folder name (no '/')")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -32,6 +34,7 @@ class CheckpointConfig:
     save_at_end: bool = True  # save after the last step (also when `every` is 0)
 
     def __post_init__(self) -> None:
+        self.resume = os.path.expanduser(self.resume)
         if self.every < 0:
             raise ConfigError(f"checkpoint.every={self.every} must be >= 0 (0 saves only at the end)")
         if self.keep_last < 1:

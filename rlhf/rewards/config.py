@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from rlhf.errors import ConfigError
@@ -61,6 +62,7 @@ class RewardConfig:
     model_offload: bool = False  # park the reward model on the host during rollouts
 
     def __post_init__(self) -> None:
+        self.model_path = os.path.expanduser(self.model_path)
         if self.model_offload and not self.model_path:
             raise ConfigError("reward.model_offload=true needs a reward model to offload; set reward.model_path "
                               "or drop reward.model_offload")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from rlhf.algo.config import (AdvantageConfig, AdvantageKind, FilterGroupsConfig, KLConfig, OverlongBufferConfig,
                               PolicyLossConfig, RolloutCorrectionConfig, ValueLossConfig)
@@ -36,6 +37,7 @@ class ModelConfig:
     moe: MoeConfig = field(default_factory=MoeConfig)
 
     def __post_init__(self) -> None:
+        self.path, self.critic_path = os.path.expanduser(self.path), os.path.expanduser(self.critic_path)
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
 
@@ -116,25 +118,34 @@ class UpdateConfig:
     """One trained role: optimizer, and how each step's batch is split (epochs x mini-batches x micro-batches).
 
     Every mini-batch is one optimizer step; `micro_batch_size` sequences go through one forward per DP rank.
-    `recompute_old_logprobs=False` (actor, strictly on-policy: one epoch, one mini-batch) skips the separate
-    old-logprob forward: the update's own logprobs, detached, are the old ones (ratio exactly 1, same gradient);
-    decoupled rollout correction still runs that forward (it compares pi_old with the rollout's policy).
+    Skipping the separate old-logprob forward (actor, strictly on-policy: one epoch, one mini-batch) makes the
+    update's own logprobs, detached, the old ones (ratio exactly 1, same gradient); KL in the reward and
+    decoupled rollout correction read old logprobs, so they run that forward whatever the setting.
     """
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     epochs: int = 1  # passes over each step's batch (PPO epochs)
     mini_batches: int = 1  # optimizer steps per epoch (the batch is split into this many)
     micro_batch_size: int = 8  # sequences per forward/backward on one DP rank (gradient accumulation)
-    # false skips the separate old-logprob forward (strictly on-policy updates only)
-    recompute_old_logprobs: bool = True
+    # actor: auto runs the separate old-logprob forward only when the update is not strictly on-policy
+    recompute_old_logprobs: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         for name in ("epochs", "mini_batches", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        if not self.recompute_old_logprobs and (self.epochs, self.mini_batches) != (1, 1):
+        if self.recompute_old_logprobs not in (True, False, "auto"):
+            raise ConfigError(f"recompute_old_logprobs={self.recompute_old_logprobs!r} must be auto, true or false")
+        if self.recompute_old_logprobs is False and (self.epochs, self.mini_batches) != (1, 1):
             raise ConfigError(f"recompute_old_logprobs=false needs one on-policy update per batch, got epochs="
-                              f"{self.epochs} and mini_batches={self.mini_batches}; set both to 1 or keep true")
+                              f"{self.epochs} and mini_batches={self.mini_batches}; set both to 1 or use auto")
+
+    @property
+    def old_logprobs_forward(self) -> bool:
+        """Whether the update itself needs the separate old-logprob forward (auto: unless strictly on-policy)."""
+        if self.recompute_old_logprobs == "auto":
+            return (self.epochs, self.mini_batches) != (1, 1)
+        return bool(self.recompute_old_logprobs)
 
 
 @dataclass(kw_only=True)
@@ -186,5 +197,6 @@ class SftConfig:
     out_dir: str = ""  # export the SFT policy as an HF folder here; empty: no export
 
     def __post_init__(self) -> None:
+        self.out_dir = os.path.expanduser(self.out_dir)
         if self.steps < 1 or self.batch_size < 1:
             raise ConfigError(f"sft.steps={self.steps} and sft.batch_size={self.batch_size} must be >= 1")
