@@ -1,5 +1,5 @@
-"""configs/recipes/: every recipe loads and has a run script; each runs one RL step at tiny scale (slow: one
-2-rank launch for GRPO / PPO / reward model / multi-node, one 8-rank launch for split placement), so none rots.
+"""configs/recipes/: every recipe loads and has a run script; each runs one RL step at tiny scale, so none rots
+(one 2-rank launch for GRPO / PPO / reward model / multi-node; split placement's 8-rank launch is slow-marked).
 
 The data is a gsm8k-style file in verl's schema (chat-message prompts, data_source openai/gsm8k, the number as
 ground truth) read by the built-in gsm8k reward; the model a tiny char-level Llama whose alphabet covers it."""
@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "configs" / "recipes"
 NAMES = ("grpo_smollm2_gsm8k", "multi_node", "ppo_critic", "reward_model", "split_8rank")
 ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz +-=#?.,"
+NO_WARMUP = ["actor.optim.warmup_steps=0", "critic.optim.warmup_steps=0"]  # warmup must fit in the 1-step run
 
 
 def test_every_recipe_loads_and_has_its_run_script():
@@ -72,7 +73,7 @@ def _one_step(paths: dict[str, str], root: str, name: str, extra: list[str]) -> 
     tiny = [f"model.path={paths['model']}", f"data.train_files={paths['train']}", f"data.val_files={paths['val']}",
             f"run.output_dir={root}", "trainer.total_steps=1", "trainer.tensorboard=false", "dist.timeout_s=120",
             "data.max_prompt_length=64", "sampling.max_new_tokens=6", "rollout.native.max_batch_size=32",
-            "rollout.native.max_seq_len=80", "checkpoint.save_at_end=false"]
+            "rollout.native.max_seq_len=80"]
     cfg = load_config(RlhfConfig, RECIPES / f"{name}.yaml", tiny + extra)
     preflight(cfg, dist.get_world_size())
     run_dir = setup_run(cfg.run, cfg, defer_config=True)
@@ -83,13 +84,16 @@ def _one_step(paths: dict[str, str], root: str, name: str, extra: list[str]) -> 
 
 
 def _two_rank_recipes(paths: dict[str, str], root: str) -> dict[str, list[dict]]:
+    grpo = ["data.prompts_per_step=4", "sampling.n=4"]
     return {
-        "grpo": _one_step(paths, root, "grpo_smollm2_gsm8k", ["data.prompts_per_step=4", "sampling.n=4"]),
+        "grpo": _one_step(paths, root, "grpo_smollm2_gsm8k", grpo),
+        "relaunched": _one_step(paths, root, "grpo_smollm2_gsm8k", grpo),  # finished: nothing left to run
         "ppo": _one_step(paths, root, "ppo_critic", ["data.prompts_per_step=8", "actor.micro_batch_size=2",
-                                                     "critic.micro_batch_size=2"]),
-        "rm": _one_step(paths, root, "reward_model", ["data.prompts_per_step=4", f"reward.model_path={paths['reward_model']}"]),
+                                                     "critic.micro_batch_size=2", *NO_WARMUP]),
+        "rm": _one_step(paths, root, "reward_model", ["data.prompts_per_step=4",
+                                                      f"reward.model_path={paths['reward_model']}"]),
         "multi_node": _one_step(paths, root, "multi_node", [  # 2 x 8 GPUs' layout brought down to 2 CPU ranks
-            "data.prompts_per_step=4", "mesh.actor.tp=2", "mesh.ref.tp=2", "rollout.engine=native"]),
+            "data.prompts_per_step=4", "mesh.actor.tp=2", "mesh.ref.tp=2", "rollout.engine=native", *NO_WARMUP]),
     }
 
 
@@ -99,13 +103,19 @@ def _assert_trained(history: list[dict]) -> dict:
     return row
 
 
-@pytest.mark.slow
 def test_recipes_run_one_step_on_two_ranks(tmp_path):
     paths = _tiny_setup(tmp_path)
     runs = run_distributed(_two_rank_recipes, 2, paths, str(tmp_path), timeout_s=900)[0]
     grpo = _assert_trained(runs["grpo"])
     assert "timing_s/old_log_prob" not in grpo  # strictly on-policy: auto skips the old-logprob forward
     assert "val/score/mean@1" in runs["grpo"][0]  # validation scored by the gsm8k rule reward
+    run = tmp_path / "grpo-smollm2-gsm8k"
+    console = [line.split(": ", 1)[1] for line in (run / "rank0.log").read_text().splitlines()]
+    assert f"checkpoint: {run}/checkpoints/step_1" in console  # the end summary
+    assert f"next, the actor as an HF folder: launch/torchrun.sh 2 export --run-dir {run} --out {run}/hf" in console
+    assert runs["relaunched"] == [] and console[-1] == (
+        f"{run} already finished: its checkpoint is at step 1 and trainer.total_steps=1; raise trainer.total_steps "
+        "to train on, or start afresh with another run.name (or checkpoint.resume=none)")
     ppo = _assert_trained(runs["ppo"])
     assert "critic/vf_loss" in ppo and "timing_s/old_log_prob" in ppo  # two epochs: the forward runs
     rm = _assert_trained(runs["rm"])

@@ -11,6 +11,7 @@ watchdog phase: a stall anywhere ends every rank with stacks in its log.
 from __future__ import annotations
 
 import random
+import time
 
 import numpy as np
 import torch.distributed as dist
@@ -18,7 +19,7 @@ from transformers import AutoConfig
 
 from rlhf import platform
 from rlhf.algo.kl import KLController
-from rlhf.checkpoint import CheckpointManager
+from rlhf.checkpoint import CheckpointManager, find_latest
 from rlhf.checkpoint_verify import check_replicas
 from rlhf.config.schema import RlhfConfig
 from rlhf.data.loader import PromptLoader, load_prompts
@@ -29,6 +30,7 @@ from rlhf.rollout.factory import build_engine, close_engine, engine_layout, eos_
 from rlhf.run_dir import RunDir, get_logger, progress
 from rlhf.step import RLStack, rl_step
 from rlhf.trainer.checks import input_warnings, load_tokenizer
+from rlhf.trainer.console import end_summary, finished_notice, start_banner
 from rlhf.trainer.memory import plan_memory_phases
 from rlhf.trainer.preflight import (architecture, build_meshes, check_batches, resolved_algo, resolved_sleep,
                                     rollout_dtype, shares_weights)
@@ -212,6 +214,14 @@ class Trainer:
             with self.watchdog as watchdog:
                 with watchdog.phase("resume", self.cfg.comm.setup_timeout_s):
                     start = self._resume()
+                if start >= cfg.total_steps:
+                    self._announce([finished_notice(self.cfg, self.run_dir.path, start)])
+                    return []
+                self._announce(start_banner(
+                    self.cfg, world_size=dist.get_world_size(), backend=str(dist.get_backend()),
+                    mesh_rows=self.meshes.summary_rows(), num_train=len(self.loader.prompts.records),
+                    num_val=len(self.val.records) if self.val else 0, run_path=self.run_dir.path, start_step=start))
+                started = time.perf_counter()
                 self.run_dir.commit_config()  # only now: a failed resume leaves the run's config.yaml as it was
                 self.sink = MetricsSink(self.run_dir.path, enabled=self.run_dir.is_rank0,
                                         tensorboard=cfg.tensorboard, first_step=start + 1 if start else 0)
@@ -231,7 +241,15 @@ class Trainer:
         finally:
             close_engine(self.stack.rollout)  # vLLM's teardown needs the process groups still alive
         self.sink.close()
+        self._announce(end_summary(self.cfg, run_path=self.run_dir.path, last_step=cfg.total_steps,
+                                   elapsed_s=time.perf_counter() - started, world_size=dist.get_world_size(),
+                                   checkpoint=find_latest(self.checkpoints.root)))
         return history
+
+    def _announce(self, lines: list[str]) -> None:
+        if self.run_dir.is_rank0:
+            for line in lines:
+                log.info(line)
 
     def _watchdog(self) -> Watchdog:
         """A phase that outlives comm.step_timeout_s dumps every rank's stacks to its log and exits non-zero."""
