@@ -23,3 +23,7 @@ class RewardError(RlhfError, RuntimeError):
 
 class CheckpointError(RlhfError, RuntimeError):
     """A checkpoint is missing, incomplete or does not match the model it is loaded into."""
+
+
+class ProcessGroupError(RlhfError, RuntimeError):
+    """The ranks could not form the world (a rank missing, rank 0 unreachable): names the address and the count."""
