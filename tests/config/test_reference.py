@@ -31,4 +31,4 @@ def test_every_key_is_described_with_type_default_and_choices():
     assert keys["actor.optim.lr"][1:4] == ("float", "`1e-06`", "")
     assert keys["reward.remote.url"].default == "required"  # a section that is null by default is listed too
     assert keys["comm.step_timeout_s"].meaning.startswith("watchdog deadline")  # a trailing field comment
-    assert keys["actor.recompute_old_logprobs"].meaning.startswith("false skips")  # a comment above the field
+    assert keys["actor.recompute_old_logprobs"].meaning.startswith("actor: auto runs")  # a comment above the field
