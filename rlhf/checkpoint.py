@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from rlhf.checkpoint_verify import agree, all_gather_json, entry_problem, file_problem
 from rlhf.checkpoint_write import Writer, fsync_dir, write_durable
-from rlhf.errors import CheckpointError, ConfigError
+from rlhf.errors import CheckpointError
 from rlhf.models.hf_load import HfFolder, open_safetensors
 from rlhf.run_dir import get_logger
 from rlhf.state_file import decode_state, encode_state
@@ -44,28 +44,6 @@ log = get_logger("checkpoint")
 
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint whose files do not verify against its manifest (`resume: auto` falls back past it)."""
-
-
-@dataclass(kw_only=True)
-class CheckpointConfig:
-    """`every` steps (0 = only at the end); keep the newest `keep_last`; `resume`: auto | none | a folder path;
-    `async_save`: write while the next step trains (published at the next step boundary); `save_hf_every`: an HF
-    copy of the actor under `<run>/hf/step_<N>` every that many steps (0 = never)."""
-
-    every: int = 0
-    keep_last: int = 2
-    resume: str = "auto"
-    save_at_end: bool = True
-    async_save: bool = False
-    save_hf_every: int = 0
-
-    def __post_init__(self) -> None:
-        if self.every < 0:
-            raise ConfigError(f"checkpoint.every={self.every} must be >= 0 (0 saves only at the end)")
-        if self.keep_last < 1:
-            raise ConfigError(f"checkpoint.keep_last={self.keep_last} must be >= 1")
-        if self.save_hf_every < 0:
-            raise ConfigError(f"checkpoint.save_hf_every={self.save_hf_every} must be >= 0 (0 writes no HF copies)")
 
 
 def _rank() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,27 +18,12 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from tqdm import tqdm
 
-from rlhf.errors import ConfigError
+from rlhf.run_config import RunConfig
 
 T = TypeVar("T")
 LOGGER_NAME = "rlhf"
 _FORMAT = "%(asctime)s rank%(rank)s %(levelname)s %(name)s: %(message)s"
 _CONSOLE = "rlhf-console"
-
-
-@dataclass(kw_only=True)
-class RunConfig:
-    """Run identity and output location; an empty name becomes `<prefix>-<UTC time>` (agreed by all ranks)."""
-
-    name: str = ""
-    output_dir: str = "runs"
-    log_level: str = "INFO"
-
-    def __post_init__(self) -> None:
-        if "/" in self.name or self.name in (".", ".."):
-            raise ConfigError(f"run.name={self.name!r} must be a plain folder name (no '/')")
-        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            raise ConfigError(f"run.log_level={self.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
 
 
 class _RankFilter(logging.Filter):
@@ -107,11 +93,12 @@ def setup_run(cfg: RunConfig, resolved_config: Any = None, prefix: str = "run", 
     file_handler.addFilter(rank_filter)
     logger.addHandler(file_handler)
     if rank == 0:
-        console = logging.StreamHandler(sys.stdout)
+        console = _ConsoleHandler(sys.stdout)
         console.set_name(_CONSOLE)
         console.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(console)
     logger.propagate = False
+    warnings.showwarning = _log_warning
     run_dir = RunDir(path=path, rank=rank, pending_config=resolved_config)
     if not defer_config:
         run_dir.commit_config()
@@ -131,6 +118,7 @@ def quiet_console() -> None:
 
 def close_run() -> None:
     """Flush and close this rank's log handlers (called on teardown, also after errors)."""
+    warnings.showwarning = _SHOW_WARNING
     logger = logging.getLogger(LOGGER_NAME)
     for handler in list(logger.handlers):
         handler.flush()
@@ -139,6 +127,28 @@ def close_run() -> None:
 
 
 def progress(items: Iterable[T], desc: str, total: int | None = None) -> Iterator[T]:
-    """A progress bar on rank 0 only; other ranks iterate silently."""
+    """A progress bar on rank 0's terminal only: never in a log file or pipe (no `\\r` there), never on other
+    ranks; the step lines are printed above it (`_ConsoleHandler`)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    yield from tqdm(items, desc=desc, total=total, disable=rank != 0, dynamic_ncols=True, file=sys.stdout)
+    shown = rank == 0 and sys.stdout.isatty()
+    yield from tqdm(items, desc=desc, total=total, disable=not shown, dynamic_ncols=True, file=sys.stdout)
+
+
+class _ConsoleHandler(logging.StreamHandler):
+    """Rank 0's console: each line goes through `tqdm.write`, so a live progress bar is redrawn below it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
+
+
+_SHOW_WARNING = warnings.showwarning
+
+
+def _log_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                 file: Any = None, line: str | None = None) -> None:
+    """Python warnings (megatron's among them) go to this rank's log; only rank 0's reach the console, and
+    the warnings registry shows each one once per place it is raised."""
+    get_logger("warnings").warning("%s: %s (%s:%d)", category.__name__, message, filename, lineno)

@@ -167,7 +167,7 @@ def needs_old_logprobs(stack: RLStack) -> bool:
     decoupled rollout correction) reads them."""
     if bypasses_old_logprobs(stack):
         return False
-    return (stack.actor_update.recompute_old_logprobs or stack.algo.kl.use_in_reward
+    return (stack.actor_update.old_logprobs_forward or stack.algo.kl.use_in_reward
             or stack.algo.rollout_correction.needs_old_logprobs)
 
 
@@ -268,7 +268,7 @@ def record_batch_metrics(metrics: StepMetrics, batch: TrainBatch, stack: RLStack
         "response_length/empty_ratio": float(_empty_b(batch).float().mean()),
         "prompt_length/mean": float(batch.prompt_lengths_b.float().mean()),
         "perf/total_num_tokens": float(num_tokens),
-        "perf/throughput": num_tokens / max(step_s, 1e-9) / world,
+        "perf/throughput_tok_s": num_tokens / max(step_s, 1e-9) / world,  # per rank, like verl's perf/throughput
     }
     if stack.algo.overlong_buffer.len:
         values["critic/overlong_penalty/mean"] = float(overlong_penalty(

@@ -9,49 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlhf.algo.config import AdvantageConfig, AdvantageKind
 from rlhf.algo.groups import Groups
 from rlhf.algo.masked import check_finite, masked_whiten
-from rlhf.algo.registry import Registry, parse_kind
+from rlhf.algo.registry import Registry
 from rlhf.errors import ConfigError, RlhfError
 
 
-class AdvantageKind(StrEnum):
-    GAE = "gae"
-    GRPO = "grpo"
-    RLOO = "rloo"
-    REINFORCE_PP = "reinforce_plus_plus"
-    REINFORCE_PP_BASELINE = "reinforce_plus_plus_baseline"
-    REMAX = "remax"
-
-
 GROUPED_KINDS = (AdvantageKind.GRPO, AdvantageKind.RLOO, AdvantageKind.REINFORCE_PP_BASELINE)
-
-
-@dataclass(kw_only=True)
-class AdvantageConfig:
-    """Which estimator and its knobs. `whiten` applies to GAE and both REINFORCE++ variants."""
-
-    kind: AdvantageKind = AdvantageKind.GRPO
-    gamma: float = 1.0  # discount (GAE, REINFORCE++)
-    lam: float = 1.0  # GAE lambda
-    norm_by_std: bool = True  # GRPO: divide by the group std; False is Dr.GRPO
-    whiten: bool = True  # batch-whiten advantages (GAE, REINFORCE++, REINFORCE++-baseline)
-    eps: float = 1e-6  # GRPO std epsilon
-
-    def __post_init__(self) -> None:
-        self.kind = parse_kind(AdvantageKind, self.kind, "advantage estimator", aliases={"ppo": AdvantageKind.GAE})
-        if not 0.0 < self.gamma <= 1.0:
-            raise ConfigError(f"advantage gamma must be in (0, 1], got {self.gamma}")
-        if not 0.0 <= self.lam <= 1.0:
-            raise ConfigError(f"advantage lam must be in [0, 1], got {self.lam}")
-        if self.eps <= 0.0:
-            raise ConfigError(f"advantage eps must be > 0, got {self.eps}")
 
 
 def check_group_size(kind: AdvantageKind, samples_per_prompt: int) -> None:

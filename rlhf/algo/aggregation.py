@@ -10,24 +10,12 @@ scale the share by num_microbatches * dp_size before handing it to the schedule.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlhf.algo.registry import parse_kind
-from rlhf.errors import ConfigError
-
-
-class LossAggMode(StrEnum):
-    """How per-token losses become one scalar (verl names)."""
-
-    TOKEN_MEAN = "token-mean"  # sum over all tokens / global tokens
-    TOKEN_SUM = "token-sum"  # sum over all tokens of the global batch, unnormalised (scale with the lr)
-    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"  # per-sequence token sum, mean over global sequences
-    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"  # per-sequence token mean, mean over global sequences
-    SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"  # token sum / constant length, mean over sequences
+from rlhf.algo.config import LossAggMode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,15 +45,6 @@ class GlobalCounts:
         if group is not None:
             dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
         return cls.from_tensor(counts)
-
-
-def parse_agg_mode(mode: str | LossAggMode, norm_length: int | None) -> LossAggMode:
-    """Validate a mode (and the constant length seq-mean-token-sum-norm needs) from config."""
-    member = parse_kind(LossAggMode, mode, "loss aggregation mode")
-    if member is LossAggMode.SEQ_MEAN_TOKEN_SUM_NORM and (norm_length is None or norm_length < 1):
-        raise ConfigError(f"loss aggregation 'seq-mean-token-sum-norm' needs a constant agg_norm_length >= 1 "
-                          f"(e.g. the max response length), got {norm_length!r}")
-    return member
 
 
 def aggregate_loss(loss_bt: Tensor, response_mask_bt: Tensor, *, mode: LossAggMode, counts: GlobalCounts,

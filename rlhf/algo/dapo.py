@@ -8,39 +8,11 @@ linear penalty from 0 to -penalty_factor over the last `len` tokens before the m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
+from rlhf.algo.config import OverlongBufferConfig
 from rlhf.algo.groups import Groups
-from rlhf.errors import ConfigError
-
-
-@dataclass(kw_only=True)
-class FilterGroupsConfig:
-    """`max_num_gen_batches`: generation rounds per step at most (1 = no regeneration); a step that is still
-    short then fills up with dropped groups (zero advantage) so the batch keeps its configured size."""
-
-    enable: bool = False
-    max_num_gen_batches: int = 10
-
-    def __post_init__(self) -> None:
-        if self.max_num_gen_batches < 1:
-            raise ConfigError(f"algo.filter_groups.max_num_gen_batches={self.max_num_gen_batches} must be >= 1")
-
-
-@dataclass(kw_only=True)
-class OverlongBufferConfig:
-    """`len` 0 is off; else responses longer than max_new_tokens - len lose up to `penalty_factor` reward."""
-
-    len: int = 0
-    penalty_factor: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.len < 0 or self.penalty_factor < 0:
-            raise ConfigError(f"algo.overlong_buffer len={self.len} and penalty_factor={self.penalty_factor} "
-                              "must be >= 0")
 
 
 def overlong_penalty(response_lengths_b: Tensor, max_length: int, config: OverlongBufferConfig) -> Tensor:

@@ -9,76 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 
 import torch
 from torch import Tensor
 
-from rlhf.algo.aggregation import GlobalCounts, LossAggMode, aggregate_loss, parse_agg_mode
-from rlhf.algo.registry import Registry, parse_kind
-from rlhf.errors import ConfigError
+from rlhf.algo.aggregation import GlobalCounts, aggregate_loss
+from rlhf.algo.config import KLConfig, KLControllerKind, KLEstimator
+from rlhf.algo.registry import Registry
 
 K3_LOG_RATIO_CLAMP = 20.0
 K3_VALUE_CLAMP = 10.0
-
-
-class KLEstimator(StrEnum):
-    K1 = "k1"
-    ABS = "abs"
-    K2 = "k2"
-    K3 = "k3"
-
-
-KL_ESTIMATOR_ALIASES = {"kl": KLEstimator.K1, "mse": KLEstimator.K2, "low_var_kl": KLEstimator.K3}
-
-
-class KLControllerKind(StrEnum):
-    FIXED = "fixed"
-    ADAPTIVE = "adaptive"
-
-
-@dataclass(kw_only=True)
-class KLConfig:
-    """KL to the reference policy: a per-token reward penalty (`in_reward`) or a loss term; coef 0 is off.
-
-    The adaptive controller (Ziegler et al.) moves the reward coefficient toward `target` KL over `horizon`
-    samples; it only applies to the in-reward penalty.
-    """
-
-    estimator: KLEstimator = KLEstimator.K3
-    straight_through: bool = False
-    coef: float = 0.0
-    in_reward: bool = False
-    controller: KLControllerKind = KLControllerKind.FIXED
-    target: float | None = None
-    horizon: int | None = None
-    agg: LossAggMode = LossAggMode.TOKEN_MEAN  # aggregation of the KL loss term
-    agg_norm_length: int | None = None
-
-    def __post_init__(self) -> None:
-        self.estimator = parse_kind(KLEstimator, self.estimator, "KL estimator", KL_ESTIMATOR_ALIASES)
-        self.controller = parse_kind(KLControllerKind, self.controller, "KL controller")
-        self.agg = parse_agg_mode(self.agg, self.agg_norm_length)
-        if self.coef < 0.0:
-            raise ConfigError(f"KL coef must be >= 0, got {self.coef}")
-        if self.controller is KLControllerKind.ADAPTIVE:
-            if not self.in_reward:
-                raise ConfigError("KL controller 'adaptive' only applies to the in-reward penalty; "
-                                  "set in_reward=true or controller=fixed")
-            if self.target is None or self.target <= 0.0 or self.horizon is None or self.horizon <= 0:
-                raise ConfigError(f"KL controller 'adaptive' needs target > 0 and horizon > 0, "
-                                  f"got target={self.target} horizon={self.horizon}")
-        if self.in_reward and self.straight_through:
-            raise ConfigError("KL straight_through only affects gradients, so it is meaningless with "
-                              "in_reward=true; use it with the KL loss term")
-
-    @property
-    def use_in_reward(self) -> bool:
-        return self.in_reward and self.coef > 0.0
-
-    @property
-    def use_as_loss(self) -> bool:
-        return not self.in_reward and self.coef > 0.0
 
 
 KLEstimatorFn = Callable[[Tensor], Tensor]

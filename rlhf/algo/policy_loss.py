@@ -8,50 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 
 import torch
 from torch import Tensor
 
-from rlhf.algo.aggregation import GlobalCounts, LossAggMode, aggregate_loss, parse_agg_mode
-from rlhf.algo.registry import Registry, parse_kind
-from rlhf.errors import ConfigError
+from rlhf.algo.aggregation import GlobalCounts, aggregate_loss
+from rlhf.algo.config import PolicyLossConfig, PolicyLossKind
+from rlhf.algo.registry import Registry
 
 LOG_RATIO_CLAMP = 20.0  # keeps exp(log ratio) finite for PPO
 GSPO_LOG_RATIO_MAX = 10.0
-
-
-class PolicyLossKind(StrEnum):
-    PPO = "ppo"
-    GSPO = "gspo"
-
-
-@dataclass(kw_only=True)
-class PolicyLossConfig:
-    """Ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO clip-higher: clip_high > clip_low).
-
-    clip_ratio_c: dual-clip bound for negative advantages (> 1), None to disable. Not used by GSPO.
-    """
-
-    kind: PolicyLossKind = PolicyLossKind.PPO
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    clip_ratio_c: float | None = 3.0
-    agg: LossAggMode = LossAggMode.TOKEN_MEAN
-    agg_norm_length: int | None = None  # constant length for seq-mean-token-sum-norm
-    entropy_coef: float = 0.0  # entropy bonus weight (subtracted from the loss)
-
-    def __post_init__(self) -> None:
-        self.kind = parse_kind(PolicyLossKind, self.kind, "policy loss")
-        self.agg = parse_agg_mode(self.agg, self.agg_norm_length)
-        if not 0.0 <= self.clip_low < 1.0:
-            raise ConfigError(f"policy clip_low must be in [0, 1), got {self.clip_low}")
-        if self.clip_high < 0.0:
-            raise ConfigError(f"policy clip_high must be >= 0, got {self.clip_high}")
-        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
-            raise ConfigError(f"policy clip_ratio_c (dual-clip) must be > 1.0 or None, got {self.clip_ratio_c}")
-        if self.entropy_coef < 0.0:
-            raise ConfigError(f"policy entropy_coef must be >= 0, got {self.entropy_coef}")
 
 
 @dataclass(kw_only=True)

@@ -11,78 +11,14 @@ Decoupled mode: three policies (PPO ratio pi/pi_old, weights pi_old/pi_rollout).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from enum import StrEnum
-from typing import Literal
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from rlhf.algo.registry import parse_kind
-from rlhf.errors import ConfigError
+from rlhf.algo.config import CorrectionLevel, RolloutCorrectionConfig
 
 LOG_RATIO_BOUND = 20.0  # safety bound on log rho at every level: weights stay in [exp(-20), exp(20)]
-
-
-class CorrectionLevel(StrEnum):
-    TOKEN = "token"
-    SEQUENCE = "sequence"
-    GEOMETRIC = "geometric"
-
-
-@dataclass(kw_only=True)
-class RolloutCorrectionConfig:
-    """`enable`: auto = on exactly when the rollout engine does not generate with the actor's own parameter
-    tensors (a resharded copy, another dtype, vllm/hf), whose numerics differ; there the default is token TIS
-    at 2 (verl's). Both levels null with enable=true: metrics only. `bypass_mode`: the rollout log-probs are the
-    PPO anchor (no old-logprob forward); the clipped ratio pi/pi_rollout is then the correction.
-    `rollout_rs_threshold` defaults to `rollout_is_threshold`, `rollout_rs_threshold_lower` to 1/upper."""
-
-    enable: bool | Literal["auto"] = "auto"
-    rollout_is: CorrectionLevel | None = CorrectionLevel.TOKEN
-    rollout_is_threshold: float = 2.0
-    rollout_rs: CorrectionLevel | None = None
-    rollout_rs_threshold: float | None = None
-    rollout_rs_threshold_lower: float | None = None
-    bypass_mode: bool = False
-
-    def __post_init__(self) -> None:
-        if self.enable not in (True, False, "auto"):
-            raise ConfigError(f"algo.rollout_correction.enable={self.enable!r} must be auto, true or false")
-        for name in ("rollout_is", "rollout_rs"):
-            if getattr(self, name) is not None:
-                setattr(self, name, parse_kind(CorrectionLevel, getattr(self, name), f"rollout_correction.{name}"))
-        if not self.rollout_is_threshold > 0:
-            raise ConfigError(f"algo.rollout_correction.rollout_is_threshold={self.rollout_is_threshold} must be > 0")
-        upper, lower = self.rs_bounds
-        if not 0 <= lower <= upper:
-            raise ConfigError(f"algo.rollout_correction rejection band [{lower}, {upper}] (rollout_rs_threshold_lower,"
-                              " rollout_rs_threshold) needs 0 <= lower <= upper")
-        if self.bypass_mode and (self.rollout_is or self.rollout_rs):
-            raise ConfigError("algo.rollout_correction.bypass_mode=true anchors PPO at the rollout log-probs (the "
-                              "clipped ratio is the correction); set rollout_is and rollout_rs to null, or bypass "
-                              "off for decoupled weights")
-
-    @property
-    def rs_bounds(self) -> tuple[float, float]:
-        """(upper, lower) ratio band of the rejection mask."""
-        upper = self.rollout_rs_threshold if self.rollout_rs_threshold is not None else self.rollout_is_threshold
-        lower = self.rollout_rs_threshold_lower if self.rollout_rs_threshold_lower is not None else 1.0 / upper
-        return upper, lower
-
-    def resolved(self, *, weights_shared: bool) -> RolloutCorrectionConfig:
-        """`auto` decided for this run: off when the engine samples with the actor's own weights."""
-        return self if self.enable != "auto" else replace(self, enable=not weights_shared)
-
-    @property
-    def active(self) -> bool:
-        assert self.enable != "auto", "resolve `auto` with resolved() before training"
-        return bool(self.enable)
-
-    @property
-    def needs_old_logprobs(self) -> bool:
-        """Decoupled correction compares pi_old with pi_rollout, so it needs the old-logprob forward."""
-        return self.active and not self.bypass_mode
 
 
 @dataclass(kw_only=True)

@@ -8,23 +8,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlhf.algo.aggregation import GlobalCounts, LossAggMode, aggregate_loss, parse_agg_mode
+from rlhf.algo.aggregation import GlobalCounts, aggregate_loss
+from rlhf.algo.config import ValueLossConfig
 from rlhf.algo.masked import masked_mean_var
-from rlhf.errors import ConfigError
-
-
-@dataclass(kw_only=True)
-class ValueLossConfig:
-    """New values are clipped to old_values +- clip_range_value (None disables clipping)."""
-
-    clip_range_value: float | None = 0.5
-    agg: LossAggMode = LossAggMode.TOKEN_MEAN
-    agg_norm_length: int | None = None
-
-    def __post_init__(self) -> None:
-        self.agg = parse_agg_mode(self.agg, self.agg_norm_length)
-        if self.clip_range_value is not None and self.clip_range_value <= 0.0:
-            raise ConfigError(f"clip_range_value must be > 0 or None, got {self.clip_range_value}")
 
 
 @dataclass(kw_only=True)

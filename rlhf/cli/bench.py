@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rlhf.cli.common import add_config_args, config_from_args, run_in_world
+from rlhf.cli.common import add_config_args, config_from_args, diagnostic_config, run_in_world
 from rlhf.cli.profile import check_steps
 
 
@@ -17,34 +17,40 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
-def advice(gen_over_train: float) -> str:
-    """Which side to give more ranks, from the time the step spends generating vs training."""
+def advice(gen_over_train: float, placement: str) -> str:
+    """What to change, from the time the step spends generating vs training and how the roles are placed."""
     if gen_over_train > 1.5:
-        return "rollout-bound: generation takes longer than training; give rollout more ranks (or a faster engine)"
+        if placement == "split":
+            return "rollout-bound: generation takes longer than training; give rollout more ranks (or a faster engine)"
+        return ("rollout-bound: generation takes longer than training; every role already spans every rank, so "
+                "try a faster engine (rollout.engine=vllm), a larger rollout.native.max_batch_size or mesh.rollout.tp")
     if gen_over_train < 1 / 1.5:
-        return "training-bound: training takes longer than generation; give the trained roles more ranks"
+        if placement == "split":
+            return "training-bound: training takes longer than generation; give the trained roles more ranks"
+        return ("training-bound: training takes longer than generation; try a larger actor.micro_batch_size, "
+                "model.recompute=false, or fewer actor.epochs / actor.mini_batches")
     return "balanced: generation and training take similar time"
 
 
 def run(args: argparse.Namespace) -> int:
+    check_steps(args.steps, args.warmup)
+    cfg = diagnostic_config(config_from_args(args), "bench")  # config errors before torch is imported
     import torch.distributed as dist
 
     from rlhf.profiling.runner import run_profiled_steps, throughput
     from rlhf.trainer.preflight import preflight
-
-    check_steps(args.steps, args.warmup)
 
     def body(cfg, run_dir) -> None:
         profile = run_profiled_steps(cfg, run_dir, steps=args.steps, warmup=args.warmup, counters=False)
         if run_dir.is_rank0:
             rollouts = cfg.data.prompts_per_step * cfg.sampling.n
             result = throughput(profile.steps, rollouts, dist.get_world_size())
-            result["advice"] = advice(result["gen_over_train_time"])
+            result["advice"] = advice(result["gen_over_train_time"], cfg.mesh.placement)
             (run_dir.path / "bench.json").write_text(json.dumps(result, indent=1) + "\n")
             print(format_result(result))
             print(f"wrote {run_dir.path / 'bench.json'}")
 
-    run_in_world(config_from_args(args), "bench", body, preflight)
+    run_in_world(cfg, "bench", body, preflight)
     return 0
 
 

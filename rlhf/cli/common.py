@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,14 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> RlhfConfig:
     return load_config(RlhfConfig, args.config, args.overrides)
+
+
+def diagnostic_config(cfg: RlhfConfig, command: str) -> RlhfConfig:
+    """`doctor`, `profile` and `bench` given a training config write to `<run.name>-<command>`, never into the
+    training run's folder (they used to overwrite its config.yaml); they neither resume nor save checkpoints."""
+    name = f"{cfg.run.name}-{command}" if cfg.run.name else ""
+    checkpoint = dataclasses.replace(cfg.checkpoint, resume="none", every=0, save_at_end=False)
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=name), checkpoint=checkpoint)
 
 
 def run_in_world(cfg: RlhfConfig, prefix: str, body: Callable[[RlhfConfig, Any], Any],

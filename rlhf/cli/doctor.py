@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 import torch
 
 from rlhf import __version__, platform
-from rlhf.cli.common import add_config_args, config_from_args
+from rlhf.cli.common import add_config_args, config_from_args, diagnostic_config
 from rlhf.parallel.meshes import build_role_meshes
 from rlhf.parallel.wire import all_gather_json
 from rlhf.parallel.runtime import distributed
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.clean_shm:
         return clean_shm()
-    cfg = config_from_args(args)
+    cfg = diagnostic_config(config_from_args(args), "doctor")
     with distributed(cfg.dist.backend, timeout_s=cfg.dist.timeout_s, seed=cfg.dist.seed) as runtime:
         run_dir = setup_run(cfg.run, cfg, prefix="doctor")
         log = get_logger("doctor")

@@ -26,6 +26,7 @@ COMMANDS = {
     "profile": "rlhf.cli.profile",
     "bench": "rlhf.cli.bench",
     "plan": "rlhf.cli.plan",
+    "config": "rlhf.cli.config",
 }
 
 

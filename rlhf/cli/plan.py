@@ -20,13 +20,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlhf.profiling.dry_run import dry_run, format_report
-    from rlhf.trainer.preflight import build_meshes, check_layouts
-
     if args.world < 1 or not 0 <= args.as_rank < args.world:
         raise ConfigError(f"--world={args.world} must be >= 1 and --as-rank={args.as_rank} in "
                           f"[0, {args.world})")
-    cfg = config_from_args(args)
+    cfg = config_from_args(args)  # config errors come before torch and megatron are imported
+    from rlhf.profiling.dry_run import dry_run, format_report
+    from rlhf.trainer.preflight import build_meshes, check_layouts
+
     check_layouts(cfg, args.world)
     report = dry_run(cfg, args.world, args.as_rank, lambda: build_meshes(cfg))
     print(format_report(report))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rlhf.cli.common import add_config_args, config_from_args, run_in_world
+from rlhf.cli.common import add_config_args, config_from_args, diagnostic_config, run_in_world
 from rlhf.errors import ConfigError
 
 _MIB = 2**20
@@ -30,10 +30,10 @@ def check_steps(steps: int, warmup: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_steps(args.steps, args.warmup)
+    cfg = diagnostic_config(config_from_args(args), "profile")  # config errors before torch is imported
     from rlhf.profiling.runner import run_profiled_steps
     from rlhf.trainer.preflight import preflight
-
-    check_steps(args.steps, args.warmup)
 
     def body(cfg, run_dir) -> None:
         profile = run_profiled_steps(cfg, run_dir, steps=args.steps, warmup=args.warmup, counters=True,
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
             print(format_report(report))
             print(f"wrote {run_dir.path / 'profile.json'}")
 
-    run_in_world(config_from_args(args), "profile", body, preflight)
+    run_in_world(cfg, "profile", body, preflight)
     return 0
 
 

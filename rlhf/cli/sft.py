@@ -14,7 +14,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)  # config errors come before torch and megatron are imported
     from rlhf.trainer.sft import run_sft
 
-    run_in_world(config_from_args(args), "sft", lambda cfg, run_dir: run_sft(cfg, cfg.sft, run_dir))
+    run_in_world(cfg, "sft", lambda cfg, run_dir: run_sft(cfg, cfg.sft, run_dir))
     return 0

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlhf.checkpoint import CheckpointConfig
 from rlhf.data.config import DataConfig
-from rlhf.ops.alerts import AlertsConfig
-from rlhf.ops.prometheus import MetricsConfig
-from rlhf.parallel.config import CommConfig, DistConfig
-from rlhf.parallel.meshes import MeshConfig
-from rlhf.rewards.registry import RewardConfig
-from rlhf.rollout.factory import RolloutConfig
-from rlhf.run_dir import RunConfig
+from rlhf.ops.config import AlertsConfig, MetricsConfig
+from rlhf.parallel.config import CommConfig, DistConfig, MeshConfig
+from rlhf.rewards.config import RewardConfig
+from rlhf.rollout.config import RolloutConfig
+from rlhf.run_config import CheckpointConfig, RunConfig
 from rlhf.trainer.config import (AlgoConfig, ModelConfig, RefConfig, ReplayConfig, SamplingConfig, SftConfig,
                                  TrainerConfig, UpdateConfig)
 

@@ -1,4 +1,4 @@
-"""MoE routing: the router-loss config a model is built with, and a recorder of the router's choices.
+"""MoE routing: a recorder of the router's choices (the router-loss config, `MoeConfig`, is in rlhf.models.config).
 
 `RoutingRecorder` hooks every megatron router of a model and keeps, per MoE layer (megatron's 1-based global
 layer number), the experts each token was sent to (`[tokens, top_k]`, ascending ids) plus the load and the
@@ -9,36 +9,10 @@ router entropy. It only observes: the forward is unchanged. Its records are the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from rlhf.errors import ConfigError
-
-DISPATCHERS = ("allgather", "alltoall")
-
-
-@dataclass(kw_only=True)
-class MoeConfig:
-    """Router losses of a trained MoE model (megatron's switch load-balancing loss and ST-MoE z-loss, both
-    added to the gradients only) and the token dispatcher that moves tokens between expert-parallel ranks."""
-
-    aux_loss_coeff: float = 0.0
-    z_loss_coeff: float = 0.0
-    token_dispatcher: Literal["allgather", "alltoall"] = "allgather"
-
-    def __post_init__(self) -> None:
-        for name in ("aux_loss_coeff", "z_loss_coeff"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"moe.{name}={getattr(self, name)} must be >= 0 (0 switches the loss off)")
-        if self.token_dispatcher not in DISPATCHERS:
-            raise ConfigError(f"moe.token_dispatcher={self.token_dispatcher!r} is not one of {', '.join(DISPATCHERS)}")
-
-    def build_kwargs(self) -> dict:
-        """The `moe_kwargs` of `rlhf.models.builder.build_gpt`."""
-        return dict(aux_loss_coeff=self.aux_loss_coeff, z_loss_coeff=self.z_loss_coeff,
-                    token_dispatcher=self.token_dispatcher)
 
 
 @dataclass

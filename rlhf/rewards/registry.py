@@ -11,71 +11,25 @@ import fnmatch
 import importlib
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from rlhf.data.records import PromptRecord
 from rlhf.errors import ConfigError, RewardError
+from rlhf.rewards.config import BUILTINS, RewardConfig, is_user_spec
 from rlhf.rewards.inputs import RewardInputs
-from rlhf.rewards.remote import RemoteReward, RemoteRewardConfig
+from rlhf.rewards.remote import RemoteReward
 from rlhf.rewards.user_fn import load_user_function
 
 Scorer = Callable[[str, str, "str | None", dict], Any]
 
-BUILTINS = {
-    "gsm8k": "rlhf.rewards.gsm8k:score_gsm8k",
-    "math": "rlhf.rewards.math:score_math",
-    "reasoning_gym": "rlhf.rewards.reasoning_gym:score_reasoning_gym",
-    "reasoning_gym_exact": "rlhf.rewards.reasoning_gym:score_reasoning_gym_exact",
-}
 DEFAULT_BY_SOURCE = {
     "openai/gsm8k": "gsm8k", "gsm8k": "gsm8k",
     "lighteval/MATH": "math", "DigitalLearningGmbH/MATH-lighteval": "math", "HuggingFaceH4/MATH-500": "math",
     "math": "math",
     "reasoning_gym/*": "reasoning_gym",
 }
-
-
-def _is_user_spec(name: str) -> bool:
-    return ".py:" in name
-
-
-@dataclass(kw_only=True)
-class RewardConfig:
-    """`by_source` maps data_source patterns (fnmatch, e.g. `reasoning_gym/*`) to a built-in name or a
-    `file.py:fn`; `function` is used for every source no pattern matches; the built-in table comes last.
-    With `remote` set, every sample is scored by that HTTP service instead. With `model_path` (an HF
-    sequence-classification folder) a reward model on the reward mesh scores training rollouts; the rule
-    functions then serve validation only. `model_offload` parks its weights on the host during rollouts;
-    `model_micro_batch_size` sequences go through one reward-model forward per DP rank."""
-
-    function: str | None = None
-    by_source: dict[str, str] = field(default_factory=dict)
-    remote: RemoteRewardConfig | None = None
-    model_path: str = ""
-    model_offload: bool = False
-    model_micro_batch_size: int = 8
-
-    def __post_init__(self) -> None:
-        if self.model_micro_batch_size < 1:
-            raise ConfigError(f"reward.model_micro_batch_size={self.model_micro_batch_size} must be >= 1")
-        if self.model_offload and not self.model_path:
-            raise ConfigError("reward.model_offload=true needs a reward model to offload; set reward.model_path "
-                              "or drop reward.model_offload")
-        if self.model_path and self.remote is not None:
-            raise ConfigError("reward.model_path and reward.remote both score every sample; keep one")
-        if self.remote is not None and (self.function or self.by_source):
-            raise ConfigError("reward.remote scores every sample; unset reward.function and reward.by_source "
-                              "or drop reward.remote")
-        named = [(f"reward.by_source[{pattern!r}]", name) for pattern, name in self.by_source.items()]
-        if self.function is not None:
-            named.append(("reward.function", self.function))
-        for label, name in named:
-            if name not in BUILTINS and not _is_user_spec(name):
-                raise ConfigError(f"{label}={name!r} is neither a built-in reward "
-                                  f"({', '.join(BUILTINS)}) nor 'path/to/file.py:function_name'")
 
 
 def build_reward(config: RewardConfig) -> RuleReward | RemoteReward:
@@ -117,7 +71,7 @@ class RuleReward:
 
     def _load(self, name: str) -> Scorer:
         if name not in self._loaded:
-            if _is_user_spec(name):
+            if is_user_spec(name):
                 self._loaded[name] = load_user_function(name)
             else:
                 module, _, attribute = BUILTINS[name].partition(":")

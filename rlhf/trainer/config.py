@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
-import torch
-
-from rlhf.algo.advantages import AdvantageConfig, AdvantageKind
-from rlhf.algo.dapo import FilterGroupsConfig, OverlongBufferConfig
-from rlhf.algo.kl import KLConfig
-from rlhf.algo.policy_loss import PolicyLossConfig
-from rlhf.algo.rollout_correction import RolloutCorrectionConfig
-from rlhf.algo.value_loss import ValueLossConfig
+from rlhf.algo.config import (AdvantageConfig, AdvantageKind, FilterGroupsConfig, KLConfig, OverlongBufferConfig,
+                              PolicyLossConfig, RolloutCorrectionConfig, ValueLossConfig)
 from rlhf.errors import ConfigError
-from rlhf.models.routing import MoeConfig
+from rlhf.models.config import MoeConfig
 from rlhf.rollout.sampling_params import SamplingParams
 from rlhf.train.config import OptimConfig
 
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "bfloat16")  # names of torch dtypes; torch is imported only where tensors are built
 
 
 @dataclass(kw_only=True)
@@ -31,20 +29,23 @@ class ModelConfig:
     megatron's optimizer keeps fp32 master weights and gradients are reduced in fp32. `moe`: router losses and
     token dispatcher of MoE models (ignored for dense ones)."""
 
-    path: str = ""
-    critic_path: str = ""
-    recompute: bool = False
-    fused_head: bool = True
+    path: str = ""  # HF folder (safetensors + tokenizer) of the actor, reference and rollout engine
+    critic_path: str = ""  # HF folder the critic starts from; empty: `path` with a fresh value head
+    recompute: bool = False  # full activation recomputation in the actor (less memory, one more forward)
+    fused_head: bool = True  # logprobs through a chunked fused LM head on response tokens, never [tokens, vocab]
     dtype: str = "float32"  # parameters of every role; bfloat16 trains with fp32 master weights and fp32 grads
     moe: MoeConfig = field(default_factory=MoeConfig)
 
     def __post_init__(self) -> None:
+        self.path, self.critic_path = os.path.expanduser(self.path), os.path.expanduser(self.critic_path)
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
 
 @dataclass(kw_only=True)
@@ -54,15 +55,15 @@ class SamplingConfig:
     `ignore_eos` makes training rollouts always run `max_new_tokens` (fixed-length benchmarks). The actor and
     reference score tokens at the sampling `temperature` (`logprob_temperature`), as verl does."""
 
-    n: int = 4
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int = 0
-    val_n: int = 1
-    val_temperature: float = 0.0
-    ignore_eos: bool = False
+    n: int = 4  # samples per prompt in training rollouts (GRPO/RLOO group size)
+    max_new_tokens: int = 64  # response length limit (training and validation)
+    temperature: float = 1.0  # training sampling temperature; 0 is greedy
+    top_p: float = 1.0  # nucleus sampling mass; 1.0 is off
+    top_k: int = -1  # top-k filter; -1 is off
+    seed: int = 0  # sampling seed (mixed with the step and the engine's DP rank)
+    val_n: int = 1  # samples per validation prompt (mean@n, pass@n when > 1)
+    val_temperature: float = 0.0  # validation temperature; 0 is greedy
+    ignore_eos: bool = False  # training rollouts always run max_new_tokens (fixed-length benchmarks)
 
     def __post_init__(self) -> None:
         self._check_can_generate()
@@ -119,7 +120,7 @@ class AlgoConfig:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
-    overlong_filter: bool = False
+    overlong_filter: bool = False  # truncated responses (hit max_new_tokens) leave the loss
 
     @property
     def uses_critic(self) -> bool:
@@ -135,24 +136,34 @@ class UpdateConfig:
     """One trained role: optimizer, and how each step's batch is split (epochs x mini-batches x micro-batches).
 
     Every mini-batch is one optimizer step; `micro_batch_size` sequences go through one forward per DP rank.
-    `recompute_old_logprobs=False` (actor, strictly on-policy: one epoch, one mini-batch) skips the separate
-    old-logprob forward: the update's own logprobs, detached, are the old ones (ratio exactly 1, same gradient);
-    decoupled rollout correction still runs that forward (it compares pi_old with the rollout's policy).
+    Skipping the separate old-logprob forward (actor, strictly on-policy: one epoch, one mini-batch) makes the
+    update's own logprobs, detached, the old ones (ratio exactly 1, same gradient); KL in the reward and
+    decoupled rollout correction read old logprobs, so they run that forward whatever the setting.
     """
 
     optim: OptimConfig = field(default_factory=OptimConfig)
-    epochs: int = 1
-    mini_batches: int = 1
-    micro_batch_size: int = 8
-    recompute_old_logprobs: bool = True
+    epochs: int = 1  # passes over each step's batch (PPO epochs)
+    mini_batches: int = 1  # optimizer steps per epoch (the batch is split into this many)
+    micro_batch_size: int = 8  # sequences per forward/backward on one DP rank (gradient accumulation)
+    # actor: auto runs the separate old-logprob forward only when the update is not strictly on-policy
+    recompute_old_logprobs: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         for name in ("epochs", "mini_batches", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        if not self.recompute_old_logprobs and (self.epochs, self.mini_batches) != (1, 1):
+        if self.recompute_old_logprobs not in (True, False, "auto"):
+            raise ConfigError(f"recompute_old_logprobs={self.recompute_old_logprobs!r} must be auto, true or false")
+        if self.recompute_old_logprobs is False and (self.epochs, self.mini_batches) != (1, 1):
             raise ConfigError(f"recompute_old_logprobs=false needs one on-policy update per batch, got epochs="
-                              f"{self.epochs} and mini_batches={self.mini_batches}; set both to 1 or keep true")
+                              f"{self.epochs} and mini_batches={self.mini_batches}; set both to 1 or use auto")
+
+    @property
+    def old_logprobs_forward(self) -> bool:
+        """Whether the update itself needs the separate old-logprob forward (auto: unless strictly on-policy)."""
+        if self.recompute_old_logprobs == "auto":
+            return (self.epochs, self.mini_batches) != (1, 1)
+        return bool(self.recompute_old_logprobs)
 
 
 @dataclass(kw_only=True)
@@ -160,8 +171,8 @@ class RefConfig:
     """The frozen reference policy: `offload` parks its weights on the host while the rollout engine runs;
     `micro_batch_size` sequences go through one forward per DP rank."""
 
-    offload: bool = False
-    micro_batch_size: int = 8
+    offload: bool = False  # park the reference weights on the host while the rollout engine runs
+    micro_batch_size: int = 8  # sequences per reference forward on each DP rank
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -180,17 +191,18 @@ class TrainerConfig:
     `plot`: every run ends by drawing `curve.png` in its folder (reward, validation, KL, response length per
     step; needs matplotlib)."""
 
-    total_steps: int = 10
-    val_every: int = 0
-    val_before_train: bool = True
-    tensorboard: bool = True
-    plot: bool = True
+    total_steps: int = 10  # RL steps to run (a resumed run continues up to this count)
+    val_every: int = 0  # validate every N steps; 0: only before training and at the end
+    val_before_train: bool = True  # validate once before the first step
+    tensorboard: bool = True  # also write TensorBoard events to <run>/tensorboard
+    plot: bool = True  # draw <run>/curve.png at the end (reward, validation, KL, response length; needs matplotlib)
+    # metric writers: console, jsonl (metrics.jsonl, samples.jsonl), tensorboard, wandb, mlflow
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
-    project_name: str = "rlhf"
-    experiment_name: str = ""
-    val_samples: int = 4
-    dump_rollouts: bool = False
-    dump_every: int = 1
+    project_name: str = "rlhf"  # wandb / mlflow project
+    experiment_name: str = ""  # wandb / mlflow run name; empty: the run folder's name
+    val_samples: int = 4  # validation generations logged as text per validation (samples.jsonl, TensorBoard)
+    dump_rollouts: bool = False  # write scored rollouts to <run>/rollouts/step_<N>.parquet (for rlhf replay)
+    dump_every: int = 1  # dump every N-th step
 
     def __post_init__(self) -> None:
         if self.total_steps < 1:
@@ -217,8 +229,8 @@ class ReplayConfig:
     """`rlhf replay`: `rollouts` is the folder of step dumps to train on (`--rollouts`); `reward_norm` divides
     each step's scores by the running std of every score replayed so far (RunningMeanStd; signs are kept)."""
 
-    rollouts: str = ""
-    reward_norm: bool = False
+    rollouts: str = ""  # folder of step dumps (<run>/rollouts of a run with trainer.dump_rollouts); or --rollouts
+    reward_norm: bool = False  # divide each step's scores by the running std of all scores replayed so far
 
 
 def check_batch_sizes(*, prompts_per_step: int, n: int, rollout_dp: int, role: str, role_dp: int,
@@ -241,11 +253,12 @@ def check_batch_sizes(*, prompts_per_step: int, n: int, rollout_dp: int, role: s
 class SftConfig:
     """`steps` optimizer steps of `batch_size` examples; validation every `val_every`; export to `out_dir`."""
 
-    steps: int = 100
-    batch_size: int = 64
-    val_every: int = 0
-    out_dir: str = ""
+    steps: int = 100  # optimizer steps
+    batch_size: int = 64  # examples per optimizer step
+    val_every: int = 0  # validate every N steps; 0: only at the end
+    out_dir: str = ""  # export the SFT policy as an HF folder here; empty: no export
 
     def __post_init__(self) -> None:
+        self.out_dir = os.path.expanduser(self.out_dir)
         if self.steps < 1 or self.batch_size < 1:
             raise ConfigError(f"sft.steps={self.steps} and sft.batch_size={self.batch_size} must be >= 1")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import time
 
 import numpy as np
 import torch.distributed as dist
@@ -19,7 +20,7 @@ from transformers import AutoConfig
 
 from rlhf import platform
 from rlhf.algo.kl import KLController
-from rlhf.checkpoint import CheckpointManager, tensor_folders
+from rlhf.checkpoint import CheckpointManager, find_latest, tensor_folders
 from rlhf.checkpoint_verify import check_replicas
 from rlhf.config.loader import to_dict
 from rlhf.config.schema import RlhfConfig
@@ -35,6 +36,7 @@ from rlhf.rollout.factory import build_engine, close_engine, engine_layout, eos_
 from rlhf.run_dir import RunDir, get_logger, progress
 from rlhf.step import RLStack, rl_step
 from rlhf.trainer.checks import input_warnings, load_tokenizer
+from rlhf.trainer.console import end_summary, finished_notice, start_banner
 from rlhf.trainer.memory import plan_memory_phases
 from rlhf.trainer.plot import plot_run
 from rlhf.trainer.preflight import (architecture, build_meshes, check_batches, resolved_algo, resolved_sleep,
@@ -248,6 +250,14 @@ class Trainer:
             with self.watchdog as watchdog:
                 with watchdog.phase("resume", self.cfg.comm.setup_timeout_s):
                     start = self._resume()
+                if start >= cfg.total_steps:
+                    self._announce([finished_notice(self.cfg, self.run_dir.path, start)])
+                    return []
+                self._announce(start_banner(
+                    self.cfg, world_size=dist.get_world_size(), backend=str(dist.get_backend()),
+                    mesh_rows=self.meshes.summary_rows(), num_train=len(self.loader.prompts.records),
+                    num_val=len(self.val.records) if self.val else 0, run_path=self.run_dir.path, start_step=start))
+                started = time.perf_counter()
                 self.run_dir.commit_config()  # only now: a failed resume leaves the run's config.yaml as it was
                 self.sink = MetricsSink(self.run_dir.path, enabled=self.run_dir.is_rank0, loggers=cfg.loggers,
                                         first_step=start + 1 if start else 0, info=RunInfo(
@@ -274,7 +284,15 @@ class Trainer:
                 self.exporter.close()
         self.sink.close()
         self._write_curve()
+        self._announce(end_summary(self.cfg, run_path=self.run_dir.path, last_step=cfg.total_steps,
+                                   elapsed_s=time.perf_counter() - started, world_size=dist.get_world_size(),
+                                   checkpoint=find_latest(self.checkpoints.root)))
         return history
+
+    def _announce(self, lines: list[str]) -> None:
+        if self.run_dir.is_rank0:
+            for line in lines:
+                log.info(line)
 
     def _write_curve(self) -> None:
         """trainer.plot: rank 0 draws curve.png from the run's whole metrics.jsonl (resumed segments included)."""

@@ -19,7 +19,7 @@ from rlhf.parallel.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes
 from rlhf.run_dir import get_logger
 from rlhf.trainer.checks import (check_kv_cache, check_model_folders, check_resume_path, check_reward_tokenizer,
                                  check_writable_folder, load_tokenizer, read_hf_config)
-from rlhf.trainer.config import DTYPES, check_batch_sizes
+from rlhf.trainer.config import check_batch_sizes
 from rlhf.trainer.memory import check_sleep
 from rlhf.trainer.scoring import Scorer
 
@@ -76,7 +76,7 @@ def check_batches(cfg: RlhfConfig, layouts: dict) -> None:
 
 
 def rollout_dtype(cfg: RlhfConfig) -> torch.dtype:
-    return cfg.model.torch_dtype if cfg.rollout.dtype == "auto" else DTYPES[cfg.rollout.dtype]
+    return cfg.model.torch_dtype if cfg.rollout.dtype == "auto" else getattr(torch, cfg.rollout.dtype)
 
 
 def shares_weights(cfg: RlhfConfig, layouts: dict) -> bool:

@@ -1,7 +1,11 @@
 import pytest
 import torch
 
-from rlhf.algo import ActorLossInputs, GlobalCounts, KLConfig, PolicyLossConfig, actor_loss, kl_loss, policy_loss
+from rlhf.algo.actor_loss import ActorLossInputs, actor_loss
+from rlhf.algo.aggregation import GlobalCounts
+from rlhf.algo.config import KLConfig, PolicyLossConfig
+from rlhf.algo.kl import kl_loss
+from rlhf.algo.policy_loss import policy_loss
 from rlhf.errors import ConfigError
 
 

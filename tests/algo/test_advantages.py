@@ -5,7 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf.algo import AdvantageConfig, AdvantageInputs, Groups, compute_advantages, scores_to_token_rewards
+from rlhf.algo.advantages import AdvantageInputs, compute_advantages, scores_to_token_rewards
+from rlhf.algo.config import AdvantageConfig
+from rlhf.algo.groups import Groups
 from rlhf.algo.advantages import AdvantageKind, check_group_size
 from rlhf.errors import ConfigError, RewardError, RlhfError
 

@@ -3,17 +3,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf.algo import (
-    GlobalCounts,
-    KLConfig,
-    LossAggMode,
-    PolicyLossConfig,
-    ValueLossConfig,
-    aggregate_loss,
-    kl_loss,
-    policy_loss,
-    value_loss,
-)
+from rlhf.algo.aggregation import GlobalCounts, aggregate_loss
+from rlhf.algo.config import KLConfig, LossAggMode, PolicyLossConfig, ValueLossConfig
+from rlhf.algo.kl import kl_loss
+from rlhf.algo.policy_loss import policy_loss
+from rlhf.algo.value_loss import value_loss
 from rlhf.errors import ConfigError
 
 T = torch.tensor

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from rlhf.algo.dapo import FilterGroupsConfig, OverlongBufferConfig, informative_rows, overlong_penalty
+from rlhf.algo.dapo import OverlongBufferConfig, informative_rows, overlong_penalty
+from rlhf.algo.config import FilterGroupsConfig
 from rlhf.errors import ConfigError
 
 

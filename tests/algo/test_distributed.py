@@ -3,19 +3,13 @@
 import torch
 import torch.distributed as dist
 
-from rlhf.algo import (
-    AdvantageConfig,
-    AdvantageInputs,
-    GlobalCounts,
-    Groups,
-    KLConfig,
-    LossAggMode,
-    PolicyLossConfig,
-    RunningMeanStd,
-    compute_advantages,
-    explained_variance,
-    policy_loss,
-)
+from rlhf.algo.advantages import AdvantageInputs, compute_advantages
+from rlhf.algo.aggregation import GlobalCounts
+from rlhf.algo.config import AdvantageConfig, KLConfig, LossAggMode, PolicyLossConfig
+from rlhf.algo.groups import Groups
+from rlhf.algo.policy_loss import policy_loss
+from rlhf.algo.running_stats import RunningMeanStd
+from rlhf.algo.value_loss import explained_variance
 from rlhf.algo.actor_loss import ActorLossInputs, actor_loss
 from rlhf.algo.rollout_correction import RolloutCorrectionConfig, rollout_correction
 from rlhf.testing.distributed import run_distributed

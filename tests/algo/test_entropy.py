@@ -1,6 +1,6 @@
 import torch
 
-from rlhf.algo import entropy_from_logits
+from rlhf.algo.entropy import entropy_from_logits
 
 
 def test_matches_categorical_entropy():

@@ -5,7 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf.algo import GlobalCounts, KLConfig, KLController, KLEstimator, apply_kl_in_reward, kl_loss, kl_penalty
+from rlhf.algo.aggregation import GlobalCounts
+from rlhf.algo.config import KLConfig, KLEstimator
+from rlhf.algo.kl import KLController, apply_kl_in_reward, kl_loss, kl_penalty
 from rlhf.errors import ConfigError
 
 T = torch.tensor

@@ -3,19 +3,12 @@
 import pytest
 import torch
 
-from rlhf.algo import (
-    AdvantageConfig,
-    AdvantageInputs,
-    AdvantageKind,
-    GlobalCounts,
-    Groups,
-    PolicyLossConfig,
-    ValueLossConfig,
-    compute_advantages,
-    policy_loss,
-    scores_to_token_rewards,
-    value_loss,
-)
+from rlhf.algo.advantages import AdvantageInputs, compute_advantages, scores_to_token_rewards
+from rlhf.algo.aggregation import GlobalCounts
+from rlhf.algo.config import AdvantageConfig, AdvantageKind, PolicyLossConfig, ValueLossConfig
+from rlhf.algo.groups import Groups
+from rlhf.algo.policy_loss import policy_loss
+from rlhf.algo.value_loss import value_loss
 
 VOCAB, WIDTH, PROMPTS, SAMPLES, GOOD = 4, 3, 4, 4, 2
 

@@ -3,7 +3,9 @@ import math
 import pytest
 import torch
 
-from rlhf.algo import GlobalCounts, PolicyLossConfig, policy_loss
+from rlhf.algo.aggregation import GlobalCounts
+from rlhf.algo.config import PolicyLossConfig
+from rlhf.algo.policy_loss import policy_loss
 from rlhf.errors import ConfigError
 
 T = torch.tensor

@@ -1,14 +1,9 @@
 import pytest
 
-from rlhf.algo import (
-    ADVANTAGE_ESTIMATORS,
-    KL_ESTIMATORS,
-    POLICY_LOSSES,
-    AdvantageConfig,
-    AdvantageKind,
-    KLEstimator,
-    PolicyLossKind,
-)
+from rlhf.algo.advantages import ADVANTAGE_ESTIMATORS
+from rlhf.algo.config import AdvantageConfig, AdvantageKind, KLEstimator, PolicyLossKind
+from rlhf.algo.kl import KL_ESTIMATORS
+from rlhf.algo.policy_loss import POLICY_LOSSES
 from rlhf.algo.advantages import grpo
 from rlhf.algo.registry import Registry
 from rlhf.errors import ConfigError

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from rlhf.algo import GlobalCounts, PolicyLossConfig
+from rlhf.algo.aggregation import GlobalCounts
+from rlhf.algo.config import PolicyLossConfig
 from rlhf.algo.actor_loss import ActorLossInputs, actor_loss
 from rlhf.algo.kl import KLConfig
 from rlhf.algo.rollout_correction import RolloutCorrectionConfig, rollout_correction

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from rlhf.algo import RunningMeanStd
+from rlhf.algo.running_stats import RunningMeanStd
 from rlhf.errors import RewardError
 
 

@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from rlhf.algo import GlobalCounts, ValueLossConfig, explained_variance, value_loss
+from rlhf.algo.aggregation import GlobalCounts
+from rlhf.algo.config import ValueLossConfig
+from rlhf.algo.value_loss import explained_variance, value_loss
 from rlhf.errors import ConfigError
 
 T = torch.tensor

@@ -37,8 +37,8 @@ def test_doctor_on_4_ranks_passes(tmp_path):
     assert report["versions"]["megatron-core"] == "0.16.1"
     assert {m["role"]: (m["tp"], m["dp"]) for m in report["meshes"]} == {
         "actor": (1, 4), "ref": (1, 4), "rollout": (2, 2)}
-    run_dir = tmp_path / "doc"
-    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "rank0.log", "rank1.log", "rank2.log",
+    run_dir = tmp_path / "doc-doctor"  # a training config's run.name=doc: doctor keeps out of that folder
+    assert not (tmp_path / "doc").exists() and sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "rank0.log", "rank1.log", "rank2.log",
                                                          "rank3.log"]
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlhf.errors import ConfigError
-from rlhf.models.routing import MoeConfig
+from rlhf.models.config import MoeConfig
 from rlhf.testing.distributed import run_distributed
 from tests.models.test_parity import _hf_reference, _per_expert, _tensors
 from tests.models.tiny import VOCAB, mixtral_config, qwen3_moe_config, sample_tokens, save_hf_model

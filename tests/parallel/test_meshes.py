@@ -23,7 +23,7 @@ def test_colocated_roles_span_the_world():
 
 
 def test_split_example_config_plans():
-    cfg = load_config(RlhfConfig, "configs/split_8rank.yaml")
+    cfg = load_config(RlhfConfig, "configs/recipes/split_8rank.yaml")
     layouts = plan_meshes(cfg.mesh, 8)
     assert layouts["actor"] == ParallelLayout(tp=2, dp=3, first_rank=0)
     assert layouts["critic"] == ParallelLayout(tp=2, dp=1, first_rank=6)

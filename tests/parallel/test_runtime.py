@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from rlhf.parallel.runtime import DistEnv, detect_env, distributed, first_host
-from rlhf.errors import ConfigError
+from rlhf.errors import ConfigError, ProcessGroupError
 from rlhf.testing.distributed import free_port, run_distributed
 
 
@@ -61,3 +61,15 @@ def test_slurm_world_initialises_and_tears_down_even_on_error():
         results = run_distributed(_slurm_world, 2, free_port(), fail, backend="none", timeout_s=60)
         assert [r[:3] for r in results] == [(3.0, False, "slurm")] * 2
         assert results[0][3] == results[1][3], "seeded identically on every rank"
+
+
+def test_a_missing_rank_is_one_line_naming_the_address():
+    port = free_port()
+    env = DistEnv(0, 2, 0, 2, "127.0.0.1", port, "torchrun")  # rank 1 never starts
+    with pytest.raises(ProcessGroupError, match=(
+            rf"^process group init failed for rank 0 of 2 at tcp://127\.0\.0\.1:{port} after up to 2 s \(.*"
+            r"1/2 clients joined\.\); start all 2 ranks \(torchrun --nproc_per_node / srun tasks\), make "
+            r"MASTER_ADDR:MASTER_PORT reachable from every node, or raise dist\.timeout_s$")):
+        with distributed("gloo", timeout_s=2, env=env):
+            pass
+    assert not dist.is_initialized()

@@ -3,7 +3,7 @@ one of them (the profiler's phases and the trainer's memory phases share one all
 
 import pytest
 
-from rlhf import platform
+from rlhf.platform import device as platform
 
 
 class _Allocator:

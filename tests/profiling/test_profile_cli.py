@@ -33,9 +33,9 @@ def _config_file(paths: dict[str, str], root: Path, kl_coef: float) -> str:
 def _run_both(profile_cfg: str, bench_cfg: str) -> int:
     from rlhf.cli.main import main
 
-    assert main(["profile", "--config", profile_cfg, "--steps", "2", "--warmup", "1", "--trace",
-                 "run.name=prof"]) == 0
-    return main(["bench", "--config", bench_cfg, "--steps", "2", "--warmup", "0", "run.name=bench"])
+    # Both are given the training run's config (run.name=p): they write to p-profile and p-bench, never to p.
+    assert main(["profile", "--config", profile_cfg, "--steps", "2", "--warmup", "1", "--trace"]) == 0
+    return main(["bench", "--config", bench_cfg, "--steps", "2", "--warmup", "0"])
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +45,16 @@ def outputs(tmp_path_factory):
     codes = run_distributed(_run_both, 2, _config_file(paths, root, 0.1), _config_file(paths, root, 0.0),
                             timeout_s=240)
     assert codes == [0, 0]
+    assert sorted(p.name for p in (root / "runs").iterdir()) == ["p-bench", "p-profile"]
+    assert not list((root / "runs").rglob("checkpoints"))  # diagnostics neither resume nor save
     return root / "runs"
 
 
 def test_profile_phases_account_for_the_step(outputs, capsys):
-    report = json.loads((outputs / "prof" / "profile.json").read_text())
+    report = json.loads((outputs / "p-profile" / "profile.json").read_text())
     assert report["world_size"] == 2 and report["timed_steps"] == 2 and len(report["steps"]) == 2
-    assert set(report["phases_s"]) == {"gen", "gather", "old_log_prob", "ref", "adv", "update_actor",
-                                       "update_weights"}
+    # Strictly on-policy (one epoch, one mini-batch, KL as a loss): no separate old-logprob forward (auto).
+    assert set(report["phases_s"]) == {"gen", "gather", "ref", "adv", "update_actor", "update_weights"}
     assert report["coverage"] >= 0.95
     # On one rank the phases run one after another inside the step's timer, so they never add up to more
     # than that rank's step time (the reduced `steps` take each phase's slowest rank, which may differ).
@@ -66,7 +68,7 @@ def test_profile_phases_account_for_the_step(outputs, capsys):
 
 
 def test_profile_counts_the_gradient_all_reduce(outputs):
-    report = json.loads((outputs / "prof" / "profile.json").read_text())
+    report = json.loads((outputs / "p-profile" / "profile.json").read_text())
     rows = {(r["phase"], r["op"]): r for r in report["collectives_per_step"]}
     # The batch exchange runs once per step on each rank; actor DP=2 all-reduces gradients in update_actor.
     update_ops = {op for phase, op in rows if phase == "update_actor"}
@@ -79,12 +81,12 @@ def test_profile_counts_the_gradient_all_reduce(outputs):
 
 def test_profile_writes_a_trace_per_rank(outputs):
     for rank in (0, 1):
-        trace = json.loads((outputs / "prof" / f"trace_rank{rank}.json").read_text())
+        trace = json.loads((outputs / "p-profile" / f"trace_rank{rank}.json").read_text())
         assert trace["traceEvents"]
 
 
 def test_bench_reports_both_throughputs(outputs):
-    result = json.loads((outputs / "bench" / "bench.json").read_text())
+    result = json.loads((outputs / "p-bench" / "bench.json").read_text())
     # 4 prompts x 4 samples x 6 tokens with EOS ignored: every response is full length.
     assert result["generated_tokens_per_step"] == 96
     assert result["rollout_tok_s"] == pytest.approx(96 / result["gen_s"], rel=0.5)

@@ -41,8 +41,12 @@ def test_throughput_compares_generation_with_training():
 
 
 @pytest.mark.parametrize("ratio,verdict", [(2.0, "rollout-bound"), (0.5, "training-bound"), (1.0, "balanced")])
-def test_advice(ratio, verdict):
-    assert advice(ratio).startswith(verdict + ":")
+@pytest.mark.parametrize("placement", ["colocated", "split"])
+def test_advice(ratio, verdict, placement):
+    text = advice(ratio, placement)
+    assert text.startswith(verdict + ":")
+    # Colocated roles already span every rank: "more ranks" is split-placement advice only.
+    assert ("more ranks" in text) == (placement == "split" and verdict != "balanced")
 
 
 def test_bad_step_counts_name_the_flag():

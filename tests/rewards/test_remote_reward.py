@@ -12,7 +12,8 @@ import torch
 
 from rlhf.data.records import PromptRecord
 from rlhf.errors import ConfigError, RewardError
-from rlhf.rewards.registry import RemoteReward, RemoteRewardConfig, RewardConfig, build_reward
+from rlhf.rewards.registry import RemoteReward, RewardConfig, build_reward
+from rlhf.rewards.config import RemoteRewardConfig
 
 
 class RewardService:

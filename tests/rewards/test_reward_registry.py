@@ -6,7 +6,8 @@ import torch
 from rlhf.config.loader import from_dict
 from rlhf.data.records import PromptRecord
 from rlhf.errors import ConfigError, RewardError
-from rlhf.rewards.registry import RemoteRewardConfig, RewardConfig, RewardInputs, RuleReward
+from rlhf.rewards.registry import RewardConfig, RewardInputs, RuleReward
+from rlhf.rewards.config import RemoteRewardConfig
 
 USER_FILE = '''
 import math

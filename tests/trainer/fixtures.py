@@ -37,7 +37,7 @@ def trainer_config(paths: dict[str, str], run_root: str, overrides: list[str] | 
                  "max_prompt_length": 16},
         "sampling": {"n": 4, "max_new_tokens": 5},
         "reward": {"by_source": {"reasoning_gym/*": "reasoning_gym_exact"}},
-        "actor": {"optim": {"lr": 1e-3}, "micro_batch_size": 4},
+        "actor": {"optim": {"lr": 1e-3}, "micro_batch_size": 4, "recompute_old_logprobs": True},  # logprob gates
         "critic": {"optim": {"lr": 1e-3}, "micro_batch_size": 4},
         "rollout": {"native": {"max_batch_size": 16, "max_seq_len": 32}},
         "trainer": {"total_steps": 2, "tensorboard": False, "plot": False},

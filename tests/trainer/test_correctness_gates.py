@@ -49,7 +49,7 @@ def _watched_run(paths, root, overrides, config=None):
     if config is not None:  # a recipe file under the tiny setup's paths and sizes
         fixture = [f"model.path={paths['model']}", f"data.train_files=[{paths['train']}]",
                    f"data.val_files=[{paths['val']}]", f"run.output_dir={root}", "trainer.tensorboard=false",
-                   "trainer.plot=false", "data.prompts_per_step=4", "actor.micro_batch_size=4",
+                   "data.prompts_per_step=4", "actor.micro_batch_size=4",
                    "rollout.native.max_batch_size=16", "rollout.native.max_seq_len=32", "dist.timeout_s=60"]
         cfg = load_config(RlhfConfig, config, fixture + overrides)
     preflight(cfg, dist.get_world_size())

@@ -52,7 +52,7 @@ def test_grpo_tp2_dp2_and_ppo_split_placement_on_4_ranks(tiny, tmp_path):
     for row in grpo[1:] + ppo[1:]:
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean",
                     "response_length/mean", "timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor",
-                    "perf/throughput", "rollout/logprob_diff_max"):
+                    "perf/throughput_tok_s", "rollout/logprob_diff_max"):
             assert key in row and math.isfinite(row[key]), (key, row)
         assert row["rollout/logprob_diff_max"] < 1e-4, "rollout and training forward must agree"
     assert "actor/kl_loss" in grpo[1] and "timing_s/ref" in grpo[1]

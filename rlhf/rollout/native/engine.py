@@ -8,12 +8,11 @@ sequence frees its slot at once and the next waiting prompt is prefilled into fr
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
 from rlhf.errors import ConfigError
+from rlhf.rollout.config import NativeEngineConfig
 from rlhf.rollout.engine import EngineLayout
 from rlhf.rollout.native.forward import Decoder
 from rlhf.rollout.native.generation import Generation
@@ -22,31 +21,6 @@ from rlhf.rollout.native.params import decoder_geometry, decoder_params
 from rlhf.rollout.sampling_params import SamplingParams, replica_seed
 from rlhf.rollout.stops import stop_token_set
 from rlhf.rollout.types import PromptBatch, Rollouts
-
-
-@dataclass(kw_only=True)
-class NativeEngineConfig:
-    """KV-cache size: `max_batch_size` sequences decoded together, each up to `max_seq_len` tokens.
-
-    `pack_weights`: keep a copy of the weights in the platform's fastest GEMM layout (CPU: oneDNN blocked,
-    1.3-1.7x faster decode); costs one weight-sized copy, rebuilt after each weight update.
-    `fused_kernels`: decode attention as one platform kernel where there is one (CPU fp32: a C kernel built
-    with gcc on first use; without a compiler the torch path runs).
-    """
-
-    max_batch_size: int = 64
-    max_seq_len: int = 1024
-    pack_weights: bool = True
-    fused_kernels: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"rollout {name}={value!r} must be a positive integer")
-        for name in ("pack_weights", "fused_kernels"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"rollout {name}={getattr(self, name)!r} must be true or false")
 
 
 class NativeEngine:

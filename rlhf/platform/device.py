@@ -1,0 +1,167 @@
+"""Device choice, distributed backend, memory stats and sync: the torch side of the `rlhf.platform` door."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from rlhf.errors import ConfigError
+from rlhf.platform import BACKENDS
+
+
+def has_accelerator() -> bool:
+    return torch.cuda.is_available()
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    """`auto` is nccl when CUDA is present, gloo otherwise; an explicit choice is checked."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"dist.backend={backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "nccl" if has_accelerator() else "gloo"
+    if backend == "nccl" and not has_accelerator():
+        raise ConfigError("dist.backend='nccl' needs CUDA devices, none are visible; use dist.backend=gloo")
+    return backend
+
+
+def device_for_local_rank(local_rank: int) -> torch.device:
+    """The device this process computes on; binds the CUDA device when there is one."""
+    if has_accelerator():
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def current_device() -> torch.device:
+    if has_accelerator():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def device_name() -> str:
+    if has_accelerator():
+        return f"cuda:{torch.cuda.current_device()} ({torch.cuda.get_device_name()})"
+    return "cpu"
+
+
+def synchronize() -> None:
+    if has_accelerator():
+        torch.cuda.synchronize()
+
+
+def manual_seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    if has_accelerator():
+        torch.cuda.manual_seed_all(seed)
+
+
+def rng_state() -> dict:
+    """Every RNG state a rank owns (for exact resume)."""
+    state = {"cpu": torch.get_rng_state()}
+    if has_accelerator():
+        state["accel"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if has_accelerator() and "accel" in state:
+        torch.cuda.set_rng_state_all(state["accel"])
+
+
+def peak_memory_bytes() -> int:
+    """Peak accelerator memory since the last reset, or this process's peak RSS on CPU."""
+    if has_accelerator():
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+# Open `PeakWindow`s: a reset folds the peak so far into each of them first.
+_OPEN_WINDOWS: list[PeakWindow] = []
+
+
+def reset_peak_memory() -> None:
+    """Restart the allocator's peak; every open `PeakWindow` keeps the peak it had seen up to here."""
+    if _OPEN_WINDOWS:
+        now = peak_since_reset_bytes()
+        for window in _OPEN_WINDOWS:
+            window.peak = max(window.peak, now)
+    if has_accelerator():
+        torch.cuda.reset_peak_memory_stats()
+
+
+class PeakWindow:
+    """Peak memory between construction and `close()`, exact however windows nest or overlap (the profiler's
+    phases and the trainer's memory phases both reset the one allocator peak). On CPU, where no peak can be
+    reset: the largest resident set size seen at open, at each reset, and at close."""
+
+    def __init__(self) -> None:
+        reset_peak_memory()
+        self.peak = peak_since_reset_bytes()
+        _OPEN_WINDOWS.append(self)
+
+    def close(self) -> int:
+        self.peak = max(self.peak, peak_since_reset_bytes())
+        _OPEN_WINDOWS.remove(self)
+        return self.peak
+
+
+def allocated_memory_bytes() -> int:
+    """Memory held now: the accelerator allocator's live bytes, or this process's resident set size on CPU."""
+    if has_accelerator():
+        return int(torch.cuda.memory_allocated())
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def peak_since_reset_bytes() -> int:
+    """Peak accelerator memory since `reset_peak_memory`; on CPU, where no peak can be reset, the current RSS."""
+    return peak_memory_bytes() if has_accelerator() else allocated_memory_bytes()
+
+
+def fused_decode_attention(dtype: torch.dtype, device: torch.device):
+    """The fused decode-attention kernel for this device (`rlhf.kernels`), or None to use torch ops: today a
+    C kernel for fp32 on CPU, built on first use when a C compiler is present."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return None
+    from rlhf.kernels.cpu_decode_attention import load
+
+    return load()
+
+
+def fused_head_bytes() -> tuple[int, int]:
+    """(chunk, block) fp32-logit bytes for the fused LM head (`rlhf.models.lm_head`): at most a chunk of logits
+    is alive at once (one chunk is kept for the backward, more are recomputed there); elementwise passes run
+    over blocks, cache-sized on a CPU. On an H200, 1 GiB chunks (recompute at 8k tokens x 152k vocab) ran
+    0.74x the full-logits path's speed, so accelerators get chunks that usually hold a whole micro-batch."""
+    if has_accelerator():
+        return 8 << 30, 1 << 30
+    return 1 << 30, 4 << 20
+
+
+def offload_device() -> torch.device:
+    """Where offloaded params and optimizer state wait between phases: host memory."""
+    return torch.device("cpu")
+
+
+def release_cached_memory() -> None:
+    """Return freed accelerator memory to the driver (after an offload); nothing to do on CPU."""
+    if has_accelerator():
+        torch.cuda.empty_cache()
+
+
+def set_async_error_handling_env() -> None:
+    """Make NCCL surface errors/timeouts as exceptions instead of hanging (read at process-group init)."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    os.environ.setdefault("NCCL_ASYNC_ERROR_HANDLING", "1")
+
+
+def prepare_backend_env(backend: str) -> None:
+    """Before init: the NCCL error-handling switches (nothing for gloo)."""
+    if backend == "nccl":
+        set_async_error_handling_env()
