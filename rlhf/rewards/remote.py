@@ -99,7 +99,8 @@ class RemoteReward:
             response = connection.getresponse()
             text = self._read_capped(response, where)
         except (OSError, http.client.HTTPException) as error:
-            if expired.is_set():
+            # the socket's own per-operation timeout (also timeout_s) may fire before the timer on a busy host
+            if expired.is_set() or isinstance(error, TimeoutError):
                 raise _Retryable(self._missed_deadline()) from None
             raise _Retryable(f"{type(error).__name__}: {error}") from None
         finally:
