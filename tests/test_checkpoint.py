@@ -85,6 +85,23 @@ def test_replicated_state_is_written_once_and_read_by_every_rank(tmp_path):
     assert files["role_model.safetensors"]["size"] > 4000 > files["rank1.safetensors"]["size"]
 
 
+def _load_in_a_bigger_world(root):
+    from rlhf.checkpoint import tensor_folders
+
+    manager = CheckpointManager(root)
+    state, manifest = manager.load(root / "step_1")
+    folder = tensor_folders(root / "step_1", manifest, "actor")
+    return state["x"], folder("model").slice("w")[1:3].tolist(), folder("master").file_of
+
+
+def test_a_resized_world_reads_the_full_tensors_and_rank_0_state(tmp_path):
+    """Saved by one rank, loaded by two: the extra rank takes rank 0's small state; the full tensors (verified
+    round robin) serve any slice; an fp32 run's masters are its weights."""
+    CheckpointManager(tmp_path).save(1, {"x": 7}, tensors={"actor": {"model": {"w": torch.arange(5.0)}}})
+    assert run_distributed(_load_in_a_bigger_world, 2, tmp_path, timeout_s=60) == [
+        (7, [1.0, 2.0], {"w": "actor_model_r0.safetensors"})] * 2
+
+
 def test_interrupted_writes_are_never_picked(tmp_path):
     manager = CheckpointManager(tmp_path)
     manager.save(3, {"x": 1})

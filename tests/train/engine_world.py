@@ -259,6 +259,23 @@ def check_resume(path: str, pg: dict, layout: str, distributed_optimizer: bool,
             "steps": (original.num_steps, resumed.num_steps), "changed": losses[0] != losses[3]}
 
 
+def check_reshard(path: str, pg: dict, source: str, target: str) -> dict:
+    """Save at step 2 of 4 on `source`, resume on `target` (distributed optimizer on any DP2 side): its steps 3-4
+    (losses, LR) match the source's own within fp32 tolerance."""
+    batches = [_batches(pg[source], 2, seed=30 + i) for i in range(4)]
+    optim = dict(warmup_steps=1, decay_style="cosine", total_steps=4, clip_grad=0.5)
+    original = _engine(path, pg[source], use_distributed_optimizer=source == "dp2", **optim)
+    losses = [original.train_step(b, _loss_fn(original)).loss for b in batches[:2]]
+    saved = _through_checkpoint(original, f"{path}-reshard-{source}-{target}")
+    losses += [original.train_step(b, _loss_fn(original)).loss for b in batches[2:]]
+    resumed = _engine(path, pg[target], load=False, seed=4321, use_distributed_optimizer=target == "dp2", **optim)
+    resumed.load_state_dict(*saved)
+    target_batches = [_batches(pg[target], 2, seed=30 + i) for i in range(2, 4)]
+    resumed_losses = [resumed.train_step(b, _loss_fn(resumed)).loss for b in target_batches]
+    return {"losses": (losses[2:], resumed_losses), "lr_equal": original.lr == resumed.lr,
+            "changed": losses[0] != losses[3]}
+
+
 def check_offload(path: str, pg: dict) -> dict:
     """offload() frees param, optimizer and grad storage; reload() + step is bitwise the no-offload run."""
     pgs = pg["dp2"]
@@ -309,7 +326,9 @@ def engine_world(path: str) -> dict:
             "schedule": check_schedule(path, pg), "clipping": check_clipping(path, pg),
             "non_finite": check_non_finite(path, pg),
             "resume_dp2_distopt": check_resume(path, pg, "dp2", True),
-            "resume_pp2": check_resume(path, pg, "pp2", False), "offload": check_offload(path, pg)}
+            "resume_pp2": check_resume(path, pg, "pp2", False), "offload": check_offload(path, pg),
+            "reshard": {f"{a}->{b}": check_reshard(path, pg, a, b)
+                        for a, b in (("dp2", "single"), ("tp2", "dp2"), ("pp2", "tp2"))}}
 
 
 def engine_world_4(path: str) -> dict:

@@ -127,6 +127,16 @@ def test_resume_from_step_2_is_bitwise_exact(world, case):
         assert result["steps"] == (4, 4)
 
 
+@pytest.mark.parametrize("case", ["dp2->single", "tp2->dp2", "pp2->tp2"])
+def test_resume_on_another_layout_continues_within_fp32_tolerance(world, case):
+    """DP2 (Adam shards) -> one rank, TP2 -> DP2 (sharded again), PP2 -> TP2: the next steps' losses match."""
+    for rank_result in world:
+        result = rank_result["reshard"][case]
+        expected, resumed = result["losses"]
+        assert result["changed"] and result["lr_equal"]
+        assert resumed == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
 @pytest.mark.parametrize("distributed_optimizer", [False, True])
 def test_offload_frees_storage_and_reload_is_bitwise(world, distributed_optimizer):
     for rank_result in world:
