@@ -75,7 +75,7 @@ def rl_step(stack: RLStack, prompts: PromptStep, step: int,
             score_and_update(stack, batch, metrics)
         with stack.memory.weight_sync(metrics), metrics.timer("update_weights"):
             stack.weight_sync.sync()
-    record_batch_metrics(metrics, batch, stack)
+    record_batch_metrics(metrics, batch, stack, actor_version=step - 1)
     return metrics
 
 
@@ -218,8 +218,9 @@ def _masked_mean(x_bt: torch.Tensor, mask_bt: torch.Tensor) -> float:
     return float((x_bt * mask_bt).sum() / mask_bt.sum().clamp(min=1))
 
 
-def record_batch_metrics(metrics: StepMetrics, batch: TrainBatch, stack: RLStack) -> None:
-    """Metrics of the global batch (identical on every rank, so rank 0 reports them)."""
+def record_batch_metrics(metrics: StepMetrics, batch: TrainBatch, stack: RLStack, actor_version: int) -> None:
+    """Metrics of the global batch (identical on every rank, so rank 0 reports them); staleness is how many
+    updates the sampling policy is behind `actor_version` (the updates before this step's)."""
     mask = batch.response_mask_bt
     lengths = batch.response_lengths_b.float()
     num_tokens = int(batch.prompt_lengths_b.sum() + batch.response_lengths_b.sum())
@@ -245,6 +246,10 @@ def record_batch_metrics(metrics: StepMetrics, batch: TrainBatch, stack: RLStack
         diff_bt = (batch.rollout_logprobs_bt - batch.old_logprobs_bt).abs() * mask
         values["rollout/logprob_diff_mean"] = _masked_mean(diff_bt, mask)
         values["rollout/logprob_diff_max"] = float(diff_bt.max())
+    if batch.policy_version_bt is not None:
+        staleness_bt = (actor_version - batch.policy_version_bt) * mask
+        values["rollout/staleness_mean"] = _masked_mean(staleness_bt.float(), mask)
+        values["rollout/staleness_max"] = float(staleness_bt.max())
     if batch.values_bt is not None:
         values["critic/values/mean"] = _masked_mean(batch.values_bt, mask)
         values["critic/returns/mean"] = _masked_mean(batch.returns_bt, mask)

@@ -144,21 +144,35 @@ class RefConfig:
     offload: bool = False
 
 
+ASYNC_MODES = ("off", "one_step_off")
+
+
 @dataclass(kw_only=True)
 class TrainerConfig:
-    """The loop: steps, validation cadence, logging."""
+    """The loop: steps, validation cadence, logging. `async_mode=one_step_off` (split placement): the rollout
+    ranks generate `max_staleness` batches ahead of the update (`rlhf.trainer.async_schedule`)."""
 
     total_steps: int = 10
     val_every: int = 0
     val_before_train: bool = True
     tensorboard: bool = True
     plot: bool = True
+    async_mode: str = "off"
+    max_staleness: int = 1
 
     def __post_init__(self) -> None:
         if self.total_steps < 1:
             raise ConfigError(f"trainer.total_steps={self.total_steps} must be >= 1")
         if self.val_every < 0:
             raise ConfigError(f"trainer.val_every={self.val_every} must be >= 0 (0: only before and after)")
+        if self.async_mode not in ASYNC_MODES:
+            raise ConfigError(f"trainer.async_mode={self.async_mode!r} is not one of {', '.join(ASYNC_MODES)}")
+        if self.max_staleness < 1:
+            raise ConfigError(f"trainer.max_staleness={self.max_staleness} must be >= 1 (1: one-step-off)")
+
+    @property
+    def is_async(self) -> bool:
+        return self.async_mode != "off"
 
 
 def check_batch_sizes(*, prompts_per_step: int, n: int, rollout_dp: int, role: str, role_dp: int,

@@ -3,7 +3,8 @@
     Trainer(cfg, run_dir).fit()
       build: meshes -> data -> reward -> actor / ref / critic / reward model / rollout engine (+ weight sync)
       loop:  resume? -> validate -> [rl_step -> reduce metrics -> log -> validate? -> checkpoint?]*
-Layouts, groups and every input check come from `rlhf.trainer.preflight`.
+Layouts, groups and every input check come from `rlhf.trainer.preflight`; with trainer.async_mode on, each step
+follows `rlhf.trainer.async_schedule` (rollout ranks a batch ahead) and the in-flight batches are checkpointed.
 Every stage after process-group init (build, resume, first push, validation, each step, each save) is a
 watchdog phase: a stall anywhere ends every rank with stacks in its log.
 """
@@ -28,6 +29,7 @@ from rlhf.metrics import MetricReducer, MetricsSink, StepMetrics
 from rlhf.rollout.factory import build_engine, close_engine, engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
 from rlhf.step import RLStack, rl_step
+from rlhf.trainer.async_schedule import AsyncSchedule, check_async, training_group
 from rlhf.trainer.checks import input_warnings, load_tokenizer
 from rlhf.trainer.memory import plan_memory_phases
 from rlhf.trainer.preflight import (architecture, build_meshes, check_batches, resolved_algo, resolved_sleep,
@@ -57,6 +59,9 @@ class Trainer:
         layouts = {role: mesh.layout for role, mesh in self.meshes.meshes.items()}
         check_batches(cfg, layouts)
         algo = resolved_algo(cfg, layouts)
+        check_async(cfg, layouts, algo)
+        # async: the training roles gather among themselves while the rollout ranks generate (every rank creates it)
+        train_group = training_group(self.meshes) if cfg.trainer.is_async else None
         self.tokenizer = load_tokenizer(cfg.model.path)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
@@ -71,20 +76,22 @@ class Trainer:
         actor = PolicyRole("actor", self.meshes["actor"], cfg.model.path, update=cfg.actor,
                            total_steps=optimizer_steps, recompute=cfg.model.recompute, seed=cfg.dist.seed,
                            fused_head=cfg.model.fused_head, temperature=cfg.sampling.logprob_temperature,
-                           params_dtype=cfg.model.torch_dtype, moe_kwargs=cfg.model.moe.build_kwargs())
+                           params_dtype=cfg.model.torch_dtype, moe_kwargs=cfg.model.moe.build_kwargs(),
+                           gather_group=train_group)
         ref = (PolicyRole("ref", self.meshes["ref"], cfg.model.path, update=None, total_steps=0,
                           seed=cfg.dist.seed, offload_frozen=cfg.ref.offload, fused_head=cfg.model.fused_head,
                           temperature=cfg.sampling.logprob_temperature, params_dtype=cfg.model.torch_dtype,
-                          moe_kwargs=cfg.model.moe.build_kwargs())
+                          moe_kwargs=cfg.model.moe.build_kwargs(), gather_group=train_group)
                if algo.uses_ref else None)
         critic = (CriticRole("critic", self.meshes["critic"], cfg.model.critic_path or cfg.model.path,
                              update=cfg.critic, value_head=True, seed=cfg.dist.seed + 1,
                              total_steps=cfg.trainer.total_steps * cfg.critic.epochs * cfg.critic.mini_batches,
-                             params_dtype=cfg.model.torch_dtype, moe_kwargs=cfg.model.moe.build_kwargs())
+                             params_dtype=cfg.model.torch_dtype, moe_kwargs=cfg.model.moe.build_kwargs(),
+                             gather_group=train_group)
                   if algo.uses_critic else None)
         reward_model = (RewardModelRole("reward", self.meshes["reward"], cfg.reward.model_path, update=None,
                                         total_steps=0, value_head=True, offload_frozen=cfg.reward.model_offload,
-                                        params_dtype=cfg.model.torch_dtype)
+                                        params_dtype=cfg.model.torch_dtype, gather_group=train_group)
                         if cfg.reward.model_path else None)
         engine, weight_sync = self._build_rollout(actor)
         memory = plan_memory_phases(engine=engine, roles={"actor": actor, "critic": critic, "ref": ref,
@@ -97,6 +104,8 @@ class Trainer:
                              sampling=cfg.sampling, actor_update=cfg.actor, critic_update=cfg.critic,
                              kl_controller=KLController.from_config(algo.kl), pad_token_id=self.pad_token_id,
                              reward_model=reward_model, memory=memory)
+        self.async_schedule = (AsyncSchedule(self.stack, self.loader, self.meshes, cfg.trainer.max_staleness,
+                                             train_group) if cfg.trainer.is_async else None)
         self.checkpoints = CheckpointManager(run_dir.path / "checkpoints", cfg.checkpoint.keep_last)
         self.sink: MetricsSink | None = None  # opened once the resumed step is known
 
@@ -140,19 +149,23 @@ class Trainer:
                 "critic": self.stack.critic.state_dict() if self.stack.critic else {},
                 "loader": self.loader.state_dict(), "kl": self.stack.kl_controller.state_dict(),
                 "policy_version": getattr(self.stack.rollout, "policy_version", 0),
+                "async": self.async_schedule.state_dict() if self.async_schedule else {},
                 "rng": {"torch": platform.rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
 
     def _replicated(self) -> list:
         """What the trained roles' DP replicas share: written once per checkpoint, not once per replica."""
-        return [spec for role in (self.stack.actor, self.stack.critic) if role is not None
-                for spec in role.replicated_state()]
+        roles = [spec for role in (self.stack.actor, self.stack.critic) if role is not None
+                 for spec in role.replicated_state()]
+        return roles + (self.async_schedule.replicated() if self.async_schedule else [])
 
     def _meta(self) -> dict:
         models = {"actor": self.cfg.model.path}
         if self.stack.critic:
             models["critic"] = self.cfg.model.critic_path or self.cfg.model.path
         return {"layouts": {role: m.layout.describe() for role, m in self.meshes.meshes.items()},
-                "models": {role: architecture(path) for role, path in models.items()}}
+                "models": {role: architecture(path) for role, path in models.items()},
+                "async": ({"mode": self.cfg.trainer.async_mode, "max_staleness": self.cfg.trainer.max_staleness}
+                          if self.async_schedule else None)}
 
     def _resume(self) -> int:
         """Load and verify the checkpoint to resume from (if any); its DP replicas must then be bitwise equal."""
@@ -168,6 +181,8 @@ class Trainer:
                         for role in trained})
         self.loader.load_state_dict(state["loader"])
         self.stack.kl_controller.load_state_dict(state["kl"])
+        if self.async_schedule:
+            self.async_schedule.load_state_dict(state["async"])
         if self.stack.rollout is not None:
             self.stack.rollout.policy_version = state["policy_version"]
         platform.set_rng_state(state["rng"]["torch"])
@@ -195,6 +210,8 @@ class Trainer:
         """One RL step on this rank (unreduced metrics): the one step driver `fit`, `rlhf profile`/`bench` and
         the benchmarks share, so none can skip the initial weight push or dynamic sampling's extra prompts."""
         self.push_initial_weights()
+        if self.async_schedule:
+            return self.async_schedule.step(step)
         return rl_step(self.stack, self.loader.next_step(), step, more_prompts=self.loader.next_step)
 
     def validate(self, step: int) -> dict[str, float]:

@@ -70,8 +70,9 @@ class ModelRole:
     def __init__(self, name: str, mesh: RoleMesh, hf_path: str, *, update: UpdateConfig | None,
                  total_steps: int, value_head: bool = False, recompute: bool = False, seed: int = 1234,
                  offload_frozen: bool = False, params_dtype: torch.dtype = torch.float32,
-                 moe_kwargs: dict | None = None) -> None:
+                 moe_kwargs: dict | None = None, gather_group: torch.distributed.ProcessGroup | None = None) -> None:
         self.name, self.mesh, self.update_config = name, mesh, update
+        self.gather_group = gather_group  # the ranks that gather this role's outputs (None: the world)
         self.model: torch.nn.Module | None = None
         self.engine: TrainEngine | None = None
         self.offload_frozen = offload_frozen and update is None
@@ -151,7 +152,7 @@ class ModelRole:
             if is_contributor(self.mesh.layout, torch.distributed.get_rank()):
                 local = torch.cat([o["out"] for o in outputs])[torch.argsort(order)]
                 local = local.cpu()  # the step's batch lives on the host
-        return gather_rows(local, self.mesh.layout)[torch.argsort(balance)]
+        return gather_rows(local, self.mesh.layout, self.gather_group)[torch.argsort(balance)]
 
     def _micro_batches(self, shard: TrainBatch, size: int) -> list[TrainBatch]:
         """`shard` in micro-batches of `size` rows, each cut to its own longest row (compute scales with the
