@@ -85,3 +85,31 @@ def test_async_configs_that_cannot_overlap_are_refused(tiny, tmp_path):
     with pytest.raises(ConfigError, match=r"^trainer\.max_staleness=0 must be >= 1"):
         _check(tiny, tmp_path, ASYNC + ["trainer.max_staleness=0"])
     _check(tiny, tmp_path, ASYNC)
+
+
+def _four_rank_runs(paths, root):
+    common = ["mesh.placement=split", "trainer.async_mode=one_step_off", "trainer.val_before_train=false"]
+    ppo = run_trainer(paths, f"{root}/ppo", common + [
+        "mesh.actor={tp: 2, ranks: [0, 2]}", "mesh.critic={ranks: [0, 2]}", "mesh.ref={ranks: [0, 2]}",
+        "mesh.rollout={ranks: [2, 4]}", "algo.advantage.kind=gae", "algo.kl.coef=0.05", "algo.kl.in_reward=true",
+        "actor.epochs=2", "actor.mini_batches=2", "trainer.total_steps=3", "run.name=ppo"])
+    grpo = common + ["mesh.actor={ranks: [0, 2]}", "mesh.rollout={tp: 2, ranks: [2, 4]}", "actor.optim.lr=0.05",
+                     "checkpoint.every=2", "run.name=g"]
+    full = run_trainer(paths, f"{root}/full", grpo + ["trainer.total_steps=4"])
+    run_trainer(paths, f"{root}/split", grpo + ["trainer.total_steps=2"])
+    resumed = run_trainer(paths, f"{root}/split", grpo + ["trainer.total_steps=4"])
+    return ppo, full, resumed
+
+
+@pytest.mark.slow
+def test_async_ppo_and_grpo_resume_on_4_ranks(tiny, tmp_path):
+    """2 training ranks (actor tp2 + critic + ref, or actor dp2) beside 2 rollout ranks (dp2, or tp2)."""
+    results = run_distributed(_four_rank_runs, 4, tiny, str(tmp_path), timeout_s=900)
+    assert results[3] == results[0], "every rank sees the same reduced metrics"
+    ppo, full, resumed = results[0]
+    assert [row["rollout/staleness_max"] for row in ppo] == [0.0, 1.0, 1.0]
+    for key in ("critic/vf_loss", "critic/vf_explained_var", "actor/reward_kl_penalty", "timing_s/update_critic",
+                "timing_s/gen", "actor/pg_loss"):
+        assert all(key in row for row in ppo), key
+    assert [row["step"] for row in resumed] == [3, 4]
+    assert [_comparable(r) for r in full[2:]] == [_comparable(r) for r in resumed]
