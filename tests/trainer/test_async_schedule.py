@@ -15,7 +15,8 @@ from rlhf.testing.distributed import run_distributed  # noqa: E402
 
 SPLIT = ["mesh.placement=split", "mesh.actor={ranks: [0, 1]}", "mesh.rollout={ranks: [1, 2]}", "run.name=r",
          "actor.optim.lr=0.05", "trainer.val_before_train=false", "checkpoint.every=2"]
-ASYNC = SPLIT + ["trainer.async_mode=one_step_off"]
+# comm.verify: layout fingerprints on the metric reduction, and every weight push checksummed against the actor
+ASYNC = SPLIT + ["trainer.async_mode=one_step_off", "comm.verify=true"]
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,8 @@ def test_async_configs_that_cannot_overlap_are_refused(tiny, tmp_path):
 
 
 def _four_rank_runs(paths, root):
-    common = ["mesh.placement=split", "trainer.async_mode=one_step_off", "trainer.val_before_train=false"]
+    common = ["mesh.placement=split", "trainer.async_mode=one_step_off", "trainer.val_before_train=false",
+              "comm.verify=true"]
     ppo = run_trainer(paths, f"{root}/ppo", common + [
         "mesh.actor={tp: 2, ranks: [0, 2]}", "mesh.critic={ranks: [0, 2]}", "mesh.ref={ranks: [0, 2]}",
         "mesh.rollout={ranks: [2, 4]}", "algo.advantage.kind=gae", "algo.kl.coef=0.05", "algo.kl.in_reward=true",
