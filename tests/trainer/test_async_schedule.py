@@ -115,3 +115,31 @@ def test_async_ppo_and_grpo_resume_on_4_ranks(tiny, tmp_path):
         assert all(key in row for row in ppo), key
     assert [row["step"] for row in resumed] == [3, 4]
     assert [_comparable(r) for r in full[2:]] == [_comparable(r) for r in resumed]
+
+
+def test_an_in_flight_batch_round_trips_bitwise_and_a_foreign_one_is_refused():
+    import dataclasses
+
+    import torch
+
+    from rlhf.errors import CheckpointError
+    from rlhf.state_file import decode_state, encode_state
+    from rlhf.trainer.async_schedule import batch_from_state, batch_state
+    from rlhf.trainer.batch import TrainBatch
+
+    mask_bt = torch.tensor([[True, True, False], [True, False, False]])
+    batch = TrainBatch(tokens_bs=torch.randint(0, 50, (2, 7)), prompt_lengths_b=torch.tensor([4, 4]),
+                       response_lengths_b=torch.tensor([2, 1]), response_mask_bt=mask_bt,
+                       group_index_b=torch.tensor([0, 0]), rollout_logprobs_bt=-torch.rand(2, 3) * mask_bt,
+                       policy_version_bt=mask_bt.int() * 7, scores_b=torch.tensor([1.0, 0.0]), pad_token_id=3)
+    back = batch_from_state(decode_state(encode_state(batch_state(batch)), "in-flight batch"))
+    for field in dataclasses.fields(TrainBatch):
+        mine, theirs = getattr(batch, field.name), getattr(back, field.name)
+        if isinstance(mine, torch.Tensor):
+            assert mine.dtype == theirs.dtype and torch.equal(mine, theirs), field.name
+        else:
+            assert mine == theirs, field.name
+    foreign = batch_state(batch) | {"routing_bt": None}
+    with pytest.raises(CheckpointError, match=r"^the checkpoint's in-flight batch has fields \['routing_bt'\] this "
+                                              r"version does not expect"):
+        batch_from_state(foreign)
