@@ -22,7 +22,10 @@ reweights each token by pi_old / pi_rollout, which now carries the staleness as 
 In-flight work is part of the checkpoint: the training ranks hold the s batches already received (written once
 for the group, safetensors + JSON), the rollout ranks their loader position and RNG, and every rank the count of
 batches generated; a resumed run continues the same schedule, so its metrics equal the uninterrupted run's.
-Not yet: partial rollouts (a generation spanning a weight push) and dynamic sampling (algo.filter_groups).
+With partial rollouts (`trainer.partial_rollout_tokens` = P, needs s >= 2; `rlhf.trainer.partial_rollout`) the
+rollout ranks at step k finish batch k+s-1 (begun in step k-1) with v_{k-1}, then sample the first P tokens of
+batch k+s; the trainers hold s-1 received batches, and the oldest token of a batch is still s updates behind.
+Not yet: dynamic sampling (algo.filter_groups) with async.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from rlhf.algo.advantages import AdvantageKind
 from rlhf.checkpoint import Replicated
 from rlhf.config.schema import RlhfConfig
 from rlhf.data.loader import PromptLoader
@@ -44,10 +48,12 @@ from rlhf.step import RLStack, generate_and_score, record_batch_metrics, score_a
 from rlhf.trainer.batch import TrainBatch
 from rlhf.trainer.config import AlgoConfig
 from rlhf.trainer.exchange import gather_global_batch
+from rlhf.trainer.partial_rollout import StartedBatch, finish_batch, restore_started, start_batch, started_state
 
 
 def check_async(cfg: RlhfConfig, layouts: dict[str, ParallelLayout], algo: AlgoConfig) -> None:
     """Async needs rollout ranks no training role uses, and old logprobs the update can trust (pure)."""
+    check_partial_rollouts(cfg)
     if not cfg.trainer.is_async:
         return
     mode = f"trainer.async_mode={cfg.trainer.async_mode}"
@@ -73,6 +79,24 @@ def check_async(cfg: RlhfConfig, layouts: dict[str, ParallelLayout], algo: AlgoC
                           "the rollout's)")
 
 
+def check_partial_rollouts(cfg: RlhfConfig) -> None:
+    """Partial rollouts need async with room in the staleness bound for a batch's first tokens (pure)."""
+    tokens, trainer = cfg.trainer.partial_rollout_tokens, cfg.trainer
+    if not tokens:
+        return
+    key = f"trainer.partial_rollout_tokens={tokens}"
+    if not trainer.is_async or trainer.max_staleness < 2:
+        raise ConfigError(f"{key} continues rows after a weight push, which stales their first tokens one more "
+                          f"step: it needs trainer.async_mode=one_step_off with trainer.max_staleness >= 2 (got "
+                          f"{trainer.async_mode}, {trainer.max_staleness})")
+    if tokens >= cfg.sampling.max_new_tokens:
+        raise ConfigError(f"{key} must be below sampling.max_new_tokens={cfg.sampling.max_new_tokens} (rows stop "
+                          "there anyway); lower it or set 0")
+    if cfg.rollout.engine != "native" or cfg.algo.advantage.kind == AdvantageKind.REMAX:
+        raise ConfigError(f"{key} runs with the native engine and without ReMax's greedy baseline only yet "
+                          f"(rollout.engine={cfg.rollout.engine}, algo.advantage.kind={cfg.algo.advantage.kind})")
+
+
 def training_group(meshes: RoleMeshes) -> dist.ProcessGroup:
     """The ranks outside the rollout mesh, which gather the training roles' outputs (collective: every rank)."""
     rollout = set(meshes["rollout"].layout.ranks)
@@ -96,8 +120,12 @@ class AsyncSchedule:
     """This rank's side of the k-step-off schedule (module docstring); `step(k)` ends at the step boundary."""
 
     def __init__(self, stack: RLStack, loader: PromptLoader, meshes: RoleMeshes, max_staleness: int,
-                 train_group: dist.ProcessGroup) -> None:
+                 train_group: dist.ProcessGroup, partial_tokens: int = 0) -> None:
         self.stack, self.loader, self.max_staleness = stack, loader, max_staleness
+        self.partial_tokens = partial_tokens
+        # batches the training ranks hold at a step's start: a started batch counts against the staleness bound
+        self.depth = max_staleness - 1 if partial_tokens else max_staleness
+        self.started: StartedBatch | None = None  # rollout ranks, partial rollouts: the next batch, begun
         self.rollout_layout = meshes["rollout"].layout
         self.generates = meshes["rollout"].is_member
         self.train_group = train_group
@@ -111,11 +139,14 @@ class AsyncSchedule:
         metrics = StepMetrics(reporter_rank=self.reporter_rank)
         batch = None
         with metrics.timer("step"):
-            while self.num_generated < step + self.max_staleness - 1:
+            while self.num_generated < step + self.depth - 1:
                 self._exchange(self._generate(metrics), metrics)
             local = self._generate(metrics)
+            if self.generates and self.partial_tokens:
+                with self.stack.memory.rollout(metrics), metrics.timer("gen"):
+                    self.started = start_batch(self.stack, self.loader, self.num_generated + 2, self.partial_tokens)
             if not self.generates:
-                assert len(self.in_flight) == self.max_staleness, (len(self.in_flight), step)
+                assert len(self.in_flight) == self.depth, (len(self.in_flight), step)
                 batch = self.in_flight.popleft()
                 with self.stack.memory.training(metrics):
                     score_and_update(self.stack, batch, metrics)
@@ -127,9 +158,15 @@ class AsyncSchedule:
         return metrics
 
     def _generate(self, metrics: StepMetrics) -> tuple[TrainBatch | None, int]:
-        """Rollout ranks: the next batch's rollouts and rule rewards, sampled with that batch's own seed."""
+        """Rollout ranks: the next batch's rollouts and rule rewards, sampled with that batch's own seed (a
+        started batch is finished with the current weights)."""
         if not self.generates:
             return None, 0
+        if self.started is not None:
+            started, self.started = self.started, None
+            assert started.index == self.num_generated + 1, (started.index, self.num_generated)
+            with self.stack.memory.rollout(metrics), metrics.timer("gen"):
+                return finish_batch(self.stack, started), len(started.prompts.records)
         prompts = self.loader.next_step()
         with self.stack.memory.rollout(metrics), metrics.timer("gen"):
             return generate_and_score(self.stack, prompts, self.num_generated + 1), len(prompts.records)
@@ -143,11 +180,14 @@ class AsyncSchedule:
             self.in_flight.append(batch)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"num_generated": self.num_generated, "in_flight": [batch_state(b) for b in self.in_flight]}
+        return {"num_generated": self.num_generated, "in_flight": [batch_state(b) for b in self.in_flight],
+                "started": started_state(self.started)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """After the loader's own state (a started batch reads its prompts from it again)."""
         self.num_generated = state["num_generated"]
         self.in_flight = deque(batch_from_state(batch) for batch in state["in_flight"])
+        self.started = restore_started(state["started"], self.loader)
 
     def replicated(self) -> list[Replicated]:
         """The in-flight batches are identical on every training rank: written once for their group."""

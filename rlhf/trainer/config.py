@@ -150,7 +150,8 @@ ASYNC_MODES = ("off", "one_step_off")
 @dataclass(kw_only=True)
 class TrainerConfig:
     """The loop: steps, validation cadence, logging. `async_mode=one_step_off` (split placement): the rollout
-    ranks generate `max_staleness` batches ahead of the update (`rlhf.trainer.async_schedule`)."""
+    ranks generate `max_staleness` batches ahead of the update (`rlhf.trainer.async_schedule`);
+    `partial_rollout_tokens` > 0: each batch's generation spans a weight push after that many tokens per row."""
 
     total_steps: int = 10
     val_every: int = 0
@@ -159,6 +160,7 @@ class TrainerConfig:
     plot: bool = True
     async_mode: str = "off"
     max_staleness: int = 1
+    partial_rollout_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.total_steps < 1:
@@ -169,6 +171,8 @@ class TrainerConfig:
             raise ConfigError(f"trainer.async_mode={self.async_mode!r} is not one of {', '.join(ASYNC_MODES)}")
         if self.max_staleness < 1:
             raise ConfigError(f"trainer.max_staleness={self.max_staleness} must be >= 1 (1: one-step-off)")
+        if self.partial_rollout_tokens < 0:
+            raise ConfigError(f"trainer.partial_rollout_tokens={self.partial_rollout_tokens} must be >= 0 (0: off)")
 
     @property
     def is_async(self) -> bool:

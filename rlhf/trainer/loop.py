@@ -105,7 +105,8 @@ class Trainer:
                              kl_controller=KLController.from_config(algo.kl), pad_token_id=self.pad_token_id,
                              reward_model=reward_model, memory=memory)
         self.async_schedule = (AsyncSchedule(self.stack, self.loader, self.meshes, cfg.trainer.max_staleness,
-                                             train_group) if cfg.trainer.is_async else None)
+                                             train_group, cfg.trainer.partial_rollout_tokens)
+                               if cfg.trainer.is_async else None)
         self.checkpoints = CheckpointManager(run_dir.path / "checkpoints", cfg.checkpoint.keep_last)
         self.sink: MetricsSink | None = None  # opened once the resumed step is known
 
@@ -164,7 +165,8 @@ class Trainer:
             models["critic"] = self.cfg.model.critic_path or self.cfg.model.path
         return {"layouts": {role: m.layout.describe() for role, m in self.meshes.meshes.items()},
                 "models": {role: architecture(path) for role, path in models.items()},
-                "async": ({"mode": self.cfg.trainer.async_mode, "max_staleness": self.cfg.trainer.max_staleness}
+                "async": ({"mode": self.cfg.trainer.async_mode, "max_staleness": self.cfg.trainer.max_staleness,
+                           "partial_rollout_tokens": self.cfg.trainer.partial_rollout_tokens}
                           if self.async_schedule else None)}
 
     def _resume(self) -> int:

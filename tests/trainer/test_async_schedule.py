@@ -1,6 +1,7 @@
 """One-step-off async RL on split placement (rollout on rank 1, actor on rank 0): the rollout samples each batch
-with the policy one update behind, every token records its version, and a resume with a batch in flight
-reproduces the uninterrupted run exactly; configs that cannot overlap are refused."""
+with the policy one update behind (k behind at max_staleness=k), every token records its version, partial
+rollouts continue rows across a weight push, and a resume with a batch in flight (or a started one) reproduces
+the uninterrupted run exactly; configs that cannot overlap are refused."""
 
 import sys
 from pathlib import Path
@@ -35,7 +36,11 @@ def _runs(paths, root):
     resumed = run_trainer(paths, f"{root}/split", ASYNC + common + ["trainer.total_steps=4"])
     two_off = run_trainer(paths, f"{root}/two", ASYNC + common + ["trainer.total_steps=3", "trainer.max_staleness=2",
                                                                   "checkpoint.every=0"])
-    return sync, full, resumed, two_off
+    partial = ASYNC + common + ["trainer.max_staleness=2", "trainer.partial_rollout_tokens=2", "run.name=p"]
+    partial_full = run_trainer(paths, f"{root}/partial_full", partial + ["trainer.total_steps=4"])
+    run_trainer(paths, f"{root}/partial", partial + ["trainer.total_steps=2"])
+    partial_resumed = run_trainer(paths, f"{root}/partial", partial + ["trainer.total_steps=4"])
+    return sync, full, resumed, two_off, partial_full, partial_resumed
 
 
 def _comparable(row):
@@ -43,7 +48,8 @@ def _comparable(row):
 
 
 def test_one_step_off_samples_one_version_behind_and_resumes_with_the_batch_in_flight(tiny, tmp_path):
-    sync, full, resumed, two_off = run_distributed(_runs, 2, tiny, str(tmp_path), timeout_s=600)[0]
+    sync, full, resumed, two_off, partial_full, partial_resumed = run_distributed(_runs, 2, tiny, str(tmp_path),
+                                                                               timeout_s=600)[0]
     # Step 1 trains on the batch both modes sample from the initial policy with step 1's seed: identical.
     assert _comparable(full[0]) == _comparable(sync[0])
     assert [row["rollout/staleness_max"] for row in full] == [0.0, 1.0, 1.0, 1.0]
@@ -62,6 +68,15 @@ def test_one_step_off_samples_one_version_behind_and_resumes_with_the_batch_in_f
     step_2 = tmp_path / "split/r/checkpoints/step_2"
     assert (step_2 / "async_in_flight.safetensors").is_file()
     assert "val/score/mean@1" in full[-1]
+    # Partial rollouts (2 tokens per row, then the rest after the next push): from step 3 a batch mixes tokens
+    # two and one versions behind; the checkpoint holds the started batch, so the resume is exact again.
+    assert [row["rollout/staleness_max"] for row in partial_full] == [0.0, 1.0, 2.0, 2.0]
+    assert all(1.0 < row["rollout/staleness_mean"] < 2.0 for row in partial_full[2:])
+    assert [_comparable(r) for r in partial_full[2:]] == [_comparable(r) for r in partial_resumed]
+    from rlhf.state_file import decode_state
+
+    rollout_state = decode_state((tmp_path / "partial/p/checkpoints/step_2/rank1.safetensors").read_bytes(), "rank1")
+    assert rollout_state["async"]["started"]["index"] == 4  # batch 3 was exchanged at step 2; batch 4 began
 
 
 def _check(tiny, tmp_path, overrides):
@@ -85,7 +100,14 @@ def test_async_configs_that_cannot_overlap_are_refused(tiny, tmp_path):
         _check(tiny, tmp_path, ASYNC + ["actor.recompute_old_logprobs=false", "algo.rollout_correction.enable=false"])
     with pytest.raises(ConfigError, match=r"^trainer\.max_staleness=0 must be >= 1"):
         _check(tiny, tmp_path, ASYNC + ["trainer.max_staleness=0"])
+    with pytest.raises(ConfigError, match=r"^trainer\.partial_rollout_tokens=2 continues rows after a weight push.*"
+                                          r"needs trainer\.async_mode=one_step_off with trainer\.max_staleness >= 2 "
+                                          r"\(got one_step_off, 1\)"):
+        _check(tiny, tmp_path, ASYNC + ["trainer.partial_rollout_tokens=2"])
+    with pytest.raises(ConfigError, match=r"must be below sampling\.max_new_tokens=5"):
+        _check(tiny, tmp_path, ASYNC + ["trainer.partial_rollout_tokens=5", "trainer.max_staleness=2"])
     _check(tiny, tmp_path, ASYNC)
+    _check(tiny, tmp_path, ASYNC + ["trainer.partial_rollout_tokens=2", "trainer.max_staleness=2"])
 
 
 def _four_rank_runs(paths, root):
