@@ -165,3 +165,27 @@ def test_an_in_flight_batch_round_trips_bitwise_and_a_foreign_one_is_refused():
     with pytest.raises(CheckpointError, match=r"^the checkpoint's in-flight batch has fields \['routing_bt'\] this "
                                               r"version does not expect"):
         batch_from_state(foreign)
+
+
+def test_partial_rollouts_join_each_row_with_its_continuation_token_by_token():
+    import torch
+
+    from rlhf.rollout.types import FinishReason, Rollouts
+    from rlhf.trainer.partial_rollout import merge_rollouts
+
+    first = Rollouts(response_tokens_rt=torch.tensor([[5, 0], [6, 7]]),
+                     response_logprobs_rt=torch.tensor([[-0.5, 0.0], [-0.6, -0.7]]),
+                     response_scaled_logprobs_rt=torch.tensor([[-0.4, 0.0], [-0.5, -0.6]]),
+                     response_lengths_r=torch.tensor([1, 2]), finish_reasons=[FinishReason.STOP, FinishReason.LENGTH],
+                     prompt_index_r=torch.tensor([0, 0]), policy_version=3)
+    rest = Rollouts(response_tokens_rt=torch.tensor([[8, 9, 0]]),
+                    response_logprobs_rt=torch.tensor([[-0.8, -0.9, 0.0]]),
+                    response_scaled_logprobs_rt=torch.tensor([[-0.7, -0.8, 0.0]]), response_lengths_r=torch.tensor([2]),
+                    finish_reasons=[FinishReason.STOP], prompt_index_r=torch.tensor([0]), policy_version=4)
+    merged, versions_rt = merge_rollouts(first, rest, running=[1], width=5)
+    assert merged.response_tokens_rt.tolist() == [[5, 0, 0, 0, 0], [6, 7, 8, 9, 0]]
+    assert merged.response_lengths_r.tolist() == [1, 4]
+    assert merged.response_logprobs_rt[1].tolist() == torch.tensor([-0.6, -0.7, -0.8, -0.9, 0.0]).tolist()
+    assert merged.response_scaled_logprobs_rt[1, :4].tolist() == torch.tensor([-0.5, -0.6, -0.7, -0.8]).tolist()
+    assert versions_rt.tolist() == [[3, 0, 0, 0, 0], [3, 3, 4, 4, 0]]
+    assert merged.finish_reasons == [FinishReason.STOP, FinishReason.STOP]
