@@ -2,8 +2,8 @@
 
 Split placement: rank 0 holds the actor, rank 1 the native rollout engine. Synchronous, each rank idles while
 the other works; one-step-off, rank 1 generates batch k+1 while rank 0 updates on batch k, so a step costs
-max(gen, train) + exchange + weight push instead of their sum. Two shapes: the tiny test model and the CPU
-demo's 1M-parameter model. Both arms are built side by side in one 2-rank world and stepped alternately; the
+max(gen, train) + exchange + weight push instead of their sum. Three shapes: the tiny test model, the CPU
+demo's 1M-parameter model, and that model with 40-token responses (generation about as long as training). Both arms are built side by side in one 2-rank world and stepped alternately; the
 first steps (warm-up, async pipeline fill) are dropped; medians. Writes benchmarks/results/async.json with
 summary `async_vs_sync` (sync s/step over async s/step on the tiny shape: > 1 means async is faster).
 """
@@ -33,6 +33,9 @@ SHAPES = {
              {"prompts_per_step": 8, "n": 4, "max_new_tokens": 48, "micro_batch_size": 32}),
     "demo": (dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=512),
              {"prompts_per_step": 64, "n": 8, "max_new_tokens": 5, "micro_batch_size": 128}),
+    # the demo model with long responses: generation and training take similar time, the case async is for
+    "demo_long": (dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=512),
+                  {"prompts_per_step": 16, "n": 8, "max_new_tokens": 40, "micro_batch_size": 128}),
 }
 ARMS = {"sync": "off", "async": "one_step_off"}
 PHASES = ("gen", "old_log_prob", "update_actor", "gather", "update_weights")
