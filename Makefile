@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlhf-installed
 NPROC ?= 4
 DEMO_NPROC ?= 2
-BENCHES := collectives reshard engine rollout e2e memphase padding exchange checkpoint rollout-corr
+BENCHES := collectives reshard engine rollout e2e memphase padding exchange checkpoint rollout-corr async
 PYTEST_FLAGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -110,6 +110,9 @@ bench-checkpoint: install-bench
 
 bench-rollout-corr: install
 	$(PY) benchmarks/bench_rollout_corr.py
+
+bench-async: install
+	$(PY) benchmarks/bench_async.py
 
 bench: install-bench
 	$(PY) benchmarks/bench_all.py

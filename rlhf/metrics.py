@@ -33,10 +33,12 @@ TIMER_OBSERVERS: list = []
 
 
 class StepMetrics:
-    """Metrics of one step on this rank; `reduced()` returns the world-wide values (collective)."""
+    """Metrics of one step on this rank; `reduced()` returns the world-wide values (collective). Global values
+    are reported by `reporter_rank` (a rank that holds the step's batch: async rollout ranks do not)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reporter_rank: int = 0) -> None:
         self._values: dict[str, tuple[float, Reduce]] = {}
+        self.reporter_rank = reporter_rank
 
     def add(self, name: str, value: float | torch.Tensor, reduce: Reduce = "mean") -> None:
         self._values[name] = (float(value), reduce)
@@ -46,8 +48,8 @@ class StepMetrics:
             self.add(prefix + name, value, reduce)
 
     def add_global(self, name: str, value: float | torch.Tensor) -> None:
-        """A value every rank computed identically: reported once (by rank 0)."""
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        """A value every rank computed identically: reported once (by the reporter rank, default 0)."""
+        if not dist.is_initialized() or dist.get_rank() == self.reporter_rank:
             self.add(name, value, "max")
 
     def update_from_shards(self, values: dict[str, float]) -> None:

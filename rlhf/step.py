@@ -74,7 +74,7 @@ def rl_step(stack: RLStack, prompts: PromptStep, step: int,
         with stack.memory.rollout(metrics):
             batch = collect_batch(stack, prompts, step, more_prompts, metrics)
         train_and_sync(stack, batch, step, metrics)
-    record_batch_metrics(metrics, batch, stack)
+    record_batch_metrics(metrics, batch, stack, actor_version=step - 1)
     return metrics
 
 
@@ -98,7 +98,7 @@ def replay_step(stack: RLStack, load: Callable[[], TrainBatch], step: int) -> St
         with metrics.timer("load"):
             batch = load()
         train_and_sync(stack, batch, step, metrics)
-    record_batch_metrics(metrics, batch, stack)
+    record_batch_metrics(metrics, batch, stack, actor_version=step - 1)
     return metrics
 
 
@@ -249,8 +249,9 @@ def _empty_b(batch: TrainBatch) -> torch.Tensor:
     return (batch.response_lengths_b <= 1) & stopped_b
 
 
-def record_batch_metrics(metrics: StepMetrics, batch: TrainBatch, stack: RLStack) -> None:
-    """Metrics of the global batch (identical on every rank, so rank 0 reports them)."""
+def record_batch_metrics(metrics: StepMetrics, batch: TrainBatch, stack: RLStack, actor_version: int) -> None:
+    """Metrics of the global batch (identical on every rank, so rank 0 reports them); staleness is how many
+    updates the sampling policy is behind `actor_version` (the updates before this step's)."""
     mask = batch.response_mask_bt
     lengths = batch.response_lengths_b.float()
     num_tokens = int(batch.prompt_lengths_b.sum() + batch.response_lengths_b.sum())
@@ -277,6 +278,10 @@ def record_batch_metrics(metrics: StepMetrics, batch: TrainBatch, stack: RLStack
         diff_bt = (batch.rollout_logprobs_bt - batch.old_logprobs_bt).abs() * mask
         values["rollout/logprob_diff_mean"] = _masked_mean(diff_bt, mask)
         values["rollout/logprob_diff_max"] = float(diff_bt.max())
+    if batch.policy_version_bt is not None:
+        staleness_bt = (actor_version - batch.policy_version_bt) * mask
+        values["rollout/staleness_mean"] = _masked_mean(staleness_bt.float(), mask)
+        values["rollout/staleness_max"] = float(staleness_bt.max())
     if batch.values_bt is not None:
         values["critic/values/mean"] = _masked_mean(batch.values_bt, mask)
         values["critic/returns/mean"] = _masked_mean(batch.returns_bt, mask)

@@ -24,6 +24,7 @@ class TrainBatch:
     group_index_b: torch.Tensor  # int64 [B] the prompt each row answers (GRPO/RLOO groups, contiguous)
     rollout_logprobs_bt: torch.Tensor  # fp32 [B, T] logprobs the rollout engine sampled with
     truncated_b: torch.Tensor | None = None  # bool [B] the response hit max_new_tokens (finish reason `length`)
+    policy_version_bt: torch.Tensor | None = None  # int32 [B, T] policy version that sampled each token (0 on pad)
     scores_b: torch.Tensor | None = None  # fp32 [B] sequence reward
     baseline_scores_b: torch.Tensor | None = None  # fp32 [B] greedy-rollout reward of the prompt (ReMax)
     old_logprobs_bt: torch.Tensor | None = None  # fp32 [B, T] actor before the update
@@ -35,7 +36,6 @@ class TrainBatch:
     is_weights_bt: torch.Tensor | None = None  # fp32 [B, T] rollout-correction weights on the policy loss
     loss_mask_bt: torch.Tensor | None = None  # bool [B, T] tokens in the actor loss (None: response_mask_bt)
     sample_index_b: torch.Tensor | None = None  # int64 [B] dataset index of the row's prompt (rollout dumps)
-    policy_version_b: torch.Tensor | None = None  # int64 [B] weight syncs the generating engine had taken
     pad_token_id: int = 0
 
     @property
@@ -136,5 +136,4 @@ def build_train_batch(prompts: PromptBatch, rollouts: Rollouts) -> TrainBatch:
                       response_lengths_b=rollouts.response_lengths_r.clone(), response_mask_bt=mask_rt,
                       group_index_b=prompt_index_r.clone(),
                       rollout_logprobs_bt=_sampled_logprobs(rollouts).float() * mask_rt, truncated_b=truncated_r,
-                      policy_version_b=torch.full((rollouts.num_rollouts,), rollouts.policy_version, dtype=torch.long),
-                      pad_token_id=rollouts.pad_token_id)
+                      policy_version_bt=mask_rt.int() * rollouts.policy_version, pad_token_id=rollouts.pad_token_id)

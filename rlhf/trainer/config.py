@@ -182,6 +182,9 @@ class RefConfig:
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 
+ASYNC_MODES = ("off", "one_step_off")
+
+
 @dataclass(kw_only=True)
 class TrainerConfig:
     """The loop: steps, validation cadence, logging. `logger`: where metrics go (`tensorboard=false` drops
@@ -189,7 +192,9 @@ class TrainerConfig:
     name). `val_samples` validation generations per validation go to samples.jsonl and TensorBoard text.
     `dump_rollouts`: every `dump_every`-th step's scored rollouts as rollouts/step_<N>.parquet (`rlhf replay`).
     `plot`: every run ends by drawing `curve.png` in its folder (reward, validation, KL, response length per
-    step; needs matplotlib)."""
+    step; needs matplotlib). `async_mode=one_step_off` (split placement): the rollout ranks generate
+    `max_staleness` batches ahead of the update (`rlhf.trainer.async_schedule`); `partial_rollout_tokens` > 0:
+    each batch's generation spans a weight push after that many tokens per row."""
 
     total_steps: int = 10  # RL steps to run (a resumed run continues up to this count)
     val_every: int = 0  # validate every N steps; 0: only before training and at the end
@@ -203,6 +208,9 @@ class TrainerConfig:
     val_samples: int = 4  # validation generations logged as text per validation (samples.jsonl, TensorBoard)
     dump_rollouts: bool = False  # write scored rollouts to <run>/rollouts/step_<N>.parquet (for rlhf replay)
     dump_every: int = 1  # dump every N-th step
+    async_mode: str = "off"  # one_step_off: rollout ranks generate ahead of the update (split placement only)
+    max_staleness: int = 1  # batches the rollout ranks run ahead (k-step-off); 1: one-step-off
+    partial_rollout_tokens: int = 0  # tokens per row before a weight push lands mid-generation; 0: off
 
     def __post_init__(self) -> None:
         if self.total_steps < 1:
@@ -217,6 +225,19 @@ class TrainerConfig:
             raise ConfigError(f"trainer.val_samples={self.val_samples} must be >= 0 (0: no generations logged)")
         if self.dump_every < 1:
             raise ConfigError(f"trainer.dump_every={self.dump_every} must be >= 1")
+        if self.async_mode not in ASYNC_MODES:
+            raise ConfigError(f"trainer.async_mode={self.async_mode!r} is not one of {', '.join(ASYNC_MODES)}")
+        if self.max_staleness < 1:
+            raise ConfigError(f"trainer.max_staleness={self.max_staleness} must be >= 1 (1: one-step-off)")
+        if self.partial_rollout_tokens < 0:
+            raise ConfigError(f"trainer.partial_rollout_tokens={self.partial_rollout_tokens} must be >= 0 (0: off)")
+        if self.dump_rollouts and self.async_mode != "off":
+            raise ConfigError("trainer.dump_rollouts does not work with trainer.async_mode=one_step_off yet (rank 0 "
+                              "may hold no trained batch); set one of them off")
+
+    @property
+    def is_async(self) -> bool:
+        return self.async_mode != "off"
 
     @property
     def loggers(self) -> list[str]:

@@ -81,25 +81,29 @@ def _unpack(described: list, flat_u8: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
-def gather_parts(tensors: dict[str, torch.Tensor] | None, meta: Any = None) -> list[tuple[Any, dict]]:
-    """Collective over the world: the (meta, tensors) of every rank that passed tensors, in rank order.
+def gather_parts(tensors: dict[str, torch.Tensor] | None, meta: Any = None,
+                 group: dist.ProcessGroup | None = None) -> list[tuple[Any, dict]]:
+    """Collective over `group` (default the world): the (meta, tensors) of every rank that passed tensors, in
+    rank order.
 
     `meta` is plain JSON data; tensors live on the host and come back on the host."""
-    headers = all_gather_json(None if tensors is None else {"meta": meta, "tensors": _describe(tensors)})
-    device = collective_device(None)
+    headers = all_gather_json(None if tensors is None else {"meta": meta, "tensors": _describe(tensors)},
+                              group=group)
+    device = collective_device(group)
     rank = dist.get_rank()
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     parts = []
-    for src, header in enumerate(headers):
+    for src, header in zip(ranks, headers):
         if header is None:
             continue
         if src == rank:
             assert tensors is not None
             parts.append((meta, tensors))
-            dist.broadcast(_pack(tensors).to(device), src=src)
+            dist.broadcast(_pack(tensors).to(device), src=src, group=group)
             continue
         nbytes = sum(_dtype(d).itemsize * int(torch.Size(shape).numel()) for _, shape, d in header["tensors"])
         flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dist.broadcast(flat, src=src)
+        dist.broadcast(flat, src=src, group=group)
         parts.append((header["meta"], _unpack(header["tensors"], flat.cpu())))
     return parts
 
@@ -134,13 +138,15 @@ def gather_global_batch(local: TrainBatch | None, num_prompts: int, layout: Para
     return concat_batches(batches, [meta["num_prompts"] for meta, _ in parts])
 
 
-def gather_rows(local_b: torch.Tensor | None, layout: ParallelLayout) -> torch.Tensor:
-    """Collective over the world: the contributors' row shards (dp order) concatenated on every rank."""
+def gather_rows(local_b: torch.Tensor | None, layout: ParallelLayout,
+                group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Collective over `group` (default the world; it holds `layout`'s ranks): the contributors' row shards (dp
+    order) concatenated on every rank of it."""
     rank = dist.get_rank()
-    if dist.get_world_size() == 1:
+    if dist.get_world_size(group) == 1:
         assert local_b is not None and layout.dp == 1
         return local_b
     mine = {"rows": local_b} if is_contributor(layout, rank) else None
-    parts = gather_parts(mine)
+    parts = gather_parts(mine, group=group)
     assert len(parts) == layout.dp, (len(parts), layout)
     return torch.cat([tensors["rows"] for _, tensors in parts])

@@ -3,7 +3,8 @@
     Trainer(cfg, run_dir).fit()
       build: meshes -> data -> reward -> actor / ref / critic / reward model / rollout engine (+ weight sync)
       loop:  resume? -> validate -> [rl_step -> reduce metrics -> alerts -> log -> validate? -> checkpoint?]*
-Layouts, groups and every input check come from `rlhf.trainer.preflight`.
+Layouts, groups and every input check come from `rlhf.trainer.preflight`; with trainer.async_mode on, each step
+follows `rlhf.trainer.async_schedule` (rollout ranks a batch ahead) and the in-flight batches are checkpointed.
 Every stage after process-group init (build, resume, first push, validation, each step, each save) is a
 watchdog phase: a stall anywhere ends every rank with stacks in its log.
 """
@@ -35,6 +36,7 @@ from rlhf.ops.prometheus import PrometheusExporter
 from rlhf.rollout.factory import build_engine, close_engine, engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
 from rlhf.step import RLStack, rl_step
+from rlhf.trainer.async_schedule import AsyncSchedule, check_async, training_group
 from rlhf.trainer.checks import input_warnings, load_tokenizer
 from rlhf.trainer.console import end_summary, finished_notice, start_banner
 from rlhf.trainer.memory import plan_memory_phases
@@ -67,6 +69,9 @@ class Trainer:
         layouts = {role: mesh.layout for role, mesh in self.meshes.meshes.items()}
         check_batches(cfg, layouts)
         algo = resolved_algo(cfg, layouts)
+        check_async(cfg, layouts, algo)
+        # async: the training roles gather among themselves while the rollout ranks generate (every rank creates it)
+        train_group = training_group(self.meshes) if cfg.trainer.is_async else None
         self.tokenizer = load_tokenizer(cfg.model.path)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
@@ -81,21 +86,23 @@ class Trainer:
         actor = PolicyRole("actor", self.meshes["actor"], cfg.model.path, update=cfg.actor,
                            total_steps=optimizer_steps, recompute=cfg.model.recompute, seed=cfg.dist.seed,
                            fused_head=cfg.model.fused_head, temperature=cfg.sampling.logprob_temperature,
-                           params_dtype=cfg.model.torch_dtype, moe_kwargs=cfg.model.moe.build_kwargs())
+                           params_dtype=cfg.model.torch_dtype, moe_kwargs=cfg.model.moe.build_kwargs(),
+                           gather_group=train_group)
         ref = (PolicyRole("ref", self.meshes["ref"], cfg.model.path, update=None, total_steps=0,
                           micro_batch_size=cfg.ref.micro_batch_size, seed=cfg.dist.seed, offload_frozen=cfg.ref.offload, fused_head=cfg.model.fused_head,
                           temperature=cfg.sampling.logprob_temperature, params_dtype=cfg.model.torch_dtype,
-                          moe_kwargs=cfg.model.moe.build_kwargs())
+                          moe_kwargs=cfg.model.moe.build_kwargs(), gather_group=train_group)
                if algo.uses_ref else None)
         critic = (CriticRole("critic", self.meshes["critic"], cfg.model.critic_path or cfg.model.path,
                              update=cfg.critic, value_head=True, seed=cfg.dist.seed + 1,
                              total_steps=cfg.trainer.total_steps * cfg.critic.epochs * cfg.critic.mini_batches,
-                             params_dtype=cfg.model.torch_dtype, moe_kwargs=cfg.model.moe.build_kwargs())
+                             params_dtype=cfg.model.torch_dtype, moe_kwargs=cfg.model.moe.build_kwargs(),
+                             gather_group=train_group)
                   if algo.uses_critic else None)
         reward_model = (RewardModelRole("reward", self.meshes["reward"], cfg.reward.model_path, update=None,
                                         total_steps=0, micro_batch_size=cfg.reward.model_micro_batch_size,
                                         value_head=True, offload_frozen=cfg.reward.model_offload,
-                                        params_dtype=cfg.model.torch_dtype)
+                                        params_dtype=cfg.model.torch_dtype, gather_group=train_group)
                         if cfg.reward.model_path else None)
         engine, weight_sync = self._build_rollout(actor)
         memory = plan_memory_phases(engine=engine, roles={"actor": actor, "critic": critic, "ref": ref,
@@ -112,6 +119,9 @@ class Trainer:
             self.stack.dump = RolloutDumper(run_dir.path / "rollouts", every=cfg.trainer.dump_every,
                                             records=self.loader.prompts.records, tokenizer=self.tokenizer,
                                             enabled=run_dir.is_rank0).write
+        self.async_schedule = (AsyncSchedule(self.stack, self.loader, self.meshes, cfg.trainer.max_staleness,
+                                             train_group, cfg.trainer.partial_rollout_tokens)
+                               if cfg.trainer.is_async else None)
         self.checkpoints = CheckpointManager(run_dir.path / "checkpoints", cfg.checkpoint.keep_last)
         self.sink: MetricsSink | None = None  # opened once the resumed step is known
         self.alerts = AlertMonitor(cfg.alerts, run_dir.path, is_rank0=run_dir.is_rank0)
@@ -160,21 +170,31 @@ class Trainer:
                 "loader": self.loader.state_dict(), "kl": self.stack.kl_controller.state_dict(),
                 "policy_version": getattr(self.stack.rollout, "policy_version", 0),
                 "alerts": self.alerts.state_dict(),
+                "async": self.async_schedule.state_dict() if self.async_schedule else {},
                 "rng": {"torch": platform.rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
 
     def _tensors(self) -> dict:
         """Collective: the trained roles' full weight and optimizer tensors this rank writes (layout-free)."""
         return {role.name: role.checkpoint_tensors() for role in self._trained() if role.mesh.is_member}
 
+    def _replicated(self) -> list:
+        """State the training ranks share (the async in-flight batches): written once for their group."""
+        return self.async_schedule.replicated() if self.async_schedule else []
+
     def _trained(self) -> list:
         return [role for role in (self.stack.actor, self.stack.critic) if role is not None]
 
     def _models(self) -> dict:
-        """What must match on resume: the trained roles' architectures (layouts may change)."""
+        """What must match on resume: the trained roles' architectures and the async settings (layouts may
+        change)."""
         models = {"actor": self.cfg.model.path}
         if self.stack.critic:
             models["critic"] = self.cfg.model.critic_path or self.cfg.model.path
-        return {"models": {role: architecture(path) for role, path in models.items()}}
+        trainer = self.cfg.trainer
+        return {"models": {role: architecture(path) for role, path in models.items()},
+                "async": ({"mode": trainer.async_mode, "max_staleness": trainer.max_staleness,
+                           "partial_rollout_tokens": trainer.partial_rollout_tokens}
+                          if self.async_schedule else None)}
 
     def _meta(self) -> dict:
         paths = {"actor": self.cfg.model.path, "critic": self.cfg.model.critic_path or self.cfg.model.path}
@@ -185,7 +205,8 @@ class Trainer:
     def _resume(self) -> int:
         """Load and verify the checkpoint to resume from (if any), on this run's layouts whatever wrote it; its
         DP replicas must then be bitwise equal."""
-        found = self.checkpoints.load_for_resume(self.cfg.checkpoint.resume, expected_meta=self._models())
+        found = self.checkpoints.load_for_resume(self.cfg.checkpoint.resume, expected_meta=self._models(),
+                                                 replicated=self._replicated())
         if found is None:
             return 0
         path, state, manifest = found
@@ -201,6 +222,8 @@ class Trainer:
         self.stack.kl_controller.load_state_dict(state["kl"])
         if "alerts" in state:  # checkpoints written before alerts existed start with empty windows
             self.alerts.load_state_dict(state["alerts"])
+        if self.async_schedule:
+            self.async_schedule.load_state_dict(state["async"])
         if self.stack.rollout is not None:
             self.stack.rollout.policy_version = state["policy_version"]
         if manifest["world_size"] == dist.get_world_size():
@@ -229,6 +252,8 @@ class Trainer:
         """One RL step on this rank (unreduced metrics): the one step driver `fit`, `rlhf profile`/`bench` and
         the benchmarks share, so none can skip the initial weight push or dynamic sampling's extra prompts."""
         self.push_initial_weights()
+        if self.async_schedule:
+            return self.async_schedule.step(step)
         return rl_step(self.stack, self.loader.next_step(), step, more_prompts=self.loader.next_step)
 
     def validate(self, step: int) -> dict[str, float]:
@@ -344,7 +369,7 @@ class Trainer:
             self.checkpoints.commit()
             if (ckpt.every and step % ckpt.every == 0) or (last and ckpt.save_at_end):
                 self.checkpoints.save(step, self._state(step), meta=self._meta(), tensors=self._tensors(),
-                                      wait=not ckpt.async_save or last)
+                                      replicated=self._replicated(), wait=not ckpt.async_save or last)
             if ckpt.save_hf_every and step % ckpt.save_hf_every == 0:
                 self._save_hf(self.run_dir.path / "hf" / f"step_{step}")
 

@@ -17,6 +17,7 @@ from rlhf.errors import ConfigError
 from rlhf.loggers import check_loggers
 from rlhf.parallel.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes, plan_meshes
 from rlhf.run_dir import get_logger
+from rlhf.trainer.async_schedule import check_async
 from rlhf.trainer.checks import (check_kv_cache, check_model_folders, check_resume_path, check_reward_tokenizer,
                                  check_writable_folder, load_tokenizer, read_hf_config)
 from rlhf.trainer.config import check_batch_sizes
@@ -95,6 +96,8 @@ def check_layouts(cfg: RlhfConfig, world_size: int) -> dict:
     layouts = plan_meshes(mesh_config(cfg), world_size, model_dims(cfg.model.path), role_dims(cfg))
     check_batches(cfg, layouts)
     check_sleep(resolved_sleep(cfg), shares_weights(cfg, layouts))
+    correction = cfg.algo.rollout_correction.resolved(weights_shared=shares_weights(cfg, layouts))
+    check_async(cfg, layouts, dataclasses.replace(cfg.algo, rollout_correction=correction))
     return layouts
 
 

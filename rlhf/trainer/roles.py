@@ -69,11 +69,14 @@ class ModelRole:
     def __init__(self, name: str, mesh: RoleMesh, hf_path: str, *, update: UpdateConfig | None,
                  total_steps: int, micro_batch_size: int | None = None, value_head: bool = False,
                  recompute: bool = False, seed: int = 1234, offload_frozen: bool = False,
-                 params_dtype: torch.dtype = torch.float32, moe_kwargs: dict | None = None) -> None:
-        """`micro_batch_size`: sequences per forward-only micro-batch (default: the update's micro-batch size)."""
+                 params_dtype: torch.dtype = torch.float32, moe_kwargs: dict | None = None,
+                 gather_group: torch.distributed.ProcessGroup | None = None) -> None:
+        """`micro_batch_size`: sequences per forward-only micro-batch (default: the update's micro-batch size);
+        `gather_group`: the ranks that gather this role's outputs (None: the world)."""
         self.name, self.mesh, self.update_config = name, mesh, update
         self.micro_batch_size = micro_batch_size or (update.micro_batch_size if update is not None else 0)
         assert self.micro_batch_size > 0, f"{name}: a frozen role needs its own micro_batch_size"
+        self.gather_group = gather_group
         self.model: torch.nn.Module | None = None
         self.engine: TrainEngine | None = None
         self.offload_frozen = offload_frozen and update is None
@@ -152,7 +155,7 @@ class ModelRole:
             if is_contributor(self.mesh.layout, torch.distributed.get_rank()):
                 local = torch.cat([o["out"] for o in outputs])[torch.argsort(order)]
                 local = local.cpu()  # the step's batch lives on the host
-        return gather_rows(local, self.mesh.layout)[torch.argsort(balance)]
+        return gather_rows(local, self.mesh.layout, self.gather_group)[torch.argsort(balance)]
 
     def _micro_batches(self, shard: TrainBatch, size: int, *, ragged: bool = False) -> list[TrainBatch]:
         """`shard` in micro-batches of `size` rows, each cut to its own longest row (compute scales with the

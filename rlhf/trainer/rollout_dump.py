@@ -41,13 +41,14 @@ def batch_table(batch: TrainBatch, step: int, records: dict[int, PromptRecord], 
     """The batch as a pyarrow table (one row per rollout) with the dump's metadata."""
     import pyarrow as pa
 
-    assert batch.sample_index_b is not None and batch.policy_version_b is not None, "set by generate_and_score"
+    assert batch.sample_index_b is not None and batch.policy_version_bt is not None, "set by generate_and_score"
     prompt_ids = _rows(batch.tokens_bs, batch.prompt_lengths_b)
     response_ids = _rows(batch.tokens_bs, batch.response_lengths_b, batch.prompt_lengths_b)
     uids = batch.sample_index_b.tolist()
     columns = {
         "step": pa.array([step] * batch.size, pa.int64()),
-        "policy_version": pa.array(batch.policy_version_b.tolist(), pa.int64()),
+        # per response token: a partial rollout's row holds tokens of two policy versions
+        "policy_version": pa.array(_rows(batch.policy_version_bt, batch.response_lengths_b), pa.list_(pa.int64())),
         "uid": pa.array(uids, pa.int64()),
         "group": pa.array(batch.group_index_b.tolist(), pa.int64()),
         "data_source": pa.array([records[uid].data_source for uid in uids], pa.string()),
@@ -180,7 +181,7 @@ def read_dump(path: Path, vocab_size: int) -> TrainBatch:
         truncated_b=torch.tensor(table["truncated"], dtype=torch.bool),
         scores_b=torch.tensor(table["score"], dtype=torch.float32),
         sample_index_b=torch.tensor(table["uid"], dtype=torch.long),
-        policy_version_b=torch.tensor(table["policy_version"], dtype=torch.long),
+        policy_version_bt=_padded(table["policy_version"], width, torch.int32),
         pad_token_id=pad)
 
 

@@ -31,7 +31,8 @@ def _batch() -> TrainBatch:
                       response_mask_bt=mask, group_index_b=torch.tensor([0, 0, 1, 1]), rollout_logprobs_bt=logprobs,
                       truncated_b=torch.tensor([False, True, False, False]),
                       scores_b=torch.tensor([1.0, 0.0, 0.5, -1.0]), advantages_bt=torch.randn(4, 4) * mask,
-                      sample_index_b=torch.tensor([7, 7, 2, 2]), policy_version_b=torch.full((4,), 3))
+                      sample_index_b=torch.tensor([7, 7, 2, 2]),
+                      policy_version_bt=mask.int() * 3)
 
 
 def _write(folder, step, batch=None):
@@ -46,7 +47,7 @@ def test_a_dump_reads_back_as_the_batch_it_trained_on(tmp_path):
     path = _write(tmp_path, 5, batch)
     back = read_dump(path, VOCAB)
     for name in ("tokens_bs", "prompt_lengths_b", "response_lengths_b", "response_mask_bt", "group_index_b",
-                 "rollout_logprobs_bt", "truncated_b", "scores_b", "sample_index_b", "policy_version_b"):
+                 "rollout_logprobs_bt", "truncated_b", "scores_b", "sample_index_b", "policy_version_bt"):
         assert torch.equal(getattr(back, name), getattr(batch, name)), name
     assert back.advantages_bt is None and back.old_logprobs_bt is None, "recomputed by the replay"
     assert torch.equal(read_scores(path), batch.scores_b)

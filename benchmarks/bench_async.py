@@ -1,0 +1,124 @@
+"""Step time of one-step-off async RL vs the synchronous loop, on 2 ranks (1 rollout + 1 train, one thread each).
+
+Split placement: rank 0 holds the actor, rank 1 the native rollout engine. Synchronous, each rank idles while
+the other works; one-step-off, rank 1 generates batch k+1 while rank 0 updates on batch k, so a step costs
+max(gen, train) + exchange + weight push instead of their sum. Three shapes: the tiny test model, the CPU
+demo's 1M-parameter model, and that model with 40-token responses (generation about as long as training). Both arms are built side by side in one 2-rank world and stepped alternately; the
+first steps (warm-up, async pipeline fill) are dropped; medians. Writes benchmarks/results/async.json with
+summary `async_vs_sync` (sync s/step over async s/step on the tiny shape: > 1 means async is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _machine import machine_info  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "async.json"
+# name -> (model dims, data/sampling/actor overrides)
+SHAPES = {
+    "tiny": (dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64),
+             {"prompts_per_step": 8, "n": 4, "max_new_tokens": 48, "micro_batch_size": 32}),
+    "demo": (dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=512),
+             {"prompts_per_step": 64, "n": 8, "max_new_tokens": 5, "micro_batch_size": 128}),
+    # the demo model with long responses: generation and training take similar time, the case async is for
+    "demo_long": (dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=512),
+                  {"prompts_per_step": 16, "n": 8, "max_new_tokens": 40, "micro_batch_size": 128}),
+}
+ARMS = {"sync": "off", "async": "one_step_off"}
+PHASES = ("gen", "old_log_prob", "update_actor", "gather", "update_weights")
+
+
+def _setup(root: Path, dims: dict) -> dict:
+    from rlhf.data.char_tokenizer import build_char_tokenizer
+    from rlhf.data.make import MakeConfig, make_dataset
+    from rlhf.models.init import InitModelConfig, init_hf_model
+
+    model = init_hf_model(InitModelConfig(max_position_embeddings=64, **dims), build_char_tokenizer(),
+                          root / "model")
+    task = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+    make_dataset(MakeConfig(task="chain_sum", num_samples=2048, seed=1, prompt_format="expression",
+                            task_config=task), root / "train.jsonl")
+    return {"model": str(model), "train": str(root / "train.jsonl")}
+
+
+def _trainer(paths: dict, root: str, name: str, shape: dict, async_mode: str, steps: int):
+    from rlhf.config import RlhfConfig, from_dict
+    from rlhf.run_dir import setup_run
+    from rlhf.trainer.loop import Trainer
+
+    batch = shape["prompts_per_step"] * shape["n"]
+    data = {"dist": {"backend": "gloo"}, "run": {"output_dir": root, "name": name},
+            "model": {"path": paths["model"]},
+            "mesh": {"placement": "split", "actor": {"ranks": [0, 1]}, "rollout": {"ranks": [1, 2]}},
+            "data": {"train_files": [paths["train"]], "prompts_per_step": shape["prompts_per_step"],
+                     "max_prompt_length": 16},
+            "sampling": {"n": shape["n"], "max_new_tokens": shape["max_new_tokens"], "ignore_eos": True},
+            "reward": {"by_source": {"reasoning_gym/*": "reasoning_gym_exact"}},
+            "actor": {"micro_batch_size": shape["micro_batch_size"], "optim": {"lr": 2e-4}},
+            "rollout": {"native": {"max_batch_size": batch, "max_seq_len": 16 + shape["max_new_tokens"]}},
+            "trainer": {"total_steps": steps, "tensorboard": False, "async_mode": async_mode}}
+    cfg = from_dict(RlhfConfig, data)
+    return Trainer(cfg, setup_run(cfg.run, cfg))
+
+
+def shape_rows(root: str, shape_name: str, steps: int, warmup: int) -> list[dict]:
+    """Collective body (2 ranks): both arms built, then stepped alternately; rank 0's wall times."""
+    dims, shape = SHAPES[shape_name]
+    paths = _setup(Path(root) / shape_name, dims)
+    trainers = {arm: _trainer(paths, root, f"{shape_name}_{arm}", shape, mode, steps) for arm, mode in ARMS.items()}
+    seconds: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    phases: dict[str, dict[str, list[float]]] = {arm: {p: [] for p in PHASES} for arm in ARMS}
+    for step in range(1, steps + 1):
+        for arm, trainer in trainers.items():
+            start = time.perf_counter()
+            values = trainer.run_step(step).reduced(trainer.metric_reducer)
+            if step > warmup:
+                seconds[arm].append(time.perf_counter() - start)
+                for phase in PHASES:
+                    phases[arm][phase].append(values.get(f"timing_s/{phase}", 0.0))
+    return [{"shape": shape_name, "arm": arm, "s_per_step": statistics.median(seconds[arm]),
+             **{f"{phase}_s": statistics.median(phases[arm][phase]) for phase in PHASES}} for arm in ARMS]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    from rlhf.testing.distributed import run_distributed
+
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for shape in args.shapes:
+            rows += run_distributed(shape_rows, 2, root, shape, args.steps, args.warmup, timeout_s=3600)[0]
+    for row in rows:
+        print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    per_step = {(row["shape"], row["arm"]): row["s_per_step"] for row in rows}
+    summary = {("async_vs_sync" if shape == "tiny" else f"async_vs_sync_{shape}"):
+               per_step[(shape, "sync")] / per_step[(shape, "async")] for shape in args.shapes}
+    print(json.dumps(summary, indent=1))
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({"name": "async", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                                   "machine": machine_info(), "config": {"steps": args.steps, "warmup": args.warmup,
+                                                                         "ranks": "1 rollout + 1 train, 1 thread each",
+                                                                         "shapes": {k: SHAPES[k] for k in args.shapes}},
+                                   "rows": rows, "summary": summary}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
