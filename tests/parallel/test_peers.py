@@ -103,5 +103,6 @@ def test_a_sigtermed_survivor_blocked_in_a_collective_logs_the_dead_peer_and_exi
     assert f"[rlhf watchdog] rank 2 pid {pids[2]}: terminated by SIGTERM (phase None)\n" in logs[2]
     assert _failure_lines(logs[2]) == [f"[rlhf watchdog] rank 2: peer failure: rank 1 (pid {pids[1]} on {host}) "
                                        "has exited"]
-    assert _failure_lines(logs[0]) == [f"[rlhf watchdog] rank 0: peer failure: rank 1 (pid {pids[1]} on {host}) "
-                                       f"has exited; rank 2 (pid {pids[2]} on {host}) has exited"]
+    # rank 0's recv fails as rank 2's connection closes: rank 2's process may or may not be gone by the check
+    rank1 = f"[rlhf watchdog] rank 0: peer failure: rank 1 (pid {pids[1]} on {host}) has exited"
+    assert _failure_lines(logs[0]) in ([rank1], [f"{rank1}; rank 2 (pid {pids[2]} on {host}) has exited"])

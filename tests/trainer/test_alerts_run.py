@@ -41,8 +41,8 @@ def _instrumented_fit(paths, root, overrides):
     current = {"step": 0}
     logprobs, step_fn = trainer.stack.actor.logprobs, trainer._step
 
-    def crafted_logprobs(batch, micro_batch_size):
-        logprobs_bt = logprobs(batch, micro_batch_size)
+    def crafted_logprobs(batch):
+        logprobs_bt = logprobs(batch)
         if current["step"] == NAN_STEP:  # the same global batch on every rank
             logprobs_bt[0, 0] = math.nan
         return logprobs_bt
