@@ -74,10 +74,11 @@ class AlertDetectors:
                 values["critic/score/mean"]):
             found.append(Alert("reward_flat", step, f"critic/score/mean={values['critic/score/mean']:.4g} has not "
                                f"changed for {self.cfg.reward_flat_steps} steps (no learning signal)"))
-        if "perf/throughput" in values:
-            median = self.throughput.update(values["perf/throughput"])
+        if "perf/throughput_tok_s" in values:
+            median = self.throughput.update(values["perf/throughput_tok_s"])
             if median is not None:
-                found.append(Alert("throughput_drop", step, f"perf/throughput={values['perf/throughput']:.4g} "
+                found.append(Alert("throughput_drop", step,
+                                   f"perf/throughput_tok_s={values['perf/throughput_tok_s']:.4g} "
                                    f"tokens/s is below {self.cfg.throughput_drop_ratio:g} x its recent median "
                                    f"{median:.4g}"))
         return found

@@ -28,7 +28,7 @@ FAMILIES = {
     "rlhf_last_step_timestamp_seconds": ("gauge", "Unix time the last step completed."),
     "rlhf_step_seconds": ("gauge", "Wall time of the last step (timing_s/step)."),
     "rlhf_phase_seconds": ("gauge", "Wall time of each phase of the last step (timing_s/<phase>)."),
-    "rlhf_throughput_tokens_per_second": ("gauge", "Tokens per second per rank (perf/throughput)."),
+    "rlhf_throughput_tokens_per_second": ("gauge", "Tokens per second per rank (perf/throughput_tok_s)."),
     "rlhf_memory_gb": ("gauge", "Memory per phase (memory/<phase>/<kind>_gb)."),
     "rlhf_reward_mean": ("gauge", "Mean sequence reward of the last step (critic/score/mean)."),
     "rlhf_kl": ("gauge", "KL to the reference (actor/kl_loss or actor/reward_kl_penalty)."),
@@ -71,7 +71,7 @@ def step_samples(step: int, values: dict[str, float], finished_at: float) -> lis
             samples.append(("rlhf_step_seconds", {}, value))
         elif parts[0] == "timing_s":
             samples.append(("rlhf_phase_seconds", {"phase": "/".join(parts[1:])}, value))
-        elif name == "perf/throughput":
+        elif name == "perf/throughput_tok_s":
             samples.append(("rlhf_throughput_tokens_per_second", {}, value))
         elif parts[0] == "memory" and len(parts) == 3:
             samples.append(("rlhf_memory_gb", {"phase": parts[1], "kind": parts[2].removesuffix("_gb")}, value))

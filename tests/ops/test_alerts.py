@@ -22,7 +22,7 @@ def _steady(step: int) -> dict[str, float]:
     wiggle = ((step * 7) % 5 - 2) / 100  # -0.02 .. 0.02
     return {"actor/pg_loss": 0.1 + wiggle, "actor/grad_norm": 1.0 + wiggle, "critic/score/mean": 0.3 + wiggle,
             "response_length/mean": 20.0 + 10 * wiggle, "response_length/empty_ratio": 0.0,
-            "perf/throughput": 1000.0 + 1000 * wiggle, "actor/skipped_steps": 0.0}
+            "perf/throughput_tok_s": 1000.0 + 1000 * wiggle, "actor/skipped_steps": 0.0}
 
 
 def _run(cfg: AlertsConfig, changes: dict[int, dict[str, float]], num_steps: int = 12) -> dict[int, list[str]]:
@@ -37,7 +37,7 @@ def _run(cfg: AlertsConfig, changes: dict[int, dict[str, float]], num_steps: int
     ({9: {"actor/pg_loss": 5.0}}, {9: ["loss_spike"]}),
     ({9: {"actor/grad_norm": 40.0}}, {9: ["grad_norm_spike"]}),
     ({9: {"response_length/mean": 3.0}}, {9: ["response_length_collapse"]}),
-    ({9: {"perf/throughput": 300.0}}, {9: ["throughput_drop"]}),
+    ({9: {"perf/throughput_tok_s": 300.0}}, {9: ["throughput_drop"]}),
     ({s: {"response_length/empty_ratio": 0.75} for s in (7, 8, 9)}, {7: ["empty_generations"]}),
 ])
 def test_each_alert_fires_at_the_crafted_step_only(changes, expected):
@@ -149,7 +149,7 @@ def test_abort_dumps_the_batch_as_safetensors_and_json_and_names_the_step(tmp_pa
 
 
 def test_detector_state_round_trips_so_a_resumed_run_alerts_as_the_uninterrupted_one():
-    changes = {9: {"actor/pg_loss": 5.0, "perf/throughput": 100.0}, 10: {"critic/score/mean": 0.3}}
+    changes = {9: {"actor/pg_loss": 5.0, "perf/throughput_tok_s": 100.0}, 10: {"critic/score/mean": 0.3}}
     full = AlertDetectors(AlertsConfig(reward_flat_steps=3))
     first = AlertDetectors(AlertsConfig(reward_flat_steps=3))
     for step in range(1, 7):

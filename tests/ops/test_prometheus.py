@@ -20,7 +20,7 @@ from rlhf.parallel.watchdog import _PREFIX
 MONITORING = Path(__file__).resolve().parents[2] / "launch" / "monitoring"
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:[a-zA-Z_]\w*="(?:[^"\\]|\\.)*",?)*)\})? (\S+)$')
 _LABEL = re.compile(r'([a-zA-Z_]\w*)="((?:[^"\\]|\\.)*)"')
-STEP = {"timing_s/step": 2.5, "timing_s/gen": 1.0, "timing_s/update_actor": 0.75, "perf/throughput": 1234.5,
+STEP = {"timing_s/step": 2.5, "timing_s/gen": 1.0, "timing_s/update_actor": 0.75, "perf/throughput_tok_s": 1234.5,
         "memory/train/peak_gb": 3.25, "critic/score/mean": 0.5, "actor/kl_loss": 0.01, "actor/pg_loss": math.nan,
         "critic/vf_loss": 0.2, "actor/grad_norm": math.inf, "critic/grad_norm": 1.5, "response_length/mean": 7.0}
 

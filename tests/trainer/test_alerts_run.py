@@ -136,7 +136,7 @@ def test_nan_skip_and_abort_alerts_and_prometheus_scrape_on_2_ranks(tiny, tmp_pa
     assert set(first["rlhf_heartbeat_age_seconds"]) == {(("rank", "0"),), (("rank", "1"),)}
     assert first["rlhf_metric"][(("name", "actor/grad_norm"),)] == rows[1]["actor/grad_norm"]
     assert first["rlhf_step_seconds"] == {(): rows[1]["timing_s/step"]}
-    assert first["rlhf_throughput_tokens_per_second"] == {(): rows[1]["perf/throughput"]}
+    assert first["rlhf_throughput_tokens_per_second"] == {(): rows[1]["perf/throughput_tok_s"]}
     assert first["rlhf_reward_mean"] == {(): rows[1]["critic/score/mean"]}
     assert {"gen", "update_actor", "update_weights"} <= {dict(k)["phase"] for k in first["rlhf_phase_seconds"]}
     assert first["rlhf_alerts_total"][(("alert", "nan"),)] == 0.0
