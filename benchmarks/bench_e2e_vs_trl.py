@@ -107,7 +107,7 @@ def rlhf_config(model_path: str, prompts: Path, beta: float, lr: float, run_root
         "actor": {"optim": {"lr": lr}, "micro_batch_size": PROMPTS * GROUP,
                   "recompute_old_logprobs": False},  # on-policy, as TRL with num_iterations=1
         "rollout": {"native": {"max_batch_size": PROMPTS * GROUP, "max_seq_len": 64 + NEW_TOKENS}},
-        "trainer": {"total_steps": 10_000, "tensorboard": False, "plot": False, "val_before_train": False},
+        "trainer": {"total_steps": 10_000, "tensorboard": False, "val_before_train": False},
     }
 
 

@@ -87,7 +87,7 @@ def run_arm(name: str, seed: int, out: Path, sft_model: Path, nproc: int, steps:
         _run(_torchrun(nproc, "train", "--config", str(REPO / "configs" / config), f"run.output_dir={out}",
                        f"run.name={run_name}", f"model.path={sft_model}", f"data.train_files=[{data / 'rl.parquet'}]",
                        f"data.val_files=[{data / 'val.parquet'}]", f"trainer.total_steps={steps}",
-                       f"trainer.val_every={max(steps // 4, 1)}", "trainer.tensorboard=false", "trainer.plot=false",
+                       f"trainer.val_every={max(steps // 4, 1)}", "trainer.tensorboard=false",
                        "checkpoint.save_at_end=false", f"data.seed={seed}", f"sampling.seed={seed}", *overrides), env)
     return [json.loads(line) for line in (out / run_name / "metrics.jsonl").read_text().splitlines() if line.strip()]
 

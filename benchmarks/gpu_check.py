@@ -285,7 +285,7 @@ def rl_steps(root: Path, args, model: str, prompts_per_step: int, new_tokens: in
             "reward": {"by_source": {"reasoning_gym/*": f"{reward_file}:digits"}},
             "actor": {"optim": {"lr": 1e-5}, "micro_batch_size": rows // 2},
             "rollout": {"native": {"max_batch_size": rows, "max_seq_len": 16 + new_tokens}},
-            "trainer": {"total_steps": args.rl_steps, "tensorboard": False, "plot": False}})
+            "trainer": {"total_steps": args.rl_steps, "tensorboard": False}})
         preflight(cfg, dist.get_world_size())
         trainer = Trainer(cfg, setup_run(cfg.run, cfg, prefix="gpu"))
         trainer.push_initial_weights()

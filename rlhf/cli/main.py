@@ -6,6 +6,7 @@ import argparse
 import ast
 import importlib
 import importlib.util
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -58,6 +59,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # megatron-core warns on every import that the optional GPU extras are absent; doctor reports that once.
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*not installed")
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):  # a log file or pipe: no `\r` progress bars in it
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' and the Hub's bars
     argv = sys.argv[1:] if argv is None else argv
     command = next((arg for arg in argv if not arg.startswith("-")), "")
     args = build_parser(command if command in COMMANDS else "").parse_args(argv)

@@ -10,8 +10,6 @@ from rlhf.errors import ConfigError
 
 
 ENGINES = ("native", "hf", "vllm")
-
-
 # What the engine frees between rollouts (`sleep`): nothing, its KV cache, or the KV cache and its weights
 # (`none`, not `off`: YAML reads a bare off as false).
 SLEEP_MODES = ("auto", "none", "kv_cache", "kv_cache_and_weights")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 import shutil
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch.distributed as dist
@@ -276,9 +277,9 @@ class Trainer:
                 with watchdog.phase("resume", self.cfg.comm.setup_timeout_s):
                     start = self._resume()
                 if start >= cfg.total_steps:
-                    self._announce([finished_notice(self.cfg, self.run_dir.path, start)])
+                    self._announce(lambda: [finished_notice(self.cfg, self.run_dir.path, start)])
                     return []
-                self._announce(start_banner(
+                self._announce(lambda: start_banner(
                     self.cfg, world_size=dist.get_world_size(), backend=str(dist.get_backend()),
                     mesh_rows=self.meshes.summary_rows(), num_train=len(self.loader.prompts.records),
                     num_val=len(self.val.records) if self.val else 0, run_path=self.run_dir.path, start_step=start))
@@ -309,14 +310,16 @@ class Trainer:
                 self.exporter.close()
         self.sink.close()
         self._write_curve()
-        self._announce(end_summary(self.cfg, run_path=self.run_dir.path, last_step=cfg.total_steps,
-                                   elapsed_s=time.perf_counter() - started, world_size=dist.get_world_size(),
-                                   checkpoint=find_latest(self.checkpoints.root)))
+        self._announce(lambda: end_summary(self.cfg, run_path=self.run_dir.path, last_step=cfg.total_steps,
+                                           elapsed_s=time.perf_counter() - started,
+                                           world_size=dist.get_world_size(),
+                                           checkpoint=find_latest(self.checkpoints.root)))
         return history
 
-    def _announce(self, lines: list[str]) -> None:
+    def _announce(self, lines: Callable[[], list[str]]) -> None:
+        """Rank 0 logs the lines (only rank 0 builds them: the banner reads every role's model config)."""
         if self.run_dir.is_rank0:
-            for line in lines:
+            for line in lines():
                 log.info(line)
 
     def _write_curve(self) -> None:

@@ -33,3 +33,11 @@ def test_help_lists_every_command_without_importing_torch():
     for name in COMMANDS:
         assert f" {name} " in words, name
     assert "fake process groups" in words  # `plan`'s summary, read from its module docstring
+
+
+def test_no_progress_bars_in_a_log_file(tmp_path):
+    """transformers' save bar (`Writing model shards ... \\r`) filled log files; a pipe gets plain lines only."""
+    proc = subprocess.run([sys.executable, "-m", "rlhf", "init-model", "--out", str(tmp_path / "m")], cwd=ROOT,
+                          capture_output=True, timeout=300)  # bytes: text mode would turn `\r` into `\n`
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"wrote {tmp_path / 'm'}\n".encode() and b"\r" not in proc.stderr, proc.stderr
