@@ -44,6 +44,12 @@ class TrainBatch:
     def response_width(self) -> int:
         return self.response_mask_bt.shape[1]
 
+    @property
+    def padding_mask_bs(self) -> torch.Tensor:
+        """True on the padding after each sequence (what MoE routers leave out of their losses)."""
+        positions_s = torch.arange(self.tokens_bs.shape[1], device=self.tokens_bs.device)
+        return positions_s[None, :] >= (self.prompt_lengths_b + self.response_lengths_b)[:, None]
+
     def response_positions_bt(self) -> torch.Tensor:
         """Sequence position whose logits predict each response token (clamped on padding)."""
         offsets_t = torch.arange(self.response_width, device=self.prompt_lengths_b.device)

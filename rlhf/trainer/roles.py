@@ -24,9 +24,10 @@ from rlhf.models.builder import build_gpt
 from rlhf.models.forward import forward_backward, token_entropy, token_logprobs
 from rlhf.models.hf_load import load_hf_weights
 from rlhf.models.lm_head import LMHead, head_logprobs, hidden_output
+from rlhf.models.routing import RoutingRecorder
 from rlhf.platform import current_device
 from rlhf.train import offload as offload_lib
-from rlhf.train.engine import TrainEngine
+from rlhf.train.engine import StepResult, TrainEngine
 from rlhf.trainer.batch import TrainBatch, gather_response, scatter_response
 from rlhf.trainer.config import AlgoConfig, UpdateConfig
 from rlhf.trainer.exchange import gather_rows, is_contributor
@@ -57,6 +58,16 @@ def balanced_order(lengths_b: torch.Tensor, parts: int) -> torch.Tensor:
 
 def _lengths(batch: TrainBatch) -> torch.Tensor:
     return batch.prompt_lengths_b + batch.response_lengths_b
+
+
+def _common_widths(micro: list[TrainBatch], ep_group: Any) -> list[TrainBatch]:
+    """Micro-batches padded (right, with pad tokens) to the widest of their expert-parallel peers' at the same
+    index: megatron's token dispatchers exchange equal-shaped token blocks between the ranks sharing experts."""
+    widths = torch.tensor([mb.tokens_bs.shape[1] for mb in micro], dtype=torch.int64, device=current_device())
+    torch.distributed.all_reduce(widths, op=torch.distributed.ReduceOp.MAX, group=ep_group)
+    return [dataclasses.replace(mb, tokens_bs=torch.nn.functional.pad(
+        mb.tokens_bs, (0, width - mb.tokens_bs.shape[1]), value=mb.pad_token_id)) for mb, width in
+        zip(micro, widths.tolist())]
 
 
 def _by_length(batch: TrainBatch) -> torch.Tensor:
@@ -159,39 +170,49 @@ class ModelRole:
         micro-batch); with pp > 1 the schedule needs one shape, so the shard's."""
         if self.mesh.pgs.pp.size() > 1:
             return shard.trimmed().chunks(size)
-        return [micro.trimmed() for micro in shard.chunks(size)]
+        micro = [micro.trimmed() for micro in shard.chunks(size)]
+        return _common_widths(micro, self.mesh.pgs.ep) if self.mesh.pgs.ep.size() > 1 else micro
 
     def _train(self, batch: TrainBatch, loss_fn: Callable[[torch.Tensor, TrainBatch, GlobalCounts], tuple],
                prefix: str) -> dict[str, float]:
-        """Epochs x mini-batches of optimizer steps; returns this rank's metric sums (contributors only)."""
+        """Epochs x mini-batches of optimizer steps; returns this rank's metric sums (contributors only), with
+        the routing of the update's forwards (`<prefix>moe/...`, the role's global values) for an MoE model."""
         cfg = self.update_config
         totals: dict[str, float] = {}
         num_steps = 0
         if not self.mesh.is_member:
             return totals
         contributor = is_contributor(self.mesh.layout, torch.distributed.get_rank())
-        for _ in range(cfg.epochs):
-            for mini in batch.chunks(batch.size // cfg.mini_batches):
-                balance = balanced_order(_lengths(mini).cpu(), self.dp_size)
-                shard = mini.select(balance).shard(self.dp_rank, self.dp_size).to(current_device())
-                counts = GlobalCounts.of(shard.response_mask_bt, group=self.mesh.pgs.dp)
-                # the loss sums over rows with global counts, so their order (hence micro-batching) is free
-                micro = self._micro_batches(shard.select(_by_length(shard)), cfg.micro_batch_size)
-                result = self.engine.train_step(micro,
-                                                lambda out, mb: loss_fn(out, mb, counts))
-                num_steps += 1
-                if contributor:
-                    for metrics in result.metrics:
-                        for key, value in metrics.items():
-                            totals[key] = totals.get(key, 0.0) + float(value)
-                totals[f"{prefix}grad_norm"] = totals.get(f"{prefix}grad_norm", 0.0) + result.grad_norm
-                totals[f"{prefix}skipped_steps"] = totals.get(f"{prefix}skipped_steps", 0.0) + float(result.skipped)
-                totals[f"{prefix}lr"] = result.lr
+        with RoutingRecorder(self.engine.module, keep_experts=False) as routing:
+            for _ in range(cfg.epochs):
+                for mini in batch.chunks(batch.size // cfg.mini_batches):
+                    result = self._train_mini_batch(mini, loss_fn)
+                    num_steps += 1
+                    if contributor:
+                        for metrics in result.metrics:
+                            for key, value in metrics.items():
+                                totals[key] = totals.get(key, 0.0) + float(value)
+                    totals[f"{prefix}grad_norm"] = totals.get(f"{prefix}grad_norm", 0.0) + result.grad_norm
+                    totals[f"{prefix}skipped_steps"] = (totals.get(f"{prefix}skipped_steps", 0.0)
+                                                        + float(result.skipped))
+                    totals[f"{prefix}lr"] = result.lr
+        routing_metrics = (routing.global_metrics(self.engine.module, self.mesh.pgs.layout_all, f"{prefix}moe/")
+                           if routing.routers else {})
         # Loss metrics are shares of a mini-batch total: averaging over optimizer steps gives per-step values.
         out = {k: v / num_steps for k, v in totals.items() if k not in (f"{prefix}lr", f"{prefix}skipped_steps")}
         out[f"{prefix}lr"] = totals[f"{prefix}lr"]
         out[f"{prefix}skipped_steps"] = totals[f"{prefix}skipped_steps"]
-        return out if contributor else {}
+        return out | routing_metrics if contributor else {}
+
+    def _train_mini_batch(self, mini: TrainBatch,
+                          loss_fn: Callable[[torch.Tensor, TrainBatch, GlobalCounts], tuple]) -> StepResult:
+        """One optimizer step on this rank's DP shard of `mini`."""
+        balance = balanced_order(_lengths(mini).cpu(), self.dp_size)
+        shard = mini.select(balance).shard(self.dp_rank, self.dp_size).to(current_device())
+        counts = GlobalCounts.of(shard.response_mask_bt, group=self.mesh.pgs.dp)
+        # the loss sums over rows with global counts, so their order (hence micro-batching) is free
+        micro = self._micro_batches(shard.select(_by_length(shard)), self.update_config.micro_batch_size)
+        return self.engine.train_step(micro, lambda out, mb: loss_fn(out, mb, counts))
 
     def state_dict(self) -> dict[str, Any]:
         return self.engine.state_dict() if self.engine is not None else {}

@@ -1,0 +1,178 @@
+"""MoE in the RL step, one 2-rank launch: the router losses' gradient is invariant to micro-batching and DP
+(TrainEngine), the step's routing metrics equal megatron's own aux-loss tracker, and actor (with router
+losses), ref and critic give the same logprobs, losses, grads and values at ep=2 as at ep=1 (colocated)."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fixtures import make_tiny_setup  # noqa: E402
+from test_roles import fixed_batch  # noqa: E402
+
+from rlhf.models.routing import MoeConfig  # noqa: E402
+from rlhf.testing.distributed import run_distributed  # noqa: E402
+
+ROUTER_LOSSES = MoeConfig(aux_loss_coeff=0.1, z_loss_coeff=0.01)
+NUM_EXPERTS = 4
+
+
+def make_moe_setup(root: Path) -> dict[str, str]:
+    """The tiny char-level setup as a Qwen3-MoE (4 experts, top-2) with decisive routers (no near-ties, so
+    every layout routes each token alike)."""
+    from safetensors.torch import load_file, save_file
+
+    paths = make_tiny_setup(root, num_train=8, num_val=4, arch="qwen3_moe", num_experts=NUM_EXPERTS,
+                            num_experts_per_token=2, expert_intermediate_size=32)
+    weights_path = Path(paths["model"]) / "model.safetensors"
+    weights = load_file(weights_path)
+    gen = torch.Generator().manual_seed(3)
+    for name, tensor in weights.items():
+        if name.endswith("mlp.gate.weight"):
+            weights[name] = torch.randn(tensor.shape, generator=gen) * 0.5
+    save_file(weights, weights_path, metadata={"format": "pt"})
+    return paths
+
+
+@pytest.fixture(scope="module")
+def moe_setup(tmp_path_factory):
+    return make_moe_setup(tmp_path_factory.mktemp("moe"))
+
+
+def _model(path: str, groups, **moe):
+    from transformers import AutoConfig
+
+    from rlhf.models.builder import build_gpt
+    from rlhf.models.hf_load import load_hf_weights
+
+    model = build_gpt(AutoConfig.from_pretrained(path), groups, moe_kwargs=MoeConfig(**moe).build_kwargs())
+    load_hf_weights(model, path)
+    return model
+
+
+def _router_loss_grads(path: str, cache) -> dict:
+    """Grads of the router losses alone (the main loss is 0): megatron's plain forward-backward of one
+    sequence x, against TrainEngine steps at dp=2 on [x], [x, x] (two micro-batches) and [x; x] (one of two
+    rows): every batch is copies of x, so its token-weighted mean router loss is x's."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    from rlhf.models.forward import forward_backward
+    from rlhf.models.routing import RoutingRecorder
+    from rlhf.parallel.groups import build_layout_groups
+    from rlhf.parallel.layout import ParallelLayout
+    from rlhf.train.config import OptimConfig
+    from rlhf.train.engine import TrainEngine
+    from tests.models.world import MicroBatch
+
+    groups = build_layout_groups(ParallelLayout(dp=2), cache)
+    x = fixed_batch(1).tokens_bs
+
+    def zero_loss(logits, _micro_batch):
+        return logits.sum() * 0.0, {}
+
+    model = _model(path, groups, **vars(ROUTER_LOSSES))
+    clear_aux_losses_tracker()
+    with RoutingRecorder(model) as routing:
+        forward_backward(model, [MicroBatch(x)], zero_loss, groups)
+    tracker = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]
+    reference = {name: param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
+    out = {"reference": reference, "tracker_aux_loss": tracker[tracker != 0].mean().item(),
+           "metrics": routing.global_metrics(model, groups.layout_all, "moe/"), "experts": routing.topk_experts(),
+           "engine": []}
+    for micro in ([x], [x, x], [torch.cat([x, x])]):
+        engine = TrainEngine(_model(path, groups, **vars(ROUTER_LOSSES)), groups, OptimConfig(lr=1e-3, total_steps=1, clip_grad=0.0))
+        engine.train_step([MicroBatch(tokens) for tokens in micro], zero_loss)
+        out["engine"].append({name: param.main_grad.clone() for name, param in engine.module.named_parameters()
+                              if name in reference})
+    return out
+
+
+def _roles_at(paths: dict, cache, ep: int) -> dict:
+    """Ref logprobs, the actor's update (router losses on, KL loss to the ref) and the critic's, at dp=2 x ep."""
+    from rlhf.algo.kl import KLConfig
+    from rlhf.parallel.groups import build_layout_groups
+    from rlhf.parallel.layout import ParallelLayout
+    from rlhf.parallel.meshes import RoleMesh
+    from rlhf.train.config import OptimConfig
+    from rlhf.trainer.config import AlgoConfig, UpdateConfig
+    from rlhf.trainer.roles import CriticRole, PolicyRole
+
+    layout = ParallelLayout(dp=2, ep=ep)
+
+    def mesh(role: str) -> RoleMesh:
+        return RoleMesh(role, layout, build_layout_groups(layout, cache))
+
+    update = UpdateConfig(micro_batch_size=2, optim=OptimConfig(lr=1e-2))
+    algo = AlgoConfig(kl=KLConfig(coef=0.1))
+    batch = fixed_batch()
+    ref = PolicyRole("ref", mesh("ref"), paths["model"], update=None, total_steps=1)
+    actor = PolicyRole("actor", mesh("actor"), paths["model"], update=update, total_steps=1,
+                       moe_kwargs=ROUTER_LOSSES.build_kwargs())
+    critic = CriticRole("critic", mesh("critic"), paths["model"], update=update, total_steps=1, value_head=True)
+    batch.ref_logprobs_bt = ref.logprobs(batch, 2)
+    batch.values_bt = critic.values(batch, 2)
+    batch.returns_bt = batch.values_bt + batch.advantages_bt
+    out = {"ref": batch.ref_logprobs_bt, "values": batch.values_bt, "actor_old": actor.logprobs(batch, 2),
+           "actor": actor.update(batch, algo), "critic": critic.update(batch, algo)}
+    out["actor_after"], out["values_after"] = actor.logprobs(batch, 2), critic.values(batch, 2)
+    return out
+
+
+def _world(paths: dict) -> dict:
+    from rlhf.parallel.groups import GroupCache
+
+    cache = GroupCache()
+    return {"router_losses": _router_loss_grads(paths["model"], cache),
+            "roles": {ep: _roles_at(paths, cache, ep) for ep in (1, 2)}}
+
+
+@pytest.fixture(scope="module")
+def moe_world(moe_setup):
+    return run_distributed(_world, 2, moe_setup, timeout_s=600)
+
+
+def test_router_loss_grads_do_not_grow_with_micro_batches_or_dp(moe_world):
+    """Before the fix the engine's router-loss grads were 2x, 4x and 2x the reference here (summed over
+    micro-batches and DP ranks)."""
+    for rank in moe_world:
+        losses = rank["router_losses"]
+        router = [name for name in losses["reference"] if "router" in name]
+        assert router and any(losses["reference"][name].abs().max() > 1e-4 for name in router)
+        for run in losses["engine"]:
+            assert sorted(run) == sorted(losses["reference"])
+            for name, grad in losses["reference"].items():
+                assert (run[name] - grad).abs().max() <= 1e-6 * max(1.0, float(grad.abs().max())), name
+
+
+def test_routing_metrics_match_megatron_and_the_recorded_choices(moe_world):
+    losses = moe_world[0]["router_losses"]
+    metrics = losses["metrics"]
+    assert metrics == moe_world[1]["router_losses"]["metrics"]
+    assert metrics["moe/aux_loss"] == pytest.approx(losses["tracker_aux_loss"], rel=1e-6)
+    for layer, experts_nk in losses["experts"].items():
+        load = np.bincount(experts_nk.flatten().numpy(), minlength=NUM_EXPERTS)
+        assert metrics[f"moe/max_load_fraction/layer_{layer}"] == pytest.approx(load.max() / load.sum())
+    assert sorted(k for k in metrics if "/layer_" in k) == [f"moe/max_load_fraction/layer_{n}"
+                                                            for n in sorted(losses["experts"])]
+
+
+def test_actor_ref_critic_at_ep2_equal_ep1(moe_world):
+    """The RL step's role outputs at ep=2 (each rank holds half the experts) equal ep=1's within 1e-6:
+    ref and old logprobs, values, the actor's losses/grad norm/routing metrics and the weights after the step
+    (seen through the logprobs and values after it)."""
+    ep1, ep2 = moe_world[0]["roles"][1], moe_world[0]["roles"][2]
+    for key in ("ref", "values", "actor_old", "actor_after", "values_after"):
+        assert (ep1[key] - ep2[key]).abs().max() <= 1e-6, key
+    assert (ep1["actor_after"] - ep1["actor_old"]).abs().max() > 1e-4  # the update moved the policy
+    for rank in moe_world:  # each rank's shares of the losses, and the shared values
+        for role in ("actor", "critic"):
+            at_ep1, at_ep2 = rank["roles"][1][role], rank["roles"][2][role]
+            assert sorted(at_ep1) == sorted(at_ep2)
+            for key, value in at_ep1.items():
+                assert at_ep2[key] == pytest.approx(value, abs=1e-6), key
+    assert {"actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "actor/moe/aux_loss"} <= set(ep1["actor"]) | set(
+        ep1["critic"])
+    assert any(key.startswith("actor/moe/max_load_fraction/") for key in ep1["actor"])
