@@ -103,6 +103,9 @@ def _forward_step(loss_fn: LossFn, num_micro_batches: int, data_iterator: Any, m
     if positions_bs is None:
         positions_bs = torch.arange(tokens_bs.shape[1], device=tokens_bs.device).expand_as(tokens_bs)
     padding = {"padding_mask": micro_batch.padding_mask_bs} if _masks_padding(model, micro_batch) else {}
+    replay = getattr(getattr(model, "module", model), "rlhf_routing_replay", None)
+    if replay is not None:  # routing replay (rlhf.models.routing_replay): this micro-batch's experts
+        replay.begin(micro_batch)
     output = model(tokens_bs, positions_bs, attention_mask=getattr(micro_batch, "attention_mask_b1ss", None),
                    **padding)
 

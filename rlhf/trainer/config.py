@@ -14,6 +14,7 @@ from rlhf.algo.rollout_correction import RolloutCorrectionConfig
 from rlhf.algo.value_loss import ValueLossConfig
 from rlhf.errors import ConfigError
 from rlhf.models.routing import MoeConfig
+from rlhf.models.routing_replay import check_replay_mode
 from rlhf.rollout.sampling_params import SamplingParams
 from rlhf.train.config import OptimConfig
 
@@ -92,7 +93,9 @@ class SamplingConfig:
 class AlgoConfig:
     """The RL algorithm: the advantage estimator picks it (gae = PPO with a critic), plus losses and KL;
     rollout correction for rollout != training numerics; DAPO's dynamic sampling (`filter_groups`) and
-    overlong handling (`overlong_buffer` reward shaping, `overlong_filter`: truncated responses leave the loss)."""
+    overlong handling (`overlong_buffer` reward shaping, `overlong_filter`: truncated responses leave the loss);
+    MoE routing replay (`routing_replay`: r3 replays the rollout's experts in the old-logprob, ref and update
+    forwards, r2 the old-logprob forward's in the update)."""
 
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
@@ -102,6 +105,10 @@ class AlgoConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     overlong_filter: bool = False
+    routing_replay: str = "none"  # MoE: none | r2 | r3 (rlhf.models.routing_replay)
+
+    def __post_init__(self) -> None:
+        check_replay_mode(self.routing_replay)
 
     @property
     def uses_critic(self) -> bool:

@@ -89,11 +89,29 @@ def resolved_sleep(cfg: RlhfConfig) -> str:
     return cfg.rollout.resolved_sleep(accelerator=platform.has_accelerator())
 
 
+def check_routing_replay(cfg: RlhfConfig, layouts: dict) -> None:
+    """algo.routing_replay needs an MoE policy; r3 an engine that records routing; r2 an actor at pp=1."""
+    mode = cfg.algo.routing_replay
+    if mode == "none":
+        return
+    if not model_dims(cfg.model.path).num_experts:
+        raise ConfigError(f"algo.routing_replay={mode} replays MoE routing, but model.path={cfg.model.path} is a "
+                          f"dense model; set algo.routing_replay=none")
+    if mode == "r3" and cfg.rollout.engine != "native":
+        raise ConfigError(f"algo.routing_replay=r3 replays the rollout's routing, which rollout.engine="
+                          f"{cfg.rollout.engine} cannot record; use rollout.engine=native, or algo.routing_replay=r2 "
+                          f"(routing recorded in the old-logprob forward)")
+    if mode == "r2" and layouts["actor"].pp > 1:
+        raise ConfigError(f"algo.routing_replay=r2 records routing at mesh.actor.pp=1 only, got pp="
+                          f"{layouts['actor'].pp}; use algo.routing_replay=r3 or mesh.actor.pp=1")
+
+
 def check_layouts(cfg: RlhfConfig, world_size: int) -> dict:
     """Every role's layout for `world_size` ranks, with the batch-split and memory-phase rules checked (pure)."""
     layouts = plan_meshes(mesh_config(cfg), world_size, model_dims(cfg.model.path), role_dims(cfg))
     check_batches(cfg, layouts)
     check_sleep(resolved_sleep(cfg), shares_weights(cfg, layouts))
+    check_routing_replay(cfg, layouts)
     return layouts
 
 

@@ -25,6 +25,7 @@ from rlhf.models.forward import forward_backward, token_entropy, token_logprobs
 from rlhf.models.hf_load import load_hf_weights
 from rlhf.models.lm_head import LMHead, head_logprobs, hidden_output
 from rlhf.models.routing import RoutingRecorder
+from rlhf.models.routing_replay import UNKNOWN, RoutingReplay
 from rlhf.platform import current_device
 from rlhf.train import offload as offload_lib
 from rlhf.train.engine import StepResult, TrainEngine
@@ -137,11 +138,13 @@ class ModelRole:
             self._parked = None
 
     def _forward(self, batch: TrainBatch, micro_batch_size: int,
-                 fn: Callable[[torch.Tensor, TrainBatch], torch.Tensor]) -> torch.Tensor:
-        """`fn(output, micro_batch) -> [b, T]` over this rank's DP shard, gathered to the whole batch `[B, T]`."""
+                 fn: Callable[[torch.Tensor, TrainBatch], torch.Tensor],
+                 record_routing: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`fn(output, micro_batch) -> [b, T]` over this rank's DP shard, gathered to the whole batch `[B, T]`;
+        with `record_routing` also the forward's own experts `[B, S, L, k]` (routing replay R2, pp=1)."""
         if self._parked is not None:
             raise RuntimeError(f"the {self.name} model is offloaded; call reload() before using it")
-        local = None
+        local: dict[str, torch.Tensor] | None = None
         balance = balanced_order(_lengths(batch).cpu(), self.mesh.layout.dp)
         if self.mesh.is_member:
             shard = batch.select(balance).shard(self.dp_rank, self.dp_size).to(current_device())
@@ -152,7 +155,12 @@ class ModelRole:
                 out = fn(output, micro_batch).detach()
                 if out.dim() == 2:  # response-aligned: back to the batch's response width
                     out = torch.nn.functional.pad(out, (0, batch.response_width - out.shape[1]))
-                return output.new_zeros(()), {"out": out}
+                outs = {"out": out}
+                if record_routing:  # this micro-batch's experts, at the batch's sequence width
+                    routed = self.routing_replay.last_recorded_bslk()[:, :batch.tokens_bs.shape[1]]
+                    outs["routing"] = torch.nn.functional.pad(
+                        routed, (0, 0, 0, 0, 0, batch.tokens_bs.shape[1] - routed.shape[1]), value=UNKNOWN)
+                return output.new_zeros(()), outs
 
             with torch.no_grad():
                 if self.engine is not None:
@@ -160,9 +168,14 @@ class ModelRole:
                 else:
                     outputs = forward_backward(self.model, micro, step, self.mesh.pgs, forward_only=True)
             if is_contributor(self.mesh.layout, torch.distributed.get_rank()):
-                local = torch.cat([o["out"] for o in outputs])[torch.argsort(order)]
-                local = local.cpu()  # the step's batch lives on the host
-        return gather_rows(local, self.mesh.layout)[torch.argsort(balance)]
+                unsort = torch.argsort(order)
+                local = {key: torch.cat([o[key] for o in outputs])[unsort].cpu()  # the batch lives on the host
+                         for key in outputs[0]}
+        values = gather_rows(None if local is None else local["out"], self.mesh.layout)[torch.argsort(balance)]
+        if not record_routing:
+            return values
+        routed = gather_rows(None if local is None else local["routing"], self.mesh.layout)[torch.argsort(balance)]
+        return values, routed
 
     def _micro_batches(self, shard: TrainBatch, size: int) -> list[TrainBatch]:
         """`shard` in micro-batches of `size` rows, each cut to its own longest row (compute scales with the
@@ -240,11 +253,20 @@ class PolicyRole(ModelRole):
     verl, OpenRLHF and TRL do), so PPO ratios and KL compare the distributions that produced the samples.
     """
 
-    def __init__(self, *args, fused_head: bool = True, temperature: float = 1.0, **kwargs) -> None:
+    def __init__(self, *args, fused_head: bool = True, temperature: float = 1.0, routing_replay: str = "none",
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if not temperature > 0:
             raise ConfigError(f"the policy's logprob temperature must be > 0, got {temperature}")
         self.fused_head, self.temperature = fused_head, temperature
+        # R3: actor and ref replay the batch's (rollout) routing; R2: the actor records it in its old-logprob
+        # forward (`logprobs`) and replays it in the update; the ref routes freely
+        self.records_routing = routing_replay == "r2" and self.update_config is not None
+        self.routing_replay: RoutingReplay | None = None
+        if self.model is not None and (routing_replay == "r3" or self.records_routing):
+            self.routing_replay = RoutingReplay(self.model)
+            self.model.rlhf_routing_replay = self.routing_replay
+        self.routing_metrics: dict[str, float] = {}  # of the last `logprobs`: router agreement with the batch's
 
     def _output_mode(self) -> contextlib.AbstractContextManager:
         return hidden_output(self.model) if self.fused_head and self.model is not None else contextlib.nullcontext()
@@ -266,14 +288,31 @@ class PolicyRole(ModelRole):
         return gather_response(logp_bs, mb), gather_response(entropy_bs, mb)
 
     def logprobs(self, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
+        """Token logprobs `[B, T]`. Under routing replay R3 the forward routes as `batch.routed_experts_bslk`
+        says (`routing_metrics`: how often the router's own choice agreed); under R2 the actor routes freely and
+        stores its routing in `batch.routed_experts_bslk` for the update to replay."""
         def fn(output: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
             if self.fused_head:
                 return self._token_stats(output, mb)[0]
             return gather_response(token_logprobs(output, _labels_bs(mb), self.tp_group, self.vocab_size,
                                                   self.temperature), mb)
 
+        replay = self.routing_replay
+        if replay is not None:
+            replay.clear()
+            replay.record = self.records_routing
+        source = dataclasses.replace(batch, routed_experts_bslk=None) if self.records_routing else batch
         with self._output_mode():
-            return self._forward(batch, micro_batch_size, fn)
+            result = self._forward(source, micro_batch_size, fn, record_routing=self.records_routing)
+        if self.records_routing:
+            result, batch.routed_experts_bslk = result
+        self.routing_metrics = {}
+        if replay is not None and not self.records_routing and self.mesh.is_member:
+            self.routing_metrics = replay.agreement(self.mesh.pgs.layout_all)
+        if replay is not None:
+            replay.clear()
+            replay.record = False
+        return result
 
     def update(self, batch: TrainBatch, algo: AlgoConfig) -> dict[str, float]:
         use_kl_loss = algo.kl.use_as_loss
@@ -293,6 +332,8 @@ class PolicyRole(ModelRole):
             batch = dataclasses.replace(batch, response_mask_bt=batch.loss_mask_bt)
         with self._output_mode():
             out = self._train(batch, loss_fn, "actor/")
+        if self.routing_replay is not None:
+            self.routing_replay.clear()
         if out and use_kl_loss:
             out["actor/kl_coef"] = algo.kl.coef
         return out

@@ -1,6 +1,8 @@
 """MoE in the RL step, one 2-rank launch: the router losses' gradient is invariant to micro-batching and DP
-(TrainEngine), the step's routing metrics equal megatron's own aux-loss tracker, and actor (with router
-losses), ref and critic give the same logprobs, losses, grads and values at ep=2 as at ep=1 (colocated)."""
+(TrainEngine), the step's routing metrics equal megatron's own aux-loss tracker, actor (with router
+losses), ref and critic give the same logprobs, losses, grads and values at ep=2 as at ep=1 (colocated), and
+routing replay: the native engine's recorded experts equal the training forward's (R2 record) on a permuted
+batch, and a replayed (R3) routing follows each row through DP balancing, length sorting, trimming and pp=2."""
 
 import sys
 from pathlib import Path
@@ -121,12 +123,63 @@ def _roles_at(paths: dict, cache, ep: int) -> dict:
     return out
 
 
+def _replay(paths: dict, cache) -> dict:
+    """Rollouts with recorded routing from the native engine; then, on a row-permuted batch: R2's recorded
+    routing (dp=2), R3 logprobs with the rollout's routing and with random routing at dp=2 (permuted, micro 2)
+    and at pp=2 (unpermuted, micro 4)."""
+    import dataclasses
+
+    from rlhf.parallel.groups import build_layout_groups
+    from rlhf.parallel.layout import ParallelLayout
+    from rlhf.parallel.meshes import RoleMesh
+    from rlhf.rollout.native.engine import NativeEngine, NativeEngineConfig
+    from rlhf.rollout.sampling_params import SamplingParams
+    from rlhf.rollout.types import PromptBatch
+    from rlhf.train.config import OptimConfig
+    from rlhf.trainer.batch import build_train_batch
+    from rlhf.trainer.config import UpdateConfig
+    from rlhf.trainer.roles import PolicyRole
+
+    def role(layout: ParallelLayout, mode: str, update: bool = False) -> PolicyRole:
+        mesh = RoleMesh("actor", layout, build_layout_groups(layout, cache))
+        return PolicyRole("actor", mesh, paths["model"], total_steps=1, routing_replay=mode,
+                          update=UpdateConfig(micro_batch_size=2, optim=OptimConfig(lr=1e-3)) if update else None)
+
+    dp2 = ParallelLayout(dp=2)
+    generator_role = role(dp2, "none")
+    engine = NativeEngine(generator_role.model, vocab_size=generator_role.vocab_size, config=NativeEngineConfig(
+        max_batch_size=16, max_seq_len=32), eos_token_ids=(5, 9))
+    engine.record_routing = True
+    prompts = PromptBatch.from_token_lists([[6, 7, 8], [10, 11, 12, 13], [7, 14], [15, 6, 12, 16, 17]])
+    rollouts = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0, n=2, seed=4))
+    batch = build_train_batch(prompts, rollouts)
+    perm = torch.randperm(batch.size, generator=torch.Generator().manual_seed(1))
+    permuted = batch.select(perm)
+    out = {"batch": batch, "perm": perm, "rollouts_routing": rollouts.routed_experts_rslk}
+    r2 = dataclasses.replace(permuted)
+    out["r2_logprobs"] = role(dp2, "r2", update=True).logprobs(r2, 2)
+    out["r2_routing"] = r2.routed_experts_bslk
+    natural = role(dp2, "none").logprobs(permuted, 2)
+    r3 = role(dp2, "r3")
+    out["natural"], out["r3_rollout"] = natural, r3.logprobs(permuted, 2)
+    out["r3_rollout_metrics"] = r3.routing_metrics
+    gen = torch.Generator().manual_seed(2)
+    random = torch.rand(*batch.routed_experts_bslk.shape[:3], NUM_EXPERTS, generator=gen).argsort(-1)[..., :2]
+    random = random.to(torch.int16)
+    out["random"] = random
+    out["r3_random_dp2"] = r3.logprobs(dataclasses.replace(permuted, routed_experts_bslk=random[perm]), 2)
+    out["r3_random_metrics"] = r3.routing_metrics
+    pp2 = role(ParallelLayout(pp=2), "r3")
+    out["r3_random_pp2"] = pp2.logprobs(dataclasses.replace(batch, routed_experts_bslk=random), 4)
+    return out
+
+
 def _world(paths: dict) -> dict:
     from rlhf.parallel.groups import GroupCache
 
     cache = GroupCache()
     return {"router_losses": _router_loss_grads(paths["model"], cache),
-            "roles": {ep: _roles_at(paths, cache, ep) for ep in (1, 2)}}
+            "roles": {ep: _roles_at(paths, cache, ep) for ep in (1, 2)}, "replay": _replay(paths, cache)}
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +229,60 @@ def test_actor_ref_critic_at_ep2_equal_ep1(moe_world):
     assert {"actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "actor/moe/aux_loss"} <= set(ep1["actor"]) | set(
         ep1["critic"])
     assert any(key.startswith("actor/moe/max_load_fraction/") for key in ep1["actor"])
+
+
+def test_native_engine_records_the_routing_the_training_forward_takes(moe_world):
+    """Per token and routed layer, on a row-permuted batch gathered over dp=2: the engine's recorded experts
+    (prompt tokens in prefill, each response token in the decode step that fed it) = the training forward's
+    own (R2's record); the last token of each row and the padding are unknown (-1)."""
+    replay = moe_world[0]["replay"]
+    batch, perm = replay["batch"], replay["perm"]
+    rollout_bslk = batch.routed_experts_bslk[perm]
+    known = rollout_bslk[:, :, 0, 0] >= 0
+    assert torch.equal(rollout_bslk[..., 0] >= 0, known[..., None].expand(rollout_bslk.shape[:3]))
+    lengths = (batch.prompt_lengths_b + batch.response_lengths_b)[perm]
+    positions = torch.arange(known.shape[1])[None, :]
+    assert torch.equal(known, positions < (lengths - 1)[:, None])
+    trained = replay["r2_routing"]
+    assert trained.shape == rollout_bslk.shape and trained.dtype == torch.int16
+    assert torch.equal(trained.sort(-1).values[known], rollout_bslk.sort(-1).values[known].to(torch.int16))
+    assert replay["r3_rollout_metrics"] == {"router_agreement": 1.0, "router_agreement_all_layers": 1.0}
+    assert (replay["r2_logprobs"] - replay["natural"]).abs().max() == 0.0
+
+
+def test_replayed_routing_follows_each_row_through_every_reordering(moe_world):
+    replay = moe_world[0]["replay"]
+    unpermute = torch.argsort(replay["perm"])
+    # replaying the rollout's own routing changes nothing; a random routing changes the logprobs ...
+    assert (replay["r3_rollout"] - replay["natural"]).abs().max() <= 1e-6
+    assert (replay["r3_random_dp2"] - replay["natural"]).abs().max() > 1e-3
+    # ... identically whether rows are permuted, DP-balanced, length-sorted and cut into micro-batches of 2 at
+    # dp=2, or kept in order as one micro-batch of 4 per rank... at pp=2 (each stage replays its own layers)
+    assert (replay["r3_random_dp2"][unpermute] - replay["r3_random_pp2"]).abs().max() <= 1e-6
+    assert moe_world[1]["replay"]["r3_random_pp2"].equal(replay["r3_random_pp2"])
+    agreement = replay["r3_random_metrics"]["router_agreement"]
+    assert 0.0 < agreement < 0.5  # 1 in 6 top-2 sets of 4 experts agree by chance
+
+
+def test_routing_replay_config_errors_name_the_fix(moe_setup, tmp_path):
+    from fixtures import trainer_config
+
+    from rlhf.errors import ConfigError
+    from rlhf.trainer.preflight import preflight
+
+    with pytest.raises(ConfigError, match=r"^algo\.routing_replay='r4' is not one of none, r2, r3 \(r3: replay"):
+        trainer_config(moe_setup, str(tmp_path), ["algo.routing_replay=r4"])
+    dense = make_tiny_setup(tmp_path / "dense", num_train=8, num_val=4)
+    with pytest.raises(ConfigError, match=rf"^algo\.routing_replay=r3 replays MoE routing, but model\.path="
+                                          rf"{dense['model']} is a dense model; set algo\.routing_replay=none$"):
+        preflight(trainer_config(dense, str(tmp_path), ["algo.routing_replay=r3"]), world_size=1)
+    for engine in ("hf", "vllm"):
+        with pytest.raises(ConfigError, match=rf"^algo\.routing_replay=r3 replays the rollout's routing, which "
+                                              rf"rollout\.engine={engine} cannot record; use rollout\.engine=native"):
+            preflight(trainer_config(moe_setup, str(tmp_path), ["algo.routing_replay=r3", f"rollout.engine={engine}"]),
+                      world_size=1)
+    with pytest.raises(ConfigError, match=r"^algo\.routing_replay=r2 records routing at mesh\.actor\.pp=1 only, "
+                                          r"got pp=2; use algo\.routing_replay=r3 or mesh\.actor\.pp=1$"):
+        preflight(trainer_config(moe_setup, str(tmp_path), ["algo.routing_replay=r2", "mesh.actor.pp=2"]),
+                  world_size=2)
+    preflight(trainer_config(moe_setup, str(tmp_path), ["algo.routing_replay=r3"]), world_size=1)
