@@ -129,6 +129,8 @@ def _replay(paths: dict, cache) -> dict:
     and at pp=2 (unpermuted, micro 4)."""
     import dataclasses
 
+    import torch.distributed as dist
+
     from rlhf.parallel.groups import build_layout_groups
     from rlhf.parallel.layout import ParallelLayout
     from rlhf.parallel.meshes import RoleMesh
@@ -138,6 +140,7 @@ def _replay(paths: dict, cache) -> dict:
     from rlhf.train.config import OptimConfig
     from rlhf.trainer.batch import build_train_batch
     from rlhf.trainer.config import UpdateConfig
+    from rlhf.trainer.exchange import gather_global_batch
     from rlhf.trainer.roles import PolicyRole
 
     def role(layout: ParallelLayout, mode: str, update: bool = False) -> PolicyRole:
@@ -171,6 +174,9 @@ def _replay(paths: dict, cache) -> dict:
     out["r3_random_metrics"] = r3.routing_metrics
     pp2 = role(ParallelLayout(pp=2), "r3")
     out["r3_random_pp2"] = pp2.logprobs(dataclasses.replace(batch, routed_experts_bslk=random), 4)
+    # the cross-mesh exchange: each rank contributes half the rows, trimmed to their own width
+    local = batch.select(slice(4 * dist.get_rank(), 4 * dist.get_rank() + 4)).trimmed()
+    out["exchanged"] = gather_global_batch(local, 2, dp2).routed_experts_bslk
     return out
 
 
@@ -252,6 +258,13 @@ def test_native_engine_records_the_routing_the_training_forward_takes(moe_world)
 
 def test_replayed_routing_follows_each_row_through_every_reordering(moe_world):
     replay = moe_world[0]["replay"]
+    routed = replay["batch"].routed_experts_bslk
+    for rank in moe_world:  # the exchange: each half at its own width, unknown (-1) beyond
+        exchanged = rank["replay"]["exchanged"]
+        for half in (slice(0, 4), slice(4, 8)):
+            width = int((replay["batch"].prompt_lengths_b + replay["batch"].response_lengths_b)[half].max())
+            assert torch.equal(exchanged[half, :width], routed[half, :width])
+            assert bool((exchanged[half, width:] == -1).all())
     unpermute = torch.argsort(replay["perm"])
     # replaying the rollout's own routing changes nothing; a random routing changes the logprobs ...
     assert (replay["r3_rollout"] - replay["natural"]).abs().max() <= 1e-6
