@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlhf-installed
 NPROC ?= 4
 DEMO_NPROC ?= 2
-BENCHES := collectives reshard engine rollout e2e memphase padding exchange checkpoint rollout-corr
+BENCHES := collectives reshard engine rollout e2e memphase padding exchange checkpoint rollout-corr moe-rl
 PYTEST_FLAGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -103,6 +103,9 @@ bench-checkpoint: install-bench
 
 bench-rollout-corr: install
 	$(PY) benchmarks/bench_rollout_corr.py
+
+bench-moe-rl: install
+	$(PY) benchmarks/bench_moe_rl.py
 
 bench: install-bench
 	$(PY) benchmarks/bench_all.py
