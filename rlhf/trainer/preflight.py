@@ -90,7 +90,8 @@ def resolved_sleep(cfg: RlhfConfig) -> str:
 
 
 def check_routing_replay(cfg: RlhfConfig, layouts: dict) -> None:
-    """algo.routing_replay needs an MoE policy; r3 an engine that records routing; r2 an actor at pp=1."""
+    """algo.routing_replay needs an MoE policy; r3 an engine that records routing; r2, and recompute, an actor
+    at pp=1 (the replay hooks hold one micro-batch's routing at a time)."""
     mode = cfg.algo.routing_replay
     if mode == "none":
         return
@@ -101,6 +102,9 @@ def check_routing_replay(cfg: RlhfConfig, layouts: dict) -> None:
         raise ConfigError(f"algo.routing_replay=r3 replays the rollout's routing, which rollout.engine="
                           f"{cfg.rollout.engine} cannot record; use rollout.engine=native, or algo.routing_replay=r2 "
                           f"(routing recorded in the old-logprob forward)")
+    if cfg.model.recompute and layouts["actor"].pp > 1:  # 1F1B recomputes a micro-batch after the next's forward
+        raise ConfigError(f"algo.routing_replay={mode} with model.recompute=true needs mesh.actor.pp=1, got pp="
+                          f"{layouts['actor'].pp}; set model.recompute=false or mesh.actor.pp=1")
     if mode == "r2" and layouts["actor"].pp > 1:
         raise ConfigError(f"algo.routing_replay=r2 records routing at mesh.actor.pp=1 only, got pp="
                           f"{layouts['actor'].pp}; use algo.routing_replay=r3 or mesh.actor.pp=1")

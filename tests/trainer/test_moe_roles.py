@@ -298,4 +298,36 @@ def test_routing_replay_config_errors_name_the_fix(moe_setup, tmp_path):
                                           r"got pp=2; use algo\.routing_replay=r3 or mesh\.actor\.pp=1$"):
         preflight(trainer_config(moe_setup, str(tmp_path), ["algo.routing_replay=r2", "mesh.actor.pp=2"]),
                   world_size=2)
+    with pytest.raises(ConfigError, match=r"^algo\.routing_replay=r3 with model\.recompute=true needs "
+                                          r"mesh\.actor\.pp=1, got pp=2; set model\.recompute=false"):
+        preflight(trainer_config(moe_setup, str(tmp_path), ["algo.routing_replay=r3", "mesh.actor.pp=2",
+                                                            "model.recompute=true"]), world_size=2)
     preflight(trainer_config(moe_setup, str(tmp_path), ["algo.routing_replay=r3"]), world_size=1)
+
+
+def _grpo_runs(paths: dict, run_root: str) -> dict:
+    from fixtures import run_trainer
+
+    common = ["mesh.actor.ep=2", "actor.recompute_old_logprobs=true", "trainer.val_before_train=false"]
+    return {mode: run_trainer(paths, f"{run_root}/{mode}", common + [f"algo.routing_replay={mode}"])
+            for mode in ("r3", "r2")}
+
+
+@pytest.mark.slow
+def test_grpo_at_ep2_with_routing_replay(moe_setup, tmp_path):
+    """The trainer end to end (actor at ep=2, its resharded fp32 engine at ep=1): with R3 the old-logprob
+    forward's own routing agrees with the engine's everywhere and, replaying it, the first update is exactly on
+    policy (ppo_kl 0); with R2 the update replays the old-logprob forward's routing, so the same holds."""
+    runs = run_distributed(_grpo_runs, 2, moe_setup, str(tmp_path), timeout_s=900)[0]
+    for mode, history in runs.items():
+        steps = [row for row in history if row["step"] > 0]
+        assert len(steps) == 2, mode
+        for row in steps:
+            assert row["actor/ppo_kl"] == 0.0, mode
+            assert row["rollout/routing_bytes_per_token"] == 2 * 2 * 2  # int16 x 2 routed layers x top-2
+            assert row["rollout/logprob_diff_max"] < 1e-5
+            assert "actor/moe/aux_loss" in row
+            if mode == "r3":
+                assert row["rollout/router_agreement"] == 1.0
+            else:
+                assert "rollout/router_agreement" not in row
