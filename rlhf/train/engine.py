@@ -107,6 +107,9 @@ class TrainEngine:
     def train_step(self, micro_batches: list, loss_fn: LossFn) -> StepResult:
         """Zero grads, fwd+bwd over `micro_batches`, reduce over DP, check finiteness, clip, step, schedule."""
         self._check_loaded()
+        # training mode: a colocated engine sharing these parameters puts the model in eval mode, which turns
+        # megatron's MoE router losses off
+        self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses: list[torch.Tensor] = []

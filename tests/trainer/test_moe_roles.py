@@ -85,7 +85,9 @@ def _router_loss_grads(path: str, cache) -> dict:
            "metrics": routing.global_metrics(model, groups.layout_all, "moe/"), "experts": routing.topk_experts(),
            "engine": []}
     for micro in ([x], [x, x], [torch.cat([x, x])]):
-        engine = TrainEngine(_model(path, groups, **vars(ROUTER_LOSSES)), groups, OptimConfig(lr=1e-3, total_steps=1, clip_grad=0.0))
+        engine = TrainEngine(_model(path, groups, **vars(ROUTER_LOSSES)), groups,
+                             OptimConfig(lr=1e-3, total_steps=1, clip_grad=0.0))
+        engine.module.eval()  # as a colocated native engine sharing the parameters leaves it
         engine.train_step([MicroBatch(tokens) for tokens in micro], zero_loss)
         out["engine"].append({name: param.main_grad.clone() for name, param in engine.module.named_parameters()
                               if name in reference})
@@ -195,7 +197,7 @@ def moe_world(moe_setup):
 
 def test_router_loss_grads_do_not_grow_with_micro_batches_or_dp(moe_world):
     """Before the fix the engine's router-loss grads were 2x, 4x and 2x the reference here (summed over
-    micro-batches and DP ranks)."""
+    micro-batches and DP ranks), and none at all once a colocated engine had put the model in eval mode."""
     for rank in moe_world:
         losses = rank["router_losses"]
         router = [name for name in losses["reference"] if "router" in name]
@@ -331,3 +333,29 @@ def test_grpo_at_ep2_with_routing_replay(moe_setup, tmp_path):
                 assert row["rollout/router_agreement"] == 1.0
             else:
                 assert "rollout/router_agreement" not in row
+
+
+def _split_runs(paths: dict, run_root: str) -> dict:
+    from fixtures import run_trainer
+
+    split = ["mesh.placement=split", "mesh.roles=[actor,critic,ref,rollout]", "mesh.actor.ranks=[0,2]",
+             "mesh.ref.ranks=[0,2]", "mesh.rollout.ranks=[0,2]", "mesh.critic.ranks=[2,4]", "algo.advantage.kind=gae",
+             "algo.kl.coef=0.01", "algo.rollout_correction.enable=false", "actor.recompute_old_logprobs=true",
+             "trainer.val_before_train=false", "model.moe.aux_loss_coeff=0.01"]
+    return {ep: run_trainer(paths, f"{run_root}/ep{ep}", split + [f"mesh.{role}.ep={ep}" for role in
+                                                                   ("actor", "ref", "critic")])
+            for ep in (1, 2)}
+
+
+@pytest.mark.slow
+def test_split_placement_rl_step_at_ep2_equals_ep1(moe_setup, tmp_path):
+    """PPO on 4 ranks, actor + ref + rollout on ranks 0-1 and the critic on 2-3, each at ep=2 vs ep=1: the
+    same rollouts, losses, KL, grad norms and values per step within 1e-6."""
+    runs = run_distributed(_split_runs, 4, moe_setup, str(tmp_path), timeout_s=900)[0]
+    ep1, ep2 = ([row for row in runs[ep] if row["step"] > 0] for ep in (1, 2))
+    assert len(ep1) == len(ep2) == 2
+    for row1, row2 in zip(ep1, ep2):
+        keys = [k for k in row1 if not k.startswith(("timing_s/", "memory/", "perf/throughput"))]
+        assert {"actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm"} <= set(keys)
+        bad = {key: (row1[key], row2[key]) for key in keys if row2[key] != pytest.approx(row1[key], abs=1e-6, rel=1e-6)}
+        assert not bad
