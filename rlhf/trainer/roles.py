@@ -180,10 +180,12 @@ class ModelRole:
     def _micro_batches(self, shard: TrainBatch, size: int) -> list[TrainBatch]:
         """`shard` in micro-batches of `size` rows, each cut to its own longest row (compute scales with the
         micro-batch's length, not the step's; callers sort rows by length first so similar lengths share a
-        micro-batch); with pp > 1 the schedule needs one shape, so the shard's."""
+        micro-batch); with pp > 1 the schedule needs one shape, so the shard's. At ep > 1 widths are evened
+        out with the expert-parallel peers (`_common_widths`)."""
         if self.mesh.pgs.pp.size() > 1:
-            return shard.trimmed().chunks(size)
-        micro = [micro.trimmed() for micro in shard.chunks(size)]
+            micro = shard.trimmed().chunks(size)
+        else:
+            micro = [micro.trimmed() for micro in shard.chunks(size)]
         return _common_widths(micro, self.mesh.pgs.ep) if self.mesh.pgs.ep.size() > 1 else micro
 
     def _train(self, batch: TrainBatch, loss_fn: Callable[[torch.Tensor, TrainBatch, GlobalCounts], tuple],
