@@ -2,8 +2,8 @@
 
 `RoutingRecorder` hooks every megatron router of a model and keeps, per MoE layer (megatron's 1-based global
 layer number), the experts each token was sent to (`[tokens, top_k]`, ascending ids) plus the load and the
-router entropy. It only observes: the forward is unchanged. Its records are the hook routing replay builds on
-(megatron's own `RouterReplay`, switched on by `moe_enable_routing_replay`, replays such per-layer top-k ids).
+router entropy. It only observes: the forward is unchanged (routing replay, which changes it, is
+`rlhf.models.routing_replay`). `router_losses_per_token` scales megatron's router losses for a whole step.
 """
 
 from __future__ import annotations
