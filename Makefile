@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlhf-installed
 NPROC ?= 4
 DEMO_NPROC ?= 2
-BENCHES := collectives reshard engine rollout e2e memphase padding exchange checkpoint rollout-corr async
+BENCHES := collectives reshard engine rollout e2e memphase padding exchange checkpoint rollout-corr async moe-rl
 PYTEST_FLAGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -113,6 +113,9 @@ bench-rollout-corr: install
 
 bench-async: install
 	$(PY) benchmarks/bench_async.py
+
+bench-moe-rl: install
+	$(PY) benchmarks/bench_moe_rl.py
 
 bench: install-bench
 	$(PY) benchmarks/bench_all.py

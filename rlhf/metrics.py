@@ -28,6 +28,7 @@ from rlhf.run_dir import quiet_console
 Reduce = Literal["mean", "sum", "max", "min"]
 # Role metrics that are the same on every contributor (not shard sums).
 _SHARED_SUFFIXES = ("grad_norm", "lr", "skipped_steps", "kl_coef")
+_SHARED_PARTS = ("/moe/",)  # a role's routing metrics, reduced over the role by the role itself
 # Objects with `enter(name)` / `exit(name, seconds)` told about every timer (`rlhf profile` installs them).
 TIMER_OBSERVERS: list = []
 
@@ -55,7 +56,8 @@ class StepMetrics:
     def update_from_shards(self, values: dict[str, float]) -> None:
         """A role's per-contributor results: loss shares are summed, shared values (lr, grad norm) kept."""
         for name, value in values.items():
-            self.add(name, value, "max" if name.endswith(_SHARED_SUFFIXES) else "sum")
+            shared = name.endswith(_SHARED_SUFFIXES) or any(part in name for part in _SHARED_PARTS)
+            self.add(name, value, "max" if shared else "sum")
 
     @contextmanager
     def timer(self, name: str) -> Iterator[None]:

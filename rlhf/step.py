@@ -137,6 +137,8 @@ def score_and_update(stack: RLStack, batch: TrainBatch, metrics: StepMetrics) ->
     if needs_old_logprobs(stack):
         with metrics.timer("old_log_prob"):
             batch.old_logprobs_bt = stack.actor.logprobs(batch)
+        for name, value in stack.actor.routing_metrics.items():  # routing replay R3: rollout vs. training
+            metrics.add_global(f"rollout/{name}", value)
     elif bypasses_old_logprobs(stack):
         batch.old_logprobs_bt = batch.rollout_logprobs_bt
     if stack.ref is not None:
@@ -282,6 +284,9 @@ def record_batch_metrics(metrics: StepMetrics, batch: TrainBatch, stack: RLStack
         staleness_bt = (actor_version - batch.policy_version_bt) * mask
         values["rollout/staleness_mean"] = _masked_mean(staleness_bt.float(), mask)
         values["rollout/staleness_max"] = float(staleness_bt.max())
+    if batch.routed_experts_bslk is not None:  # routing replay: what the batch carries per token
+        routed = batch.routed_experts_bslk
+        values["rollout/routing_bytes_per_token"] = float(routed.element_size() * routed[0, 0].numel())
     if batch.values_bt is not None:
         values["critic/values/mean"] = _masked_mean(batch.values_bt, mask)
         values["critic/returns/mean"] = _masked_mean(batch.returns_bt, mask)

@@ -31,3 +31,12 @@ class MoeConfig:
         """The `moe_kwargs` of `rlhf.models.builder.build_gpt`."""
         return dict(aux_loss_coeff=self.aux_loss_coeff, z_loss_coeff=self.z_loss_coeff,
                     token_dispatcher=self.token_dispatcher)
+
+
+REPLAY_MODES = ("none", "r2", "r3")  # MoE routing replay (rlhf.models.routing_replay)
+
+
+def check_replay_mode(mode: str) -> None:
+    if mode not in REPLAY_MODES:
+        raise ConfigError(f"algo.routing_replay={mode!r} is not one of {', '.join(REPLAY_MODES)} (r3: replay the "
+                          f"rollout's routing in every training forward; r2: the old-logprob forward's in the update)")

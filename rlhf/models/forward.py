@@ -84,13 +84,30 @@ def padded_inputs(valid_bs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return positions_bs, ~allowed_bss.unsqueeze(1)
 
 
+def _masks_padding(model: Any, micro_batch: Any) -> bool:
+    """MoE routers leave padding out of their losses when the micro-batch says where it is (`padding_mask_bs`,
+    True on padding)."""
+    return bool(model.config.num_moe_experts) and getattr(micro_batch, "padding_mask_bs", None) is not None
+
+
+def routed_tokens(micro_batch: Any) -> int:
+    """Tokens of `micro_batch` that the MoE router losses count: all but its padding."""
+    padding = getattr(micro_batch, "padding_mask_bs", None)
+    return micro_batch.tokens_bs.numel() if padding is None else int((~padding).sum())
+
+
 def _forward_step(loss_fn: LossFn, num_micro_batches: int, data_iterator: Any, model: Any) -> tuple:
     micro_batch = next(data_iterator)
     tokens_bs = micro_batch.tokens_bs
     positions_bs = getattr(micro_batch, "position_ids_bs", None)
     if positions_bs is None:
         positions_bs = torch.arange(tokens_bs.shape[1], device=tokens_bs.device).expand_as(tokens_bs)
-    output = model(tokens_bs, positions_bs, attention_mask=getattr(micro_batch, "attention_mask_b1ss", None))
+    padding = {"padding_mask": micro_batch.padding_mask_bs} if _masks_padding(model, micro_batch) else {}
+    replay = getattr(getattr(model, "module", model), "rlhf_routing_replay", None)
+    if replay is not None:  # routing replay (rlhf.models.routing_replay): this micro-batch's experts
+        replay.begin(micro_batch)
+    output = model(tokens_bs, positions_bs, attention_mask=getattr(micro_batch, "attention_mask_b1ss", None),
+                   **padding)
 
     def loss(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict]:
         value, metrics = loss_fn(output_tensor, micro_batch)

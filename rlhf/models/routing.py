@@ -2,17 +2,49 @@
 
 `RoutingRecorder` hooks every megatron router of a model and keeps, per MoE layer (megatron's 1-based global
 layer number), the experts each token was sent to (`[tokens, top_k]`, ascending ids) plus the load and the
-router entropy. It only observes: the forward is unchanged. Its records are the hook routing replay builds on
-(megatron's own `RouterReplay`, switched on by `moe_enable_routing_replay`, replays such per-layer top-k ids).
+router entropy. It only observes: the forward is unchanged (routing replay, which changes it, is
+`rlhf.models.routing_replay`). `router_losses_per_token` scales megatron's router losses for a whole step.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+
+def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every megatron top-k router of `model` (one per MoE layer of this pipeline stage)."""
+    return [m for m in model.modules() if type(m).__name__ == "TopKRouter"]
+
+
+def has_router_losses(model: torch.nn.Module) -> bool:
+    """Whether `model` adds a load-balancing or z-loss to its gradients."""
+    config = model.config
+    return bool(routers(model)) and bool(config.moe_aux_loss_coeff or config.moe_z_loss_coeff)
+
+
+@contextlib.contextmanager
+def router_losses_per_token(model: torch.nn.Module, num_tokens: int) -> Iterator[None]:
+    """While open, each forward's router losses enter the gradients weighted by its share of the `num_tokens`
+    routed in the whole optimizer step (every micro-batch and DP rank): their token-weighted mean, at the
+    configured coefficients. Megatron otherwise adds them once per micro-batch and per DP rank."""
+    config, found = model.config, routers(model)
+    saved = (config.moe_aux_loss_coeff, config.moe_z_loss_coeff, [r.calculate_per_token_loss for r in found])
+    for router in found:
+        router.calculate_per_token_loss = True  # megatron multiplies each forward's losses by its token count
+    config.moe_aux_loss_coeff = saved[0] / num_tokens if saved[0] else saved[0]
+    config.moe_z_loss_coeff = saved[1] / num_tokens if saved[1] else saved[1]
+    try:
+        yield
+    finally:
+        config.moe_aux_loss_coeff, config.moe_z_loss_coeff = saved[0], saved[1]
+        for router, per_token in zip(found, saved[2]):
+            router.calculate_per_token_loss = per_token
 
 
 @dataclass
@@ -23,13 +55,15 @@ class LayerRouting:
     tokens_per_expert: torch.Tensor | None = None
     entropy_sum: float = 0.0
     num_tokens: int = 0
+    aux_loss_sum: float = 0.0  # switch load-balancing loss of each forward times its token count
 
 
 class RoutingRecorder:
-    """Records every router's choices of `model` while open (`with RoutingRecorder(model) as routing:`)."""
+    """Records every router's choices of `model` while open (`with RoutingRecorder(model) as routing:`);
+    `keep_experts=False` keeps only the load and entropy sums (for metrics)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.routers = [m for m in model.modules() if type(m).__name__ == "TopKRouter"]
+    def __init__(self, model: torch.nn.Module, *, keep_experts: bool = True) -> None:
+        self.routers, self.keep_experts = routers(model), keep_experts
         self.layers: dict[int, LayerRouting] = {}
         self._handles: list[Any] = []
 
@@ -47,15 +81,25 @@ class RoutingRecorder:
 
     @torch.no_grad()
     def _record(self, router: torch.nn.Module, inputs: tuple, outputs: tuple) -> None:
-        hidden = inputs[0].reshape(-1, router.weight.shape[1])
+        """Experts of every token; load, entropy and the switch loss over the real (unpadded) tokens only."""
         _, routing_map = outputs
-        logprobs = F.log_softmax(F.linear(hidden.float(), router.weight.float()), dim=-1)
         layer = self.layers.setdefault(router.layer_number, LayerRouting())
-        layer.experts_nk.append(routing_map.nonzero()[:, 1].view(routing_map.shape[0], -1).cpu())
+        if self.keep_experts:
+            layer.experts_nk.append(routing_map.nonzero()[:, 1].view(routing_map.shape[0], -1).cpu())
+        hidden = inputs[0].reshape(-1, router.weight.shape[1])
+        padding = inputs[1] if len(inputs) > 1 else None
+        if padding is not None:  # megatron's padding_mask: True on padding, tokens sequence-major like hidden
+            real = ~padding.reshape(-1)
+            hidden, routing_map = hidden[real], routing_map[real]
+        logprobs = F.log_softmax(F.linear(hidden.float(), router.weight.float()), dim=-1)
         load = routing_map.sum(dim=0).cpu()
         layer.tokens_per_expert = load if layer.tokens_per_expert is None else layer.tokens_per_expert + load
         layer.entropy_sum += float(-(logprobs.exp() * logprobs).sum())
-        layer.num_tokens += routing_map.shape[0]
+        num_tokens, num_experts = routing_map.shape
+        layer.num_tokens += num_tokens
+        if num_tokens:
+            probs_sum = logprobs.exp().sum(0).cpu()
+            layer.aux_loss_sum += num_experts / (router.topk * num_tokens) * float((probs_sum * load).sum())
 
     def topk_experts(self) -> dict[int, torch.Tensor]:
         """Per MoE layer: the experts of every recorded token `[tokens, top_k]`, forwards in call order."""
@@ -71,3 +115,25 @@ class RoutingRecorder:
                 f"{prefix}load_imbalance": sum(float(x.max() / x.mean()) for x in loads) / len(loads),
                 f"{prefix}router_entropy": sum(layer.entropy_sum / layer.num_tokens
                                                for layer in self.layers.values()) / len(self.layers)}
+
+    def global_metrics(self, model: torch.nn.Module, group: Any, prefix: str = "moe/") -> dict[str, float]:
+        """Routing of the forwards recorded on every rank of `group` (collective; the same on each): per MoE
+        layer the busiest expert's share of the routed tokens, and over layers the token-weighted switch
+        load-balancing loss (coefficient-free: 1 is perfect balance), mean router entropy and load imbalance."""
+        config = model.config
+        rows = torch.zeros(config.num_layers, config.num_moe_experts + 3, dtype=torch.float64)
+        for number, layer in self.layers.items():
+            rows[number - 1, :-3] = layer.tokens_per_expert.double()
+            rows[number - 1, -3:] = torch.tensor([layer.entropy_sum, layer.num_tokens, layer.aux_loss_sum])
+        torch.distributed.all_reduce(rows, group=group)
+        routed = rows[:, -2] > 0  # the MoE layers (every stage's, once each)
+        if not bool(routed.any()):
+            return {}
+        numbers, rows = routed.nonzero().squeeze(1) + 1, rows[routed]
+        loads, tokens = rows[:, :-3], rows[:, -2]
+        metrics = {f"{prefix}max_load_fraction/layer_{int(number)}": float(row.max() / row.sum())
+                   for number, row in zip(numbers.tolist(), loads)}
+        metrics[f"{prefix}aux_loss"] = float((rows[:, -1] / tokens).mean())
+        metrics[f"{prefix}router_entropy"] = float((rows[:, -3] / tokens).mean())
+        metrics[f"{prefix}load_imbalance"] = float((loads.max(dim=1).values / loads.mean(dim=1)).mean())
+        return metrics

@@ -86,6 +86,9 @@ class Rollouts:
     prompt_index_r: torch.Tensor  # int64 [R], row of the source prompt in the PromptBatch
     policy_version: int = 0
     pad_token_id: int = 0
+    # int16 [R, S, L, K]: an MoE engine asked to record routing gives the experts each input token (prompt, then
+    # response) was sent to in each routed layer, -1 where none was computed (the last token, padding)
+    routed_experts_rslk: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         num_rollouts = self.response_tokens_rt.shape[0]

@@ -4,11 +4,13 @@ Loss contract: `loss_fn(output, micro_batch) -> (loss, metrics)` and gradients a
 on every micro-batch and every DP rank). Nothing is averaged: not over micro-batches (the schedule's 1/M is
 undone), not over DP (the model's `calculate_per_token_loss` is set, so megatron DDP sums grads across DP
 instead of pre-scaling them by 1/dp). A loss normalised by the GLOBAL token count therefore gives the same
-gradient for any DP size and micro-batching; a per-micro-batch mean must be divided by the caller.
+gradient for any DP size and micro-batching; a per-micro-batch mean must be divided by the caller. MoE
+router losses (megatron's, added inside the forward) enter as their token-weighted mean over the whole step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -20,8 +22,9 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from rlhf.errors import NonFiniteError
-from rlhf.models.forward import LossFn, forward_backward
+from rlhf.models.forward import LossFn, forward_backward, routed_tokens
 from rlhf.models.hf_load import HfFolder, check_folder
+from rlhf.models.routing import has_router_losses, router_losses_per_token
 from rlhf.platform import current_device, megatron_compat
 from rlhf.train import offload as offload_lib
 from rlhf.train.config import OptimConfig
@@ -101,6 +104,9 @@ class TrainEngine:
     def train_step(self, micro_batches: list, loss_fn: LossFn) -> StepResult:
         """Zero grads, fwd+bwd over `micro_batches`, reduce over DP, check finiteness, clip, step, schedule."""
         self._check_loaded()
+        # training mode: a colocated engine sharing these parameters puts the model in eval mode, which turns
+        # megatron's MoE router losses off
+        self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses: list[torch.Tensor] = []
@@ -110,7 +116,8 @@ class TrainEngine:
             losses.append(value.detach().float())
             return value, metrics
 
-        metrics = forward_backward(self.model, micro_batches, recording_loss, self.pg_collection)
+        with self._router_losses(micro_batches):
+            metrics = forward_backward(self.model, micro_batches, recording_loss, self.pg_collection)
         finalize_model_grads([self.model], None, pg_collection=self.pg_collection)
         loss = self._global_loss(losses)
         self.optimizer.prepare_grads()
@@ -126,6 +133,16 @@ class TrainEngine:
         self.num_steps += 1
         return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, skipped=False, num_zeros=num_zeros,
                           metrics=metrics)
+
+    def _router_losses(self, micro_batches: list) -> contextlib.AbstractContextManager:
+        """MoE router losses as a token-weighted mean over the step's micro-batches and DP ranks (see
+        `router_losses_per_token`), so their gradient does not grow with either count."""
+        if not has_router_losses(self.module):
+            return contextlib.nullcontext()
+        num_tokens = torch.tensor(sum(routed_tokens(mb) for mb in micro_batches), dtype=torch.int64,
+                                  device=current_device())
+        dist.all_reduce(num_tokens, group=self.pg_collection.dp)
+        return router_losses_per_token(self.module, int(num_tokens))
 
     def _global_loss(self, losses: list[torch.Tensor]) -> float:
         """Sum of this step's loss values over micro-batches and DP, known to every rank of the role."""

@@ -36,6 +36,8 @@ class TrainBatch:
     is_weights_bt: torch.Tensor | None = None  # fp32 [B, T] rollout-correction weights on the policy loss
     loss_mask_bt: torch.Tensor | None = None  # bool [B, T] tokens in the actor loss (None: response_mask_bt)
     sample_index_b: torch.Tensor | None = None  # int64 [B] dataset index of the row's prompt (rollout dumps)
+    # int16 [B, S, L, K] experts of each input token per routed layer (-1 unknown): routing replay (MoE)
+    routed_experts_bslk: torch.Tensor | None = None
     pad_token_id: int = 0
 
     @property
@@ -45,6 +47,12 @@ class TrainBatch:
     @property
     def response_width(self) -> int:
         return self.response_mask_bt.shape[1]
+
+    @property
+    def padding_mask_bs(self) -> torch.Tensor:
+        """True on the padding after each sequence (what MoE routers leave out of their losses)."""
+        positions_s = torch.arange(self.tokens_bs.shape[1], device=self.tokens_bs.device)
+        return positions_s[None, :] >= (self.prompt_lengths_b + self.response_lengths_b)[:, None]
 
     def response_positions_bt(self) -> torch.Tensor:
         """Sequence position whose logits predict each response token (clamped on padding)."""
@@ -70,6 +78,8 @@ class TrainBatch:
             value = getattr(self, field.name)
             if field.name.endswith("_bt") and isinstance(value, torch.Tensor):
                 updates[field.name] = value[:, :response_width]
+            elif field.name.endswith("_bslk") and isinstance(value, torch.Tensor):
+                updates[field.name] = value[:, :seq_width]
         return dataclasses.replace(self, **updates)
 
     def to(self, device: torch.device) -> "TrainBatch":
@@ -136,4 +146,14 @@ def build_train_batch(prompts: PromptBatch, rollouts: Rollouts) -> TrainBatch:
                       response_lengths_b=rollouts.response_lengths_r.clone(), response_mask_bt=mask_rt,
                       group_index_b=prompt_index_r.clone(),
                       rollout_logprobs_bt=_sampled_logprobs(rollouts).float() * mask_rt, truncated_b=truncated_r,
-                      policy_version_bt=mask_rt.int() * rollouts.policy_version, pad_token_id=rollouts.pad_token_id)
+                      policy_version_bt=mask_rt.int() * rollouts.policy_version, pad_token_id=rollouts.pad_token_id,
+                      routed_experts_bslk=_routing(rollouts, width))
+
+
+def _routing(rollouts: Rollouts, width: int) -> torch.Tensor | None:
+    """The rollout's recorded experts (if it recorded them) at the batch's sequence width (-1 beyond)."""
+    routed = rollouts.routed_experts_rslk
+    if routed is None or routed.shape[1] >= width:
+        return None if routed is None else routed[:, :width]
+    pad = routed.new_full((routed.shape[0], width - routed.shape[1], *routed.shape[2:]), -1)
+    return torch.cat([routed, pad], dim=1)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Literal
 from rlhf.algo.config import (AdvantageConfig, AdvantageKind, FilterGroupsConfig, KLConfig, OverlongBufferConfig,
                               PolicyLossConfig, RolloutCorrectionConfig, ValueLossConfig)
 from rlhf.errors import ConfigError
-from rlhf.models.config import MoeConfig
+from rlhf.models.config import MoeConfig, check_replay_mode
 from rlhf.rollout.sampling_params import SamplingParams
 from rlhf.train.config import OptimConfig
 
@@ -111,7 +111,9 @@ class SamplingConfig:
 class AlgoConfig:
     """The RL algorithm: the advantage estimator picks it (gae = PPO with a critic), plus losses and KL;
     rollout correction for rollout != training numerics; DAPO's dynamic sampling (`filter_groups`) and
-    overlong handling (`overlong_buffer` reward shaping, `overlong_filter`: truncated responses leave the loss)."""
+    overlong handling (`overlong_buffer` reward shaping, `overlong_filter`: truncated responses leave the loss);
+    MoE routing replay (`routing_replay`: r3 replays the rollout's experts in the old-logprob, ref and update
+    forwards, r2 the old-logprob forward's in the update)."""
 
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
@@ -121,6 +123,12 @@ class AlgoConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     overlong_filter: bool = False  # truncated responses (hit max_new_tokens) leave the loss
+    # MoE routing replay: none; r3 replays the rollout's experts in every training forward; r2 the old-logprob
+    # forward's experts in the update
+    routing_replay: str = "none"
+
+    def __post_init__(self) -> None:
+        check_replay_mode(self.routing_replay)
 
     @property
     def uses_critic(self) -> bool:

@@ -50,6 +50,8 @@ def concat_batches(batches: list[TrainBatch], prompts_per_batch: list[int]) -> T
             values = [_pad_to(v, seq_width, batches[0].pad_token_id) for v in values]
         elif field.name.endswith("_bt"):
             values = [_pad_to(v, resp_width, False if v.dtype == torch.bool else 0) for v in values]
+        elif field.name.endswith("_bslk"):  # routing: unknown (-1) on the padding
+            values = [_pad_to(v, seq_width, -1) for v in values]
         elif field.name == "group_index_b":
             values = [v + offset for v, offset in zip(values, offsets)]
         merged[field.name] = torch.cat(values)

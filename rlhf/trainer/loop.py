@@ -88,11 +88,13 @@ class Trainer:
                            total_steps=optimizer_steps, recompute=cfg.model.recompute, seed=cfg.dist.seed,
                            fused_head=cfg.model.fused_head, temperature=cfg.sampling.logprob_temperature,
                            params_dtype=cfg.model.torch_dtype, moe_kwargs=cfg.model.moe.build_kwargs(),
-                           gather_group=train_group)
+                           gather_group=train_group, routing_replay=algo.routing_replay)
         ref = (PolicyRole("ref", self.meshes["ref"], cfg.model.path, update=None, total_steps=0,
-                          micro_batch_size=cfg.ref.micro_batch_size, seed=cfg.dist.seed, offload_frozen=cfg.ref.offload, fused_head=cfg.model.fused_head,
+                          micro_batch_size=cfg.ref.micro_batch_size, seed=cfg.dist.seed, offload_frozen=cfg.ref.offload,
+                          fused_head=cfg.model.fused_head,
                           temperature=cfg.sampling.logprob_temperature, params_dtype=cfg.model.torch_dtype,
-                          moe_kwargs=cfg.model.moe.build_kwargs(), gather_group=train_group)
+                          moe_kwargs=cfg.model.moe.build_kwargs(), gather_group=train_group,
+                          routing_replay=algo.routing_replay)
                if algo.uses_ref else None)
         critic = (CriticRole("critic", self.meshes["critic"], cfg.model.critic_path or cfg.model.path,
                              update=cfg.critic, value_head=True, seed=cfg.dist.seed + 1,
@@ -106,6 +108,8 @@ class Trainer:
                                         params_dtype=cfg.model.torch_dtype, gather_group=train_group)
                         if cfg.reward.model_path else None)
         engine, weight_sync = self._build_rollout(actor)
+        if engine is not None and algo.routing_replay == "r3":
+            engine.record_routing = True  # a native engine (preflight checks): rollouts carry their routing
         memory = plan_memory_phases(engine=engine, roles={"actor": actor, "critic": critic, "ref": ref,
                                                           "reward": reward_model},
                                     on_rollout_mesh=self.meshes["rollout"].is_member, sleep=resolved_sleep(cfg),

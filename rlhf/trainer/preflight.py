@@ -91,6 +91,27 @@ def resolved_sleep(cfg: RlhfConfig) -> str:
     return cfg.rollout.resolved_sleep(accelerator=platform.has_accelerator())
 
 
+def check_routing_replay(cfg: RlhfConfig, layouts: dict) -> None:
+    """algo.routing_replay needs an MoE policy; r3 an engine that records routing; r2, and recompute, an actor
+    at pp=1 (the replay hooks hold one micro-batch's routing at a time)."""
+    mode = cfg.algo.routing_replay
+    if mode == "none":
+        return
+    if not model_dims(cfg.model.path).num_experts:
+        raise ConfigError(f"algo.routing_replay={mode} replays MoE routing, but model.path={cfg.model.path} is a "
+                          f"dense model; set algo.routing_replay=none")
+    if mode == "r3" and cfg.rollout.engine != "native":
+        raise ConfigError(f"algo.routing_replay=r3 replays the rollout's routing, which rollout.engine="
+                          f"{cfg.rollout.engine} cannot record; use rollout.engine=native, or algo.routing_replay=r2 "
+                          f"(routing recorded in the old-logprob forward)")
+    if cfg.model.recompute and layouts["actor"].pp > 1:  # 1F1B recomputes a micro-batch after the next's forward
+        raise ConfigError(f"algo.routing_replay={mode} with model.recompute=true needs mesh.actor.pp=1, got pp="
+                          f"{layouts['actor'].pp}; set model.recompute=false or mesh.actor.pp=1")
+    if mode == "r2" and layouts["actor"].pp > 1:
+        raise ConfigError(f"algo.routing_replay=r2 records routing at mesh.actor.pp=1 only, got pp="
+                          f"{layouts['actor'].pp}; use algo.routing_replay=r3 or mesh.actor.pp=1")
+
+
 def check_layouts(cfg: RlhfConfig, world_size: int) -> dict:
     """Every role's layout for `world_size` ranks, with the batch-split and memory-phase rules checked (pure)."""
     layouts = plan_meshes(mesh_config(cfg), world_size, model_dims(cfg.model.path), role_dims(cfg))
@@ -98,6 +119,7 @@ def check_layouts(cfg: RlhfConfig, world_size: int) -> dict:
     check_sleep(resolved_sleep(cfg), shares_weights(cfg, layouts))
     correction = cfg.algo.rollout_correction.resolved(weights_shared=shares_weights(cfg, layouts))
     check_async(cfg, layouts, dataclasses.replace(cfg.algo, rollout_correction=correction))
+    check_routing_replay(cfg, layouts)
     return layouts
 
 

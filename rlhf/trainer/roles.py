@@ -23,9 +23,11 @@ from rlhf.models.builder import build_gpt
 from rlhf.models.forward import forward_backward, token_entropy, token_logprobs
 from rlhf.models.hf_load import load_hf_weights
 from rlhf.models.lm_head import LMHead, head_logprobs, hidden_output
+from rlhf.models.routing import RoutingRecorder
+from rlhf.models.routing_replay import UNKNOWN, RoutingReplay
 from rlhf.platform import current_device
 from rlhf.train import offload as offload_lib
-from rlhf.train.engine import TrainEngine
+from rlhf.train.engine import StepResult, TrainEngine
 from rlhf.trainer.batch import TrainBatch, gather_response, scatter_response
 from rlhf.trainer.config import AlgoConfig, UpdateConfig
 from rlhf.trainer.exchange import gather_rows, is_contributor
@@ -56,6 +58,16 @@ def balanced_order(lengths_b: torch.Tensor, parts: int) -> torch.Tensor:
 
 def _lengths(batch: TrainBatch) -> torch.Tensor:
     return batch.prompt_lengths_b + batch.response_lengths_b
+
+
+def _common_widths(micro: list[TrainBatch], ep_group: Any) -> list[TrainBatch]:
+    """Micro-batches padded (right, with pad tokens) to the widest of their expert-parallel peers' at the same
+    index: megatron's token dispatchers exchange equal-shaped token blocks between the ranks sharing experts."""
+    widths = torch.tensor([mb.tokens_bs.shape[1] for mb in micro], dtype=torch.int64, device=current_device())
+    torch.distributed.all_reduce(widths, op=torch.distributed.ReduceOp.MAX, group=ep_group)
+    return [dataclasses.replace(mb, tokens_bs=torch.nn.functional.pad(
+        mb.tokens_bs, (0, width - mb.tokens_bs.shape[1]), value=mb.pad_token_id)) for mb, width in
+        zip(micro, widths.tolist())]
 
 
 def _by_length(batch: TrainBatch) -> torch.Tensor:
@@ -130,11 +142,13 @@ class ModelRole:
             offload_lib.reload_frozen(self._parked)
             self._parked = None
 
-    def _forward(self, batch: TrainBatch, fn: Callable[[torch.Tensor, TrainBatch], torch.Tensor]) -> torch.Tensor:
-        """`fn(output, micro_batch) -> [b, T]` over this rank's DP shard, gathered to the whole batch `[B, T]`."""
+    def _forward(self, batch: TrainBatch, fn: Callable[[torch.Tensor, TrainBatch], torch.Tensor],
+                 record_routing: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`fn(output, micro_batch) -> [b, T]` over this rank's DP shard, gathered to the whole batch `[B, T]`;
+        with `record_routing` also the forward's own experts `[B, S, L, k]` (routing replay R2, pp=1)."""
         if self._parked is not None:
             raise RuntimeError(f"the {self.name} model is offloaded; call reload() before using it")
-        local = None
+        local: dict[str, torch.Tensor] | None = None
         balance = balanced_order(_lengths(batch).cpu(), self.mesh.layout.dp)
         if self.mesh.is_member:
             shard = batch.select(balance).shard(self.dp_rank, self.dp_size).to(current_device())
@@ -145,7 +159,12 @@ class ModelRole:
                 out = fn(output, micro_batch).detach()
                 if out.dim() == 2:  # response-aligned: back to the batch's response width
                     out = torch.nn.functional.pad(out, (0, batch.response_width - out.shape[1]))
-                return output.new_zeros(()), {"out": out}
+                outs = {"out": out}
+                if record_routing:  # this micro-batch's experts, at the batch's sequence width
+                    routed = self.routing_replay.last_recorded_bslk()[:, :batch.tokens_bs.shape[1]]
+                    outs["routing"] = torch.nn.functional.pad(
+                        routed, (0, 0, 0, 0, 0, batch.tokens_bs.shape[1] - routed.shape[1]), value=UNKNOWN)
+                return output.new_zeros(()), outs
 
             with torch.no_grad():
                 if self.engine is not None:
@@ -153,52 +172,71 @@ class ModelRole:
                 else:
                     outputs = forward_backward(self.model, micro, step, self.mesh.pgs, forward_only=True)
             if is_contributor(self.mesh.layout, torch.distributed.get_rank()):
-                local = torch.cat([o["out"] for o in outputs])[torch.argsort(order)]
-                local = local.cpu()  # the step's batch lives on the host
-        return gather_rows(local, self.mesh.layout, self.gather_group)[torch.argsort(balance)]
+                unsort = torch.argsort(order)
+                local = {key: torch.cat([o[key] for o in outputs])[unsort].cpu()  # the batch lives on the host
+                         for key in outputs[0]}
+        values = gather_rows(None if local is None else local["out"], self.mesh.layout,
+                             self.gather_group)[torch.argsort(balance)]
+        if not record_routing:
+            return values
+        routed = gather_rows(None if local is None else local["routing"], self.mesh.layout,
+                             self.gather_group)[torch.argsort(balance)]
+        return values, routed
 
     def _micro_batches(self, shard: TrainBatch, size: int, *, ragged: bool = False) -> list[TrainBatch]:
         """`shard` in micro-batches of `size` rows, each cut to its own longest row (compute scales with the
         micro-batch's length, not the step's; callers sort rows by length first so similar lengths share a
         micro-batch); with pp > 1 the schedule needs one shape, so the shard's, and equal micro-batches: a
-        `ragged` split (forward only) then takes the largest size <= `size` that divides the shard."""
+        `ragged` split (forward only) then takes the largest size <= `size` that divides the shard. At ep > 1
+        widths are evened out with the expert-parallel peers (`_common_widths`)."""
         if self.mesh.pgs.pp.size() > 1:
             if ragged:
                 size = max(d for d in range(1, size + 1) if shard.size % d == 0)
-            return shard.trimmed().chunks(size)
-        return [micro.trimmed() for micro in shard.chunks(size, ragged=ragged)]
+            micro = shard.trimmed().chunks(size)
+        else:
+            micro = [micro.trimmed() for micro in shard.chunks(size, ragged=ragged)]
+        return _common_widths(micro, self.mesh.pgs.ep) if self.mesh.pgs.ep.size() > 1 else micro
 
     def _train(self, batch: TrainBatch, loss_fn: Callable[[torch.Tensor, TrainBatch, GlobalCounts], tuple],
                prefix: str) -> dict[str, float]:
-        """Epochs x mini-batches of optimizer steps; returns this rank's metric sums (contributors only)."""
+        """Epochs x mini-batches of optimizer steps; returns this rank's metric sums (contributors only), with
+        the routing of the update's forwards (`<prefix>moe/...`, the role's global values) for an MoE model."""
         cfg = self.update_config
         totals: dict[str, float] = {}
         num_steps = 0
         if not self.mesh.is_member:
             return totals
         contributor = is_contributor(self.mesh.layout, torch.distributed.get_rank())
-        for _ in range(cfg.epochs):
-            for mini in batch.chunks(batch.size // cfg.mini_batches):
-                balance = balanced_order(_lengths(mini).cpu(), self.dp_size)
-                shard = mini.select(balance).shard(self.dp_rank, self.dp_size).to(current_device())
-                counts = GlobalCounts.of(shard.response_mask_bt, group=self.mesh.pgs.dp)
-                # the loss sums over rows with global counts, so their order (hence micro-batching) is free
-                micro = self._micro_batches(shard.select(_by_length(shard)), cfg.micro_batch_size)
-                result = self.engine.train_step(micro,
-                                                lambda out, mb: loss_fn(out, mb, counts))
-                num_steps += 1
-                if contributor:
-                    for metrics in result.metrics:
-                        for key, value in metrics.items():
-                            totals[key] = totals.get(key, 0.0) + float(value)
-                totals[f"{prefix}grad_norm"] = totals.get(f"{prefix}grad_norm", 0.0) + result.grad_norm
-                totals[f"{prefix}skipped_steps"] = totals.get(f"{prefix}skipped_steps", 0.0) + float(result.skipped)
-                totals[f"{prefix}lr"] = result.lr
+        with RoutingRecorder(self.engine.module, keep_experts=False) as routing:
+            for _ in range(cfg.epochs):
+                for mini in batch.chunks(batch.size // cfg.mini_batches):
+                    result = self._train_mini_batch(mini, loss_fn)
+                    num_steps += 1
+                    if contributor:
+                        for metrics in result.metrics:
+                            for key, value in metrics.items():
+                                totals[key] = totals.get(key, 0.0) + float(value)
+                    totals[f"{prefix}grad_norm"] = totals.get(f"{prefix}grad_norm", 0.0) + result.grad_norm
+                    totals[f"{prefix}skipped_steps"] = (totals.get(f"{prefix}skipped_steps", 0.0)
+                                                        + float(result.skipped))
+                    totals[f"{prefix}lr"] = result.lr
+        routing_metrics = (routing.global_metrics(self.engine.module, self.mesh.pgs.layout_all, f"{prefix}moe/")
+                           if routing.routers else {})
         # Loss metrics are shares of a mini-batch total: averaging over optimizer steps gives per-step values.
         out = {k: v / num_steps for k, v in totals.items() if k not in (f"{prefix}lr", f"{prefix}skipped_steps")}
         out[f"{prefix}lr"] = totals[f"{prefix}lr"]
         out[f"{prefix}skipped_steps"] = totals[f"{prefix}skipped_steps"]
-        return out if contributor else {}
+        return out | routing_metrics if contributor else {}
+
+    def _train_mini_batch(self, mini: TrainBatch,
+                          loss_fn: Callable[[torch.Tensor, TrainBatch, GlobalCounts], tuple]) -> StepResult:
+        """One optimizer step on this rank's DP shard of `mini`."""
+        balance = balanced_order(_lengths(mini).cpu(), self.dp_size)
+        shard = mini.select(balance).shard(self.dp_rank, self.dp_size).to(current_device())
+        counts = GlobalCounts.of(shard.response_mask_bt, group=self.mesh.pgs.dp)
+        # the loss sums over rows with global counts, so their order (hence micro-batching) is free
+        micro = self._micro_batches(shard.select(_by_length(shard)), self.update_config.micro_batch_size)
+        return self.engine.train_step(micro, lambda out, mb: loss_fn(out, mb, counts))
 
     def state_dict(self) -> dict[str, Any]:
         return self.engine.state_dict() if self.engine is not None else {}
@@ -221,11 +259,20 @@ class PolicyRole(ModelRole):
     verl, OpenRLHF and TRL do), so PPO ratios and KL compare the distributions that produced the samples.
     """
 
-    def __init__(self, *args, fused_head: bool = True, temperature: float = 1.0, **kwargs) -> None:
+    def __init__(self, *args, fused_head: bool = True, temperature: float = 1.0, routing_replay: str = "none",
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if not temperature > 0:
             raise ConfigError(f"the policy's logprob temperature must be > 0, got {temperature}")
         self.fused_head, self.temperature = fused_head, temperature
+        # R3: actor and ref replay the batch's (rollout) routing; R2: the actor records it in its old-logprob
+        # forward (`logprobs`) and replays it in the update; the ref routes freely
+        self.records_routing = routing_replay == "r2" and self.update_config is not None
+        self.routing_replay: RoutingReplay | None = None
+        if self.model is not None and (routing_replay == "r3" or self.records_routing):
+            self.routing_replay = RoutingReplay(self.model)
+            self.model.rlhf_routing_replay = self.routing_replay
+        self.routing_metrics: dict[str, float] = {}  # of the last `logprobs`: router agreement with the batch's
 
     def _output_mode(self) -> contextlib.AbstractContextManager:
         return hidden_output(self.model) if self.fused_head and self.model is not None else contextlib.nullcontext()
@@ -247,14 +294,31 @@ class PolicyRole(ModelRole):
         return gather_response(logp_bs, mb), gather_response(entropy_bs, mb)
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Token logprobs `[B, T]`. Under routing replay R3 the forward routes as `batch.routed_experts_bslk`
+        says (`routing_metrics`: how often the router's own choice agreed); under R2 the actor routes freely and
+        stores its routing in `batch.routed_experts_bslk` for the update to replay."""
         def fn(output: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
             if self.fused_head:
                 return self._token_stats(output, mb)[0]
             return gather_response(token_logprobs(output, _labels_bs(mb), self.tp_group, self.vocab_size,
                                                   self.temperature), mb)
 
+        replay = self.routing_replay
+        if replay is not None:
+            replay.clear()
+            replay.record = self.records_routing
+        source = dataclasses.replace(batch, routed_experts_bslk=None) if self.records_routing else batch
         with self._output_mode():
-            return self._forward(batch, fn)
+            result = self._forward(source, fn, record_routing=self.records_routing)
+        if self.records_routing:
+            result, batch.routed_experts_bslk = result
+        self.routing_metrics = {}
+        if replay is not None and not self.records_routing and self.mesh.is_member:
+            self.routing_metrics = replay.agreement(self.mesh.pgs.layout_all)
+        if replay is not None:
+            replay.clear()
+            replay.record = False
+        return result
 
     def update(self, batch: TrainBatch, algo: AlgoConfig) -> dict[str, float]:
         use_kl_loss = algo.kl.use_as_loss
@@ -274,6 +338,8 @@ class PolicyRole(ModelRole):
             batch = dataclasses.replace(batch, response_mask_bt=batch.loss_mask_bt)
         with self._output_mode():
             out = self._train(batch, loss_fn, "actor/")
+        if self.routing_replay is not None:
+            self.routing_replay.clear()
         if out and use_kl_loss:
             out["actor/kl_coef"] = algo.kl.coef
         return out

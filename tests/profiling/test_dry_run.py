@@ -85,3 +85,27 @@ def test_bad_rank_and_bad_layout_are_one_line_errors(model_dir, capsys):
     assert capsys.readouterr().err == "rlhf plan: error: --world=4 must be >= 1 and --as-rank=4 in [0, 4)\n"
     assert main(["plan", "--world", "6", f"model.path={model_dir}", "mesh.actor.tp=4"]) == 2
     assert capsys.readouterr().err.startswith("rlhf plan: error: ")
+
+
+def test_plan_at_scale_covers_an_moe_layout(tmp_path):
+    """1024 ranks, a Qwen3-MoE actor at pp2 x ep4 (experts split inside dp) and an ep1 rollout: this rank's
+    planned receipt = the global plan's = the theoretical minimum."""
+    from tests.models.tiny import qwen3_moe_config
+
+    config = qwen3_moe_config(num_experts=8)
+    config.save_pretrained(tmp_path / "moe")
+    world, rank = 1024, 1000
+    out = tmp_path / "plan.json"
+    args = [sys.executable, "-m", "rlhf", "plan", "--world", str(world), "--as-rank", str(rank), "--json", str(out),
+            f"model.path={tmp_path / 'moe'}", f"data.prompts_per_step={world}", "mesh.actor.pp=2", "mesh.actor.ep=4",
+            "sampling.n=8", "actor.micro_batch_size=4", "rollout.native.max_batch_size=16",
+            "rollout.native.max_seq_len=64"]
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    actor, rollout = ParallelLayout(pp=2, dp=world // 2, ep=4), ParallelLayout(dp=world)
+    assert report["layouts"] == {"actor": actor.describe(), "rollout": rollout.describe()}
+    sync = report["weight_sync"]
+    whole = plan_for_model(config, actor, rollout)
+    assert sync["received_bytes"] == whole.received_numel(rank) * 4 == sync["min_received_bytes"] > 0
+    assert sync["sent_bytes"] == whole.sent_numel(rank) * 4

@@ -44,6 +44,8 @@ class NativeEngine:
                              head_dim=geometry.head_dim, dtype=params.embedding.dtype,
                              device=params.embedding.device)
         self._released_shapes: dict[str, torch.Size] = {}
+        # routing replay (R3): rollouts carry each token's experts per routed layer (MoE models only)
+        self.record_routing = False
 
     @property
     def policy_version(self) -> int:
@@ -68,7 +70,8 @@ class NativeEngine:
         stops = stop_token_set(params, self.eos_token_ids)
         with torch.inference_mode():
             self.decoder.prepare(self._weights_epoch)
-            run = Generation(self.decoder, self.cache, prompts, params, stops, generator)
+            run = Generation(self.decoder, self.cache, prompts, params, stops, generator,
+                             record_routing=self.record_routing and self.decoder.routes)
             return run.run(policy_version=self.policy_version)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

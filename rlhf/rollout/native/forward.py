@@ -88,6 +88,11 @@ class Decoder:
             sum(layer.num_weights() for layer in layers) // len(layers),
             num_experts=max((len(layer.moe.fc1_weights) for layer in layers if layer.moe), default=0))
 
+    @property
+    def routes(self) -> bool:
+        """Whether the model has routed (MoE) layers."""
+        return any(layer.moe is not None for layer in self.params.layers)
+
     def prepare(self, version: int) -> None:
         """(Re)build the prepared weights unless they were built at weights `version`."""
         if version == self.prepared_version:
@@ -153,15 +158,17 @@ class Decoder:
         k = F.rms_norm(mixed[..., hpg:hpg + 1, :], shape, layer.k_norm, eps)
         return torch.cat([q, k, mixed[..., hpg + 1:, :]], dim=-2)
 
-    def _mlp_block(self, layer: _PreparedLayer, hidden: torch.Tensor) -> torch.Tensor:
+    def _mlp_block(self, layer: _PreparedLayer, hidden: torch.Tensor,
+                   routing: list[torch.Tensor] | None = None) -> torch.Tensor:
         normed = F.rms_norm(hidden, (hidden.shape[-1],), layer.mlp_norm, self.geometry.eps)
         if layer.moe is not None:
-            return hidden + self._all_reduce(layer.moe(normed))
+            return hidden + self._all_reduce(layer.moe(normed, routing))
         return self._residual_linear(layer.fc2, layer.swiglu(normed), hidden)
 
     def prefill(self, tokens_pl: torch.Tensor, lengths_p: torch.Tensor, slots_p: torch.Tensor,
-                cache: KVCache) -> torch.Tensor:
-        """Right-padded prompts [P, L] into cache slots `slots_p`; returns logits at each last real token."""
+                cache: KVCache, routing: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Right-padded prompts [P, L] into cache slots `slots_p`; returns logits at each last real token.
+        `routing` (a list) gets each routed layer's experts per token `[P, L, k]`, in layer order."""
         width = tokens_pl.shape[1]
         positions = torch.arange(width, device=tokens_pl.device)
         causal_ll = positions[None, :] <= positions[:, None]
@@ -178,12 +185,14 @@ class Decoder:
             cache.values[index][slots_p, :, :width] = v
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_p1ll, enable_gqa=True)
             hidden = self._residual_linear(layer.proj, attn.transpose(1, 2).flatten(2), hidden)
-            hidden = self._mlp_block(layer, hidden)
+            hidden = self._mlp_block(layer, hidden, routing)
         last_ph = hidden[torch.arange(hidden.shape[0]), lengths_p - 1]
         return self.logits(last_ph)
 
-    def decode(self, tokens_s: torch.Tensor, positions_s: torch.Tensor, context: int, cache: KVCache) -> torch.Tensor:
-        """One token for each of the first S slots at `positions_s` -> logits [S, V] (free slots compute too).
+    def decode(self, tokens_s: torch.Tensor, positions_s: torch.Tensor, context: int, cache: KVCache,
+               routing: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """One token for each of the first S slots at `positions_s` -> logits [S, V] (free slots compute too);
+        `routing` as in `prefill` (`[S, k]` per routed layer).
         `context` (the caller's Python int, so no device sync) is 1 + the highest position a live slot holds.
 
         Small models are bound by the number of ops per step: with the platform's fused kernel, RoPE, the cache
@@ -205,7 +214,7 @@ class Decoder:
         for index, layer in enumerate(self.layers):
             normed = F.rms_norm(hidden, (hidden.shape[-1],), layer.input_norm, geo.eps)
             hidden = self._residual_linear(layer.proj, attend(index, normed), hidden)
-            hidden = self._mlp_block(layer, hidden)
+            hidden = self._mlp_block(layer, hidden, routing)
         return self.logits(hidden)
 
     def _torch_attention(self, positions_s: torch.Tensor, context: int, cos_sin_s2d: torch.Tensor, cache: KVCache):

@@ -32,8 +32,12 @@ class Generation:
     """Rollout row r = prompt * n + sample; `slot_row[s]` is the row slot s decodes (-1 when free)."""
 
     def __init__(self, decoder: Decoder, cache: KVCache, prompts: PromptBatch, params: SamplingParams,
-                 stops: tuple[int, ...], generator: torch.Generator) -> None:
+                 stops: tuple[int, ...], generator: torch.Generator, record_routing: bool = False) -> None:
         self.decoder, self.cache, self.prompts, self.params = decoder, cache, prompts, params
+        # routing replay: experts per routed layer of each prompt token, and of each slot's token per decode step
+        self.record_routing = record_routing
+        self.prompt_routing: dict[int, torch.Tensor] = {}  # prompt -> [length, L, k]
+        self.step_routing: list[torch.Tensor] = []  # decode step -> [span, L, k]
         self.generator = generator
         self.device = device = cache.device
         num_rows, self.num_slots = prompts.num_prompts * params.n, cache.num_slots
@@ -108,8 +112,13 @@ class Generation:
             chunk_lengths = lengths[chunk]
             tokens = self.right_pt[[prompt_ids[i] for i in chunk], :int(chunk_lengths.max())]
             slots_c = torch.tensor([slots[i] for i in chunk], device=self.device)
-            parts.append(self.decoder.prefill(tokens, chunk_lengths, slots_c, self.cache))
+            routing = [] if self.record_routing else None
+            parts.append(self.decoder.prefill(tokens, chunk_lengths, slots_c, self.cache, routing))
             positions.extend(chunk)
+            if routing is not None:
+                routed_plk = torch.stack(routing, dim=2).to(torch.int16).cpu()
+                for row, index in enumerate(chunk):
+                    self.prompt_routing[prompt_ids[index]] = routed_plk[row, :int(lengths[index])]
         logits_pv = torch.cat(parts) if len(parts) > 1 else parts[0]
         return logits_pv[torch.tensor(positions).argsort()]
 
@@ -117,7 +126,10 @@ class Generation:
         """One token for every slot below `span` (free ones too: no compaction); finish rows that end here."""
         span, step = self.span, len(self.steps)
         context = self.max_offset + step + 1
-        logits_kv = self.decoder.decode(self.token_s[:span], self.position_s[:span], context, self.cache)
+        routing = [] if self.record_routing else None
+        logits_kv = self.decoder.decode(self.token_s[:span], self.position_s[:span], context, self.cache, routing)
+        if routing is not None:
+            self.step_routing.append(torch.stack(routing, dim=1).to(torch.int16))
         picked = sample(logits_kv, self.params, self.generator)
         self.token_s[:span] = picked.tokens_k
         positions = self.position_s[:span].add_(1)
@@ -168,11 +180,29 @@ class Generation:
                 output[:, 1:] = stacked[steps_r, slots_r.clamp(max=stacked.shape[1] - 1)]
         tokens_rt, logprobs_rt, scaled_rt = (torch.where(mask_rt, output, 0) for output in outputs)
         n = self.params.n
+        routed = self._routed_experts(order) if self.record_routing else None
         return Rollouts(response_tokens_rt=tokens_rt.masked_fill(~mask_rt, self.prompts.pad_token_id),
                         response_logprobs_rt=logprobs_rt, response_scaled_logprobs_rt=scaled_rt,
                         response_lengths_r=lengths_r, finish_reasons=list(self.reasons),
                         prompt_index_r=torch.arange(self.prompts.num_prompts).repeat_interleave(n),
-                        policy_version=policy_version, pad_token_id=self.prompts.pad_token_id)
+                        policy_version=policy_version, pad_token_id=self.prompts.pad_token_id,
+                        routed_experts_rslk=routed)
+
+    def _routed_experts(self, order: list[_Finished]) -> torch.Tensor:
+        """[R, prompt + response, L, k] int16: each row's prompt routing, then response token j's from decode
+        step first_step + j (the step that fed it); -1 for the last token (never fed) and beyond."""
+        n, lengths_p = self.params.n, self.lengths_p.tolist()
+        width = max(lengths_p[f.row // n] + f.length for f in order)
+        first = next(iter(self.prompt_routing.values()))
+        routed = torch.full((len(order), width, *first.shape[1:]), -1, dtype=torch.int16)
+        steps = pad_sequence(self.step_routing, batch_first=True, padding_value=-1).cpu() if self.step_routing else None
+        for f in order:
+            prompt_length = lengths_p[f.row // n]
+            routed[f.row, :prompt_length] = self.prompt_routing[f.row // n]
+            if f.length > 1:
+                fed = torch.arange(f.first_step, f.first_step + f.length - 1)
+                routed[f.row, prompt_length:prompt_length + f.length - 1] = steps[fed, f.slot]
+        return routed
 
 
 def _left_aligned(prompts: PromptBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

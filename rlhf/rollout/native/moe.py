@@ -33,9 +33,12 @@ class PreparedMoE:
             weights = torch.softmax(top_logits, dim=-1)
         return weights.to(x_nh.dtype), experts
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, routing: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """`routing`, when given, gets this call's expert ids `[..., k]` (routing replay's record)."""
         x_nh = x.reshape(-1, x.shape[-1])
         weights_nk, experts_nk = self.route(x_nh)
+        if routing is not None:
+            routing.append(experts_nk.view(*x.shape[:-1], self.top_k))
         out_nh = torch.zeros_like(x_nh)
         for expert, (swiglu, fc2) in enumerate(self.experts):
             rows, slots = (experts_nk == expert).nonzero(as_tuple=True)

@@ -21,10 +21,10 @@ class _Decoder:
         self.positions: list[int] = []
         self.contexts: list[int] = []
 
-    def prefill(self, tokens_pl, lengths_p, slots_p, cache):
+    def prefill(self, tokens_pl, lengths_p, slots_p, cache, routing=None):
         return torch.zeros(tokens_pl.shape[0], VOCAB)
 
-    def decode(self, tokens_s, positions_s, context, cache):
+    def decode(self, tokens_s, positions_s, context, cache, routing=None):
         self.positions.extend(positions_s.tolist())
         self.contexts.append(context)
         return torch.zeros(tokens_s.shape[0], VOCAB)
