@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fixtures import make_tiny_setup  # noqa: E402
 from test_roles import fixed_batch  # noqa: E402
 
-from rlhf.models.routing import MoeConfig  # noqa: E402
+from rlhf.models.config import MoeConfig  # noqa: E402
 from rlhf.testing.distributed import run_distributed  # noqa: E402
 
 ROUTER_LOSSES = MoeConfig(aux_loss_coeff=0.1, z_loss_coeff=0.01)
@@ -162,7 +162,7 @@ def _replay(paths: dict, cache) -> dict:
     permuted = batch.select(perm)
     out = {"batch": batch, "perm": perm, "rollouts_routing": rollouts.routed_experts_rslk}
     r2 = dataclasses.replace(permuted)
-    out["r2_logprobs"] = role(dp2, "r2", update=True).logprobs(r2, 2)
+    out["r2_logprobs"] = role(dp2, "r2", update=True).logprobs(r2)
     out["r2_routing"] = r2.routed_experts_bslk
     natural = role(dp2, "none").logprobs(permuted)
     r3 = role(dp2, "r3")
@@ -172,10 +172,11 @@ def _replay(paths: dict, cache) -> dict:
     random = torch.rand(*batch.routed_experts_bslk.shape[:3], NUM_EXPERTS, generator=gen).argsort(-1)[..., :2]
     random = random.to(torch.int16)
     out["random"] = random
-    out["r3_random_dp2"] = r3.logprobs(dataclasses.replace(permuted, routed_experts_bslk=random[perm]), 2)
+    out["r3_random_dp2"] = r3.logprobs(dataclasses.replace(permuted, routed_experts_bslk=random[perm]))
     out["r3_random_metrics"] = r3.routing_metrics
     pp2 = role(ParallelLayout(pp=2), "r3")
-    out["r3_random_pp2"] = pp2.logprobs(dataclasses.replace(batch, routed_experts_bslk=random), 4)
+    pp2.micro_batch_size = 4
+    out["r3_random_pp2"] = pp2.logprobs(dataclasses.replace(batch, routed_experts_bslk=random))
     # the cross-mesh exchange: each rank contributes half the rows, trimmed to their own width
     local = batch.select(slice(4 * dist.get_rank(), 4 * dist.get_rank() + 4)).trimmed()
     out["exchanged"] = gather_global_batch(local, 2, dp2).routed_experts_bslk
