@@ -55,9 +55,10 @@ def _setup(root: Path, dims: dict) -> dict:
 
 
 def _trainer(paths: dict, root: str, name: str, shape: dict, async_mode: str, steps: int):
-    from rlhf.config import RlhfConfig, from_dict
+    from rlhf.config import from_dict
+    from rlhf.orchestration.schema import RlhfConfig
     from rlhf.run_dir import setup_run
-    from rlhf.trainer.loop import Trainer
+    from rlhf.orchestration.loop import Trainer
 
     batch = shape["prompts_per_step"] * shape["n"]
     data = {"dist": {"backend": "gloo"}, "run": {"output_dir": root, "name": name},

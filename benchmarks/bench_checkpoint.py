@@ -45,7 +45,8 @@ def _setup(root: Path) -> dict:
 
 def _config(paths: dict, root: str, name: str, *, distributed_optimizer: bool = False, steps: int = 1,
             checkpoint: dict | None = None, sampling: dict | None = None):
-    from rlhf.config import RlhfConfig, from_dict
+    from rlhf.config import from_dict
+    from rlhf.orchestration.schema import RlhfConfig
 
     return from_dict(RlhfConfig, {
         "dist": {"backend": "gloo"}, "run": {"output_dir": root, "name": name},
@@ -61,7 +62,7 @@ def _config(paths: dict, root: str, name: str, *, distributed_optimizer: bool = 
 
 def _trainer(cfg):
     from rlhf.run_dir import setup_run
-    from rlhf.trainer.loop import Trainer
+    from rlhf.orchestration.loop import Trainer
 
     return Trainer(cfg, setup_run(cfg.run, cfg))
 

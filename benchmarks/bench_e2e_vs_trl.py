@@ -76,10 +76,11 @@ class RlhfArm:
     """rlhf's Trainer stack driven one `rl_step` at a time."""
 
     def __init__(self, model_path: str, prompts: Path, beta: float, lr: float, run_root: Path) -> None:
-        from rlhf.config import RlhfConfig, from_dict
+        from rlhf.config import from_dict
+        from rlhf.orchestration.schema import RlhfConfig
         from rlhf.run_dir import setup_run
-        from rlhf.trainer.loop import Trainer
-        from rlhf.trainer.preflight import preflight
+        from rlhf.orchestration.loop import Trainer
+        from rlhf.orchestration.preflight import preflight
 
         cfg = from_dict(RlhfConfig, rlhf_config(model_path, prompts, beta, lr, run_root))
         preflight(cfg, 1)

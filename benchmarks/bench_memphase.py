@@ -69,10 +69,11 @@ def _setup(root: Path) -> dict:
 
 
 def _trainer(paths: dict, root: str, name: str, overrides: list[str], steps: int):
-    from rlhf.config import RlhfConfig, from_dict
+    from rlhf.config import from_dict
+    from rlhf.orchestration.schema import RlhfConfig
     from rlhf.config.loader import apply_overrides
     from rlhf.run_dir import setup_run
-    from rlhf.trainer.loop import Trainer
+    from rlhf.orchestration.loop import Trainer
 
     data = {"dist": {"backend": "gloo"}, "run": {"output_dir": root, "name": name},
             "model": {"path": paths["model"]},

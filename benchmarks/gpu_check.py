@@ -262,10 +262,11 @@ def char_model_folder(root: Path, config: dict) -> str:
 def rl_steps(root: Path, args, model: str, prompts_per_step: int, new_tokens: int, dtype: str = "float32") -> dict:
     """The RL trainer on the device: GRPO + reference model (kl 0.04), native rollout, colocated memory phases,
     `--rl-steps` steps with the fused LM head and again with full logits; same seeds, so step-1 metrics agree."""
-    from rlhf.config import RlhfConfig, from_dict
+    from rlhf.config import from_dict
+    from rlhf.orchestration.schema import RlhfConfig
     from rlhf.run_dir import close_run, setup_run
-    from rlhf.trainer.loop import Trainer
-    from rlhf.trainer.preflight import preflight
+    from rlhf.orchestration.loop import Trainer
+    from rlhf.orchestration.preflight import preflight
 
     root.mkdir(parents=True, exist_ok=True)
     prompts = _arith_prompts(root / "prompts.jsonl", prompts_per_step * (args.rl_steps + 1))

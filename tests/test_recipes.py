@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.config import RlhfConfig, load_config
+from rlhf.config import load_config
+from rlhf.orchestration.schema import RlhfConfig
 from rlhf.testing.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,8 +68,8 @@ def _one_step(paths: dict[str, str], root: str, name: str, extra: list[str]) -> 
     import torch.distributed as dist
 
     from rlhf.run_dir import close_run, setup_run
-    from rlhf.trainer.loop import Trainer
-    from rlhf.trainer.preflight import preflight
+    from rlhf.orchestration.loop import Trainer
+    from rlhf.orchestration.preflight import preflight
 
     tiny = [f"model.path={paths['model']}", f"data.train_files={paths['train']}", f"data.val_files={paths['val']}",
             f"run.output_dir={root}", "trainer.total_steps=1", "trainer.tensorboard=false", "dist.timeout_s=120",

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from rlhf.profiling.runner import run_profiled_steps, throughput
-    from rlhf.trainer.preflight import preflight
+    from rlhf.orchestration.preflight import preflight
 
     def body(cfg, run_dir) -> None:
         profile = run_profiled_steps(cfg, run_dir, steps=args.steps, warmup=args.warmup, counters=False)

@@ -7,7 +7,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from rlhf.config import RlhfConfig, load_config
+from rlhf.config import load_config
+from rlhf.orchestration.schema import RlhfConfig
 
 DEFAULT_CONFIG = "configs/tiny_cpu.yaml"
 

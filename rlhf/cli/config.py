@@ -12,7 +12,8 @@ from pathlib import Path
 import yaml
 
 from rlhf.cli.common import add_config_args, config_from_args
-from rlhf.config import RlhfConfig, to_dict
+from rlhf.config import to_dict
+from rlhf.orchestration.schema import RlhfConfig
 
 REFERENCE_PAGE = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 

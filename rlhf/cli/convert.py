@@ -70,7 +70,7 @@ def _ckpt_to_hf(args: argparse.Namespace, world_size: int) -> None:
     from rlhf.models.mcore_ckpt import load_model_shards, read_meta
 
     if (Path(args.ckpt) / MANIFEST).is_file():  # a training checkpoint: one process merges it, any world size
-        from rlhf.trainer.export import export_checkpoint
+        from rlhf.orchestration.export import export_checkpoint
 
         if dist.get_rank() == 0:
             export_checkpoint(args.ckpt, args.out, tokenizer_dir=args.tokenizer_dir,

@@ -21,11 +21,12 @@ def run(args: argparse.Namespace) -> int:
 
     from rlhf.checkpoint import find_latest
     from rlhf.checkpoint_verify import agree
-    from rlhf.config import RlhfConfig, load_config
+    from rlhf.config import load_config
+    from rlhf.orchestration.schema import RlhfConfig
     from rlhf.errors import CheckpointError, RlhfError
     from rlhf.parallel.runtime import distributed
     from rlhf.trainer.checks import check_writable_folder
-    from rlhf.trainer.export import export_checkpoint
+    from rlhf.orchestration.export import export_checkpoint
 
     check_writable_folder(args.out, "--out")
     run_dir = Path(args.run_dir)

@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
                           f"[0, {args.world})")
     cfg = config_from_args(args)  # config errors come before torch and megatron are imported
     from rlhf.profiling.dry_run import dry_run, format_report
-    from rlhf.trainer.preflight import build_meshes, check_layouts
+    from rlhf.orchestration.preflight import build_meshes, check_layouts
 
     check_layouts(cfg, args.world)
     report = dry_run(cfg, args.world, args.as_rank, lambda: build_meshes(cfg))

@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     check_steps(args.steps, args.warmup)
     cfg = diagnostic_config(config_from_args(args), "profile")  # config errors before torch is imported
     from rlhf.profiling.runner import run_profiled_steps
-    from rlhf.trainer.preflight import preflight
+    from rlhf.orchestration.preflight import preflight
 
     def body(cfg, run_dir) -> None:
         profile = run_profiled_steps(cfg, run_dir, steps=args.steps, warmup=args.warmup, counters=True,

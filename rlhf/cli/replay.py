@@ -19,7 +19,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlhf.trainer.replay import Replayer, replay_config, replay_preflight
+    from rlhf.orchestration.replay import Replayer, replay_config, replay_preflight
 
     if args.rollouts is not None:
         args.overrides = [*args.overrides, f"replay.rollouts={args.rollouts}"]

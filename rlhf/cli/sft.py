@@ -15,7 +15,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)  # config errors come before torch and megatron are imported
-    from rlhf.trainer.sft import run_sft
+    from rlhf.orchestration.sft import run_sft
 
     run_in_world(cfg, "sft", lambda cfg, run_dir: run_sft(cfg, cfg.sft, run_dir))
     return 0

@@ -15,8 +15,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)  # config errors come before torch and megatron are imported
-    from rlhf.trainer.loop import Trainer
-    from rlhf.trainer.preflight import preflight
+    from rlhf.orchestration.loop import Trainer
+    from rlhf.orchestration.preflight import preflight
 
     run_in_world(cfg, "train", lambda cfg, run_dir: Trainer(cfg, run_dir).fit(), preflight,
                  defer_config=True)

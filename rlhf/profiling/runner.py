@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlhf.config.schema import RlhfConfig
+from rlhf.orchestration.schema import RlhfConfig
 from rlhf.profiling.comm import CollectiveCounter
 from rlhf.profiling.phases import PhaseMemory
 from rlhf.run_dir import RunDir
@@ -33,7 +33,7 @@ class StepProfile:
 def run_profiled_steps(cfg: RlhfConfig, run_dir: RunDir, *, steps: int, warmup: int, counters: bool,
                        trace_dir: Path | None = None) -> StepProfile:
     """Build the trainer, run `warmup` untimed and `steps` timed RL steps; collectives (world-wide)."""
-    from rlhf.trainer.loop import Trainer
+    from rlhf.orchestration.loop import Trainer
 
     trainer = Trainer(cfg, run_dir)
     trainer.push_initial_weights()  # before the timed steps: an engine with its own weights starts from the actor's

@@ -1,6 +1,6 @@
 """Answer-token NLL on a bare `TrainEngine`: the loss the engine tests and `bench-engine` compare with transformers.
 
-Not a training path (`rlhf sft` runs `rlhf.trainer.sft` through the actor role). The loss is the token-mean NLL
+Not a training path (`rlhf sft` runs `rlhf.orchestration.sft` through the actor role). The loss is the token-mean NLL
 over the answer tokens of the GLOBAL batch, computed as a token sum divided by the global answer-token count, so
 it is exact for any DP size and micro-batching (see `rlhf.train.engine`).
 """

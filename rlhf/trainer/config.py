@@ -201,7 +201,7 @@ class TrainerConfig:
     `dump_rollouts`: every `dump_every`-th step's scored rollouts as rollouts/step_<N>.parquet (`rlhf replay`).
     `plot`: every run ends by drawing `curve.png` in its folder (reward, validation, KL, response length per
     step; needs matplotlib). `async_mode=one_step_off` (split placement): the rollout ranks generate
-    `max_staleness` batches ahead of the update (`rlhf.trainer.async_schedule`); `partial_rollout_tokens` > 0:
+    `max_staleness` batches ahead of the update (`rlhf.orchestration.async_schedule`); `partial_rollout_tokens` > 0:
     each batch's generation spans a weight push after that many tokens per row."""
 
     total_steps: int = 10  # RL steps to run (a resumed run continues up to this count)

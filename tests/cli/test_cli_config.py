@@ -5,7 +5,8 @@ from __future__ import annotations
 import yaml
 
 from rlhf.cli.main import main
-from rlhf.config import RlhfConfig, from_dict, load_config
+from rlhf.config import from_dict, load_config
+from rlhf.orchestration.schema import RlhfConfig
 from rlhf.config.reference import render
 
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from rlhf.config import RlhfConfig, load_config, save_config, to_dict
+from rlhf.config import load_config, save_config, to_dict
+from rlhf.orchestration.schema import RlhfConfig
 from rlhf.config.loader import parse_override
 from rlhf.errors import ConfigError
 

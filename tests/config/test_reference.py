@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlhf.config import RlhfConfig
+from rlhf.orchestration.schema import RlhfConfig
 from rlhf.config.reference import render, sections
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "config.md"

@@ -13,7 +13,8 @@ PROBE = """
 import contextlib, io, json, sys
 from pathlib import Path
 from rlhf.cli.main import main
-from rlhf.config import RlhfConfig, load_config
+from rlhf.config import load_config
+from rlhf.orchestration.schema import RlhfConfig
 for path in sorted(Path("configs").rglob("*.yaml")):
     load_config(RlhfConfig, path)
 err = io.StringIO()

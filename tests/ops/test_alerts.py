@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf.config import RlhfConfig, from_dict
+from rlhf.config import from_dict
+from rlhf.orchestration.schema import RlhfConfig
 from rlhf.errors import ConfigError, NonFiniteError
 from rlhf.ops.alerts import Alert, AlertDetectors, AlertMonitor, AlertsConfig, alert_metrics
 from rlhf.state_file import decode_state, encode_state

@@ -3,7 +3,8 @@
 import pytest
 import torch.distributed as dist
 
-from rlhf.config import RlhfConfig, load_config
+from rlhf.config import load_config
+from rlhf.orchestration.schema import RlhfConfig
 from rlhf.config.loader import from_dict
 from rlhf.parallel.layout import ParallelLayout
 from rlhf.parallel.meshes import MeshConfig, ModelDims, build_role_meshes, plan_meshes

@@ -26,7 +26,8 @@ def make_tiny_setup(root: Path, num_train: int = 64, num_val: int = 16, **model_
 
 def trainer_config(paths: dict[str, str], run_root: str, overrides: list[str] | None = None):
     """A small GRPO config over the tiny setup; `overrides` are dotted CLI-style settings."""
-    from rlhf.config import RlhfConfig, from_dict
+    from rlhf.config import from_dict
+    from rlhf.orchestration.schema import RlhfConfig
     from rlhf.config.loader import apply_overrides
 
     data = {
@@ -48,8 +49,8 @@ def trainer_config(paths: dict[str, str], run_root: str, overrides: list[str] | 
 def run_trainer(paths: dict[str, str], run_root: str, overrides: list[str]) -> list[dict]:
     """Build and fit a Trainer on this (already initialised) world; returns the metrics history."""
     from rlhf.run_dir import close_run, setup_run
-    from rlhf.trainer.loop import Trainer
-    from rlhf.trainer.preflight import preflight
+    from rlhf.orchestration.loop import Trainer
+    from rlhf.orchestration.preflight import preflight
 
     import torch.distributed as dist
 

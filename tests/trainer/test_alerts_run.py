@@ -31,8 +31,8 @@ def _instrumented_fit(paths, root, overrides):
 
     from rlhf.errors import NonFiniteError
     from rlhf.run_dir import close_run, setup_run
-    from rlhf.trainer.loop import Trainer
-    from rlhf.trainer.preflight import preflight
+    from rlhf.orchestration.loop import Trainer
+    from rlhf.orchestration.preflight import preflight
 
     cfg = trainer_config(paths, root, overrides)
     preflight(cfg, dist.get_world_size())

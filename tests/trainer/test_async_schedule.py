@@ -80,7 +80,7 @@ def test_one_step_off_samples_one_version_behind_and_resumes_with_the_batch_in_f
 
 
 def _check(tiny, tmp_path, overrides):
-    from rlhf.trainer.preflight import check_layouts
+    from rlhf.orchestration.preflight import check_layouts
 
     check_layouts(trainer_config(tiny, str(tmp_path), overrides), 2)
 
@@ -146,7 +146,7 @@ def test_an_in_flight_batch_round_trips_bitwise_and_a_foreign_one_is_refused():
 
     from rlhf.errors import CheckpointError
     from rlhf.state_file import decode_state, encode_state
-    from rlhf.trainer.async_schedule import batch_from_state, batch_state
+    from rlhf.orchestration.async_schedule import batch_from_state, batch_state
     from rlhf.trainer.batch import TrainBatch
 
     mask_bt = torch.tensor([[True, True, False], [True, False, False]])
@@ -171,7 +171,7 @@ def test_partial_rollouts_join_each_row_with_its_continuation_token_by_token():
     import torch
 
     from rlhf.rollout.types import FinishReason, Rollouts
-    from rlhf.trainer.partial_rollout import merge_rollouts
+    from rlhf.orchestration.partial_rollout import merge_rollouts
 
     first = Rollouts(response_tokens_rt=torch.tensor([[5, 0], [6, 7]]),
                      response_logprobs_rt=torch.tensor([[-0.5, 0.0], [-0.6, -0.7]]),

@@ -22,7 +22,7 @@ def tiny(tmp_path_factory):
 
 def _runs(paths, root):
     from rlhf.run_dir import close_run, setup_run
-    from rlhf.trainer.loop import Trainer
+    from rlhf.orchestration.loop import Trainer
 
     # A dense reward (share of digits), so the random tiny policy gets non-zero advantages and gradients.
     reward = Path(root) / "digits.py"

@@ -9,11 +9,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from fixtures import make_tiny_setup, trainer_config  # noqa: E402
 
-from rlhf.config import RlhfConfig, from_dict  # noqa: E402
+from rlhf.config import from_dict  # noqa: E402
+from rlhf.orchestration.schema import RlhfConfig
 from rlhf.data.loader import load_prompts  # noqa: E402
 from rlhf.errors import ConfigError  # noqa: E402
 from rlhf.trainer.checks import input_warnings, load_tokenizer, score_head_warning  # noqa: E402
-from rlhf.trainer.preflight import preflight  # noqa: E402
+from rlhf.orchestration.preflight import preflight  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from rlhf.config import RlhfConfig, load_config
+from rlhf.config import load_config
+from rlhf.orchestration.schema import RlhfConfig
 from rlhf.errors import ConfigError
 from rlhf.trainer.config import UpdateConfig
 

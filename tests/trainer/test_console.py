@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlhf.config import RlhfConfig, load_config
+from rlhf.config import load_config
+from rlhf.orchestration.schema import RlhfConfig
 from rlhf.data.char_tokenizer import build_char_tokenizer
 from rlhf.models.init import InitModelConfig, init_hf_model
-from rlhf.trainer.console import end_summary, parameter_count, start_banner
+from rlhf.orchestration.console import end_summary, parameter_count, start_banner
 
 
 def _model(tmp_path: Path) -> str:

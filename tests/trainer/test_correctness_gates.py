@@ -39,11 +39,11 @@ def _watched_run(paths, root, overrides, config=None):
     """A trainer run that records the batch of every actor update and checks the engine after every sync."""
     import torch.distributed as dist
 
-    from rlhf.config import RlhfConfig
+    from rlhf.orchestration.schema import RlhfConfig
     from rlhf.config.loader import load_config
     from rlhf.run_dir import close_run, setup_run
-    from rlhf.trainer.loop import Trainer
-    from rlhf.trainer.preflight import preflight
+    from rlhf.orchestration.loop import Trainer
+    from rlhf.orchestration.preflight import preflight
 
     cfg = trainer_config(paths, root, overrides)
     if config is not None:  # a recipe file under the tiny setup's paths and sizes

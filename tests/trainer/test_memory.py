@@ -5,7 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlhf.config import RlhfConfig, from_dict
+from rlhf.config import from_dict
+from rlhf.orchestration.schema import RlhfConfig
 from rlhf.errors import ConfigError
 from rlhf.metrics import StepMetrics
 from rlhf.rewards.registry import RewardConfig

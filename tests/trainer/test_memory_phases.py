@@ -37,8 +37,8 @@ def _fit(paths, root, overrides):
     import torch.distributed as dist
 
     from rlhf.run_dir import close_run, setup_run
-    from rlhf.trainer.loop import Trainer
-    from rlhf.trainer.preflight import preflight
+    from rlhf.orchestration.loop import Trainer
+    from rlhf.orchestration.preflight import preflight
 
     cfg = trainer_config(paths, root, overrides)
     preflight(cfg, dist.get_world_size())

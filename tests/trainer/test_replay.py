@@ -28,7 +28,7 @@ def _replay(paths, root, overrides):
     import torch.distributed as dist
 
     from rlhf.run_dir import close_run, setup_run
-    from rlhf.trainer.replay import Replayer, replay_config, replay_preflight
+    from rlhf.orchestration.replay import Replayer, replay_config, replay_preflight
 
     cfg = replay_config(trainer_config(paths, root, overrides))
     replay_preflight(cfg, dist.get_world_size())
@@ -133,7 +133,7 @@ def test_replaying_a_runs_own_dumps_reproduces_its_updates(tiny, tmp_path):
 
 def test_replay_needs_rollouts_and_turns_auto_correction_on(tiny, tmp_path):
     from rlhf.errors import ConfigError
-    from rlhf.trainer.replay import replay_config
+    from rlhf.orchestration.replay import replay_config
 
     with pytest.raises(ConfigError, match=r"^rlhf replay needs the dumps to train on: --rollouts DIR \(a run's "
                                           r"rollouts/ folder\)$"):

@@ -1,4 +1,4 @@
-"""`rlhf sft` (rlhf.trainer.sft): the first step's loss is transformers' answer NLL of the same batch, the same
+"""`rlhf sft` (rlhf.orchestration.sft): the first step's loss is transformers' answer NLL of the same batch, the same
 losses with the fused LM head and with full logits at TP2, the loss falls, validation runs, and the exported folder
 loads in transformers with the trained weights."""
 
@@ -22,7 +22,7 @@ def tiny(tmp_path_factory):
 
 def _sft_runs(paths, root):
     from rlhf.run_dir import close_run, setup_run
-    from rlhf.trainer.sft import run_sft
+    from rlhf.orchestration.sft import run_sft
 
     out = {}
     for fused in (True, False):
@@ -43,7 +43,7 @@ def _hf_first_step_loss(paths, root) -> float:
 
     from rlhf.data.loader import load_prompts
     from rlhf.data.sampler import PromptSampler
-    from rlhf.trainer.sft import sft_batch
+    from rlhf.orchestration.sft import sft_batch
 
     cfg = trainer_config(paths, root, ["sft.batch_size=8"])
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)

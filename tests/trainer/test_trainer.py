@@ -75,7 +75,7 @@ def test_grpo_tp2_dp2_and_ppo_split_placement_on_4_ranks(tiny, tmp_path):
 def _resume_runs(paths, root):
     from pathlib import Path
 
-    from rlhf.trainer.export import export_checkpoint
+    from rlhf.orchestration.export import export_checkpoint
 
     full = run_trainer(paths, f"{root}/full", ["trainer.total_steps=6", "checkpoint.every=3", "run.name=r"])
     run_trainer(paths, f"{root}/split", ["trainer.total_steps=3", "checkpoint.every=3", "run.name=r"])

@@ -22,7 +22,7 @@ reweights each token by pi_old / pi_rollout, which now carries the staleness as 
 In-flight work is part of the checkpoint: the training ranks hold the s batches already received (written once
 for the group, safetensors + JSON), the rollout ranks their loader position and RNG, and every rank the count of
 batches generated; a resumed run continues the same schedule, so its metrics equal the uninterrupted run's.
-With partial rollouts (`trainer.partial_rollout_tokens` = P, needs s >= 2; `rlhf.trainer.partial_rollout`) the
+With partial rollouts (`trainer.partial_rollout_tokens` = P, needs s >= 2; `rlhf.orchestration.partial_rollout`) the
 rollout ranks at step k finish batch k+s-1 (begun in step k-1) with v_{k-1}, then sample the first P tokens of
 batch k+s; the trainers hold s-1 received batches, and the oldest token of a batch is still s updates behind.
 Not yet: dynamic sampling (algo.filter_groups) with async.
@@ -38,17 +38,17 @@ import torch.distributed as dist
 
 from rlhf.algo.advantages import AdvantageKind
 from rlhf.checkpoint import Replicated
-from rlhf.config.schema import RlhfConfig
+from rlhf.orchestration.schema import RlhfConfig
 from rlhf.data.loader import PromptLoader
 from rlhf.errors import CheckpointError, ConfigError
 from rlhf.metrics import StepMetrics
 from rlhf.parallel.layout import ParallelLayout
 from rlhf.parallel.meshes import RoleMeshes
-from rlhf.step import RLStack, generate_and_score, record_batch_metrics, score_and_update
+from rlhf.orchestration.step import RLStack, generate_and_score, record_batch_metrics, score_and_update
 from rlhf.trainer.batch import TrainBatch
 from rlhf.trainer.config import AlgoConfig
 from rlhf.trainer.exchange import gather_global_batch
-from rlhf.trainer.partial_rollout import StartedBatch, finish_batch, restore_started, start_batch, started_state
+from rlhf.orchestration.partial_rollout import StartedBatch, finish_batch, restore_started, start_batch, started_state
 
 
 def check_async(cfg: RlhfConfig, layouts: dict[str, ParallelLayout], algo: AlgoConfig) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from rlhf.config.schema import RlhfConfig
+from rlhf.orchestration.schema import RlhfConfig
 from rlhf.data.loader import load_prompts
 from rlhf.data.sampler import PromptSampler
 from rlhf.data.tokenize import TokenizedPrompts

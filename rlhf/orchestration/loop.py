@@ -3,8 +3,8 @@
     Trainer(cfg, run_dir).fit()
       build: meshes -> data -> reward -> actor / ref / critic / reward model / rollout engine (+ weight sync)
       loop:  resume? -> validate -> [rl_step -> reduce metrics -> alerts -> log -> validate? -> checkpoint?]*
-Layouts, groups and every input check come from `rlhf.trainer.preflight`; with trainer.async_mode on, each step
-follows `rlhf.trainer.async_schedule` (rollout ranks a batch ahead) and the in-flight batches are checkpointed.
+Layouts, groups and every input check come from `rlhf.orchestration.preflight`; with trainer.async_mode on, each step
+follows `rlhf.orchestration.async_schedule` (rollout ranks a batch ahead) and the in-flight batches are checkpointed.
 Every stage after process-group init (build, resume, first push, validation, each step, each save) is a
 watchdog phase: a stall anywhere ends every rank with stacks in its log.
 """
@@ -25,7 +25,7 @@ from rlhf.algo.kl import KLController
 from rlhf.checkpoint import CheckpointManager, find_latest, tensor_folders
 from rlhf.checkpoint_verify import check_replicas
 from rlhf.config.loader import to_dict
-from rlhf.config.schema import RlhfConfig
+from rlhf.orchestration.schema import RlhfConfig
 from rlhf.data.loader import PromptLoader, load_prompts
 from rlhf.parallel.watchdog import Watchdog
 from rlhf.parallel.meshes import RoleMeshes
@@ -36,13 +36,13 @@ from rlhf.ops.alerts import AlertMonitor
 from rlhf.ops.prometheus import PrometheusExporter
 from rlhf.rollout.factory import build_engine, close_engine, engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
-from rlhf.step import RLStack, rl_step
-from rlhf.trainer.async_schedule import AsyncSchedule, check_async, training_group
+from rlhf.orchestration.step import RLStack, rl_step
+from rlhf.orchestration.async_schedule import AsyncSchedule, check_async, training_group
 from rlhf.trainer.checks import input_warnings, load_tokenizer
-from rlhf.trainer.console import end_summary, finished_notice, start_banner
+from rlhf.orchestration.console import end_summary, finished_notice, start_banner
 from rlhf.trainer.memory import plan_memory_phases
 from rlhf.trainer.plot import plot_run
-from rlhf.trainer.preflight import (architecture, build_meshes, check_batches, resolved_algo, resolved_sleep,
+from rlhf.orchestration.preflight import (architecture, build_meshes, check_batches, resolved_algo, resolved_sleep,
                                     rollout_dtype, shares_weights)
 from rlhf.trainer.roles import CriticRole, PolicyRole, RewardModelRole
 from rlhf.trainer.scoring import Scorer

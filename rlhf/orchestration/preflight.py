@@ -10,14 +10,14 @@ from transformers import AutoConfig
 
 from rlhf import platform
 from rlhf.algo.advantages import AdvantageKind, check_group_size
-from rlhf.config.schema import RlhfConfig
+from rlhf.orchestration.schema import RlhfConfig
 from rlhf.data.loader import load_prompts
 from rlhf.data.sampler import PromptSampler
 from rlhf.errors import ConfigError
 from rlhf.loggers import check_loggers
 from rlhf.parallel.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes, plan_meshes
 from rlhf.run_dir import get_logger
-from rlhf.trainer.async_schedule import check_async
+from rlhf.orchestration.async_schedule import check_async
 from rlhf.trainer.checks import (check_kv_cache, check_model_folders, check_resume_path, check_reward_tokenizer,
                                  check_writable_folder, load_tokenizer, read_hf_config)
 from rlhf.trainer.config import check_batch_sizes

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
-from rlhf.config.schema import RlhfConfig
+from rlhf.orchestration.schema import RlhfConfig
 from rlhf.models.param_specs import param_specs
 from rlhf.parallel.layout import ParallelLayout
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from rlhf.data.loader import PromptLoader, PromptStep
 from rlhf.rollout.types import FinishReason, PromptBatch, Rollouts
-from rlhf.step import RLStack, shaped_scores
+from rlhf.orchestration.step import RLStack, shaped_scores
 from rlhf.trainer.batch import TrainBatch, build_train_batch
 from rlhf.trainer.exchange import is_contributor
 

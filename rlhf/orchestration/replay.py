@@ -17,15 +17,15 @@ from pathlib import Path
 import torch
 
 from rlhf.algo.running_stats import RunningMeanStd
-from rlhf.config.schema import RlhfConfig
+from rlhf.orchestration.schema import RlhfConfig
 from rlhf.errors import ConfigError
 from rlhf.metrics import StepMetrics
 from rlhf.run_dir import RunDir, get_logger
-from rlhf.step import replay_step
+from rlhf.orchestration.step import replay_step
 from rlhf.trainer.batch import TrainBatch
 from rlhf.trainer.checks import read_hf_config
-from rlhf.trainer.loop import Trainer
-from rlhf.trainer.preflight import preflight
+from rlhf.orchestration.loop import Trainer
+from rlhf.orchestration.preflight import preflight
 from rlhf.trainer.rollout_dump import check_dumps, read_dump, read_scores
 from rlhf.trainer.sync import SharedWeights
 
