@@ -11,7 +11,7 @@ from rlhf.errors import ConfigError
 from rlhf.loggers import RunInfo, check_loggers, mlflow_name
 from rlhf.metrics import MetricsSink, read_jsonl
 from rlhf.run_dir import RunConfig, close_run, get_logger, setup_run
-from rlhf.trainer.config import TrainerConfig
+from rlhf.orchestration.config import TrainerConfig
 
 SAMPLES = [{"index": 0, "data_source": "gsm8k", "prompt": "1+1=", "response": "2 | ok", "ground_truth": "2",
             "score": 1.0},

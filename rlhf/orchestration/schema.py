@@ -10,8 +10,8 @@ from rlhf.parallel.config import CommConfig, DistConfig, MeshConfig
 from rlhf.rewards.config import RewardConfig
 from rlhf.rollout.config import RolloutConfig
 from rlhf.run_config import CheckpointConfig, RunConfig
-from rlhf.trainer.config import (AlgoConfig, ModelConfig, RefConfig, ReplayConfig, SamplingConfig, SftConfig,
-                                 TrainerConfig, UpdateConfig)
+from rlhf.orchestration.config import ReplayConfig, SftConfig, TrainerConfig
+from rlhf.trainer.config import AlgoConfig, ModelConfig, RefConfig, SamplingConfig, UpdateConfig
 
 
 @dataclass(kw_only=True)

@@ -23,7 +23,7 @@ from rlhf.rollout.factory import engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
 from rlhf.trainer.batch import TrainBatch
 from rlhf.trainer.roles import PolicyRole
-from rlhf.trainer.config import SftConfig
+from rlhf.orchestration.config import SftConfig
 from rlhf.trainer.scoring import Scorer
 from rlhf.trainer.validate import validate
 

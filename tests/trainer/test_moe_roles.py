@@ -284,7 +284,7 @@ def test_routing_replay_config_errors_name_the_fix(moe_setup, tmp_path):
     from fixtures import trainer_config
 
     from rlhf.errors import ConfigError
-    from rlhf.trainer.preflight import preflight
+    from rlhf.orchestration.preflight import preflight
 
     with pytest.raises(ConfigError, match=r"^algo\.routing_replay='r4' is not one of none, r2, r3 \(r3: replay"):
         trainer_config(moe_setup, str(tmp_path), ["algo.routing_replay=r4"])
