@@ -155,7 +155,8 @@ class AsyncSchedule:
             with self.stack.memory.weight_sync(metrics), metrics.timer("update_weights"):
                 self.stack.weight_sync.sync()
         if batch is not None:
-            record_batch_metrics(metrics, batch, self.stack, actor_version=step - 1)
+            record_batch_metrics(metrics, batch, self.stack.algo, self.stack.sampling.max_new_tokens,
+                                 actor_version=step - 1)
         return metrics
 
     def _generate(self, metrics: StepMetrics) -> tuple[TrainBatch | None, int]:

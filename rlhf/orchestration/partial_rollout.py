@@ -63,7 +63,8 @@ def finish_batch(stack: RLStack, started: StartedBatch) -> TrainBatch | None:
     batch = build_train_batch(prompt_batch, merged)
     batch.policy_version_bt = versions_rt * batch.response_mask_bt
     if stack.reward_model is None:
-        batch.scores_b = shaped_scores(stack, batch, stack.scorer.score(started.prompts.records, merged))
+        batch.scores_b = shaped_scores(stack.scorer.score(started.prompts.records, merged), batch.response_lengths_b,
+                                       stack.sampling.max_new_tokens, stack.algo.overlong_buffer)
     return batch
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.algo.advantages import AdvantageInputs, AdvantageKind, compute_advantages, scores_to_token_rewards
+from rlhf.algo.config import OverlongBufferConfig
 from rlhf.algo.dapo import overlong_penalty
 from rlhf.algo.groups import Groups
 from rlhf.algo.kl import KLController, apply_kl_in_reward
@@ -45,7 +46,9 @@ from rlhf.trainer.sync import EngineSync
 
 @dataclass
 class RLStack:
-    """Everything one step needs on this rank (roles this rank is not in hold no model)."""
+    """The step driver's handles on this rank (roles this rank is not in hold no model); only the drivers below
+    (`rl_step`, `collect_batch`, `score_and_update`, `generate_and_score`) read it, the stages they call take
+    the values they need."""
 
     rollout: RolloutEngine | None
     rollout_layout: Any
@@ -74,7 +77,7 @@ def rl_step(stack: RLStack, prompts: PromptStep, step: int,
         with stack.memory.rollout(metrics):
             batch = collect_batch(stack, prompts, step, more_prompts, metrics)
         train_and_sync(stack, batch, step, metrics)
-    record_batch_metrics(metrics, batch, stack, actor_version=step - 1)
+    record_batch_metrics(metrics, batch, stack.algo, stack.sampling.max_new_tokens, actor_version=step - 1)
     return metrics
 
 
@@ -98,7 +101,7 @@ def replay_step(stack: RLStack, load: Callable[[], TrainBatch], step: int) -> St
         with metrics.timer("load"):
             batch = load()
         train_and_sync(stack, batch, step, metrics)
-    record_batch_metrics(metrics, batch, stack, actor_version=step - 1)
+    record_batch_metrics(metrics, batch, stack.algo, stack.sampling.max_new_tokens, actor_version=step - 1)
     return metrics
 
 
@@ -133,13 +136,14 @@ def score_and_update(stack: RLStack, batch: TrainBatch, metrics: StepMetrics) ->
     """The global batch scored by every model role, with advantages; then the actor and critic updates."""
     if stack.reward_model is not None:
         with metrics.timer("reward"):
-            batch.scores_b = shaped_scores(stack, batch, stack.reward_model.scores(batch))
-    if needs_old_logprobs(stack):
+            batch.scores_b = shaped_scores(stack.reward_model.scores(batch), batch.response_lengths_b,
+                                           stack.sampling.max_new_tokens, stack.algo.overlong_buffer)
+    if needs_old_logprobs(stack.algo, stack.actor_update):
         with metrics.timer("old_log_prob"):
             batch.old_logprobs_bt = stack.actor.logprobs(batch)
         for name, value in stack.actor.routing_metrics.items():  # routing replay R3: rollout vs. training
             metrics.add_global(f"rollout/{name}", value)
-    elif bypasses_old_logprobs(stack):
+    elif bypasses_old_logprobs(stack.algo):
         batch.old_logprobs_bt = batch.rollout_logprobs_bt
     if stack.ref is not None:
         with metrics.timer("ref"):
@@ -148,8 +152,8 @@ def score_and_update(stack: RLStack, batch: TrainBatch, metrics: StepMetrics) ->
         with metrics.timer("values"):
             batch.values_bt = stack.critic.values(batch)
     with metrics.timer("adv"):
-        add_advantages(batch, stack, metrics)
-        add_loss_filters(batch, stack, metrics)
+        add_advantages(batch, stack.algo, stack.kl_controller, metrics)
+        add_loss_filters(batch, stack.algo, metrics)
     with metrics.timer("update_actor"):
         metrics.update_from_shards(stack.actor.update(batch, stack.algo))
     if stack.critic is not None:
@@ -158,19 +162,18 @@ def score_and_update(stack: RLStack, batch: TrainBatch, metrics: StepMetrics) ->
     return batch
 
 
-def bypasses_old_logprobs(stack: RLStack) -> bool:
+def bypasses_old_logprobs(algo: AlgoConfig) -> bool:
     """Rollout correction's bypass mode: the rollout log-probs are the old ones, no forward."""
-    correction = stack.algo.rollout_correction
+    correction = algo.rollout_correction
     return correction.active and correction.bypass_mode
 
 
-def needs_old_logprobs(stack: RLStack) -> bool:
+def needs_old_logprobs(algo: AlgoConfig, update: UpdateConfig) -> bool:
     """Skipped when bypassed, or when the update is strictly on-policy and nothing else (KL in reward,
     decoupled rollout correction) reads them."""
-    if bypasses_old_logprobs(stack):
+    if bypasses_old_logprobs(algo):
         return False
-    return (stack.actor_update.old_logprobs_forward or stack.algo.kl.use_in_reward
-            or stack.algo.rollout_correction.needs_old_logprobs)
+    return update.old_logprobs_forward or algo.kl.use_in_reward or algo.rollout_correction.needs_old_logprobs
 
 
 def generate_and_score(stack: RLStack, prompts: PromptStep, step: int, gen_round: int = 0) -> TrainBatch | None:
@@ -191,50 +194,51 @@ def generate_and_score(stack: RLStack, prompts: PromptStep, step: int, gen_round
                                         dtype=torch.long)[rollouts.prompt_index_r]
     if stack.reward_model is not None:
         return batch  # scored by the reward model on its own mesh, after the gather
-    batch.scores_b = shaped_scores(stack, batch, stack.scorer.score(prompts.records, rollouts))
+    batch.scores_b = shaped_scores(stack.scorer.score(prompts.records, rollouts), batch.response_lengths_b,
+                                   stack.sampling.max_new_tokens, stack.algo.overlong_buffer)
     if greedy is not None:
         batch.baseline_scores_b = stack.scorer.score(prompts.records, greedy)[rollouts.prompt_index_r]
     return batch
 
 
-def shaped_scores(stack: RLStack, batch: TrainBatch, scores_b: torch.Tensor) -> torch.Tensor:
+def shaped_scores(scores_b: torch.Tensor, lengths_b: torch.Tensor, max_new_tokens: int,
+                  overlong: OverlongBufferConfig) -> torch.Tensor:
     """Sequence rewards plus DAPO's overlong penalty (zero unless algo.overlong_buffer.len > 0)."""
-    penalty_b = overlong_penalty(batch.response_lengths_b, stack.sampling.max_new_tokens, stack.algo.overlong_buffer)
-    return scores_b + penalty_b
+    return scores_b + overlong_penalty(lengths_b, max_new_tokens, overlong)
 
 
-def add_loss_filters(batch: TrainBatch, stack: RLStack, metrics: StepMetrics) -> None:
+def add_loss_filters(batch: TrainBatch, algo: AlgoConfig, metrics: StepMetrics) -> None:
     """Rollout-correction weights and rejection, and overlong filtering: what the actor's loss weighs and
     keeps (rejected tokens and truncated rows leave the loss and its token count, as in verl)."""
     keep_bt = batch.response_mask_bt.bool()
-    if stack.algo.rollout_correction.needs_old_logprobs:
+    if algo.rollout_correction.needs_old_logprobs:
         correction = rollout_correction(batch.old_logprobs_bt, batch.rollout_logprobs_bt, keep_bt,
-                                        stack.algo.rollout_correction)
+                                        algo.rollout_correction)
         batch.is_weights_bt, keep_bt = correction.weights_bt, correction.keep_mask_bt
         for name, value in correction.metrics.items():
             metrics.add_global(name, value)
-    if stack.algo.overlong_filter:
+    if algo.overlong_filter:
         keep_bt = keep_bt & ~batch.truncated_b[:, None]
         metrics.add_global("response_length/overlong_filtered_fraction", float(batch.truncated_b.float().mean()))
     if not torch.equal(keep_bt, batch.response_mask_bt.bool()):
         batch.loss_mask_bt = keep_bt
 
 
-def add_advantages(batch: TrainBatch, stack: RLStack, metrics: StepMetrics) -> None:
+def add_advantages(batch: TrainBatch, algo: AlgoConfig, kl_controller: KLController, metrics: StepMetrics) -> None:
     """Token rewards (score on the last token, minus the KL penalty when it is in the reward), then advantages."""
     token_rewards_bt = scores_to_token_rewards(batch.scores_b, batch.response_mask_bt)
-    kl = stack.algo.kl
+    kl = algo.kl
     if kl.use_in_reward:
         shaped = apply_kl_in_reward(token_rewards_bt, batch.old_logprobs_bt, batch.ref_logprobs_bt,
-                                    batch.response_mask_bt, kl.estimator, stack.kl_controller.value)
+                                    batch.response_mask_bt, kl.estimator, kl_controller.value)
         token_rewards_bt = shaped.token_rewards_bt
         current_kl = float(shaped.seq_kl_b.mean())
         metrics.add_global("actor/reward_kl_penalty", current_kl)
-        metrics.add_global("actor/reward_kl_coef", stack.kl_controller.value)
-        stack.kl_controller.update(current_kl, batch.size)
+        metrics.add_global("actor/reward_kl_coef", kl_controller.value)
+        kl_controller.update(current_kl, batch.size)
     batch.token_rewards_bt = token_rewards_bt
     groups = Groups.from_index(batch.group_index_b)
-    result = compute_advantages(stack.algo.advantage, AdvantageInputs(
+    result = compute_advantages(algo.advantage, AdvantageInputs(
         token_rewards_bt=token_rewards_bt, response_mask_bt=batch.response_mask_bt, values_bt=batch.values_bt,
         baseline_scores_b=batch.baseline_scores_b, groups=groups))
     batch.advantages_bt, batch.returns_bt = result.advantages_bt, result.returns_bt
@@ -251,7 +255,8 @@ def _empty_b(batch: TrainBatch) -> torch.Tensor:
     return (batch.response_lengths_b <= 1) & stopped_b
 
 
-def record_batch_metrics(metrics: StepMetrics, batch: TrainBatch, stack: RLStack, actor_version: int) -> None:
+def record_batch_metrics(metrics: StepMetrics, batch: TrainBatch, algo: AlgoConfig, max_new_tokens: int,
+                         actor_version: int) -> None:
     """Metrics of the global batch (identical on every rank, so rank 0 reports them); staleness is how many
     updates the sampling policy is behind `actor_version` (the updates before this step's)."""
     mask = batch.response_mask_bt
@@ -267,16 +272,16 @@ def record_batch_metrics(metrics: StepMetrics, batch: TrainBatch, stack: RLStack
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/min": float(lengths.min()),
-        "response_length/clip_ratio": float((lengths >= stack.sampling.max_new_tokens).float().mean()),
+        "response_length/clip_ratio": float((lengths >= max_new_tokens).float().mean()),
         "response_length/empty_ratio": float(_empty_b(batch).float().mean()),
         "prompt_length/mean": float(batch.prompt_lengths_b.float().mean()),
         "perf/total_num_tokens": float(num_tokens),
         "perf/throughput_tok_s": num_tokens / max(step_s, 1e-9) / world,  # per rank, like verl's perf/throughput
     }
-    if stack.algo.overlong_buffer.len:
+    if algo.overlong_buffer.len:
         values["critic/overlong_penalty/mean"] = float(overlong_penalty(
-            batch.response_lengths_b, stack.sampling.max_new_tokens, stack.algo.overlong_buffer).mean())
-    if batch.old_logprobs_bt is not None and not bypasses_old_logprobs(stack):
+            batch.response_lengths_b, max_new_tokens, algo.overlong_buffer).mean())
+    if batch.old_logprobs_bt is not None and not bypasses_old_logprobs(algo):
         diff_bt = (batch.rollout_logprobs_bt - batch.old_logprobs_bt).abs() * mask
         values["rollout/logprob_diff_mean"] = _masked_mean(diff_bt, mask)
         values["rollout/logprob_diff_max"] = float(diff_bt.max())
