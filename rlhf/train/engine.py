@@ -83,24 +83,6 @@ class TrainEngine:
         with torch.no_grad():
             return forward_backward(self.model, micro_batches, fn, self.pg_collection, forward_only=True)
 
-    def forward_bs(self, micro_batches: list, fn: Callable[[torch.Tensor, Any], torch.Tensor]) -> torch.Tensor:
-        """`fn(output, micro_batch) -> [b, n]` per micro-batch (e.g. token logprobs or values), no grad,
-        concatenated over micro-batches to [rows, n] fp32 and returned on EVERY pipeline stage."""
-        results = self.forward_only(micro_batches, lambda output, batch: (output.new_zeros(()),
-                                                                          {"bs": fn(output, batch)}))
-        pp_group = self.pg_collection.pp
-        values_bn = torch.cat([r["bs"].float() for r in results]) if results else None
-        if pp_group.size() == 1:
-            return values_bn
-        last = dist.get_global_rank(pp_group, pp_group.size() - 1)
-        shape = torch.tensor(values_bn.shape if values_bn is not None else (0, 0), dtype=torch.int64,
-                             device=current_device())
-        dist.broadcast(shape, src=last, group=pp_group)
-        if values_bn is None:
-            values_bn = torch.empty(tuple(shape.tolist()), dtype=torch.float32, device=current_device())
-        dist.broadcast(values_bn, src=last, group=pp_group)
-        return values_bn
-
     def train_step(self, micro_batches: list, loss_fn: LossFn) -> StepResult:
         """Zero grads, fwd+bwd over `micro_batches`, reduce over DP, check finiteness, clip, step, schedule."""
         self._check_loaded()

@@ -53,8 +53,6 @@ def test_forward_only_logprobs_match_transformers(world):
     for rank_result in world:
         assert rank_result["forward_only"]["tp2"]["count"] == 2
         assert rank_result["forward_only"]["tp2"]["diff"] < 1e-5
-        for layout in ("tp2", "pp2"):  # forward_bs: on every stage
-            assert rank_result["forward_only"][layout]["everywhere_diff"] < 1e-5
 
 
 def test_sft_steps_reduce_the_answer_nll(world):
