@@ -36,6 +36,9 @@ SHAPES = {
     # the demo model with long responses: generation and training take similar time, the case async is for
     "demo_long": (dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=512),
                   {"prompts_per_step": 16, "n": 8, "max_new_tokens": 40, "micro_batch_size": 128}),
+    # generation-heavy: few long rollouts, so one side's work no longer dwarfs the other's
+    "demo_gen": (dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=512),
+                 {"prompts_per_step": 2, "n": 2, "max_new_tokens": 160, "micro_batch_size": 4}),
 }
 ARMS = {"sync": "off", "async": "one_step_off"}
 PHASES = ("gen", "old_log_prob", "update_actor", "gather", "update_weights")
