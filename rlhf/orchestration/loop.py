@@ -90,8 +90,8 @@ class Trainer:
                            params_dtype=cfg.model.torch_dtype, moe_kwargs=cfg.model.moe.build_kwargs(),
                            gather_group=train_group, routing_replay=algo.routing_replay)
         ref = (PolicyRole("ref", self.meshes["ref"], cfg.model.path, update=None, total_steps=0,
-                          micro_batch_size=cfg.ref.micro_batch_size, seed=cfg.dist.seed, offload_frozen=cfg.ref.offload,
-                          fused_head=cfg.model.fused_head,
+                          micro_batch_size=cfg.ref.micro_batch_size, seed=cfg.dist.seed,
+                          offload_frozen=cfg.ref.offload, fused_head=cfg.model.fused_head,
                           temperature=cfg.sampling.logprob_temperature, params_dtype=cfg.model.torch_dtype,
                           moe_kwargs=cfg.model.moe.build_kwargs(), gather_group=train_group,
                           routing_replay=algo.routing_replay)
