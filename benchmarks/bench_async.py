@@ -57,7 +57,13 @@ def _setup(root: Path, dims: dict) -> dict:
     return {"model": str(model), "train": str(root / "train.jsonl")}
 
 
-def _trainer(paths: dict, root: str, name: str, shape: dict, async_mode: str, steps: int):
+# The learning-curve reward: the share of digits in the response (dense, so a random tiny model learns it).
+DIGITS_REWARD = "def score(data_source, solution, ground_truth, extra_info):\n" \
+                "    return sum(c.isdigit() for c in solution) / max(len(solution), 1)\n"
+
+
+def _trainer(paths: dict, root: str, name: str, shape: dict, async_mode: str, steps: int,
+             reward: str | None = None):
     from rlhf.config import from_dict
     from rlhf.orchestration.schema import RlhfConfig
     from rlhf.run_dir import setup_run
@@ -70,7 +76,8 @@ def _trainer(paths: dict, root: str, name: str, shape: dict, async_mode: str, st
             "data": {"train_files": [paths["train"]], "prompts_per_step": shape["prompts_per_step"],
                      "max_prompt_length": 16},
             "sampling": {"n": shape["n"], "max_new_tokens": shape["max_new_tokens"], "ignore_eos": True},
-            "reward": {"by_source": {"reasoning_gym/*": "reasoning_gym_exact"}},
+            "reward": ({"function": f"{reward}:score"} if reward else
+                       {"by_source": {"reasoning_gym/*": "reasoning_gym_exact"}}),
             "actor": {"micro_batch_size": shape["micro_batch_size"], "optim": {"lr": 2e-4}},
             "rollout": {"native": {"max_batch_size": batch, "max_seq_len": 16 + shape["max_new_tokens"]}},
             "trainer": {"total_steps": steps, "tensorboard": False, "async_mode": async_mode}}
@@ -97,11 +104,35 @@ def shape_rows(root: str, shape_name: str, steps: int, warmup: int) -> list[dict
              **{f"{phase}_s": statistics.median(phases[arm][phase]) for phase in PHASES}} for arm in ARMS]
 
 
+def curve_rows(root: str, steps: int) -> list[dict]:
+    """Collective body (2 ranks): sync and async GRPO on the tiny shape with the digits reward, step by step."""
+    dims, shape = SHAPES["tiny"]
+    paths = _setup(Path(root) / "curve", dims)
+    reward = Path(root) / "digits_reward.py"
+    reward.write_text(DIGITS_REWARD)
+    trainers = {arm: _trainer(paths, root, f"curve_{arm}", shape, mode, steps, str(reward))
+                for arm, mode in ARMS.items()}
+    rows = []
+    for step in range(1, steps + 1):
+        row = {"step": step}
+        for arm, trainer in trainers.items():
+            row[f"{arm}_reward"] = trainer.run_step(step).reduced(trainer.metric_reducer)["critic/score/mean"]
+        rows.append(row)
+    return rows
+
+
+def _quarters(rows: list[dict], key: str) -> tuple[float, float]:
+    quarter = max(len(rows) // 4, 1)
+    return (statistics.mean(r[key] for r in rows[:quarter]), statistics.mean(r[key] for r in rows[-quarter:]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--curve-steps", type=int, default=120,
+                        help="steps of the sync-vs-async learning curve (tiny shape, digits reward); 0: none")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from rlhf.testing.distributed import run_distributed
@@ -110,18 +141,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         for shape in args.shapes:
             rows += run_distributed(shape_rows, 2, root, shape, args.steps, args.warmup, timeout_s=3600)[0]
+        curve = run_distributed(curve_rows, 2, root, args.curve_steps, timeout_s=3600)[0] if args.curve_steps else []
     for row in rows:
         print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     per_step = {(row["shape"], row["arm"]): row["s_per_step"] for row in rows}
     summary = {("async_vs_sync" if shape == "tiny" else f"async_vs_sync_{shape}"):
                per_step[(shape, "sync")] / per_step[(shape, "async")] for shape in args.shapes}
+    for arm in ARMS if curve else ():  # equal steps: mean reward in the first and the last quarter
+        summary[f"curve_{arm}_reward_first_quarter"], summary[f"curve_{arm}_reward_last_quarter"] = _quarters(
+            curve, f"{arm}_reward")
     print(json.dumps(summary, indent=1))
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps({"name": "async", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                                    "machine": machine_info(), "config": {"steps": args.steps, "warmup": args.warmup,
                                                                          "ranks": "1 rollout + 1 train, 1 thread each",
                                                                          "shapes": {k: SHAPES[k] for k in args.shapes}},
-                                   "rows": rows, "summary": summary}, indent=1))
+                                   "rows": rows, "curve": curve, "summary": summary}, indent=1))
 
 
 if __name__ == "__main__":
