@@ -368,7 +368,7 @@ def main() -> None:
     with distributed("auto", timeout_s=600) as _, tempfile.TemporaryDirectory() as workdir:
         groups = build_layout_groups(ParallelLayout())
         root = Path(workdir)
-        tiny = {fam: save_model(fam, root / fam) for fam in ("llama", "qwen2")}
+        tiny = {fam: save_model(fam, root / fam) for fam in ("llama", "qwen2", "qwen3", "qwen3_moe")}
         big = save_model("qwen2", root / "qwen2_05b", scaled=False, **big_config)
         run_check(results, "matmul_bf16", lambda: {"tflop_s": matmul_tflops(torch.bfloat16, 256 if args.smoke else 8192)})
         for fam, path in tiny.items():

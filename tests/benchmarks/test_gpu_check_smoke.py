@@ -18,10 +18,10 @@ def test_gpu_check_smoke_runs_every_check(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
     checks = {name: row for name, row in results.items() if isinstance(row, dict) and "check_s" in row}
-    assert len(checks) == 14, sorted(checks)
+    assert len(checks) == 18, sorted(checks)
     failed = {name: row["error"] for name, row in checks.items() if "error" in row}
     assert not failed, failed
-    for fam in ("llama", "qwen2"):
+    for fam in ("llama", "qwen2", "qwen3", "qwen3_moe"):
         assert checks[f"parity_{fam}_float32"]["max_abs_logprob_rlhf_vs_hf"] < 1e-4
     head = checks["head_fused_vs_full_qwen2_05b_vocab_bf16"]
     assert head["max_abs_diff_logprob"] < 1e-2 and head["max_abs_diff_entropy"] < 1e-2
