@@ -1,6 +1,5 @@
 """The doctor probe reports PASS, MISMATCH (layout differs on one rank) and HANG (a rank never joins)."""
 
-import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -16,17 +15,15 @@ def _pass_then_mismatch() -> list[dict]:
     return results
 
 
-def _one_rank_absent() -> tuple[str, str, float]:
+def _one_rank_absent() -> tuple[str, str]:
     store = dist.distributed_c10d._get_default_store()
     if dist.get_rank() == 1:
         # Stands in for a rank stuck elsewhere: it waits until rank 0's probe has given up on its own.
         store.wait(["probe_returned"], timedelta(seconds=600))
-        return "absent", "", 0.0
-    started = time.monotonic()
+        return "absent", ""
     result = run_probe(num_tensors=50, timeout_s=2)
-    elapsed_s = time.monotonic() - started
-    store.set("probe_returned", "1")
-    return result.status, result.detail, elapsed_s
+    store.set("probe_returned", "1")  # only now may the absent rank go on: the probe gave up without it
+    return result.status, result.detail
 
 
 def test_probe_passes_then_detects_a_layout_mismatch():
@@ -39,8 +36,9 @@ def test_probe_passes_then_detects_a_layout_mismatch():
 
 
 def test_probe_reports_hang_within_its_timeout():
-    (status, detail, elapsed_s), absent = run_distributed(_one_rank_absent, 2, timeout_s=60)
+    (status, detail), absent = run_distributed(_one_rank_absent, 2, timeout_s=60)
     assert absent[0] == "absent"
     assert status == "HANG"
+    # the probe gave up on its own timeout while rank 1 was still absent (no wall-clock measurement here)
     assert detail.startswith("fingerprint exchange for all_reduce(op=sum, strategy=plain) did not complete within")
-    assert elapsed_s >= 1.9, elapsed_s  # waited out its 2 s timeout; it returned while the absent rank still waited
+    assert detail.endswith("(a peer rank never joined?) (probe timeout 2s)"), detail
