@@ -1,7 +1,8 @@
 """`rlhf profile`: N RL steps of a config with per-phase time, peak memory and collective counters.
 
-Rank 0 prints a table (phase seconds and share of the step, peak memory, collectives per phase) and writes
-`profile.json` in the run folder; `--trace` adds a torch profiler chrome trace per rank.
+Rank 0 prints a table (phase seconds and share of the step, peak memory, collectives per phase), on split
+placement how much of each phase overlapped the other side's work (async RL), and writes `profile.json` in the
+run folder; `--trace` adds a torch profiler chrome trace per rank.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
         from rlhf.parallel.wire import all_gather_json
 
         per_rank = all_gather_json({"memory": profile.memory.peak_bytes, "comm": profile.comm.rows(),
-                                    "timings": profile.local_timings})
+                                    "timings": profile.local_timings,
+                                    "timeline": profile.timeline.steps, "side": profile.side})
         if run_dir.is_rank0:
             report = build_report(profile.steps, per_rank, args.steps)
             (run_dir.path / "profile.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -54,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
 def build_report(steps: list[dict], per_rank: list[dict], timed_steps: int) -> dict:
     """Phases (max over ranks per step, median over steps), memory (max over ranks), collectives per step."""
+    from rlhf.profiling.overlap import overlap_report
     from rlhf.profiling.runner import phase_summary
 
     memory: dict[str, int] = {}
@@ -70,6 +73,7 @@ def build_report(steps: list[dict], per_rank: list[dict], timed_steps: int) -> d
     return {"timed_steps": timed_steps, "world_size": len(per_rank), **phase_summary(steps),
             "peak_memory_bytes": memory,
             "collectives_per_step": [{"phase": p, "op": o, **v} for (p, o), v in sorted(comm.items())],
+            "overlap": overlap_report([rank["timeline"] for rank in per_rank], [rank["side"] for rank in per_rank]),
             "steps": steps, "per_rank_timings": [rank["timings"] for rank in per_rank]}
 
 
@@ -93,4 +97,18 @@ def format_report(report: dict) -> str:
     for row in report["collectives_per_step"]:
         lines.append(f"  {row['phase']:15} {row['op']:24} calls {row['calls']:7.1f}  MiB {row['bytes'] / _MIB:9.3f}  "
                      f"s {row['seconds_max_rank']:.4f}")
-    return "\n".join(lines)
+    return "\n".join(lines + format_overlap(report["overlap"], report["step_s"]))
+
+
+def format_overlap(overlap: dict | None, step_s: float) -> list[str]:
+    """Per side and phase: seconds, and how much of it ran while the other side worked (split placement)."""
+    if overlap is None:
+        return []
+    lines = [f"overlap of rollout and training ranks: both busy {overlap['both_busy_s']:.3f} s of the "
+             f"{step_s:.3f} s step ({overlap['both_busy_s'] / step_s:.1%})",
+             f"  {'side':8} {'phase':15} {'seconds':>9} {'overlapped':>11} {'share':>7}"]
+    for row in overlap["phases"]:
+        share = row["overlapped_s"] / row["seconds"] if row["seconds"] else 0.0
+        lines.append(f"  {row['side']:8} {row['phase']:15} {row['seconds']:9.3f} {row['overlapped_s']:11.3f} "
+                     f"{share:7.1%}")
+    return lines

@@ -9,8 +9,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rlhf.metrics import TIMER_OBSERVERS
 from rlhf.orchestration.schema import RlhfConfig
 from rlhf.profiling.comm import CollectiveCounter
+from rlhf.profiling.overlap import PhaseTimeline, side_of
 from rlhf.profiling.phases import PhaseMemory
 from rlhf.run_dir import RunDir
 
@@ -21,13 +23,16 @@ TRAIN_PHASES = ("reward", "old_log_prob", "ref", "values", "update_actor", "upda
 
 
 class StepProfile:
-    """What the timed steps recorded: reduced step metrics, this rank's own timings, phase memory, collectives."""
+    """What the timed steps recorded: reduced step metrics, this rank's own timings and phase intervals (with
+    its side: rollout, train or both), phase memory, collectives."""
 
     def __init__(self) -> None:
         self.steps: list[dict[str, float]] = []
         self.local_timings: list[dict[str, float]] = []
         self.memory = PhaseMemory()
         self.comm = CollectiveCounter(self.memory.current_phase)
+        self.timeline = PhaseTimeline()
+        self.side = "both"
 
 
 def run_profiled_steps(cfg: RlhfConfig, run_dir: RunDir, *, steps: int, warmup: int, counters: bool,
@@ -38,12 +43,16 @@ def run_profiled_steps(cfg: RlhfConfig, run_dir: RunDir, *, steps: int, warmup: 
     trainer = Trainer(cfg, run_dir)
     trainer.push_initial_weights()  # before the timed steps: an engine with its own weights starts from the actor's
     profile = StepProfile()
+    profile.side = side_of(trainer.meshes["rollout"].is_member,
+                           any(mesh.is_member for role, mesh in trainer.meshes.meshes.items() if role != "rollout"))
     for index in range(1, warmup + 1):
         trainer.run_step(index).reduced(trainer.metric_reducer)
     with ExitStack() as stack:
         if counters:
             stack.enter_context(profile.memory.active())
             stack.enter_context(profile.comm.active())
+            TIMER_OBSERVERS.append(profile.timeline)
+            stack.callback(TIMER_OBSERVERS.remove, profile.timeline)
         tracer = stack.enter_context(torch.profiler.profile(
             activities=list(torch.profiler.supported_activities()))) if trace_dir else None
         for index in range(warmup + 1, warmup + steps + 1):

@@ -12,7 +12,7 @@ from rlhf.testing.distributed import run_distributed
 from tests.trainer.fixtures import make_tiny_setup
 
 
-def _config_file(paths: dict[str, str], root: Path, kl_coef: float) -> str:
+def _config_file(paths: dict[str, str], root: Path, kl_coef: float, split_async: bool = False) -> str:
     data = {
         "dist": {"backend": "gloo", "timeout_s": 60},
         "run": {"output_dir": str(root / "runs"), "name": "p"},
@@ -25,16 +25,21 @@ def _config_file(paths: dict[str, str], root: Path, kl_coef: float) -> str:
         "rollout": {"native": {"max_batch_size": 16, "max_seq_len": 32}},
         "trainer": {"total_steps": 100, "tensorboard": False},
     }
-    path = root / f"cfg_{kl_coef}.yaml"
+    if split_async:  # rank 0 trains, rank 1 generates one step ahead
+        data["mesh"] = {"placement": "split", "actor": {"ranks": [0, 1]}, "rollout": {"ranks": [1, 2]}}
+        data["trainer"]["async_mode"] = "one_step_off"
+        data["run"]["name"] = "a"
+    path = root / f"cfg_{kl_coef}{'_async' if split_async else ''}.yaml"
     path.write_text(yaml.safe_dump(data))
     return str(path)
 
 
-def _run_both(profile_cfg: str, bench_cfg: str) -> int:
+def _run_all(profile_cfg: str, bench_cfg: str, async_cfg: str) -> int:
     from rlhf.cli.main import main
 
     # Both are given the training run's config (run.name=p): they write to p-profile and p-bench, never to p.
     assert main(["profile", "--config", profile_cfg, "--steps", "2", "--warmup", "1", "--trace"]) == 0
+    assert main(["profile", "--config", async_cfg, "--steps", "2", "--warmup", "1"]) == 0
     return main(["bench", "--config", bench_cfg, "--steps", "2", "--warmup", "0"])
 
 
@@ -42,10 +47,10 @@ def _run_both(profile_cfg: str, bench_cfg: str) -> int:
 def outputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("profile")
     paths = make_tiny_setup(root)
-    codes = run_distributed(_run_both, 2, _config_file(paths, root, 0.1), _config_file(paths, root, 0.0),
-                            timeout_s=240)
+    codes = run_distributed(_run_all, 2, _config_file(paths, root, 0.1), _config_file(paths, root, 0.0),
+                            _config_file(paths, root, 0.0, split_async=True), timeout_s=300)
     assert codes == [0, 0]
-    assert sorted(p.name for p in (root / "runs").iterdir()) == ["p-bench", "p-profile"]
+    assert sorted(p.name for p in (root / "runs").iterdir()) == ["a-profile", "p-bench", "p-profile"]
     assert not list((root / "runs").rglob("checkpoints"))  # diagnostics neither resume nor save
     return root / "runs"
 
@@ -65,6 +70,23 @@ def test_profile_phases_account_for_the_step(outputs, capsys):
             phases = sum(v for k, v in step.items() if k != "timing_s/step")
             assert 0 < phases <= step["timing_s/step"]
     assert all(report["peak_memory_bytes"][name] > 0 for name in report["phases_s"])
+
+
+def test_profile_overlap_needs_ranks_apart(outputs):
+    # Colocated: both ranks generate and train, so there is no other side to overlap with.
+    assert json.loads((outputs / "p-profile" / "profile.json").read_text())["overlap"] is None
+
+
+def test_profile_shows_the_async_overlap_per_phase(outputs):
+    report = json.loads((outputs / "a-profile" / "profile.json").read_text())
+    overlap = report["overlap"]
+    rows = {(row["side"], row["phase"]): row for row in overlap["phases"]}
+    # rank 1 (rollout) generates the next batch while rank 0 (actor) updates on this one
+    assert {("rollout", "gen"), ("train", "update_actor"), ("rollout", "gather"), ("train", "gather")} <= set(rows)
+    assert ("rollout", "update_actor") not in rows and ("train", "gen") not in rows
+    for row in rows.values():
+        assert 0 <= row["overlapped_s"] <= row["seconds"] + 1e-9
+    assert 0 <= overlap["both_busy_s"] <= rows[("rollout", "gen")]["seconds"] + 1e-9
 
 
 def test_profile_counts_the_gradient_all_reduce(outputs):
