@@ -2,10 +2,13 @@
 
 Split placement: rank 0 holds the actor, rank 1 the native rollout engine. Synchronous, each rank idles while
 the other works; one-step-off, rank 1 generates batch k+1 while rank 0 updates on batch k, so a step costs
-max(gen, train) + exchange + weight push instead of their sum. Three shapes: the tiny test model, the CPU
-demo's 1M-parameter model, and that model with 40-token responses (generation about as long as training). Both arms are built side by side in one 2-rank world and stepped alternately; the
-first steps (warm-up, async pipeline fill) are dropped; medians. Writes benchmarks/results/async.json with
-summary `async_vs_sync` (sync s/step over async s/step on the tiny shape: > 1 means async is faster).
+max(gen, train) + exchange + weight push instead of their sum. Four shapes: the tiny test model, the CPU demo's
+1M-parameter model, that model with 40-token responses, and a generation-heavy one (few long rollouts). Each
+with two PPO anchors: old logprobs recomputed by the actor (a training-side forward per step) or the rollout's
+own logprobs (rollout_correction.bypass_mode). Both arms are built side by side in one 2-rank world and
+stepped alternately; the first steps (warm-up, async pipeline fill) are dropped; medians. Writes
+benchmarks/results/async.json with summary `async_vs_sync` (sync s/step over async s/step on the tiny shape,
+recomputed anchor: > 1 means async is faster) and `async_vs_sync_<shape>[_rollout_anchor]` for the others.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ SHAPES = {
                  {"prompts_per_step": 2, "n": 2, "max_new_tokens": 160, "micro_batch_size": 4}),
 }
 ARMS = {"sync": "off", "async": "one_step_off"}
+# PPO's anchor: the actor recomputes old logprobs (a forward on the training side every step, as verl's
+# one-step-off), or the rollout's own logprobs are the anchor (rollout_correction.bypass_mode: no forward)
+ANCHORS = {"recompute": {}, "rollout": {"rollout_correction": {"bypass_mode": True, "rollout_is": None}}}
 PHASES = ("gen", "old_log_prob", "update_actor", "gather", "update_weights")
 
 
@@ -63,7 +69,7 @@ DIGITS_REWARD = "def score(data_source, solution, ground_truth, extra_info):\n" 
 
 
 def _trainer(paths: dict, root: str, name: str, shape: dict, async_mode: str, steps: int,
-             reward: str | None = None):
+             reward: str | None = None, anchor: str = "recompute"):
     from rlhf.config import from_dict
     from rlhf.orchestration.schema import RlhfConfig
     from rlhf.run_dir import setup_run
@@ -79,17 +85,19 @@ def _trainer(paths: dict, root: str, name: str, shape: dict, async_mode: str, st
             "reward": ({"function": f"{reward}:score"} if reward else
                        {"by_source": {"reasoning_gym/*": "reasoning_gym_exact"}}),
             "actor": {"micro_batch_size": shape["micro_batch_size"], "optim": {"lr": 2e-4}},
+            "algo": ANCHORS[anchor],
             "rollout": {"native": {"max_batch_size": batch, "max_seq_len": 16 + shape["max_new_tokens"]}},
             "trainer": {"total_steps": steps, "tensorboard": False, "async_mode": async_mode}}
     cfg = from_dict(RlhfConfig, data)
     return Trainer(cfg, setup_run(cfg.run, cfg))
 
 
-def shape_rows(root: str, shape_name: str, steps: int, warmup: int) -> list[dict]:
+def shape_rows(root: str, shape_name: str, anchor: str, steps: int, warmup: int) -> list[dict]:
     """Collective body (2 ranks): both arms built, then stepped alternately; rank 0's wall times."""
     dims, shape = SHAPES[shape_name]
-    paths = _setup(Path(root) / shape_name, dims)
-    trainers = {arm: _trainer(paths, root, f"{shape_name}_{arm}", shape, mode, steps) for arm, mode in ARMS.items()}
+    paths = _setup(Path(root) / f"{shape_name}_{anchor}", dims)
+    trainers = {arm: _trainer(paths, root, f"{shape_name}_{anchor}_{arm}", shape, mode, steps, anchor=anchor)
+                for arm, mode in ARMS.items()}
     seconds: dict[str, list[float]] = {arm: [] for arm in ARMS}
     phases: dict[str, dict[str, list[float]]] = {arm: {p: [] for p in PHASES} for arm in ARMS}
     for step in range(1, steps + 1):
@@ -100,7 +108,7 @@ def shape_rows(root: str, shape_name: str, steps: int, warmup: int) -> list[dict
                 seconds[arm].append(time.perf_counter() - start)
                 for phase in PHASES:
                     phases[arm][phase].append(values.get(f"timing_s/{phase}", 0.0))
-    return [{"shape": shape_name, "arm": arm, "s_per_step": statistics.median(seconds[arm]),
+    return [{"shape": shape_name, "anchor": anchor, "arm": arm, "s_per_step": statistics.median(seconds[arm]),
              **{f"{phase}_s": statistics.median(phases[arm][phase]) for phase in PHASES}} for arm in ARMS]
 
 
@@ -121,6 +129,12 @@ def curve_rows(root: str, steps: int) -> list[dict]:
     return rows
 
 
+def summary_key(shape: str, anchor: str) -> str:
+    """async_vs_sync for the tiny shape with recomputed old logprobs; suffixes name the others."""
+    return "async_vs_sync" + ("" if shape == "tiny" else f"_{shape}") + ("" if anchor == "recompute" else
+                                                                         f"_{anchor}_anchor")
+
+
 def _quarters(rows: list[dict], key: str) -> tuple[float, float]:
     quarter = max(len(rows) // 4, 1)
     return (statistics.mean(r[key] for r in rows[:quarter]), statistics.mean(r[key] for r in rows[-quarter:]))
@@ -131,6 +145,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--anchors", nargs="+", default=list(ANCHORS), choices=list(ANCHORS),
+                        help="PPO anchors to time (both arms use the same one)")
     parser.add_argument("--curve-steps", type=int, default=120,
                         help="steps of the sync-vs-async learning curve (tiny shape, digits reward); 0: none")
     args = parser.parse_args()
@@ -140,13 +156,15 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as root:
         for shape in args.shapes:
-            rows += run_distributed(shape_rows, 2, root, shape, args.steps, args.warmup, timeout_s=3600)[0]
+            for anchor in args.anchors:
+                rows += run_distributed(shape_rows, 2, root, shape, anchor, args.steps, args.warmup,
+                                        timeout_s=3600)[0]
         curve = run_distributed(curve_rows, 2, root, args.curve_steps, timeout_s=3600)[0] if args.curve_steps else []
     for row in rows:
         print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
-    per_step = {(row["shape"], row["arm"]): row["s_per_step"] for row in rows}
-    summary = {("async_vs_sync" if shape == "tiny" else f"async_vs_sync_{shape}"):
-               per_step[(shape, "sync")] / per_step[(shape, "async")] for shape in args.shapes}
+    per_step = {(row["shape"], row["anchor"], row["arm"]): row["s_per_step"] for row in rows}
+    summary = {summary_key(shape, anchor): per_step[(shape, anchor, "sync")] / per_step[(shape, anchor, "async")]
+               for shape in args.shapes for anchor in args.anchors}
     for arm in ARMS if curve else ():  # equal steps: mean reward in the first and the last quarter
         summary[f"curve_{arm}_reward_first_quarter"], summary[f"curve_{arm}_reward_last_quarter"] = _quarters(
             curve, f"{arm}_reward")
@@ -155,6 +173,7 @@ def main() -> None:
     RESULTS.write_text(json.dumps({"name": "async", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                                    "machine": machine_info(), "config": {"steps": args.steps, "warmup": args.warmup,
                                                                          "ranks": "1 rollout + 1 train, 1 thread each",
+                                                                         "anchors": ANCHORS,
                                                                          "shapes": {k: SHAPES[k] for k in args.shapes}},
                                    "rows": rows, "curve": curve, "summary": summary}, indent=1))
 
