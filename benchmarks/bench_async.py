@@ -9,6 +9,9 @@ own logprobs (rollout_correction.bypass_mode). Both arms are built side by side 
 stepped alternately; the first steps (warm-up, async pipeline fill) are dropped; medians. Writes
 benchmarks/results/async.json with summary `async_vs_sync` (sync s/step over async s/step on the tiny shape,
 recomputed anchor: > 1 means async is faster) and `async_vs_sync_<shape>[_rollout_anchor]` for the others.
+Learning curves at equal steps: the tiny model on a dense digit-share reward, and the CPU demo's task from its
+SFT policy (exact-match reward, held-out accuracy before and after). Curves do not depend on the machine's load;
+a part not run this time (`--shapes` with none, `--curve-steps 0`) keeps the last run's figures and date.
 """
 
 from __future__ import annotations
@@ -135,47 +138,130 @@ def summary_key(shape: str, anchor: str) -> str:
                                                                          f"_{anchor}_anchor")
 
 
+VAL_KEY = "val/score/mean@1"  # held-out accuracy (greedy, exact match)
+DEMO_TASK = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}  # launch/demo.sh's chain_sum
+
+
+def _sft_demo_policy(root: Path) -> dict:
+    """Collective body (2 ranks): the CPU demo's data, model and 300-step SFT policy (launch/demo.sh's stages)."""
+    from rlhf.cli.main import main
+    from rlhf.data.char_tokenizer import build_char_tokenizer
+    from rlhf.data.make import MakeConfig, make_dataset
+    from rlhf.models.init import InitModelConfig, init_hf_model
+
+    paths = {name: str(root / f"{name}.jsonl") for name in ("rl", "sft", "val")}
+    if torch.distributed.get_rank() == 0:
+        init_hf_model(InitModelConfig(max_position_embeddings=64, **SHAPES["demo"][0]), build_char_tokenizer(),
+                      root / "model0")
+        for name, count, seed in (("rl", 10000, 1), ("sft", 2000, 20000000), ("val", 500, 10000000)):
+            make_dataset(MakeConfig(task="chain_sum", num_samples=count, seed=seed, prompt_format="expression",
+                                    task_config=DEMO_TASK, exclude=[paths["rl"], paths["sft"]] if name == "val" else []), Path(paths[name]))
+    torch.distributed.barrier()
+    config = Path(__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml"
+    assert main(["sft", "--config", str(config), f"run.output_dir={root}", "run.name=sft",
+                 f"model.path={root / 'model0'}", f"data.train_files=[{paths['sft']}]",
+                 f"data.val_files=[{paths['val']}]", f"sft.out_dir={root / 'sft_model'}", "actor.optim.lr=3.0e-3",
+                 "actor.optim.warmup_steps=20", "actor.micro_batch_size=64"]) == 0
+    return {"model": str(root / "sft_model"), "train": paths["rl"], "val": paths["val"]}
+
+
+def demo_curve_rows(root: str, steps: int) -> list[dict]:
+    """Collective body (2 ranks): sync and async GRPO on the CPU demo's task from its SFT policy, exact-match
+    reward, stepped alternately; held-out accuracy before and after."""
+    import yaml
+
+    from rlhf.config import from_dict
+    from rlhf.orchestration.loop import Trainer
+    from rlhf.orchestration.schema import RlhfConfig
+    from rlhf.run_dir import setup_run
+
+    paths = _sft_demo_policy(Path(root) / "demo_curve")
+    base = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "demo_cpu.yaml").read_text())
+    trainers = {}
+    for arm, mode in ARMS.items():
+        data = {**base, "dist": {"backend": "gloo"}, "run": {"output_dir": root, "name": f"demo_curve_{arm}"},
+                "model": {"path": paths["model"]},
+                "mesh": {"placement": "split", "actor": {"ranks": [0, 1]}, "rollout": {"ranks": [1, 2]}},
+                "data": {**base["data"], "train_files": [paths["train"]], "val_files": [paths["val"]]},
+                "trainer": {"total_steps": steps, "tensorboard": False, "async_mode": mode}}
+        cfg = from_dict(RlhfConfig, data)
+        trainers[arm] = Trainer(cfg, setup_run(cfg.run, cfg))
+        trainers[arm].push_initial_weights()
+    rows = [{"step": 0, **{f"{arm}_val": t.validate(0).get(VAL_KEY) for arm, t in trainers.items()}}]
+    for step in range(1, steps + 1):
+        row = {"step": step}
+        for arm, trainer in trainers.items():
+            row[f"{arm}_reward"] = trainer.run_step(step).reduced(trainer.metric_reducer)["critic/score/mean"]
+        rows.append(row)
+    rows[-1].update({f"{arm}_val": t.validate(steps).get(VAL_KEY) for arm, t in trainers.items()})
+    return rows
+
+
 def _quarters(rows: list[dict], key: str) -> tuple[float, float]:
     quarter = max(len(rows) // 4, 1)
     return (statistics.mean(r[key] for r in rows[:quarter]), statistics.mean(r[key] for r in rows[-quarter:]))
+
+
+def _summaries(parts: dict[str, list[dict]]) -> dict[str, dict]:
+    """Each part's summary figures: step-time ratios; mean reward in the first and last quarter (equal steps)."""
+    per_step = {(row["shape"], row["anchor"], row["arm"]): row["s_per_step"] for row in parts["rows"]}
+    timed = {summary_key(shape, anchor): per_step[(shape, anchor, "sync")] / per_step[(shape, anchor, "async")]
+             for shape, anchor, arm in per_step if arm == "sync"}
+    curve, demo = {}, {}
+    for arm in ARMS if parts["curve"] else ():
+        curve[f"curve_{arm}_reward_first_quarter"], curve[f"curve_{arm}_reward_last_quarter"] = _quarters(
+            parts["curve"], f"{arm}_reward")
+    for arm in ARMS if parts["demo_curve"] else ():
+        first, last = _quarters(parts["demo_curve"][1:], f"{arm}_reward")
+        demo.update({f"demo_curve_{arm}_reward_first_quarter": first, f"demo_curve_{arm}_reward_last_quarter": last,
+                     f"demo_curve_{arm}_val_before": parts["demo_curve"][0][f"{arm}_val"],
+                     f"demo_curve_{arm}_val_after": parts["demo_curve"][-1][f"{arm}_val"]})
+    return {"rows": timed, "curve": curve, "demo_curve": demo}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES),
+                        help="shapes to time (none: keep the last run's step times)")
     parser.add_argument("--anchors", nargs="+", default=list(ANCHORS), choices=list(ANCHORS),
                         help="PPO anchors to time (both arms use the same one)")
     parser.add_argument("--curve-steps", type=int, default=120,
-                        help="steps of the sync-vs-async learning curve (tiny shape, digits reward); 0: none")
+                        help="steps of the sync-vs-async learning curve (tiny shape, digits reward); 0: keep the "
+                             "last run's")
+    parser.add_argument("--demo-curve-steps", type=int, default=120,
+                        help="steps of the sync-vs-async curve on the CPU demo's task from its SFT policy; 0: keep "
+                             "the last run's")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from rlhf.testing.distributed import run_distributed
 
-    rows = []
+    parts: dict[str, list[dict]] = {"rows": [], "curve": [], "demo_curve": []}
     with tempfile.TemporaryDirectory() as root:
         for shape in args.shapes:
             for anchor in args.anchors:
-                rows += run_distributed(shape_rows, 2, root, shape, anchor, args.steps, args.warmup,
-                                        timeout_s=3600)[0]
-        curve = run_distributed(curve_rows, 2, root, args.curve_steps, timeout_s=3600)[0] if args.curve_steps else []
-    for row in rows:
+                parts["rows"] += run_distributed(shape_rows, 2, root, shape, anchor, args.steps, args.warmup,
+                                                 timeout_s=3600)[0]
+        if args.curve_steps:
+            parts["curve"] = run_distributed(curve_rows, 2, root, args.curve_steps, timeout_s=3600)[0]
+        if args.demo_curve_steps:
+            parts["demo_curve"] = run_distributed(demo_curve_rows, 2, root, args.demo_curve_steps, timeout_s=3600)[0]
+    for row in parts["rows"]:
         print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
-    per_step = {(row["shape"], row["anchor"], row["arm"]): row["s_per_step"] for row in rows}
-    summary = {summary_key(shape, anchor): per_step[(shape, anchor, "sync")] / per_step[(shape, anchor, "async")]
-               for shape in args.shapes for anchor in args.anchors}
-    for arm in ARMS if curve else ():  # equal steps: mean reward in the first and the last quarter
-        summary[f"curve_{arm}_reward_first_quarter"], summary[f"curve_{arm}_reward_last_quarter"] = _quarters(
-            curve, f"{arm}_reward")
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    dates = {name: now for name, rows in parts.items() if rows}
+    for name in [name for name, rows in parts.items() if not rows and previous.get("dates", {}).get(name)]:
+        parts[name], dates[name] = previous[name], previous["dates"][name]  # not rerun: the last run's figures
+    summary = {key: value for part in _summaries(parts).values() for key, value in part.items()}
     print(json.dumps(summary, indent=1))
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"name": "async", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                                   "machine": machine_info(), "config": {"steps": args.steps, "warmup": args.warmup,
-                                                                         "ranks": "1 rollout + 1 train, 1 thread each",
-                                                                         "anchors": ANCHORS,
-                                                                         "shapes": {k: SHAPES[k] for k in args.shapes}},
-                                   "rows": rows, "curve": curve, "summary": summary}, indent=1))
+    RESULTS.write_text(json.dumps({"name": "async", "date": now, "dates": dates, "machine": machine_info(),
+                                   "config": {"steps": args.steps, "warmup": args.warmup,
+                                              "ranks": "1 rollout + 1 train, 1 thread each", "anchors": ANCHORS,
+                                              "shapes": SHAPES},
+                                   **parts, "summary": summary}, indent=1))
 
 
 if __name__ == "__main__":

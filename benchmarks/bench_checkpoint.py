@@ -89,9 +89,10 @@ def size_rows(root: str, repeats: int) -> list[dict]:
         trainer = _trainer(_config(paths, root, f"distopt{int(distributed_optimizer)}",
                                    distributed_optimizer=distributed_optimizer))
         trainer.fit()
-        manager = trainer.checkpoints
-        save_s = _median_s(lambda: manager.save(1, trainer._state(1), meta=trainer._meta(),
-                                                tensors=trainer._tensors()), repeats)
+        checkpoints = trainer.checkpoints
+        manager = checkpoints.manager
+        save_s = _median_s(lambda: manager.save(1, checkpoints.state(1), meta=checkpoints.meta(),
+                                                tensors=checkpoints.tensors()), repeats)
         path = manager.root / "step_1"
 
         def load():
@@ -148,7 +149,7 @@ def _smollm2_train(paths: dict, root: str, steps: int, resume: bool) -> dict:
                               "save_at_end": not resume})
     trainer = _trainer(cfg)
     built = time.time()
-    load = trainer._resume
+    load = trainer.checkpoints.resume
     marks = {}
 
     def timed_resume() -> int:
@@ -157,7 +158,7 @@ def _smollm2_train(paths: dict, root: str, steps: int, resume: bool) -> dict:
         marks["resume_s"] = time.perf_counter() - start
         return step
 
-    trainer._resume = timed_resume
+    trainer.checkpoints.resume = timed_resume
     history = trainer.fit()
     return {"started": started, "built": built, "done": time.time(), "steps": [row["step"] for row in history],
             "step_s": history[-1]["timing_s/step"], **marks}

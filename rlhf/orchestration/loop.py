@@ -11,19 +11,14 @@ watchdog phase: a stall anywhere ends every rank with stacks in its log.
 
 from __future__ import annotations
 
-import random
-import shutil
 import time
 from collections.abc import Callable
 
-import numpy as np
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from rlhf import platform
 from rlhf.algo.kl import KLController
-from rlhf.checkpoint import CheckpointManager, find_latest, tensor_folders
-from rlhf.checkpoint_verify import check_replicas
+from rlhf.checkpoint import find_latest
 from rlhf.config.loader import to_dict
 from rlhf.orchestration.schema import RlhfConfig
 from rlhf.data.loader import PromptLoader, load_prompts
@@ -31,7 +26,6 @@ from rlhf.parallel.watchdog import Watchdog
 from rlhf.parallel.meshes import RoleMeshes
 from rlhf.loggers import RunInfo
 from rlhf.metrics import MetricReducer, MetricsSink, StepMetrics, read_jsonl
-from rlhf.models.hf_export import export_hf
 from rlhf.ops.alerts import AlertMonitor
 from rlhf.ops.prometheus import PrometheusExporter
 from rlhf.rollout.factory import build_engine, close_engine, engine_layout, eos_token_ids
@@ -42,8 +36,9 @@ from rlhf.trainer.checks import input_warnings, load_tokenizer
 from rlhf.orchestration.console import end_summary, finished_notice, start_banner
 from rlhf.trainer.memory import plan_memory_phases
 from rlhf.trainer.plot import plot_run
-from rlhf.orchestration.preflight import (architecture, build_meshes, check_batches, resolved_algo, resolved_sleep,
-                                    rollout_dtype, shares_weights)
+from rlhf.orchestration.checkpointing import RunCheckpoints
+from rlhf.orchestration.preflight import (build_meshes, check_batches, resolved_algo, resolved_sleep, rollout_dtype,
+                                          shares_weights)
 from rlhf.trainer.roles import CriticRole, PolicyRole, RewardModelRole
 from rlhf.trainer.scoring import Scorer
 from rlhf.trainer.sync import SharedWeights
@@ -127,9 +122,10 @@ class Trainer:
         self.async_schedule = (AsyncSchedule(self.stack, self.loader, self.meshes, cfg.trainer.max_staleness,
                                              train_group, cfg.trainer.partial_rollout_tokens)
                                if cfg.trainer.is_async else None)
-        self.checkpoints = CheckpointManager(run_dir.path / "checkpoints", cfg.checkpoint.keep_last)
         self.sink: MetricsSink | None = None  # opened once the resumed step is known
         self.alerts = AlertMonitor(cfg.alerts, run_dir.path, is_rank0=run_dir.is_rank0)
+        self.checkpoints = RunCheckpoints(cfg, run_dir, self.meshes, self.stack, self.loader, self.alerts,
+                                          self.async_schedule, self.watchdog)
         self.exporter: PrometheusExporter | None = None  # rank 0 serves while `fit` runs
 
     def _build_data(self) -> PromptLoader:
@@ -167,76 +163,6 @@ class Trainer:
                           method=cfg.comm.weight_sync_method, max_bucket_mb=cfg.comm.weight_sync_bucket_mb or None,
                           coalesce=cfg.comm.strategy != "plain")
         return engine, sync
-
-    # -- state -----------------------------------------------------------------------------------------------
-    def _state(self, step: int) -> dict:
-        return {"step": step, "actor": self.stack.actor.state_dict(),
-                "critic": self.stack.critic.state_dict() if self.stack.critic else {},
-                "loader": self.loader.state_dict(), "kl": self.stack.kl_controller.state_dict(),
-                "policy_version": getattr(self.stack.rollout, "policy_version", 0),
-                "alerts": self.alerts.state_dict(),
-                "async": self.async_schedule.state_dict() if self.async_schedule else {},
-                "rng": {"torch": platform.rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
-
-    def _tensors(self) -> dict:
-        """Collective: the trained roles' full weight and optimizer tensors this rank writes (layout-free)."""
-        return {role.name: role.checkpoint_tensors() for role in self._trained() if role.mesh.is_member}
-
-    def _replicated(self) -> list:
-        """State the training ranks share (the async in-flight batches): written once for their group."""
-        return self.async_schedule.replicated() if self.async_schedule else []
-
-    def _trained(self) -> list:
-        return [role for role in (self.stack.actor, self.stack.critic) if role is not None]
-
-    def _models(self) -> dict:
-        """What must match on resume: the trained roles' architectures and the async settings (layouts may
-        change)."""
-        models = {"actor": self.cfg.model.path}
-        if self.stack.critic:
-            models["critic"] = self.cfg.model.critic_path or self.cfg.model.path
-        trainer = self.cfg.trainer
-        return {"models": {role: architecture(path) for role, path in models.items()},
-                "async": ({"mode": trainer.async_mode, "max_staleness": trainer.max_staleness,
-                           "partial_rollout_tokens": trainer.partial_rollout_tokens}
-                          if self.async_schedule else None)}
-
-    def _meta(self) -> dict:
-        paths = {"actor": self.cfg.model.path, "critic": self.cfg.model.critic_path or self.cfg.model.path}
-        return {"layouts": {role: m.layout.describe() for role, m in self.meshes.meshes.items()}, **self._models(),
-                "hf_configs": {role.name: AutoConfig.from_pretrained(paths[role.name]).to_dict()
-                               for role in self._trained()}}
-
-    def _resume(self) -> int:
-        """Load and verify the checkpoint to resume from (if any), on this run's layouts whatever wrote it; its
-        DP replicas must then be bitwise equal."""
-        found = self.checkpoints.load_for_resume(self.cfg.checkpoint.resume, expected_meta=self._models(),
-                                                 replicated=self._replicated())
-        if found is None:
-            return 0
-        path, state, manifest = found
-        layouts = {role: m.layout.describe() for role, m in self.meshes.meshes.items()}
-        if manifest.get("layouts") != layouts:
-            log.info("resharding %s: layouts %s -> %s", path.name, manifest.get("layouts"), layouts)
-        trained = self._trained()
-        for role in trained:
-            role.load_state_dict(state[role.name], tensor_folders(path, manifest, role.name))
-        check_replicas({role.name: (role.model, role.mesh.pgs.dp if role.mesh.is_member else None)
-                        for role in trained})
-        self.loader.load_state_dict(state["loader"])
-        self.stack.kl_controller.load_state_dict(state["kl"])
-        if "alerts" in state:  # checkpoints written before alerts existed start with empty windows
-            self.alerts.load_state_dict(state["alerts"])
-        if self.async_schedule:
-            self.async_schedule.load_state_dict(state["async"])
-        if self.stack.rollout is not None:
-            self.stack.rollout.policy_version = state["policy_version"]
-        if manifest["world_size"] == dist.get_world_size():
-            platform.set_rng_state(state["rng"]["torch"])
-            random.setstate(state["rng"]["python"])
-            np.random.set_state(state["rng"]["numpy"])
-        log.info("resumed from %s (step %d)", path, state["step"])
-        return state["step"]
 
     def push_initial_weights(self) -> None:
         """An engine with its own weights (a resharded copy, or vLLM's dummy init) takes the actor's current (maybe
@@ -279,7 +205,7 @@ class Trainer:
         try:
             with self.watchdog as watchdog:
                 with watchdog.phase("resume", self.cfg.comm.setup_timeout_s):
-                    start = self._resume()
+                    start = self.checkpoints.resume()
                 if start >= cfg.total_steps:
                     self._announce(lambda: [finished_notice(self.cfg, self.run_dir.path, start)])
                     return []
@@ -317,7 +243,7 @@ class Trainer:
         self._announce(lambda: end_summary(self.cfg, run_path=self.run_dir.path, last_step=cfg.total_steps,
                                            elapsed_s=time.perf_counter() - started,
                                            world_size=dist.get_world_size(),
-                                           checkpoint=find_latest(self.checkpoints.root)))
+                                           checkpoint=find_latest(self.checkpoints.manager.root)))
         return history
 
     def _announce(self, lines: Callable[[], list[str]]) -> None:
@@ -366,24 +292,5 @@ class Trainer:
             self.exporter.update(step, values, self.alerts.counts)
         log.info("step %d: %s", step, "  ".join(f"{CONSOLE_KEYS[k]}={values[k]:.4g}"
                                                for k in CONSOLE_KEYS if k in values))
-        self._checkpoint(step)
+        self.checkpoints.at_step_end(step)
         return {"step": step, **values}
-
-    def _checkpoint(self, step: int) -> None:
-        """At a step boundary: publish an async save still pending, then save (and write an HF copy) if due."""
-        ckpt, last = self.cfg.checkpoint, step == self.cfg.trainer.total_steps
-        with self.watchdog.phase(f"checkpoint step {step}", self.cfg.comm.setup_timeout_s):
-            self.checkpoints.commit()
-            if (ckpt.every and step % ckpt.every == 0) or (last and ckpt.save_at_end):
-                self.checkpoints.save(step, self._state(step), meta=self._meta(), tensors=self._tensors(),
-                                      replicated=self._replicated(), wait=not ckpt.async_save or last)
-            if ckpt.save_hf_every and step % ckpt.save_hf_every == 0:
-                self._save_hf(self.run_dir.path / "hf" / f"step_{step}")
-
-    def _save_hf(self, folder) -> None:
-        """Collective: the actor as an HF folder (tokenizer, generation config); one a resumed run rewrites."""
-        if self.run_dir.is_rank0 and folder.exists():
-            shutil.rmtree(folder)
-        dist.barrier()
-        if self.stack.actor.mesh.is_member:
-            export_hf(self.stack.actor.model, str(folder), tokenizer_dir=self.cfg.model.path)

@@ -1,0 +1,133 @@
+"""The RL run's checkpoints: what a step boundary saves (roles' layout-free tensors, loader, KL, alerts, async
+in-flight batches, RNG), the resume on whatever layouts this run has, and the HF copies (`save_hf_every`).
+
+The trainer owns one `RunCheckpoints`; every method but `state`/`expected` is collective.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch.distributed as dist
+from transformers import AutoConfig
+
+from rlhf import platform
+from rlhf.checkpoint import CheckpointManager, tensor_folders
+from rlhf.checkpoint_verify import check_replicas
+from rlhf.data.loader import PromptLoader
+from rlhf.models.hf_export import export_hf
+from rlhf.ops.alerts import AlertMonitor
+from rlhf.orchestration.async_schedule import AsyncSchedule
+from rlhf.orchestration.preflight import architecture
+from rlhf.orchestration.schema import RlhfConfig
+from rlhf.orchestration.step import RLStack
+from rlhf.parallel.meshes import RoleMeshes
+from rlhf.parallel.watchdog import Watchdog
+from rlhf.run_dir import RunDir, get_logger
+
+log = get_logger("trainer")
+
+
+class RunCheckpoints:
+    """Saves and resumes one RL run's state under `<run>/checkpoints` (`manager` keeps the last few)."""
+
+    def __init__(self, cfg: RlhfConfig, run_dir: RunDir, meshes: RoleMeshes, stack: RLStack, loader: PromptLoader,
+                 alerts: AlertMonitor, async_schedule: AsyncSchedule | None, watchdog: Watchdog) -> None:
+        self.cfg, self.run_dir, self.meshes, self.stack, self.loader = cfg, run_dir, meshes, stack, loader
+        self.alerts, self.async_schedule, self.watchdog = alerts, async_schedule, watchdog
+        self.manager = CheckpointManager(run_dir.path / "checkpoints", cfg.checkpoint.keep_last)
+
+    def state(self, step: int) -> dict:
+        """The plain-data state tree (JSON-able and tensors, never pickled)."""
+        stack = self.stack
+        return {"step": step, "actor": stack.actor.state_dict(),
+                "critic": stack.critic.state_dict() if stack.critic else {},
+                "loader": self.loader.state_dict(), "kl": stack.kl_controller.state_dict(),
+                "policy_version": getattr(stack.rollout, "policy_version", 0),
+                "alerts": self.alerts.state_dict(),
+                "async": self.async_schedule.state_dict() if self.async_schedule else {},
+                "rng": {"torch": platform.rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
+
+    def tensors(self) -> dict:
+        """Collective: the trained roles' full weight and optimizer tensors this rank writes (layout-free)."""
+        return {role.name: role.checkpoint_tensors() for role in self._trained() if role.mesh.is_member}
+
+    def replicated(self) -> list:
+        """State the training ranks share (the async in-flight batches): written once for their group."""
+        return self.async_schedule.replicated() if self.async_schedule else []
+
+    def _trained(self) -> list:
+        return [role for role in (self.stack.actor, self.stack.critic) if role is not None]
+
+    def expected(self) -> dict:
+        """What must match on resume: the trained roles' architectures and the async settings (layouts may
+        change)."""
+        models = {"actor": self.cfg.model.path}
+        if self.stack.critic:
+            models["critic"] = self.cfg.model.critic_path or self.cfg.model.path
+        trainer = self.cfg.trainer
+        return {"models": {role: architecture(path) for role, path in models.items()},
+                "async": ({"mode": trainer.async_mode, "max_staleness": trainer.max_staleness,
+                           "partial_rollout_tokens": trainer.partial_rollout_tokens}
+                          if self.async_schedule else None)}
+
+    def meta(self) -> dict:
+        paths = {"actor": self.cfg.model.path, "critic": self.cfg.model.critic_path or self.cfg.model.path}
+        return {"layouts": self._layouts(), **self.expected(),
+                "hf_configs": {role.name: AutoConfig.from_pretrained(paths[role.name]).to_dict()
+                               for role in self._trained()}}
+
+    def _layouts(self) -> dict:
+        return {role: mesh.layout.describe() for role, mesh in self.meshes.meshes.items()}
+
+    def resume(self) -> int:
+        """Load and verify the checkpoint to resume from (if any), on this run's layouts whatever wrote it; its
+        DP replicas must then be bitwise equal. Returns the step it was taken at (0: none)."""
+        found = self.manager.load_for_resume(self.cfg.checkpoint.resume, expected_meta=self.expected(),
+                                             replicated=self.replicated())
+        if found is None:
+            return 0
+        path, state, manifest = found
+        if manifest.get("layouts") != self._layouts():
+            log.info("resharding %s: layouts %s -> %s", path.name, manifest.get("layouts"), self._layouts())
+        trained = self._trained()
+        for role in trained:
+            role.load_state_dict(state[role.name], tensor_folders(path, manifest, role.name))
+        check_replicas({role.name: (role.model, role.mesh.pgs.dp if role.mesh.is_member else None)
+                        for role in trained})
+        self.loader.load_state_dict(state["loader"])
+        self.stack.kl_controller.load_state_dict(state["kl"])
+        if "alerts" in state:  # checkpoints written before alerts existed start with empty windows
+            self.alerts.load_state_dict(state["alerts"])
+        if self.async_schedule:
+            self.async_schedule.load_state_dict(state["async"])
+        if self.stack.rollout is not None:
+            self.stack.rollout.policy_version = state["policy_version"]
+        if manifest["world_size"] == dist.get_world_size():
+            platform.set_rng_state(state["rng"]["torch"])
+            random.setstate(state["rng"]["python"])
+            np.random.set_state(state["rng"]["numpy"])
+        log.info("resumed from %s (step %d)", path, state["step"])
+        return state["step"]
+
+    def at_step_end(self, step: int) -> None:
+        """At a step boundary: publish an async save still pending, then save (and write an HF copy) if due."""
+        ckpt, last = self.cfg.checkpoint, step == self.cfg.trainer.total_steps
+        with self.watchdog.phase(f"checkpoint step {step}", self.cfg.comm.setup_timeout_s):
+            self.manager.commit()
+            if (ckpt.every and step % ckpt.every == 0) or (last and ckpt.save_at_end):
+                self.manager.save(step, self.state(step), meta=self.meta(), tensors=self.tensors(),
+                                  replicated=self.replicated(), wait=not ckpt.async_save or last)
+            if ckpt.save_hf_every and step % ckpt.save_hf_every == 0:
+                self.save_hf(self.run_dir.path / "hf" / f"step_{step}")
+
+    def save_hf(self, folder: Path) -> None:
+        """Collective: the actor as an HF folder (tokenizer, generation config); one a resumed run rewrites."""
+        if self.run_dir.is_rank0 and folder.exists():
+            shutil.rmtree(folder)
+        dist.barrier()
+        if self.stack.actor.mesh.is_member:
+            export_hf(self.stack.actor.model, str(folder), tokenizer_dir=self.cfg.model.path)
