@@ -37,7 +37,7 @@ class PhaseTimeline:
     def exit(self, name: str, seconds: float) -> None:
         opened, start = self._open.pop()
         assert opened == name, (opened, name)
-        if name != "step" and self.steps:
+        if any(outer == "step" for outer, _ in self._open):  # phases outside a step are not the step's
             self.steps[-1].append([name, start - self._step_start, time.perf_counter() - self._step_start])
 
 

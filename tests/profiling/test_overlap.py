@@ -58,6 +58,8 @@ def test_timeline_records_phases_from_the_step_start():
             with metrics.timer("update_actor"):
                 with metrics.timer("inner"):
                     pass
+        with metrics.timer("validation"):  # between steps: no step's phase
+            pass
     finally:
         TIMER_OBSERVERS.remove(timeline)
     (step,) = timeline.steps
