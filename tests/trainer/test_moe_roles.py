@@ -94,17 +94,15 @@ def _router_loss_grads(path: str, cache) -> dict:
     return out
 
 
-def _roles_at(paths: dict, cache, ep: int) -> dict:
-    """Ref logprobs, the actor's update (router losses on, KL loss to the ref) and the critic's, at dp=2 x ep."""
+def _roles_at(paths: dict, cache, layout) -> dict:
+    """Ref logprobs, the actor's update (router losses on, KL loss to the ref) and the critic's, at `layout`."""
     from rlhf.algo.kl import KLConfig
     from rlhf.parallel.groups import build_layout_groups
-    from rlhf.parallel.layout import ParallelLayout
     from rlhf.parallel.meshes import RoleMesh
     from rlhf.train.config import OptimConfig
     from rlhf.trainer.config import AlgoConfig, UpdateConfig
     from rlhf.trainer.roles import CriticRole, PolicyRole
 
-    layout = ParallelLayout(dp=2, ep=ep)
 
     def mesh(role: str) -> RoleMesh:
         return RoleMesh(role, layout, build_layout_groups(layout, cache))
@@ -183,12 +181,51 @@ def _replay(paths: dict, cache) -> dict:
     return out
 
 
+def _checkpoint_across_layouts(path: str, cache) -> dict:
+    """Layout-free checkpoints with experts: one step at dp2 x ep2 (distributed optimizer), saved; loaded at tp2
+    (each expert split over tp), saved again; loaded back at dp2 x ep2. Each save's full tensors (weights and
+    Adam moments, this rank's share), kind -> HF name -> tensor."""
+    from pathlib import Path
+
+    from rlhf.checkpoint import CheckpointManager, tensor_folders
+    from rlhf.parallel.groups import build_layout_groups
+    from rlhf.parallel.layout import ParallelLayout
+    from rlhf.train.config import OptimConfig
+    from rlhf.train.engine import TrainEngine
+    from tests.models.world import MicroBatch
+
+    def engine(layout: ParallelLayout) -> TrainEngine:
+        groups = build_layout_groups(layout, cache)
+        return TrainEngine(_model(path, groups, **vars(ROUTER_LOSSES)), groups,
+                           OptimConfig(lr=1e-2, total_steps=2, use_distributed_optimizer=layout.dp > 1))
+
+    def save(source: TrainEngine, step: int) -> tuple:
+        manager = CheckpointManager(f"{path}-ckpt")
+        written = manager.save(step, {"engine": source.state_dict()}, tensors={"engine": source.checkpoint_tensors()})
+        state, manifest = manager.load(Path(written))
+        return state["engine"], tensor_folders(Path(written), manifest, "engine")
+
+    ep2, tp2 = ParallelLayout(dp=2, ep=2), ParallelLayout(tp=2)
+    first = engine(ep2)
+    first.train_step([MicroBatch(fixed_batch(1).tokens_bs)], lambda logits, _: (logits.float().square().mean(), {}))
+    saves = [first.checkpoint_tensors()]
+    for layout in (tp2, ep2):
+        loaded = engine(layout)
+        loaded.load_state_dict(*save(first, len(saves)))
+        saves.append(loaded.checkpoint_tensors())
+        first = loaded
+    return {"saves": saves}
+
+
 def _world(paths: dict) -> dict:
     from rlhf.parallel.groups import GroupCache
+    from rlhf.parallel.layout import ParallelLayout
 
     cache = GroupCache()
+    layouts = {"ep1": ParallelLayout(dp=2), "ep2": ParallelLayout(dp=2, ep=2), "tp2": ParallelLayout(tp=2)}
     return {"router_losses": _router_loss_grads(paths["model"], cache),
-            "roles": {ep: _roles_at(paths, cache, ep) for ep in (1, 2)}, "replay": _replay(paths, cache)}
+            "roles": {name: _roles_at(paths, cache, layout) for name, layout in layouts.items()},
+            "replay": _replay(paths, cache), "checkpoint": _checkpoint_across_layouts(paths["model"], cache)}
 
 
 @pytest.fixture(scope="module")
@@ -225,19 +262,55 @@ def test_actor_ref_critic_at_ep2_equal_ep1(moe_world):
     """The RL step's role outputs at ep=2 (each rank holds half the experts) equal ep=1's within 1e-6:
     ref and old logprobs, values, the actor's losses/grad norm/routing metrics and the weights after the step
     (seen through the logprobs and values after it)."""
-    ep1, ep2 = moe_world[0]["roles"][1], moe_world[0]["roles"][2]
+    ep1, ep2 = moe_world[0]["roles"]["ep1"], moe_world[0]["roles"]["ep2"]
     for key in ("ref", "values", "actor_old", "actor_after", "values_after"):
         assert (ep1[key] - ep2[key]).abs().max() <= 1e-6, key
     assert (ep1["actor_after"] - ep1["actor_old"]).abs().max() > 1e-4  # the update moved the policy
     for rank in moe_world:  # each rank's shares of the losses, and the shared values
         for role in ("actor", "critic"):
-            at_ep1, at_ep2 = rank["roles"][1][role], rank["roles"][2][role]
+            at_ep1, at_ep2 = rank["roles"]["ep1"][role], rank["roles"]["ep2"][role]
             assert sorted(at_ep1) == sorted(at_ep2)
             for key, value in at_ep1.items():
                 assert at_ep2[key] == pytest.approx(value, abs=1e-6), key
     assert {"actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "actor/moe/aux_loss"} <= set(ep1["actor"]) | set(
         ep1["critic"])
     assert any(key.startswith("actor/moe/max_load_fraction/") for key in ep1["actor"])
+
+
+def test_actor_ref_critic_at_tp2_equal_ep1(moe_world):
+    """At tp=2 (each expert split over tp, the router on every token as at tp=1) the role outputs equal dp=2's
+    within 1e-6, and so do the step's global metrics (those dp=2's ranks share): grad norms, router losses,
+    routing metrics."""
+    ep1, tp2 = moe_world[0]["roles"]["ep1"], moe_world[0]["roles"]["tp2"]
+    for key in ("ref", "values", "actor_old", "actor_after", "values_after"):
+        assert (ep1[key] - tp2[key]).abs().max() <= 1e-6, key
+    for role in ("actor", "critic"):
+        at_ep1, other_rank = ep1[role], moe_world[1]["roles"]["ep1"][role]
+        shared = [key for key, value in at_ep1.items() if other_rank[key] == pytest.approx(value, abs=1e-9)]
+        assert f"{role}/grad_norm" in shared
+        for key in shared:
+            assert tp2[role][key] == pytest.approx(at_ep1[key], abs=1e-6), key
+        assert moe_world[1]["roles"]["tp2"][role] == tp2[role]
+    assert "actor/moe/aux_loss" in tp2["actor"]
+
+
+def test_checkpoint_with_experts_reloads_bitwise_across_ep2_and_tp2(moe_world):
+    """Saved at dp2 x ep2, loaded at tp2 and saved, loaded back at dp2 x ep2: every full tensor (weights and Adam
+    moments, experts included) bitwise equal."""
+    saves = [{} for _ in moe_world[0]["checkpoint"]["saves"]]
+    for rank in moe_world:
+        for merged, save in zip(saves, rank["checkpoint"]["saves"]):
+            for kind, tensors in save.items():
+                merged.setdefault(kind, {}).update(tensors)
+    first = saves[0]
+    assert sorted(first) == ["exp_avg", "exp_avg_sq", "model"]
+    assert any(".experts.3." in name for name in first["model"]) and first["exp_avg"]["lm_head.weight"].abs().max() > 0
+    for later in saves[1:]:
+        assert sorted(later) == sorted(first)
+        for kind, tensors in first.items():
+            assert sorted(later[kind]) == sorted(tensors)
+            for name, tensor in tensors.items():
+                assert torch.equal(later[kind][name], tensor), (kind, name)
 
 
 def test_native_engine_records_the_routing_the_training_forward_takes(moe_world):
