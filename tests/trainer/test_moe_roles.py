@@ -107,7 +107,9 @@ def _roles_at(paths: dict, cache, layout) -> dict:
     def mesh(role: str) -> RoleMesh:
         return RoleMesh(role, layout, build_layout_groups(layout, cache))
 
-    update = UpdateConfig(micro_batch_size=2, optim=OptimConfig(lr=1e-2))
+    # one row per micro-batch: megatron's router losses are per micro-batch, so every layout must cut the
+    # batch alike (dp=2 and tp=2 do, whatever the balancing)
+    update = UpdateConfig(micro_batch_size=1, optim=OptimConfig(lr=1e-2))
     algo = AlgoConfig(kl=KLConfig(coef=0.1))
     batch = fixed_batch()
     ref = PolicyRole("ref", mesh("ref"), paths["model"], update=None, total_steps=1, micro_batch_size=2)
@@ -172,6 +174,14 @@ def _replay(paths: dict, cache) -> dict:
     out["random"] = random
     out["r3_random_dp2"] = r3.logprobs(dataclasses.replace(permuted, routed_experts_bslk=random[perm]))
     out["r3_random_metrics"] = r3.routing_metrics
+    tp2 = ParallelLayout(tp=2)  # each expert split over tp; the router sees every token
+    r2_tp2 = dataclasses.replace(permuted)
+    role(tp2, "r2", update=True).logprobs(r2_tp2)
+    out["r2_routing_tp2"] = r2_tp2.routed_experts_bslk
+    r3_tp2 = role(tp2, "r3")
+    out["r3_rollout_tp2"] = r3_tp2.logprobs(permuted)
+    out["r3_rollout_tp2_metrics"] = r3_tp2.routing_metrics
+    out["r3_random_tp2"] = r3_tp2.logprobs(dataclasses.replace(batch, routed_experts_bslk=random))
     pp2 = role(ParallelLayout(pp=2), "r3")
     pp2.micro_batch_size = 4
     out["r3_random_pp2"] = pp2.logprobs(dataclasses.replace(batch, routed_experts_bslk=random))
@@ -290,7 +300,6 @@ def test_actor_ref_critic_at_tp2_equal_ep1(moe_world):
         assert f"{role}/grad_norm" in shared
         for key in shared:
             assert tp2[role][key] == pytest.approx(at_ep1[key], abs=1e-6), key
-        assert moe_world[1]["roles"]["tp2"][role] == tp2[role]
     assert "actor/moe/aux_loss" in tp2["actor"]
 
 
@@ -330,6 +339,9 @@ def test_native_engine_records_the_routing_the_training_forward_takes(moe_world)
     assert torch.equal(trained.sort(-1).values[known], rollout_bslk.sort(-1).values[known].to(torch.int16))
     assert replay["r3_rollout_metrics"] == {"router_agreement": 1.0, "router_agreement_all_layers": 1.0}
     assert (replay["r2_logprobs"] - replay["natural"]).abs().max() == 0.0
+    at_tp2 = replay["r2_routing_tp2"]  # at tp=2, R2 records the same routing
+    assert at_tp2.shape == rollout_bslk.shape
+    assert torch.equal(at_tp2.sort(-1).values[known], rollout_bslk.sort(-1).values[known].to(torch.int16))
 
 
 def test_replayed_routing_follows_each_row_through_every_reordering(moe_world):
@@ -349,6 +361,10 @@ def test_replayed_routing_follows_each_row_through_every_reordering(moe_world):
     # dp=2, or kept in order as one micro-batch of 4 per rank... at pp=2 (each stage replays its own layers)
     assert (replay["r3_random_dp2"][unpermute] - replay["r3_random_pp2"]).abs().max() <= 1e-6
     assert moe_world[1]["replay"]["r3_random_pp2"].equal(replay["r3_random_pp2"])
+    # ... and at tp=2, where each rank holds every token's routing while the experts see its share of them
+    assert (replay["r3_random_tp2"] - replay["r3_random_pp2"]).abs().max() <= 1e-6
+    assert (replay["r3_rollout_tp2"] - replay["natural"]).abs().max() <= 1e-6
+    assert replay["r3_rollout_tp2_metrics"] == {"router_agreement": 1.0, "router_agreement_all_layers": 1.0}
     agreement = replay["r3_random_metrics"]["router_agreement"]
     assert 0.0 < agreement < 0.5  # 1 in 6 top-2 sets of 4 experts agree by chance
 
