@@ -425,6 +425,28 @@ def test_grpo_at_ep2_with_routing_replay(moe_setup, tmp_path):
                 assert "rollout/router_agreement" not in row
 
 
+def _grpo_at_tp2(paths: dict, run_root: str) -> list[dict]:
+    from fixtures import run_trainer
+
+    return run_trainer(paths, run_root, ["mesh.actor.tp=2", "mesh.rollout.tp=2", "algo.routing_replay=r3",
+                                         "model.moe.aux_loss_coeff=0.01", "model.moe.z_loss_coeff=0.001",
+                                         "trainer.val_before_train=false"])
+
+
+def test_grpo_with_an_moe_actor_at_tp2(moe_setup, tmp_path):
+    """GRPO end to end with the actor and its native engine at tp=2 (each expert split over tp), R3 and the
+    router losses on: the engine's routing is the training forward's everywhere and the first update is
+    exactly on policy (ppo_kl 0); the rollout logprobs equal the training forward's within 1e-5."""
+    history = run_distributed(_grpo_at_tp2, 2, moe_setup, str(tmp_path), timeout_s=900)[0]
+    steps = [row for row in history if row["step"] > 0]
+    assert len(steps) == 2
+    for row in steps:
+        assert row["actor/ppo_kl"] == 0.0
+        assert row["rollout/router_agreement"] == 1.0
+        assert row["rollout/logprob_diff_max"] < 1e-5
+        assert row["actor/moe/aux_loss"] > 0 and row["actor/grad_norm"] > 0
+
+
 def _split_runs(paths: dict, run_root: str) -> dict:
     from fixtures import run_trainer
 
