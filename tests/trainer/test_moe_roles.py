@@ -428,15 +428,16 @@ def test_grpo_at_ep2_with_routing_replay(moe_setup, tmp_path):
 def _grpo_at_tp2(paths: dict, run_root: str) -> list[dict]:
     from fixtures import run_trainer
 
-    return run_trainer(paths, run_root, ["mesh.actor.tp=2", "mesh.rollout.tp=2", "algo.routing_replay=r3",
-                                         "model.moe.aux_loss_coeff=0.01", "model.moe.z_loss_coeff=0.001",
-                                         "trainer.val_before_train=false"])
+    return run_trainer(paths, run_root, ["mesh.actor.tp=2", "mesh.ref.tp=2", "mesh.rollout.tp=1", "algo.kl.coef=0.01",
+                                         "algo.routing_replay=r3", "model.moe.aux_loss_coeff=0.01",
+                                         "model.moe.z_loss_coeff=0.001", "trainer.val_before_train=false"])
 
 
 def test_grpo_with_an_moe_actor_at_tp2(moe_setup, tmp_path):
-    """GRPO end to end with the actor and its native engine at tp=2 (each expert split over tp), R3 and the
-    router losses on: the engine's routing is the training forward's everywhere and the first update is
-    exactly on policy (ppo_kl 0); the rollout logprobs equal the training forward's within 1e-5."""
+    """GRPO end to end with the actor and the ref at tp=2 (each expert split over tp), the native engine at
+    tp=1 x dp=2 (the experts resharded from tp=2), R3, a KL loss and the router losses on: the engine's routing
+    is the training forward's everywhere and the first update is exactly on policy (ppo_kl 0); the rollout
+    logprobs equal the training forward's within 1e-5."""
     history = run_distributed(_grpo_at_tp2, 2, moe_setup, str(tmp_path), timeout_s=900)[0]
     steps = [row for row in history if row["step"] > 0]
     assert len(steps) == 2
