@@ -60,6 +60,7 @@ def _cpu_factory(factory: Any) -> Any:
 
 
 def _uneven_all_gather(tensor_list: list, tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+    """`dist.all_gather`, where parts of unequal first dimension travel zero-padded to the longest."""
     if async_op or all(part.shape == tensor.shape for part in tensor_list):
         return torch.distributed.all_gather(tensor_list, tensor, group=group, async_op=async_op)
     rows = max(part.shape[0] for part in tensor_list)
@@ -74,10 +75,11 @@ def _uneven_all_gather(tensor_list: list, tensor: torch.Tensor, group: Any = Non
 
 def _list_reduce_scatter(output: torch.Tensor, input_list: list, op: Any = None, group: Any = None,
                          async_op: bool = False) -> None:
+    """`dist.reduce_scatter` of a list (gloo has none): an all-reduce of the whole, this rank's part kept."""
     assert not async_op and op in (None, torch.distributed.ReduceOp.SUM)
     full = torch.cat([part.reshape(part.shape[0], -1) for part in input_list])
     torch.distributed.all_reduce(full, group=group)
-    start = sum(part.shape[0] for part in input_list[:group.rank()])
+    start = sum(part.shape[0] for part in input_list[:torch.distributed.get_rank(group)])
     output.copy_(full[start:start + output.shape[0]].view_as(output))
 
 
