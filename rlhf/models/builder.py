@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from rlhf.models.lm_head import GPTModelWithHiddenOutput
 from rlhf.models.megatron_globals import ensure_memory_buffer, seed_rng_tracker
+from rlhf.models.moe_tp import tensor_parallel_moe_spec
 from rlhf.models.spec import ModelSpec
 from rlhf.models.value_head import ValueHead
 from rlhf.platform import current_device, has_accelerator, megatron_compat
@@ -69,13 +70,16 @@ def _use_transformer_engine() -> bool:
     return True
 
 
-def layer_spec(config: TransformerConfig, pp_rank: int) -> ModuleSpec | TransformerBlockSubmodules:
+def layer_spec(config: TransformerConfig, pp_rank: int,
+               pg_collection: ProcessGroupCollection) -> ModuleSpec | TransformerBlockSubmodules:
     """Transformer-Engine layers on GPU when TE is installed, megatron's local layers otherwise; MoE models
-    get megatron's per-layer block spec (routed and dense layers) for this pipeline stage."""
+    get megatron's per-layer block spec (routed and dense layers) for this pipeline stage, its MoE layers
+    sequence-parallel islands at tp > 1 (`rlhf.models.moe_tp`)."""
     use_te = _use_transformer_engine()
     if config.num_moe_experts:
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
-                                          pp_rank=pp_rank)
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
+                                           pp_rank=pp_rank)
+        return tensor_parallel_moe_spec(block, pg_collection) if config.tensor_model_parallel_size > 1 else block
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -107,7 +111,8 @@ def build_gpt(hf_config: Any, pg_collection: ProcessGroupCollection, *, pre_proc
     seed_rng_tracker(seed, pg_collection.tp.rank())
     ensure_memory_buffer()
     model = GPTModelWithHiddenOutput(
-        config=config, transformer_layer_spec=layer_spec(config, pp_rank), vocab_size=spec.padded_vocab_size(tp),
+        config=config, transformer_layer_spec=layer_spec(config, pp_rank, pg_collection),
+        vocab_size=spec.padded_vocab_size(tp),
         max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         parallel_output=True, share_embeddings_and_output_weights=spec.tie_embeddings and not value_head,
         position_embedding_type="rope", rotary_base=spec.rope_theta, pg_collection=pg_collection)

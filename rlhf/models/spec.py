@@ -102,13 +102,10 @@ class ModelSpec:
                               f"choose tp among the divisors of {self.num_kv_heads}")
         if self.ffn_hidden_size % tp and not (self.moe and all(self.moe.moe_layers)):
             raise ConfigError(f"tp={tp} does not divide intermediate_size={self.ffn_hidden_size}")
-        if self.moe and tp > 1:
-            raise ConfigError(f"tp={tp} with a mixture-of-experts model ({self.model_type}): megatron's MoE layer "
-                              "needs sequence parallelism at tp>1, which rlhf does not run yet; use tp=1 and split "
-                              "the experts with ep")
         if self.moe and self.moe.expert_ffn_hidden_size % tp:
             raise ConfigError(f"tp={tp} does not divide the experts' intermediate size "
-                              f"{self.moe.expert_ffn_hidden_size}; choose tp among its divisors")
+                              f"{self.moe.expert_ffn_hidden_size} (each expert is split over tp: expert-tensor-"
+                              "parallel = tp); choose tp among its divisors")
         if self.num_layers % pp:
             raise ConfigError(f"pp={pp} does not divide num_hidden_layers={self.num_layers}; "
                               f"choose pp among the divisors of {self.num_layers}")

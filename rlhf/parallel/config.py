@@ -59,7 +59,8 @@ ROLES = ("actor", "critic", "ref", "reward", "rollout")
 @dataclass(kw_only=True)
 class RoleLayoutConfig:
     """One role's model parallelism; `ranks: [first, end)` is required for split placement only. `ep` splits a
-    MoE model's experts over that many of the role's data-parallel ranks."""
+    MoE model's experts over that many of the role's data-parallel ranks; at tp > 1 each expert is also split
+    over tp (expert-tensor-parallel = tp)."""
 
     tp: int = 1  # tensor-parallel size
     pp: int = 1  # pipeline-parallel size (rollout: 1)

@@ -15,6 +15,9 @@ against `'torch.cuda.FloatTensor'`). On a CPU-only host this module redirects ex
   stream) are host stand-ins: on the CPU every op is already ordered, so waits and syncs do nothing; its
   host copy of the split sizes (`maybe_move_tensor_to_cpu(..., as_numpy=True)`) returns numpy for a CPU
   tensor too (megatron only converts device tensors, and `all_to_all_single` takes no tensor of sizes);
+- inside `megatron.core.*` modules, list all-gathers and reduce-scatters of unequal sizes (the MoE all-to-all
+  dispatcher's gathers over tp) run as an equal-size padded all-gather and an all-reduce: gloo only takes
+  equal sizes;
 - the MoE router's gating GEMM tests a Transformer-Engine symbol that is never defined without TE (a NameError
   in 0.16.1): it is defined as None, selecting megatron's torch path.
 
@@ -56,6 +59,41 @@ def _cpu_factory(factory: Any) -> Any:
     return wrapped
 
 
+def _uneven_all_gather(tensor_list: list, tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+    """`dist.all_gather`, where parts of unequal first dimension travel zero-padded to the longest."""
+    if async_op or all(part.shape == tensor.shape for part in tensor_list):
+        return torch.distributed.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    rows = max(part.shape[0] for part in tensor_list)
+    padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+    padded[:tensor.shape[0]] = tensor
+    parts = [torch.empty_like(padded) for _ in tensor_list]
+    torch.distributed.all_gather(parts, padded, group=group)
+    for out, part in zip(tensor_list, parts):
+        out.copy_(part[:out.shape[0]])
+    return None
+
+
+def _list_reduce_scatter(output: torch.Tensor, input_list: list, op: Any = None, group: Any = None,
+                         async_op: bool = False) -> None:
+    """`dist.reduce_scatter` of a list (gloo has none): an all-reduce of the whole, this rank's part kept."""
+    assert not async_op and op in (None, torch.distributed.ReduceOp.SUM)
+    full = torch.cat([part.reshape(part.shape[0], -1) for part in input_list])
+    torch.distributed.all_reduce(full, group=group)
+    start = sum(part.shape[0] for part in input_list[:torch.distributed.get_rank(group)])
+    output.copy_(full[start:start + output.shape[0]].view_as(output))
+
+
+class _HostDistributed(types.ModuleType):
+    """Stands in for `torch.distributed` inside megatron.core modules: unequal list collectives for gloo."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.distributed")
+        self.all_gather, self.reduce_scatter = _uneven_all_gather, _list_reduce_scatter
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.distributed, name)
+
+
 class _CpuTorch(types.ModuleType):
     """Stands in for `torch` inside megatron.core modules: factories keep CUDA devices off the CPU host."""
 
@@ -64,6 +102,7 @@ class _CpuTorch(types.ModuleType):
         setattr(self, _PROXY_MARK, True)
         for name in _FACTORIES:
             setattr(self, name, _cpu_factory(getattr(torch, name)))
+        self.distributed = _HostDistributed()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)

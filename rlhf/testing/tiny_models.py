@@ -8,7 +8,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, MixtralConfig, Pret
                           Qwen3MoeConfig)
 
 FAMILIES = ("llama", "qwen2", "qwen3")  # dense: every tp
-MOE_FAMILIES = ("qwen3_moe", "mixtral")  # routed: tp=1
+MOE_FAMILIES = ("qwen3_moe", "mixtral")  # routed
 
 
 def tiny_hf_config(family: str, *, vocab_size: int = 101, hidden_size: int = 64, num_layers: int = 2,

@@ -50,11 +50,13 @@ def test_moe_layers_follow_mlp_only_layers_and_decoder_sparse_step():
     assert "decoder.layers.1.mlp.linear_fc1.weight" in specs and "decoder.layers.1.mlp.router.weight" not in specs
 
 
-def test_moe_at_tp2_is_rejected_until_sequence_parallel():
+def test_moe_at_tp2_splits_each_expert_and_rejects_an_odd_expert_width():
+    specs = {p.name: p for p in param_specs(mixtral_config(num_local_experts=3), ParallelLayout(tp=2))}
+    assert specs["decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight"].shard_shape(2) == (48, 64)
     with pytest.raises(ConfigError) as error:
-        param_specs(mixtral_config(), ParallelLayout(tp=2))
-    assert _one_line(error).startswith("tp=2 with a mixture-of-experts model (mixtral): megatron's MoE layer needs "
-                                       "sequence parallelism at tp>1")
+        param_specs(mixtral_config(intermediate_size=49), ParallelLayout(tp=2))
+    assert _one_line(error) == ("tp=2 does not divide the experts' intermediate size 49 (each expert is split over "
+                                "tp: expert-tensor-parallel = tp); choose tp among its divisors")
 
 
 @pytest.mark.parametrize("tp,pp,message", [

@@ -21,18 +21,23 @@ from tests.models.tiny import (VOCAB, llama_config, mistral_config, mixtral_conf
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))
 # (model, tp, pp, recompute, micro-batches): Llama GQA untied and Qwen2 qkv-bias tied on every layout (1F1B
 # with 2 micro-batches at pp=2); MQA with activation recompute; Qwen3 (q/k norms, head_dim != hidden/heads) on
-# every layout; the MoE models (Qwen3-MoE with a dense layer, Mixtral) at tp=1 (megatron's MoE layer needs
-# sequence parallelism at tp>1).
+# every layout; the MoE models (Qwen3-MoE with a dense layer, Mixtral) on every layout, at tp=2 each expert split
+# over tp (rlhf.models.moe_tp), including 3 experts with dense layers from decoder_sparse_step=2.
 CASES = [(name, tp, pp, False, pp, 1) for name in ("llama", "qwen2", "qwen3") for tp, pp in LAYOUTS] + [
     ("mqa", 1, 1, False, 1, 1), ("mqa", 1, 2, True, 2, 1), ("mistral", 1, 1, False, 1, 1),
     ("mistral", 2, 1, False, 1, 1), ("qwen3_moe", 1, 1, False, 1, 1), ("qwen3_moe", 1, 2, False, 2, 1),
     ("mixtral", 1, 1, False, 1, 1), ("mixtral", 1, 2, True, 2, 1),
     # expert parallelism (the experts split over the dp ranks): ep2 of dp4, ep2 x pp2, ep4
     ("qwen3_moe", 1, 1, False, 1, 2), ("qwen3_moe", 1, 2, False, 2, 2), ("mixtral", 1, 1, False, 1, 4),
-    ("mixtral", 1, 2, True, 2, 2)]
+    ("mixtral", 1, 2, True, 2, 2),
+    # tensor parallelism: tp2 (dp2), tp2 x pp2, tp2 x ep2 (dp2, all-to-all dispatcher), 3 experts at tp2 x pp2
+    ("qwen3_moe", 2, 1, False, 1, 1), ("qwen3_moe", 2, 2, False, 2, 1), ("mixtral", 2, 1, False, 1, 2),
+    ("moe3", 1, 1, False, 1, 1), ("moe3", 2, 2, True, 2, 1)]
 CASE_IDS = [case[:3] + case[5:] for case in CASES]
 VALUE_CASES = [("llama", 2, 2), ("qwen3", 2, 2), ("qwen3_moe", 1, 2)]
 TOKENS = dict(batch=2, seq=12)
+ROUTER_LOSSES = {"aux_loss_coeff": 0.1, "z_loss_coeff": 0.01}
+ROUTER_LOSS_LAYOUTS = [(1, 1, {}), (1, 1, ROUTER_LOSSES), (2, 1, ROUTER_LOSSES), (2, 2, ROUTER_LOSSES)]
 
 
 def _world(paths: dict[str, str], out_root: str, cases, skip_value_head: bool = False) -> dict:
@@ -47,7 +52,9 @@ def _world(paths: dict[str, str], out_root: str, cases, skip_value_head: bool = 
     tokens = sample_tokens(TOKENS["batch"], TOKENS["seq"])
     read_names = world.record_hf_reads()
     for name, tp, pp, recompute, num_micro_batches, ep in cases:
-        model, groups = world.layout_model(paths[name], tp, pp, cache, ep=ep, recompute=recompute)
+        dispatcher = "alltoall" if (name, tp, ep) == ("mixtral", 2, 2) else "allgather"
+        model, groups = world.layout_model(paths[name], tp, pp, cache, ep=ep, recompute=recompute,
+                                           moe_kwargs={"token_dispatcher": dispatcher})
         micro_batches = [world.MicroBatch(part) for part in tokens.chunk(num_micro_batches)]
         loss_fn = world.rl_loss(groups, VOCAB, scale=1.0 / num_micro_batches)
         reports = forward_backward(model, micro_batches, loss_fn, groups)
@@ -65,6 +72,9 @@ def _world(paths: dict[str, str], out_root: str, cases, skip_value_head: bool = 
             results[f"value-{name}"] = world.value_head_round_trip(paths[name], out_root, cache, tokens,
                                                                    f"value-{name}", tp, pp)
         results["padded"] = world.padded_logits(paths["llama"], cache, *_padded_batch())
+        for tp, ep, losses in ROUTER_LOSS_LAYOUTS:
+            grads = world.router_loss_step_grads(paths["qwen3_moe"], cache, tp, ep, losses)
+            results[("router_losses", tp, ep, bool(losses))] = {"grads": grads}
     return results
 
 
@@ -136,7 +146,8 @@ def parity(tmp_path_factory):
     root = tmp_path_factory.mktemp("parity")
     configs = {"llama": llama_config(), "qwen2": qwen2_config(), "mqa": llama_config(num_key_value_heads=1),
                "mistral": mistral_config(),
-               "qwen3": qwen3_config(), "qwen3_moe": qwen3_moe_config(), "mixtral": mixtral_config()}
+               "qwen3": qwen3_config(), "qwen3_moe": qwen3_moe_config(), "mixtral": mixtral_config(),
+               "moe3": qwen3_moe_config(num_experts=3, mlp_only_layers=[], decoder_sparse_step=2)}
     paths = {name: str(root / name) for name in configs}
     hf_models = {name: save_hf_model(config, paths[name], seed=seed)
                  for seed, (name, config) in enumerate(configs.items())}
@@ -228,3 +239,20 @@ def test_each_expert_parallel_rank_reads_only_its_own_experts(parity):
         experts = {int(n.split(".experts.")[1].split(".")[0]) for n in reads[("read", rank)] if ".experts." in n}
         assert experts == {rank}, (rank, experts)
         assert "model.layers.0.block_sparse_moe.gate.weight" in reads[("read", rank)]
+
+
+def test_router_loss_grads_at_tp2_and_tp2_ep2_equal_tp1(parity):
+    """One TrainEngine step with the aux and z router losses on, on a padded batch whose token count tp does not
+    divide: every grad (router weights included) at tp2 (dp2) and tp2 x ep2 (dp2) equals tp1's (dp4) within 1e-6
+    (relative to the tensor's largest grad where that exceeds 1);
+    the router losses do move the router grads."""
+    results = parity[3]
+    reference = results[("router_losses", 1, 1, True)]["grads"]
+    without = results[("router_losses", 1, 1, False)]["grads"]
+    router = [name for name in reference if name.endswith("mlp.gate.weight")]
+    assert router and max(np.abs(reference[name] - without[name]).max() for name in router) > 1e-4
+    for tp, ep in ((2, 1), (2, 2)):
+        got = results[("router_losses", tp, ep, True)]["grads"]
+        assert sorted(got) == sorted(reference)
+        for name, grad in reference.items():
+            assert np.abs(got[name] - grad).max() <= 1e-6 * max(1.0, np.abs(grad).max()), (tp, ep, name)

@@ -129,3 +129,42 @@ def record_hf_reads() -> set[str]:
 
     HfFolder.slice = recording_slice
     return names
+
+
+@dataclass
+class PaddedMicroBatch:
+    tokens_bs: torch.Tensor
+    padding_mask_bs: torch.Tensor  # True on padding: left out of the loss and of the router losses
+
+
+def router_loss_step_grads(path: str, cache: GroupCache, tp: int, ep: int, router_losses: dict) -> dict:
+    """One TrainEngine step's grads (HF names, this rank's share) on 4 rows of 7 tokens with padding, split over
+    dp, one micro-batch per row (the router losses are per micro-batch: every layout must cut alike): the loss
+    is the mean -logprob over every real token, plus the router losses (`MoeConfig` fields)."""
+    from rlhf.models.config import MoeConfig
+    from rlhf.train.config import OptimConfig
+    from rlhf.train.engine import TrainEngine
+
+    layout = ParallelLayout.for_world(dist.get_world_size(), tp=tp, pp=1, ep=ep)
+    groups = build_layout_groups(layout, cache)
+    model = build_gpt(AutoConfig.from_pretrained(path), groups, moe_kwargs=MoeConfig(**router_losses).build_kwargs())
+    load_hf_weights(model, path)
+    tokens = torch.randint(0, model.rlhf_spec.vocab_size, (4, 7), generator=torch.Generator().manual_seed(5))
+    padding = torch.zeros(4, 7, dtype=torch.bool)
+    padding[0, 5:] = padding[2, :2] = True
+    num_real = int((~padding).sum())
+
+    def loss_fn(logits_bsv, micro_batch):
+        logprobs = token_logprobs(logits_bsv, micro_batch.tokens_bs, groups.tp, model.rlhf_spec.vocab_size)
+        return -(logprobs * ~micro_batch.padding_mask_bs).sum() / num_real, {}
+
+    engine = TrainEngine(model, groups, OptimConfig(lr=1e-3, total_steps=1, clip_grad=0.0))
+    rows = range(groups.dp.rank(), 4, groups.dp.size())
+    engine.train_step([PaddedMicroBatch(tokens[row:row + 1], padding[row:row + 1]) for row in rows], loss_fn)
+    grads: dict[str, np.ndarray] = {}
+    for param_spec, param in stage_params(model, param_specs_for(model)):
+        shards = [torch.empty_like(param.main_grad) for _ in range(groups.tp.size())]
+        dist.all_gather(shards, param.main_grad.contiguous(), group=groups.tp)
+        if groups.tp.rank() == 0 and (groups.expt_dp if param_spec.expert is not None else groups.dp).rank() == 0:
+            grads.update({name: t.numpy() for name, t in merge_shards(param_spec, shards, model.rlhf_spec).items()})
+    return grads

@@ -94,22 +94,22 @@ def _router_loss_grads(path: str, cache) -> dict:
     return out
 
 
-def _roles_at(paths: dict, cache, ep: int) -> dict:
-    """Ref logprobs, the actor's update (router losses on, KL loss to the ref) and the critic's, at dp=2 x ep."""
+def _roles_at(paths: dict, cache, layout) -> dict:
+    """Ref logprobs, the actor's update (router losses on, KL loss to the ref) and the critic's, at `layout`."""
     from rlhf.algo.kl import KLConfig
     from rlhf.parallel.groups import build_layout_groups
-    from rlhf.parallel.layout import ParallelLayout
     from rlhf.parallel.meshes import RoleMesh
     from rlhf.train.config import OptimConfig
     from rlhf.trainer.config import AlgoConfig, UpdateConfig
     from rlhf.trainer.roles import CriticRole, PolicyRole
 
-    layout = ParallelLayout(dp=2, ep=ep)
 
     def mesh(role: str) -> RoleMesh:
         return RoleMesh(role, layout, build_layout_groups(layout, cache))
 
-    update = UpdateConfig(micro_batch_size=2, optim=OptimConfig(lr=1e-2))
+    # one row per micro-batch: megatron's router losses are per micro-batch, so every layout must cut the
+    # batch alike (dp=2 and tp=2 do, whatever the balancing)
+    update = UpdateConfig(micro_batch_size=1, optim=OptimConfig(lr=1e-2))
     algo = AlgoConfig(kl=KLConfig(coef=0.1))
     batch = fixed_batch()
     ref = PolicyRole("ref", mesh("ref"), paths["model"], update=None, total_steps=1, micro_batch_size=2)
@@ -174,6 +174,14 @@ def _replay(paths: dict, cache) -> dict:
     out["random"] = random
     out["r3_random_dp2"] = r3.logprobs(dataclasses.replace(permuted, routed_experts_bslk=random[perm]))
     out["r3_random_metrics"] = r3.routing_metrics
+    tp2 = ParallelLayout(tp=2)  # each expert split over tp; the router sees every token
+    r2_tp2 = dataclasses.replace(permuted)
+    role(tp2, "r2", update=True).logprobs(r2_tp2)
+    out["r2_routing_tp2"] = r2_tp2.routed_experts_bslk
+    r3_tp2 = role(tp2, "r3")
+    out["r3_rollout_tp2"] = r3_tp2.logprobs(permuted)
+    out["r3_rollout_tp2_metrics"] = r3_tp2.routing_metrics
+    out["r3_random_tp2"] = r3_tp2.logprobs(dataclasses.replace(batch, routed_experts_bslk=random))
     pp2 = role(ParallelLayout(pp=2), "r3")
     pp2.micro_batch_size = 4
     out["r3_random_pp2"] = pp2.logprobs(dataclasses.replace(batch, routed_experts_bslk=random))
@@ -183,12 +191,51 @@ def _replay(paths: dict, cache) -> dict:
     return out
 
 
+def _checkpoint_across_layouts(path: str, cache) -> dict:
+    """Layout-free checkpoints with experts: one step at dp2 x ep2 (distributed optimizer), saved; loaded at tp2
+    (each expert split over tp), saved again; loaded back at dp2 x ep2. Each save's full tensors (weights and
+    Adam moments, this rank's share), kind -> HF name -> tensor."""
+    from pathlib import Path
+
+    from rlhf.checkpoint import CheckpointManager, tensor_folders
+    from rlhf.parallel.groups import build_layout_groups
+    from rlhf.parallel.layout import ParallelLayout
+    from rlhf.train.config import OptimConfig
+    from rlhf.train.engine import TrainEngine
+    from tests.models.world import MicroBatch
+
+    def engine(layout: ParallelLayout) -> TrainEngine:
+        groups = build_layout_groups(layout, cache)
+        return TrainEngine(_model(path, groups, **vars(ROUTER_LOSSES)), groups,
+                           OptimConfig(lr=1e-2, total_steps=2, use_distributed_optimizer=layout.dp > 1))
+
+    def save(source: TrainEngine, step: int) -> tuple:
+        manager = CheckpointManager(f"{path}-ckpt")
+        written = manager.save(step, {"engine": source.state_dict()}, tensors={"engine": source.checkpoint_tensors()})
+        state, manifest = manager.load(Path(written))
+        return state["engine"], tensor_folders(Path(written), manifest, "engine")
+
+    ep2, tp2 = ParallelLayout(dp=2, ep=2), ParallelLayout(tp=2)
+    first = engine(ep2)
+    first.train_step([MicroBatch(fixed_batch(1).tokens_bs)], lambda logits, _: (logits.float().square().mean(), {}))
+    saves = [first.checkpoint_tensors()]
+    for layout in (tp2, ep2):
+        loaded = engine(layout)
+        loaded.load_state_dict(*save(first, len(saves)))
+        saves.append(loaded.checkpoint_tensors())
+        first = loaded
+    return {"saves": saves}
+
+
 def _world(paths: dict) -> dict:
     from rlhf.parallel.groups import GroupCache
+    from rlhf.parallel.layout import ParallelLayout
 
     cache = GroupCache()
+    layouts = {"ep1": ParallelLayout(dp=2), "ep2": ParallelLayout(dp=2, ep=2), "tp2": ParallelLayout(tp=2)}
     return {"router_losses": _router_loss_grads(paths["model"], cache),
-            "roles": {ep: _roles_at(paths, cache, ep) for ep in (1, 2)}, "replay": _replay(paths, cache)}
+            "roles": {name: _roles_at(paths, cache, layout) for name, layout in layouts.items()},
+            "replay": _replay(paths, cache), "checkpoint": _checkpoint_across_layouts(paths["model"], cache)}
 
 
 @pytest.fixture(scope="module")
@@ -225,19 +272,54 @@ def test_actor_ref_critic_at_ep2_equal_ep1(moe_world):
     """The RL step's role outputs at ep=2 (each rank holds half the experts) equal ep=1's within 1e-6:
     ref and old logprobs, values, the actor's losses/grad norm/routing metrics and the weights after the step
     (seen through the logprobs and values after it)."""
-    ep1, ep2 = moe_world[0]["roles"][1], moe_world[0]["roles"][2]
+    ep1, ep2 = moe_world[0]["roles"]["ep1"], moe_world[0]["roles"]["ep2"]
     for key in ("ref", "values", "actor_old", "actor_after", "values_after"):
         assert (ep1[key] - ep2[key]).abs().max() <= 1e-6, key
     assert (ep1["actor_after"] - ep1["actor_old"]).abs().max() > 1e-4  # the update moved the policy
     for rank in moe_world:  # each rank's shares of the losses, and the shared values
         for role in ("actor", "critic"):
-            at_ep1, at_ep2 = rank["roles"][1][role], rank["roles"][2][role]
+            at_ep1, at_ep2 = rank["roles"]["ep1"][role], rank["roles"]["ep2"][role]
             assert sorted(at_ep1) == sorted(at_ep2)
             for key, value in at_ep1.items():
                 assert at_ep2[key] == pytest.approx(value, abs=1e-6), key
     assert {"actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "actor/moe/aux_loss"} <= set(ep1["actor"]) | set(
         ep1["critic"])
     assert any(key.startswith("actor/moe/max_load_fraction/") for key in ep1["actor"])
+
+
+def test_actor_ref_critic_at_tp2_equal_ep1(moe_world):
+    """At tp=2 (each expert split over tp, the router on every token as at tp=1) the role outputs equal dp=2's
+    within 1e-6, and so do the step's global metrics (those dp=2's ranks share): grad norms, router losses,
+    routing metrics."""
+    ep1, tp2 = moe_world[0]["roles"]["ep1"], moe_world[0]["roles"]["tp2"]
+    for key in ("ref", "values", "actor_old", "actor_after", "values_after"):
+        assert (ep1[key] - tp2[key]).abs().max() <= 1e-6, key
+    for role in ("actor", "critic"):
+        at_ep1, other_rank = ep1[role], moe_world[1]["roles"]["ep1"][role]
+        shared = [key for key, value in at_ep1.items() if other_rank[key] == pytest.approx(value, abs=1e-9)]
+        assert f"{role}/grad_norm" in shared
+        for key in shared:
+            assert tp2[role][key] == pytest.approx(at_ep1[key], abs=1e-6), key
+    assert "actor/moe/aux_loss" in tp2["actor"]
+
+
+def test_checkpoint_with_experts_reloads_bitwise_across_ep2_and_tp2(moe_world):
+    """Saved at dp2 x ep2, loaded at tp2 and saved, loaded back at dp2 x ep2: every full tensor (weights and Adam
+    moments, experts included) bitwise equal."""
+    saves = [{} for _ in moe_world[0]["checkpoint"]["saves"]]
+    for rank in moe_world:
+        for merged, save in zip(saves, rank["checkpoint"]["saves"]):
+            for kind, tensors in save.items():
+                merged.setdefault(kind, {}).update(tensors)
+    first = saves[0]
+    assert sorted(first) == ["exp_avg", "exp_avg_sq", "model"]
+    assert any(".experts.3." in name for name in first["model"]) and first["exp_avg"]["lm_head.weight"].abs().max() > 0
+    for later in saves[1:]:
+        assert sorted(later) == sorted(first)
+        for kind, tensors in first.items():
+            assert sorted(later[kind]) == sorted(tensors)
+            for name, tensor in tensors.items():
+                assert torch.equal(later[kind][name], tensor), (kind, name)
 
 
 def test_native_engine_records_the_routing_the_training_forward_takes(moe_world):
@@ -257,6 +339,9 @@ def test_native_engine_records_the_routing_the_training_forward_takes(moe_world)
     assert torch.equal(trained.sort(-1).values[known], rollout_bslk.sort(-1).values[known].to(torch.int16))
     assert replay["r3_rollout_metrics"] == {"router_agreement": 1.0, "router_agreement_all_layers": 1.0}
     assert (replay["r2_logprobs"] - replay["natural"]).abs().max() == 0.0
+    at_tp2 = replay["r2_routing_tp2"]  # at tp=2, R2 records the same routing
+    assert at_tp2.shape == rollout_bslk.shape
+    assert torch.equal(at_tp2.sort(-1).values[known], rollout_bslk.sort(-1).values[known].to(torch.int16))
 
 
 def test_replayed_routing_follows_each_row_through_every_reordering(moe_world):
@@ -276,6 +361,10 @@ def test_replayed_routing_follows_each_row_through_every_reordering(moe_world):
     # dp=2, or kept in order as one micro-batch of 4 per rank... at pp=2 (each stage replays its own layers)
     assert (replay["r3_random_dp2"][unpermute] - replay["r3_random_pp2"]).abs().max() <= 1e-6
     assert moe_world[1]["replay"]["r3_random_pp2"].equal(replay["r3_random_pp2"])
+    # ... and at tp=2, where each rank holds every token's routing while the experts see its share of them
+    assert (replay["r3_random_tp2"] - replay["r3_random_pp2"]).abs().max() <= 1e-6
+    assert (replay["r3_rollout_tp2"] - replay["natural"]).abs().max() <= 1e-6
+    assert replay["r3_rollout_tp2_metrics"] == {"router_agreement": 1.0, "router_agreement_all_layers": 1.0}
     agreement = replay["r3_random_metrics"]["router_agreement"]
     assert 0.0 < agreement < 0.5  # 1 in 6 top-2 sets of 4 experts agree by chance
 
@@ -334,6 +423,29 @@ def test_grpo_at_ep2_with_routing_replay(moe_setup, tmp_path):
                 assert row["rollout/router_agreement"] == 1.0
             else:
                 assert "rollout/router_agreement" not in row
+
+
+def _grpo_at_tp2(paths: dict, run_root: str) -> list[dict]:
+    from fixtures import run_trainer
+
+    return run_trainer(paths, run_root, ["mesh.actor.tp=2", "mesh.ref.tp=2", "mesh.rollout.tp=1", "algo.kl.coef=0.01",
+                                         "algo.routing_replay=r3", "model.moe.aux_loss_coeff=0.01",
+                                         "model.moe.z_loss_coeff=0.001", "trainer.val_before_train=false"])
+
+
+def test_grpo_with_an_moe_actor_at_tp2(moe_setup, tmp_path):
+    """GRPO end to end with the actor and the ref at tp=2 (each expert split over tp), the native engine at
+    tp=1 x dp=2 (the experts resharded from tp=2), R3, a KL loss and the router losses on: the engine's routing
+    is the training forward's everywhere and the first update is exactly on policy (ppo_kl 0); the rollout
+    logprobs equal the training forward's within 1e-5."""
+    history = run_distributed(_grpo_at_tp2, 2, moe_setup, str(tmp_path), timeout_s=900)[0]
+    steps = [row for row in history if row["step"] > 0]
+    assert len(steps) == 2
+    for row in steps:
+        assert row["actor/ppo_kl"] == 0.0
+        assert row["rollout/router_agreement"] == 1.0
+        assert row["rollout/logprob_diff_max"] < 1e-5
+        assert row["actor/moe/aux_loss"] > 0 and row["actor/grad_norm"] > 0
 
 
 def _split_runs(paths: dict, run_root: str) -> dict:

@@ -2,7 +2,9 @@
 
 Each expert runs once per forward on the rows routed to it (gathered by index), its output scaled by the
 token's routing weight and added back in place; experts no row picked are skipped. Routing is computed in
-fp32 like megatron's (`moe_router_dtype="fp32"`), so greedy choices match the training forward's.
+fp32 like megatron's (`moe_router_dtype="fp32"`), so greedy choices match the training forward's. At tp > 1
+every rank routes every token and holds its tp shard of each expert: the output is a partial sum the caller
+all-reduces over tp, like a dense MLP's.
 """
 
 from __future__ import annotations
