@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fixtures import make_tiny_setup, run_trainer, trainer_config  # noqa: E402
@@ -25,11 +26,35 @@ def tiny(tmp_path_factory):
     return make_tiny_setup(tmp_path_factory.mktemp("tiny"), num_val=4)
 
 
+def _recorded_run(paths, root, overrides):
+    """A trainer run that also returns the batch of every actor update (on its ranks) and the prompt batches
+    this rank's loader gave out."""
+    from rlhf.orchestration.loop import Trainer
+    from rlhf.orchestration.preflight import preflight
+    from rlhf.run_dir import close_run, setup_run
+
+    import torch.distributed as dist
+
+    cfg = trainer_config(paths, root, overrides)
+    preflight(cfg, dist.get_world_size())
+    run_dir = setup_run(cfg.run, cfg, defer_config=True)
+    try:
+        trainer, batches = Trainer(cfg, run_dir), []
+        update = trainer.stack.actor.update
+        trainer.stack.actor.update = lambda batch, algo: (batches.append(batch), update(batch, algo))[1]
+        history = trainer.fit()
+        return {"history": history, "batches": batches, "consumed": trainer.loader.sampler.consumed_batches}
+    finally:
+        close_run()
+
+
 def _runs(paths, root):
-    reward = Path(root) / "length_reward.py"  # a dense signal, so each update moves the weights
-    reward.write_text("def score(data_source, solution, ground_truth, extra_info):\n"
-                      "    return float(len(solution) % 2)\n")
-    common = ["reward.by_source={}", f"reward.function={reward}:score"]
+    rewards = Path(root) / "rewards.py"
+    rewards.write_text("def length(data_source, solution, ground_truth, extra_info):\n"  # dense: updates move
+                       "    return float(len(solution) % 2)\n"
+                       "def odd_only(data_source, solution, ground_truth, extra_info):\n"  # even answers: all 0
+                       "    return float(len(solution) % 2) if int(ground_truth) % 2 else 0.0\n")
+    common = ["reward.by_source={}", f"reward.function={rewards}:length"]
     sync = run_trainer(paths, f"{root}/sync", SPLIT + common + ["trainer.total_steps=2"])
     full = run_trainer(paths, f"{root}/full", ASYNC + common + ["trainer.total_steps=4"])
     run_trainer(paths, f"{root}/split", ASYNC + common + ["trainer.total_steps=2"])
@@ -40,43 +65,58 @@ def _runs(paths, root):
     partial_full = run_trainer(paths, f"{root}/partial_full", partial + ["trainer.total_steps=4"])
     run_trainer(paths, f"{root}/partial", partial + ["trainer.total_steps=2"])
     partial_resumed = run_trainer(paths, f"{root}/partial", partial + ["trainer.total_steps=4"])
-    return sync, full, resumed, two_off, partial_full, partial_resumed
+    # DAPO dynamic sampling: groups of an even answer all score 0 and are dropped; up to 3 rounds per batch
+    sampling = ["reward.by_source={}", f"reward.function={rewards}:odd_only", "algo.filter_groups.enable=true",
+                "algo.filter_groups.max_num_gen_batches=3", "trainer.val_every=0", "run.name=ds"]
+    ds_sync = _recorded_run(paths, f"{root}/ds_sync", SPLIT + sampling + ["trainer.total_steps=1"])
+    ds_full = _recorded_run(paths, f"{root}/ds_full", ASYNC + sampling + ["trainer.total_steps=4"])
+    _recorded_run(paths, f"{root}/ds", ASYNC + sampling + ["trainer.total_steps=2"])
+    ds_resumed = _recorded_run(paths, f"{root}/ds", ASYNC + sampling + ["trainer.total_steps=4"])
+    return {"sync": sync, "full": full, "resumed": resumed, "two_off": two_off, "partial_full": partial_full,
+            "partial_resumed": partial_resumed, "ds_sync": ds_sync, "ds_full": ds_full, "ds_resumed": ds_resumed}
+
+
+@pytest.fixture(scope="module")
+def world(tiny, tmp_path_factory):
+    """Every 2-rank run of this file in one launched world: per rank, the runs' results."""
+    root = tmp_path_factory.mktemp("async")
+    return root, run_distributed(_runs, 2, tiny, str(root), timeout_s=600)
 
 
 def _comparable(row):
     return {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/throughput", "memory/"))}
 
 
-def test_one_step_off_samples_one_version_behind_and_resumes_with_the_batch_in_flight(tiny, tmp_path):
-    sync, full, resumed, two_off, partial_full, partial_resumed = run_distributed(_runs, 2, tiny, str(tmp_path),
-                                                                               timeout_s=600)[0]
-    # Step 1 trains on the batch both modes sample from the initial policy with step 1's seed: identical.
-    assert _comparable(full[0]) == _comparable(sync[0])
-    assert [row["rollout/staleness_max"] for row in full] == [0.0, 1.0, 1.0, 1.0]
-    assert [row["rollout/staleness_mean"] for row in full] == [0.0, 1.0, 1.0, 1.0]
-    assert sync[1]["rollout/staleness_max"] == 0.0
-    assert [row["rollout/staleness_max"] for row in two_off] == [0.0, 1.0, 2.0]  # k-step-off: k batches ahead
-    # From step 2 the rollout sampled with the weights before the last update; the actor's recomputed old
-    # logprobs see the difference (synchronous: one rounding apart), and token TIS reweights it.
-    assert sync[1]["rollout/logprob_diff_max"] < 1e-5
-    assert all(row["rollout/logprob_diff_max"] > 1e-3 for row in full[1:])
-    spread = [row["rollout_corr/is_weight_max"] - row["rollout_corr/is_weight_min"] for row in (sync[1], full[1])]
-    assert spread[0] < 1e-4 < 1e-3 < spread[1], spread
-    # The checkpoint at step 2 holds batch 3 (generated during step 2), so the resumed run is the same run.
-    assert [row["step"] for row in resumed] == [3, 4]
-    assert [_comparable(r) for r in full[2:]] == [_comparable(r) for r in resumed]
-    step_2 = tmp_path / "split/r/checkpoints/step_2"
-    assert (step_2 / "async_in_flight.safetensors").is_file()
-    assert "val/score/mean@1" in full[-1]
-    # Partial rollouts (2 tokens per row, then the rest after the next push): from step 3 a batch mixes tokens
-    # two and one versions behind; the checkpoint holds the started batch, so the resume is exact again.
-    assert [row["rollout/staleness_max"] for row in partial_full] == [0.0, 1.0, 2.0, 2.0]
-    assert all(1.0 < row["rollout/staleness_mean"] < 2.0 for row in partial_full[2:])
-    assert [_comparable(r) for r in partial_full[2:]] == [_comparable(r) for r in partial_resumed]
-    from rlhf.state_file import decode_state
-
-    rollout_state = decode_state((tmp_path / "partial/p/checkpoints/step_2/rank1.safetensors").read_bytes(), "rank1")
-    assert rollout_state["async"]["started"]["index"] == 4  # batch 3 was exchanged at step 2; batch 4 began
+def test_one_step_off_samples_one_version_behind_and_resumes_with_the_batch_in_flight(world):
+    tmp_path, ranks = world
+    runs = ranks[0]
+    sync, full, resumed, two_off = runs["sync"], runs["full"], runs["resumed"], runs["two_off"]
+    partial_full, partial_resumed = runs["partial_full"], runs["partial_resumed"]
+def test_dynamic_sampling_rounds_run_on_the_rollout_rank_and_resume_with_the_batch_in_flight(world):
+    ranks = world[1]
+    trainer, rollout = ranks[0], ranks[1]
+    sync, full, resumed = trainer["ds_sync"], trainer["ds_full"], trainer["ds_resumed"]
+    # Batch 1 (sampled by v0 in both modes): the same rounds (seeds, loader batches), the same filled batch.
+    trained = [{k: v for k, v in _comparable(run["history"][0]).items() if not k.startswith("val/")}
+               for run in (full, sync)]  # the 1-step run validates at its end
+    assert trained[0] == trained[1]
+    first, again = sync["batches"][0], full["batches"][0]
+    for name, value in vars(first).items():
+        theirs = getattr(again, name)
+        assert torch.equal(value, theirs) if isinstance(value, torch.Tensor) else value == theirs, name
+    rounds = [row["dynamic_sampling/gen_rounds"] for row in full["history"]]
+    assert max(rounds) > 1 and sum(row["dynamic_sampling/dropped_groups"] for row in full["history"]) > 0
+    for row, batch in zip(full["history"], full["batches"]):
+        assert row["dynamic_sampling/kept_groups"] + row["dynamic_sampling/filled_groups"] == 4
+        assert batch.size == 4 * 4 and int(batch.group_index_b.max()) == 3
+    # The rounds are decided by the rollout rank alone: its loader gave out every round of batches 1..5 (batch 5
+    # is in flight after step 4); the trainer's loader gave out nothing.
+    assert trainer["ds_full"]["consumed"] == 0 and rollout["ds_full"]["consumed"] > sum(rounds)
+    assert rollout["ds_sync"]["consumed"] == trainer["ds_sync"]["consumed"] == rounds[0]
+    # Resumed from step 2 (batch 3 in flight, its rounds' metrics held by the rollout rank): the same run.
+    assert [row["step"] for row in resumed["history"]] == [3, 4]
+    assert [_comparable(r) for r in full["history"][2:]] == [_comparable(r) for r in resumed["history"]]
+    assert rollout["ds_resumed"]["consumed"] == rollout["ds_full"]["consumed"]
 
 
 def _check(tiny, tmp_path, overrides):
@@ -94,8 +134,10 @@ def test_async_configs_that_cannot_overlap_are_refused(tiny, tmp_path):
                                           r"\[0, 2\]"):
         _check(tiny, tmp_path, ["trainer.async_mode=one_step_off", "mesh.placement=split",
                                 "mesh.actor={ranks: [0, 2]}", "mesh.rollout={ranks: [0, 2]}"])
-    with pytest.raises(ConfigError, match=r"algo\.filter_groups\.enable=true yet"):
-        _check(tiny, tmp_path, ASYNC + ["algo.filter_groups.enable=true"])
+    with pytest.raises(ConfigError, match=r"^trainer\.partial_rollout_tokens=2 cannot be combined with "
+                                          r"algo\.filter_groups\.enable=true yet"):
+        _check(tiny, tmp_path, ASYNC + ["algo.filter_groups.enable=true", "trainer.partial_rollout_tokens=2",
+                                        "trainer.max_staleness=2"])
     with pytest.raises(ConfigError, match=r"set actor\.recompute_old_logprobs=true"):
         _check(tiny, tmp_path, ASYNC + ["actor.recompute_old_logprobs=false", "algo.rollout_correction.enable=false"])
     with pytest.raises(ConfigError, match=r"^trainer\.max_staleness=0 must be >= 1"):
@@ -107,6 +149,7 @@ def test_async_configs_that_cannot_overlap_are_refused(tiny, tmp_path):
     with pytest.raises(ConfigError, match=r"must be below sampling\.max_new_tokens=5"):
         _check(tiny, tmp_path, ASYNC + ["trainer.partial_rollout_tokens=5", "trainer.max_staleness=2"])
     _check(tiny, tmp_path, ASYNC)
+    _check(tiny, tmp_path, ASYNC + ["algo.filter_groups.enable=true"])
     _check(tiny, tmp_path, ASYNC + ["trainer.partial_rollout_tokens=2", "trainer.max_staleness=2"])
 
 
