@@ -159,6 +159,9 @@ class AsyncSchedule:
                 self.stack.last_batch = batch  # what alerts.nan_policy=abort dumps
                 with self.stack.memory.training(metrics):
                     score_and_update(self.stack, batch, metrics)
+                if self.stack.dump is not None:  # trainer.dump_rollouts: under the step that trains the batch
+                    with metrics.timer("dump"):
+                        self.stack.dump(batch, step)
             self._exchange(local, metrics)
             with self.stack.memory.weight_sync(metrics), metrics.timer("update_weights"):
                 self.stack.weight_sync.sync()

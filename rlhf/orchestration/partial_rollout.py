@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from rlhf.data.loader import PromptLoader, PromptStep
 from rlhf.rollout.types import FinishReason, PromptBatch, Rollouts
-from rlhf.orchestration.step import RLStack, shaped_scores
+from rlhf.orchestration.step import RLStack, sample_indices, shaped_scores
 from rlhf.trainer.batch import TrainBatch, build_train_batch
 from rlhf.trainer.exchange import is_contributor
 
@@ -62,6 +62,7 @@ def finish_batch(stack: RLStack, started: StartedBatch) -> TrainBatch | None:
         return None
     batch = build_train_batch(prompt_batch, merged)
     batch.policy_version_bt = versions_rt * batch.response_mask_bt
+    batch.sample_index_b = sample_indices(started.prompts, merged)
     if stack.reward_model is None:
         batch.scores_b = shaped_scores(stack.scorer.score(started.prompts.records, merged), batch.response_lengths_b,
                                        stack.sampling.max_new_tokens, stack.algo.overlong_buffer)

@@ -33,7 +33,7 @@ from rlhf.data.loader import PromptStep
 from rlhf.metrics import StepMetrics
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.sampling_params import SamplingParams
-from rlhf.rollout.types import PromptBatch
+from rlhf.rollout.types import PromptBatch, Rollouts
 from rlhf.trainer.batch import TrainBatch, build_train_batch
 from rlhf.trainer.config import AlgoConfig, SamplingConfig, UpdateConfig
 from rlhf.trainer.dynamic_sampling import count_groups, fill_batch, informative_groups
@@ -192,8 +192,7 @@ def generate_and_score(stack: RLStack, prompts: PromptStep, step: int, gen_round
     if not is_contributor(stack.rollout_layout, dist.get_rank()):
         return None
     batch = build_train_batch(prompt_batch, rollouts)
-    batch.sample_index_b = torch.tensor([record.index for record in prompts.records],
-                                        dtype=torch.long)[rollouts.prompt_index_r]
+    batch.sample_index_b = sample_indices(prompts, rollouts)
     if stack.reward_model is not None:
         return batch  # scored by the reward model on its own mesh, after the gather
     batch.scores_b = shaped_scores(stack.scorer.score(prompts.records, rollouts), batch.response_lengths_b,
@@ -201,6 +200,11 @@ def generate_and_score(stack: RLStack, prompts: PromptStep, step: int, gen_round
     if greedy is not None:
         batch.baseline_scores_b = stack.scorer.score(prompts.records, greedy)[rollouts.prompt_index_r]
     return batch
+
+
+def sample_indices(prompts: PromptStep, rollouts: Rollouts) -> torch.Tensor:
+    """int64 [R]: the dataset index of each rollout's prompt (rollout dumps, replay)."""
+    return torch.tensor([record.index for record in prompts.records], dtype=torch.long)[rollouts.prompt_index_r]
 
 
 def shaped_scores(scores_b: torch.Tensor, lengths_b: torch.Tensor, max_new_tokens: int,

@@ -56,13 +56,15 @@ def _runs(paths, root):
                        "    return float(len(solution) % 2) if int(ground_truth) % 2 else 0.0\n")
     common = ["reward.by_source={}", f"reward.function={rewards}:length"]
     sync = run_trainer(paths, f"{root}/sync", SPLIT + common + ["trainer.total_steps=2"])
-    full = run_trainer(paths, f"{root}/full", ASYNC + common + ["trainer.total_steps=4"])
-    run_trainer(paths, f"{root}/split", ASYNC + common + ["trainer.total_steps=2"])
-    resumed = run_trainer(paths, f"{root}/split", ASYNC + common + ["trainer.total_steps=4"])
+    dumped = ASYNC + common + ["trainer.dump_rollouts=true"]
+    full = _recorded_run(paths, f"{root}/full", dumped + ["trainer.total_steps=4"])
+    run_trainer(paths, f"{root}/split", dumped + ["trainer.total_steps=2"])
+    resumed = run_trainer(paths, f"{root}/split", dumped + ["trainer.total_steps=4"])
     two_off = run_trainer(paths, f"{root}/two", ASYNC + common + ["trainer.total_steps=3", "trainer.max_staleness=2",
                                                                   "checkpoint.every=0"])
     partial = ASYNC + common + ["trainer.max_staleness=2", "trainer.partial_rollout_tokens=2", "run.name=p"]
-    partial_full = run_trainer(paths, f"{root}/partial_full", partial + ["trainer.total_steps=4"])
+    partial_full = run_trainer(paths, f"{root}/partial_full", partial + ["trainer.total_steps=4",
+                                                                         "trainer.dump_rollouts=true"])
     run_trainer(paths, f"{root}/partial", partial + ["trainer.total_steps=2"])
     partial_resumed = run_trainer(paths, f"{root}/partial", partial + ["trainer.total_steps=4"])
     # DAPO dynamic sampling: groups of an even answer all score 0 and are dropped; up to 3 rounds per batch
@@ -90,7 +92,7 @@ def _comparable(row):
 def test_one_step_off_samples_one_version_behind_and_resumes_with_the_batch_in_flight(world):
     tmp_path, ranks = world
     runs = ranks[0]
-    sync, full, resumed, two_off = runs["sync"], runs["full"], runs["resumed"], runs["two_off"]
+    sync, full, resumed, two_off = runs["sync"], runs["full"]["history"], runs["resumed"], runs["two_off"]
     partial_full, partial_resumed = runs["partial_full"], runs["partial_resumed"]
 def test_dynamic_sampling_rounds_run_on_the_rollout_rank_and_resume_with_the_batch_in_flight(world):
     ranks = world[1]
@@ -117,6 +119,39 @@ def test_dynamic_sampling_rounds_run_on_the_rollout_rank_and_resume_with_the_bat
     assert [row["step"] for row in resumed["history"]] == [3, 4]
     assert [_comparable(r) for r in full["history"][2:]] == [_comparable(r) for r in resumed["history"]]
     assert rollout["ds_resumed"]["consumed"] == rollout["ds_full"]["consumed"]
+
+
+def _dumps(folder):
+    import pyarrow.parquet as pq
+
+    return [pq.read_table(path).to_pylist() for path in sorted(folder.glob("step_*.parquet"))]
+
+
+def test_async_dumps_every_trained_batch_once_under_the_step_that_trains_it(world):
+    from rlhf.trainer.rollout_dump import dump_path, read_dump
+
+    root, ranks = world
+    full = ranks[0]["full"]
+    folder = root / "full/r/rollouts"
+    assert sorted(path.name for path in folder.iterdir()) == [dump_path(folder, step).name for step in (1, 2, 3, 4)]
+    for step, (rows, trained) in enumerate(zip(_dumps(folder), full["batches"]), start=1):
+        assert {row["step"] for row in rows} == {step}
+        assert {v for row in rows for v in row["policy_version"]} == {max(0, step - 2)}  # sampled one update behind
+        assert {v for row in rows for v in row["staleness"]} == {min(step - 1, 1)}
+        back = read_dump(dump_path(folder, step), vocab_size=18)
+        assert torch.equal(back.tokens_bs, trained.tokens_bs[:, :back.tokens_bs.shape[1]])
+        for name in ("scores_b", "group_index_b", "sample_index_b", "response_lengths_b"):
+            assert torch.equal(getattr(back, name), getattr(trained, name)), name
+        assert [row["advantages"] for row in rows] == [trained.advantages_bt[i, :n].tolist()
+                                                        for i, n in enumerate(trained.response_lengths_b.tolist())]
+    # The resumed run (batch 3 was in flight in the step-2 checkpoint) dumped steps 3 and 4 once, as the full run.
+    assert _dumps(root / "split/r/rollouts") == _dumps(folder)
+    # Partial rollouts: one row holds tokens of two versions (the rows still running at the push), per token.
+    partial = _dumps(root / "partial_full/p/rollouts")
+    assert len(partial) == 4
+    mixed = [row for row in partial[3] if len(set(row["policy_version"])) == 2]
+    assert mixed and all(row["policy_version"][:2] == [1, 1] and set(row["policy_version"][2:]) == {2}
+                         and row["staleness"][:2] == [2, 2] for row in mixed)
 
 
 def _check(tiny, tmp_path, overrides):
