@@ -30,6 +30,8 @@ does (`collect_batch`: the batch's own seed per round, one loader batch each), g
 own group so every rollout rank agrees on the informative groups and the rounds; each rollout contributor sends
 its dp share of the filled batch's groups at the boundary, and the batch's dynamic_sampling/* metrics wait on
 the rollout ranks (and in their checkpoint) for the step that trains it. Not yet: with partial rollouts.
+The native engine only: vLLM's external_launcher builds its groups over the whole world, so it cannot run on a
+rollout mesh apart from the training ranks (`preflight.check_vllm_mesh`); the continuation itself runs on vLLM.
 """
 
 from __future__ import annotations
@@ -97,8 +99,8 @@ def check_partial_rollouts(cfg: RlhfConfig) -> None:
     if cfg.algo.filter_groups.enable:
         raise ConfigError(f"{key} cannot be combined with algo.filter_groups.enable=true yet (a started batch "
                           "would need its extra generation rounds started too); set one of them off")
-    if cfg.rollout.engine != "native" or cfg.algo.advantage.kind == AdvantageKind.REMAX:
-        raise ConfigError(f"{key} runs with the native engine and without ReMax's greedy baseline only yet "
+    if cfg.rollout.engine not in ("native", "vllm") or cfg.algo.advantage.kind == AdvantageKind.REMAX:
+        raise ConfigError(f"{key} runs with the native or vllm engine and without ReMax's greedy baseline only yet "
                           f"(rollout.engine={cfg.rollout.engine}, algo.advantage.kind={cfg.algo.advantage.kind})")
 
 

@@ -4,8 +4,9 @@
 One row per rollout: prompt and response ids and text, the rollout's token logprobs, the sequence score, the
 advantages, each token's policy version and staleness (versions behind the actor at step N, N - 1), data_source,
 uid (the prompt's dataset index) and group. The step's batch is already gathered on every rank that trains
-(`gather_global_batch`), so one of them (rank 0; async: the first training rank) writes it with no collective. Plain parquet
-columns only (never pickle); the file's metadata holds the format name, the pad token and the response width.
+(`gather_global_batch`), so one of them (rank 0; async: the first training rank) writes it, no collective.
+Plain parquet columns only (never pickle); the file's metadata holds the format name, the pad token and the
+response width.
 """
 
 from __future__ import annotations
