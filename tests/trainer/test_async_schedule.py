@@ -209,21 +209,36 @@ def _four_rank_runs(paths, root):
     full = run_trainer(paths, f"{root}/full", grpo + ["trainer.total_steps=4"])
     run_trainer(paths, f"{root}/split", grpo + ["trainer.total_steps=2"])
     resumed = run_trainer(paths, f"{root}/split", grpo + ["trainer.total_steps=4"])
-    return ppo, full, resumed
+    rewards = Path(root) / "rewards.py"
+    rewards.write_text("def odd_only(data_source, solution, ground_truth, extra_info):\n"
+                       "    return float(len(solution) % 2) if int(ground_truth) % 2 else 0.0\n")
+    sampling = ["mesh.placement=split", "mesh.actor={ranks: [0, 2]}", "mesh.rollout={ranks: [2, 4]}",
+                "trainer.val_before_train=false", "trainer.val_every=0", "reward.by_source={}",
+                f"reward.function={rewards}:odd_only", "algo.filter_groups.enable=true",
+                "algo.filter_groups.max_num_gen_batches=3", "trainer.total_steps=1", "run.name=ds"]
+    ds_sync = run_trainer(paths, f"{root}/ds_sync", sampling)
+    ds_async = run_trainer(paths, f"{root}/ds_async", sampling + ["trainer.async_mode=one_step_off"])
+    return ppo, full, resumed, ds_sync, ds_async
 
 
 @pytest.mark.slow
 def test_async_ppo_and_grpo_resume_on_4_ranks(tiny, tmp_path):
-    """2 training ranks (actor tp2 + critic + ref, or actor dp2) beside 2 rollout ranks (dp2, or tp2)."""
+    """2 training ranks (actor tp2 + critic + ref, or actor dp2) beside 2 rollout ranks (dp2, or tp2); dynamic
+    sampling at rollout dp2."""
     results = run_distributed(_four_rank_runs, 4, tiny, str(tmp_path), timeout_s=900)
     assert results[3] == results[0], "every rank sees the same reduced metrics"
-    ppo, full, resumed = results[0]
+    ppo, full, resumed, ds_sync, ds_async = results[0]
     assert [row["rollout/staleness_max"] for row in ppo] == [0.0, 1.0, 1.0]
     for key in ("critic/vf_loss", "critic/vf_explained_var", "actor/reward_kl_penalty", "timing_s/update_critic",
                 "timing_s/gen", "actor/pg_loss"):
         assert all(key in row for row in ppo), key
     assert [row["step"] for row in resumed] == [3, 4]
     assert [_comparable(r) for r in full[2:]] == [_comparable(r) for r in resumed]
+    # Dynamic sampling with 2 rollout replicas: the rounds gathered over the rollout mesh, each replica's share of
+    # the filled batch exchanged; batch 1 (sampled by v0) trains exactly as in the synchronous loop.
+    trained = [{k: v for k, v in _comparable(run[0]).items() if not k.startswith("val/")}
+               for run in (ds_async, ds_sync)]
+    assert trained[0] == trained[1] and trained[0]["dynamic_sampling/gen_rounds"] > 1
 
 
 def test_an_in_flight_batch_round_trips_bitwise_and_a_foreign_one_is_refused():
