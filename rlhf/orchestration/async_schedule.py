@@ -30,8 +30,7 @@ does (`collect_batch`: the batch's own seed per round, one loader batch each), g
 own group so every rollout rank agrees on the informative groups and the rounds; each rollout contributor sends
 its dp share of the filled batch's groups at the boundary, and the batch's dynamic_sampling/* metrics wait on
 the rollout ranks (and in their checkpoint) for the step that trains it. Not yet: with partial rollouts.
-The native engine only: vLLM's external_launcher builds its groups over the whole world, so it cannot run on a
-rollout mesh apart from the training ranks (`preflight.check_vllm_mesh`); the continuation itself runs on vLLM.
+Engines: native or vLLM (on the rollout ranks alone, its world is the rollout mesh: `vllm_engine.rollout_world`).
 """
 
 from __future__ import annotations

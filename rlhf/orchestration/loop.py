@@ -162,6 +162,10 @@ class Trainer:
 
         dtype = rollout_dtype(cfg)
         engine = build_engine(cfg.rollout, cfg.model.path, mesh.pgs, dtype=dtype) if mesh.is_member else None
+        if cfg.rollout.engine == "vllm":
+            from rlhf.rollout.vllm_engine import align_group_names
+
+            align_group_names()  # vLLM on the rollout ranks alone created groups the others did not
         sync = WeightSync(actor.model, actor_layout, mesh.layout, engine,
                           hf_config=AutoConfig.from_pretrained(cfg.model.path), verify=cfg.comm.verify,
                           hf_names=cfg.rollout.engine != "native", dtype=dtype,

@@ -7,7 +7,7 @@
 
 Rows that stopped within P tokens are done; the others continue with the new weights (rows in flight are never
 thrown away): each is resubmitted as prompt + its tokens so far for the remaining tokens (`continue_rollouts`,
-any engine; checked on vLLM too). Every token keeps its logprob and the version that sampled it
+native or vLLM). Every token keeps its logprob and the version that sampled it
 (`policy_version_bt`), so staleness and rollout correction are per token. Greedy without a weight change, the
 continuation is the uninterrupted generation token for token; sampled it is a fresh draw with the batch's round-1
 seed (an engine's per-request generator cannot be admitted P draws along), so the rows are reproducible but not

@@ -112,17 +112,6 @@ def check_routing_replay(cfg: RlhfConfig, layouts: dict) -> None:
                           f"{layouts['actor'].pp}; use algo.routing_replay=r3 or mesh.actor.pp=1")
 
 
-def check_vllm_mesh(cfg: RlhfConfig, layouts: dict, world_size: int) -> None:
-    """vLLM's external_launcher builds its process groups over the whole torch world, so every rank must build
-    the engine: a rollout mesh on part of the world would leave vLLM waiting forever at its first group."""
-    ranks = layouts["rollout"].ranks
-    if cfg.rollout.engine == "vllm" and len(ranks) != world_size:
-        raise ConfigError(f"rollout.engine=vllm needs mesh.rollout on every rank (vLLM's external_launcher builds "
-                          f"its process groups over the whole world), got ranks {ranks[0]}..{ranks[-1]} of "
-                          f"{world_size}; colocate the rollout, or use rollout.engine=native with split placement "
-                          f"(and trainer.async_mode)")
-
-
 def check_layouts(cfg: RlhfConfig, world_size: int) -> dict:
     """Every role's layout for `world_size` ranks, with the batch-split and memory-phase rules checked (pure)."""
     layouts = plan_meshes(mesh_config(cfg), world_size, model_dims(cfg.model.path), role_dims(cfg))
@@ -130,7 +119,6 @@ def check_layouts(cfg: RlhfConfig, world_size: int) -> dict:
     check_sleep(resolved_sleep(cfg), shares_weights(cfg, layouts))
     correction = cfg.algo.rollout_correction.resolved(weights_shared=shares_weights(cfg, layouts))
     check_async(cfg, layouts, dataclasses.replace(cfg.algo, rollout_correction=correction))
-    check_vllm_mesh(cfg, layouts, world_size)
     check_routing_replay(cfg, layouts)
     return layouts
 
