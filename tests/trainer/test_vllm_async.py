@@ -2,7 +2,8 @@
 on rank 1 alone (its world is the rollout mesh, `vllm_engine.rollout_world`), with partial rollouts: the rows
 still running after 2 tokens continue after the weight push with the new weights; a resume with a started batch
 equals the uninterrupted run. With the weights all but fixed (lr 1e-9), every token's rollout logprob, the
-continued ones included, equals the training forward's on the merged sequence (a misplaced handoff would not)."""
+continued ones included, equals the training forward's on the merged sequence (a misplaced handoff would not).
+Slow: a tp2 vLLM replica on ranks 2-3 beside actor dp2 on ranks 0-1."""
 
 import importlib.util
 import sys
@@ -59,3 +60,19 @@ def test_async_partial_rollouts_on_vllm_alone_on_its_rank(tiny, tmp_path):
     assert all(row["rollout/logprob_diff_max"] > 1e-3 for row in full[1:]), "stale tokens: the weights moved"
     assert [row["step"] for row in resumed] == [3, 4]
     assert [_comparable(r) for r in full[2:]] == [_comparable(r) for r in resumed]
+
+
+def _tp2_run(paths, root):
+    return run_trainer(paths, f"{root}/tp2", ASYNC + [
+        "mesh.actor={ranks: [0, 2]}", "mesh.rollout={tp: 2, ranks: [2, 4]}", "actor.optim.lr=1e-9",
+        "trainer.total_steps=3"])
+
+
+@pytest.mark.slow
+def test_async_on_a_vllm_tp2_mesh_beside_two_training_ranks(tiny, tmp_path):
+    """4 ranks: actor dp2 on ranks 0-1, one vLLM replica at tp2 on ranks 2-3 (its TP collectives in its world)."""
+    ranks = run_distributed(_tp2_run, 4, tiny, str(tmp_path), env={"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout_s=1200)
+    assert all(rank == ranks[0] for rank in ranks), "every rank sees the same reduced metrics"
+    assert [row["rollout/staleness_max"] for row in ranks[0]] == [0.0, 1.0, 2.0]
+    for row in ranks[0]:
+        assert row["rollout/logprob_diff_max"] <= 1e-5, row["rollout/logprob_diff_max"]
