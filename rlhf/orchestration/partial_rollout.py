@@ -7,12 +7,12 @@
 
 Rows that stopped within P tokens are done; the others continue with the new weights (rows in flight are never
 thrown away): each is resubmitted as prompt + its tokens so far for the remaining tokens (`continue_rollouts`,
-native or vLLM). Every token keeps its logprob and the version that sampled it
-(`policy_version_bt`), so staleness and rollout correction are per token. Greedy without a weight change, the
-continuation is the uninterrupted generation token for token; sampled it is a fresh draw with the batch's round-1
-seed (an engine's per-request generator cannot be admitted P draws along), so the rows are reproducible but not
-those of an uninterrupted generation. A started batch is checkpointed (its first tokens, and the loader position before
-its prompts, which a resume reads again).
+native or vLLM). Every token keeps its logprob and the version that sampled it (`policy_version_bt`), so
+staleness and rollout correction are per token. Greedy without a weight change, the continuation is the
+uninterrupted generation token for token (tested on vLLM); sampled, it is a fresh draw with the batch's round-1
+seed (an engine's per-request generator cannot be admitted P draws along), so rows are reproducible but not
+those of an uninterrupted generation. A started batch is checkpointed (its first tokens, and the loader position
+before its prompts, which a resume reads again).
 """
 
 from __future__ import annotations
