@@ -25,7 +25,12 @@ batches generated; a resumed run continues the same schedule, so its metrics equ
 With partial rollouts (`trainer.partial_rollout_tokens` = P, needs s >= 2; `rlhf.orchestration.partial_rollout`) the
 rollout ranks at step k finish batch k+s-1 (begun in step k-1) with v_{k-1}, then sample the first P tokens of
 batch k+s; the trainers hold s-1 received batches, and the oldest token of a batch is still s updates behind.
-Not yet: dynamic sampling (algo.filter_groups) with async.
+With dynamic sampling (`algo.filter_groups`) the rollout ranks generate a batch's rounds as the synchronous loop
+does (`collect_batch`: the batch's own seed per round, one loader batch each), gathered over the rollout mesh's
+own group so every rollout rank agrees on the informative groups and the rounds; each rollout contributor sends
+its dp share of the filled batch's groups at the boundary, and the batch's dynamic_sampling/* metrics wait on
+the rollout ranks (and in their checkpoint) for the step that trains it. Not yet: with partial rollouts.
+Engines: native or vLLM (on the rollout ranks alone, its world is the rollout mesh: `vllm_engine.rollout_world`).
 """
 
 from __future__ import annotations
@@ -39,15 +44,16 @@ import torch.distributed as dist
 from rlhf.algo.advantages import AdvantageKind
 from rlhf.checkpoint import Replicated
 from rlhf.orchestration.schema import RlhfConfig
-from rlhf.data.loader import PromptLoader
+from rlhf.data.loader import PromptLoader, PromptStep
 from rlhf.errors import CheckpointError, ConfigError
 from rlhf.metrics import StepMetrics
 from rlhf.parallel.layout import ParallelLayout
 from rlhf.parallel.meshes import RoleMeshes
-from rlhf.orchestration.step import RLStack, generate_and_score, record_batch_metrics, score_and_update
+from rlhf.orchestration.step import (RLStack, collect_batch, generate_and_score, record_batch_metrics,
+                                     score_and_update)
 from rlhf.trainer.batch import TrainBatch
 from rlhf.trainer.config import AlgoConfig
-from rlhf.trainer.exchange import gather_global_batch
+from rlhf.trainer.exchange import gather_global_batch, group_shard, is_contributor
 from rlhf.orchestration.partial_rollout import StartedBatch, finish_batch, restore_started, start_batch, started_state
 
 
@@ -68,9 +74,6 @@ def check_async(cfg: RlhfConfig, layouts: dict[str, ParallelLayout], algo: AlgoC
             raise ConfigError(f"{mode} needs the rollout on ranks of its own, but mesh.{role} also uses ranks "
                               f"{shared[0]}..{shared[-1]} of mesh.rollout.ranks={cfg.mesh.rollout.ranks}; give "
                               f"mesh.rollout a range no other role uses, or set trainer.async_mode=off")
-    if cfg.algo.filter_groups.enable:
-        raise ConfigError(f"{mode} cannot be combined with algo.filter_groups.enable=true yet (its extra "
-                          "generation rounds are decided by every rank); disable one of them")
     correction = algo.rollout_correction
     if not (cfg.actor.recompute_old_logprobs or algo.kl.use_in_reward or correction.needs_old_logprobs
             or (correction.active and correction.bypass_mode)):
@@ -92,8 +95,11 @@ def check_partial_rollouts(cfg: RlhfConfig) -> None:
     if tokens >= cfg.sampling.max_new_tokens:
         raise ConfigError(f"{key} must be below sampling.max_new_tokens={cfg.sampling.max_new_tokens} (rows stop "
                           "there anyway); lower it or set 0")
-    if cfg.rollout.engine != "native" or cfg.algo.advantage.kind == AdvantageKind.REMAX:
-        raise ConfigError(f"{key} runs with the native engine and without ReMax's greedy baseline only yet "
+    if cfg.algo.filter_groups.enable:
+        raise ConfigError(f"{key} cannot be combined with algo.filter_groups.enable=true yet (a started batch "
+                          "would need its extra generation rounds started too); set one of them off")
+    if cfg.rollout.engine not in ("native", "vllm") or cfg.algo.advantage.kind == AdvantageKind.REMAX:
+        raise ConfigError(f"{key} runs with the native or vllm engine and without ReMax's greedy baseline only yet "
                           f"(rollout.engine={cfg.rollout.engine}, algo.advantage.kind={cfg.algo.advantage.kind})")
 
 
@@ -128,6 +134,9 @@ class AsyncSchedule:
         self.started: StartedBatch | None = None  # rollout ranks, partial rollouts: the next batch, begun
         self.rollout_layout = meshes["rollout"].layout
         self.generates = meshes["rollout"].is_member
+        # dynamic sampling: the rollout ranks decide a batch's rounds among themselves (their own group)
+        self.rollout_group = meshes["rollout"].pgs.layout_all if self.generates else None
+        self.sampling_metrics: deque[dict[str, float]] = deque()  # rollout ranks: batches generated, not trained
         self.train_group = train_group
         self.reporter_rank = min(set(range(meshes.world_size)) - set(self.rollout_layout.ranks))
         self.in_flight: deque[TrainBatch] = deque()  # training ranks: batches received, not yet trained on
@@ -151,12 +160,18 @@ class AsyncSchedule:
                 self.stack.last_batch = batch  # what alerts.nan_policy=abort dumps
                 with self.stack.memory.training(metrics):
                     score_and_update(self.stack, batch, metrics)
+                if self.stack.dump is not None:  # trainer.dump_rollouts: under the step that trains the batch
+                    with metrics.timer("dump"):
+                        self.stack.dump(batch, step)
             self._exchange(local, metrics)
             with self.stack.memory.weight_sync(metrics), metrics.timer("update_weights"):
                 self.stack.weight_sync.sync()
         if batch is not None:
             record_batch_metrics(metrics, batch, self.stack.algo, self.stack.sampling.max_new_tokens,
                                  actor_version=step - 1)
+        if self.sampling_metrics:  # batch `step`'s rounds, agreed on every rollout rank: "max" keeps the value
+            for name, value in self.sampling_metrics.popleft().items():
+                metrics.add(name, value, "max")
         return metrics
 
     def _generate(self, metrics: StepMetrics) -> tuple[TrainBatch | None, int]:
@@ -170,8 +185,23 @@ class AsyncSchedule:
             with self.stack.memory.rollout(metrics), metrics.timer("gen"):
                 return finish_batch(self.stack, started), len(started.prompts.records)
         prompts = self.loader.next_step()
+        if self.stack.algo.filter_groups.enable:
+            return self._fill(prompts, metrics)
         with self.stack.memory.rollout(metrics), metrics.timer("gen"):
             return generate_and_score(self.stack, prompts, self.num_generated + 1), len(prompts.records)
+
+    def _fill(self, prompts: PromptStep, metrics: StepMetrics) -> tuple[TrainBatch | None, int]:
+        """Dynamic sampling on the rollout ranks: the synchronous loop's rounds (seeds, loader batches), gathered
+        over the rollout mesh only; each contributor then sends its dp share of the filled batch's groups."""
+        with self.stack.memory.rollout(metrics):
+            batch, sampling = collect_batch(self.stack, prompts, self.num_generated + 1, self.loader.next_step,
+                                            metrics, self.rollout_group)
+        self.sampling_metrics.append(sampling)
+        layout, rank = self.rollout_layout, dist.get_rank()
+        if not is_contributor(layout, rank):
+            return None, 0
+        num_prompts = len(prompts.records)  # this dp rank's share of the target: data.prompts_per_step / dp
+        return group_shard(batch, layout.coords(rank).dp_rank, layout.dp), num_prompts
 
     def _exchange(self, local: tuple[TrainBatch | None, int], metrics: StepMetrics) -> None:
         """Collective over the world: the rollout ranks' new batch reaches every training rank."""
@@ -183,13 +213,14 @@ class AsyncSchedule:
 
     def state_dict(self) -> dict[str, Any]:
         return {"num_generated": self.num_generated, "in_flight": [batch_state(b) for b in self.in_flight],
-                "started": started_state(self.started)}
+                "started": started_state(self.started), "dynamic_sampling": list(self.sampling_metrics)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """After the loader's own state (a started batch reads its prompts from it again)."""
         self.num_generated = state["num_generated"]
         self.in_flight = deque(batch_from_state(batch) for batch in state["in_flight"])
         self.started = restore_started(state["started"], self.loader)
+        self.sampling_metrics = deque(state.get("dynamic_sampling", []))  # absent: written before it existed
 
     def replicated(self) -> list[Replicated]:
         """The in-flight batches are identical on every training rank: written once for their group."""

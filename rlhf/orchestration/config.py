@@ -60,9 +60,6 @@ class TrainerConfig:
             raise ConfigError(f"trainer.max_staleness={self.max_staleness} must be >= 1 (1: one-step-off)")
         if self.partial_rollout_tokens < 0:
             raise ConfigError(f"trainer.partial_rollout_tokens={self.partial_rollout_tokens} must be >= 0 (0: off)")
-        if self.dump_rollouts and self.async_mode != "off":
-            raise ConfigError("trainer.dump_rollouts does not work with trainer.async_mode=one_step_off yet (rank 0 "
-                              "may hold no trained batch); set one of them off")
 
     @property
     def is_async(self) -> bool:

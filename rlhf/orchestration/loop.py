@@ -115,13 +115,14 @@ class Trainer:
                              sampling=cfg.sampling, actor_update=cfg.actor,
                              kl_controller=KLController.from_config(algo.kl), pad_token_id=self.pad_token_id,
                              reward_model=reward_model, memory=memory)
-        if cfg.trainer.dump_rollouts:
-            self.stack.dump = RolloutDumper(run_dir.path / "rollouts", every=cfg.trainer.dump_every,
-                                            records=self.loader.prompts.records, tokenizer=self.tokenizer,
-                                            enabled=run_dir.is_rank0).write
         self.async_schedule = (AsyncSchedule(self.stack, self.loader, self.meshes, cfg.trainer.max_staleness,
                                              train_group, cfg.trainer.partial_rollout_tokens)
                                if cfg.trainer.is_async else None)
+        if cfg.trainer.dump_rollouts:  # written by a rank that holds the trained batch (async: not a rollout rank)
+            writer = self.async_schedule.reporter_rank if self.async_schedule else 0
+            self.stack.dump = RolloutDumper(run_dir.path / "rollouts", every=cfg.trainer.dump_every,
+                                            records=self.loader.prompts.records, tokenizer=self.tokenizer,
+                                            enabled=dist.get_rank() == writer).write
         self.sink: MetricsSink | None = None  # opened once the resumed step is known
         self.alerts = AlertMonitor(cfg.alerts, run_dir.path, is_rank0=run_dir.is_rank0)
         self.checkpoints = RunCheckpoints(cfg, run_dir, self.meshes, self.stack, self.loader, self.alerts,
@@ -157,6 +158,10 @@ class Trainer:
 
         dtype = rollout_dtype(cfg)
         engine = build_engine(cfg.rollout, cfg.model.path, mesh.pgs, dtype=dtype) if mesh.is_member else None
+        if cfg.rollout.engine == "vllm":
+            from rlhf.rollout.vllm_engine import align_group_names
+
+            align_group_names()  # vLLM on the rollout ranks alone created groups the others did not
         sync = WeightSync(actor.model, actor_layout, mesh.layout, engine,
                           hf_config=AutoConfig.from_pretrained(cfg.model.path), verify=cfg.comm.verify,
                           hf_names=cfg.rollout.engine != "native", dtype=dtype,

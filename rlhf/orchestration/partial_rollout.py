@@ -6,9 +6,13 @@
            │                  ──► merged Rollouts ──► TrainBatch + rule rewards (exchanged at step k's boundary)
 
 Rows that stopped within P tokens are done; the others continue with the new weights (rows in flight are never
-thrown away). Every token keeps the version that sampled it (`policy_version_bt`), so staleness and rollout
-correction are per token. A started batch is checkpointed (its first tokens, and the loader position before
-its prompts, which a resume reads again).
+thrown away): each is resubmitted as prompt + its tokens so far for the remaining tokens (`continue_rollouts`,
+native or vLLM). Every token keeps its logprob and the version that sampled it (`policy_version_bt`), so
+staleness and rollout correction are per token. Greedy without a weight change, the continuation is the
+uninterrupted generation token for token (tested on vLLM); sampled, it is a fresh draw with the batch's round-1
+seed (an engine's per-request generator cannot be admitted P draws along), so rows are reproducible but not
+those of an uninterrupted generation. A started batch is checkpointed (its first tokens, and the loader position
+before its prompts, which a resume reads again).
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ import torch
 import torch.distributed as dist
 
 from rlhf.data.loader import PromptLoader, PromptStep
+from rlhf.rollout.engine import RolloutEngine
+from rlhf.rollout.sampling_params import SamplingParams
 from rlhf.rollout.types import FinishReason, PromptBatch, Rollouts
-from rlhf.orchestration.step import RLStack, shaped_scores
+from rlhf.orchestration.step import RLStack, sample_indices, shaped_scores
 from rlhf.trainer.batch import TrainBatch, build_train_batch
 from rlhf.trainer.exchange import is_contributor
 
@@ -48,24 +54,33 @@ def start_batch(stack: RLStack, loader: PromptLoader, index: int, num_tokens: in
 
 def finish_batch(stack: RLStack, started: StartedBatch) -> TrainBatch | None:
     """Continue the running rows with the current weights; contributors return the scored batch."""
-    first = started.rollouts
     prompt_batch = _prompt_batch(stack, started.prompts)
-    running = [row for row in range(first.num_rollouts) if first.finish_reasons[row] is FinishReason.LENGTH]
-    rest = None
-    if running:
-        prefixes = [prompt_batch.prompt(int(first.prompt_index_r[row])) + first.response(row) for row in running]
-        params = dataclasses.replace(stack.sampling.train_params(started.index, gen_round=1), n=1,
-                                     max_new_tokens=stack.sampling.max_new_tokens - first.response_tokens_rt.shape[1])
-        rest = stack.rollout.generate(_prompt_batch(stack, PromptStep(records=[], token_ids=prefixes)), params)
-    merged, versions_rt = merge_rollouts(first, rest, running, stack.sampling.max_new_tokens)
+    merged, versions_rt = continue_rollouts(stack.rollout, prompt_batch, started.rollouts,
+                                            stack.sampling.train_params(started.index, gen_round=1),
+                                            stack.sampling.max_new_tokens)
     if not is_contributor(stack.rollout_layout, dist.get_rank()):
         return None
     batch = build_train_batch(prompt_batch, merged)
     batch.policy_version_bt = versions_rt * batch.response_mask_bt
+    batch.sample_index_b = sample_indices(started.prompts, merged)
     if stack.reward_model is None:
         batch.scores_b = shaped_scores(stack.scorer.score(started.prompts.records, merged), batch.response_lengths_b,
                                        stack.sampling.max_new_tokens, stack.algo.overlong_buffer)
     return batch
+
+
+def continue_rollouts(engine: RolloutEngine, prompts: PromptBatch, first: Rollouts, params: SamplingParams,
+                      width: int) -> tuple[Rollouts, torch.Tensor]:
+    """The rows of `first` still running (finish reason length) resubmitted as prompt + their tokens so far, one
+    sample each, for the remaining `width` - P tokens with the engine's current weights; then every row merged
+    token by token with the version that sampled it (collective over the engine's tp group)."""
+    running = [row for row in range(first.num_rollouts) if first.finish_reasons[row] is FinishReason.LENGTH]
+    rest = None
+    if running:
+        prefixes = [prompts.prompt(int(first.prompt_index_r[row])) + first.response(row) for row in running]
+        params = dataclasses.replace(params, n=1, max_new_tokens=width - first.response_tokens_rt.shape[1])
+        rest = engine.generate(PromptBatch.from_token_lists(prefixes, pad_token_id=prompts.pad_token_id), params)
+    return merge_rollouts(first, rest, running, width)
 
 
 def merge_rollouts(first: Rollouts, rest: Rollouts | None, running: list[int],

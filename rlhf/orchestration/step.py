@@ -33,7 +33,7 @@ from rlhf.data.loader import PromptStep
 from rlhf.metrics import StepMetrics
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.sampling_params import SamplingParams
-from rlhf.rollout.types import PromptBatch
+from rlhf.rollout.types import PromptBatch, Rollouts
 from rlhf.trainer.batch import TrainBatch, build_train_batch
 from rlhf.trainer.config import AlgoConfig, SamplingConfig, UpdateConfig
 from rlhf.trainer.dynamic_sampling import count_groups, fill_batch, informative_groups
@@ -75,9 +75,11 @@ def rl_step(stack: RLStack, prompts: PromptStep, step: int,
     metrics = StepMetrics()
     with metrics.timer("step"):
         with stack.memory.rollout(metrics):
-            batch = collect_batch(stack, prompts, step, more_prompts, metrics)
+            batch, sampling = collect_batch(stack, prompts, step, more_prompts, metrics)
         train_and_sync(stack, batch, step, metrics)
     record_batch_metrics(metrics, batch, stack.algo, stack.sampling.max_new_tokens, actor_version=step - 1)
+    for name, value in sampling.items():
+        metrics.add_global(name, value)
     return metrics
 
 
@@ -106,30 +108,30 @@ def replay_step(stack: RLStack, load: Callable[[], TrainBatch], step: int) -> St
 
 
 def collect_batch(stack: RLStack, prompts: PromptStep, step: int,
-                  more_prompts: Callable[[], PromptStep] | None, metrics: StepMetrics) -> TrainBatch:
-    """The step's global batch on every rank; with dynamic sampling, rounds of prompts until it is full."""
-    batch = generate_round(stack, prompts, step, 0, metrics)
+                  more_prompts: Callable[[], PromptStep] | None, metrics: StepMetrics,
+                  group: dist.ProcessGroup | None = None) -> tuple[TrainBatch, dict[str, float]]:
+    """The step's global batch on every rank of `group` (default the world; async: the rollout mesh) and its
+    dynamic_sampling/* metrics; with dynamic sampling, rounds of prompts until it is full."""
+    batch = generate_round(stack, prompts, step, 0, metrics, group)
     if not stack.algo.filter_groups.enable:
-        return batch
+        return batch, {}
     assert more_prompts is not None, "dynamic sampling (algo.filter_groups) needs rl_step(more_prompts=...)"
     rounds = [batch]
     target = count_groups(batch)
     while (informative_groups(rounds) < target
            and len(rounds) < stack.algo.filter_groups.max_num_gen_batches):
-        rounds.append(generate_round(stack, more_prompts(), step, len(rounds), metrics))
+        rounds.append(generate_round(stack, more_prompts(), step, len(rounds), metrics, group))
     full = fill_batch(rounds, target)
-    for name, value in full.metrics.items():
-        metrics.add_global(f"dynamic_sampling/{name}", value)
-    return full.batch
+    return full.batch, {f"dynamic_sampling/{name}": value for name, value in full.metrics.items()}
 
 
-def generate_round(stack: RLStack, prompts: PromptStep, step: int, gen_round: int,
-                   metrics: StepMetrics) -> TrainBatch:
-    """One generation round: rollouts and rule rewards on the rollout ranks, gathered to every rank."""
+def generate_round(stack: RLStack, prompts: PromptStep, step: int, gen_round: int, metrics: StepMetrics,
+                   group: dist.ProcessGroup | None = None) -> TrainBatch:
+    """One generation round: rollouts and rule rewards on the rollout ranks, gathered to every rank of `group`."""
     with metrics.timer("gen"):
         local = generate_and_score(stack, prompts, step, gen_round)
     with metrics.timer("gather"):
-        return gather_global_batch(local, len(prompts.records), stack.rollout_layout)
+        return gather_global_batch(local, len(prompts.records), stack.rollout_layout, group)
 
 
 def score_and_update(stack: RLStack, batch: TrainBatch, metrics: StepMetrics) -> TrainBatch:
@@ -190,8 +192,7 @@ def generate_and_score(stack: RLStack, prompts: PromptStep, step: int, gen_round
     if not is_contributor(stack.rollout_layout, dist.get_rank()):
         return None
     batch = build_train_batch(prompt_batch, rollouts)
-    batch.sample_index_b = torch.tensor([record.index for record in prompts.records],
-                                        dtype=torch.long)[rollouts.prompt_index_r]
+    batch.sample_index_b = sample_indices(prompts, rollouts)
     if stack.reward_model is not None:
         return batch  # scored by the reward model on its own mesh, after the gather
     batch.scores_b = shaped_scores(stack.scorer.score(prompts.records, rollouts), batch.response_lengths_b,
@@ -199,6 +200,11 @@ def generate_and_score(stack: RLStack, prompts: PromptStep, step: int, gen_round
     if greedy is not None:
         batch.baseline_scores_b = stack.scorer.score(prompts.records, greedy)[rollouts.prompt_index_r]
     return batch
+
+
+def sample_indices(prompts: PromptStep, rollouts: Rollouts) -> torch.Tensor:
+    """int64 [R]: the dataset index of each rollout's prompt (rollout dumps, replay)."""
+    return torch.tensor([record.index for record in prompts.records], dtype=torch.long)[rollouts.prompt_index_r]
 
 
 def shaped_scores(scores_b: torch.Tensor, lengths_b: torch.Tensor, max_new_tokens: int,

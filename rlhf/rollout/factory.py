@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from rlhf.errors import ConfigError
 from rlhf.rollout.config import RolloutConfig
@@ -39,7 +40,9 @@ def build_engine(config: RolloutConfig, hf_path: str, pg_collection: Any,
     if config.engine == "vllm":
         from rlhf.rollout.vllm_engine import VllmEngine
 
-        return VllmEngine(hf_path, config=config.vllm, layout=layout, eos_token_ids=eos, dtype=dtype)
+        world = pg_collection.layout_all  # vLLM's world: the rollout mesh, when it is not every rank
+        return VllmEngine(hf_path, config=config.vllm, layout=layout, eos_token_ids=eos, dtype=dtype,
+                          world=world if dist.get_world_size(world) < dist.get_world_size() else None)
     if config.engine == "hf":
         from transformers import AutoModelForCausalLM
 

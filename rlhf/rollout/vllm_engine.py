@@ -7,18 +7,24 @@ shapes before anything moves, goes through vLLM's in-place `reload_weights` (the
 weight packing) and is verified by a probe of every layer through its own kernel (`vllm_weights`). Sleep
 levels are used where the platform has them (CUDA); elsewhere sleep and wake do nothing and `can_sleep` says
 so. Logprobs are vLLM's processed ones (logits / temperature, after top-k/top-p): what the sampler drew from.
+On a rollout mesh apart from the training ranks (split placement, async) vLLM runs with that mesh as its torch
+world (`rollout_world`), since its external_launcher builds groups over every rank of the world it sees.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from rlhf.errors import ConfigError
+from rlhf.parallel.wire import collective_device
 from rlhf.platform import has_accelerator
 from rlhf.rollout.config import VllmEngineConfig
 from rlhf.rollout.engine import EngineLayout
@@ -46,8 +52,9 @@ class VllmEngine:
 
     def __init__(self, hf_path: str, *, config: VllmEngineConfig = VllmEngineConfig(),
                  layout: EngineLayout = EngineLayout(), eos_token_ids: tuple[int, ...] = (),
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, world: dist.ProcessGroup | None = None) -> None:
         vllm = import_vllm()
+        self.world = world  # the rollout mesh's group when it is not the whole world (`rollout_world`)
         from vllm.platforms import current_platform
 
         self.vllm, self.layout, self.eos_token_ids = vllm, layout, tuple(eos_token_ids)
@@ -59,15 +66,16 @@ class VllmEngine:
         self.shapes = checkpoint_shapes(hf_path)
         self.policy_version = 0
         self.weights_ready = False  # dummy weights until a push succeeds; False again after a failed one
-        self.llm = vllm.LLM(model=hf_path, tensor_parallel_size=layout.tp,
-                            distributed_executor_backend="external_launcher",
-                            enable_sleep_mode=self.can_sleep, load_format="dummy", dtype=self.dtype,
-                            max_model_len=config.max_model_len, seed=replica_seed(0, layout.dp_rank),
-                            skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
-                            enforce_eager=(not has_accelerator() if config.enforce_eager is None
-                                           else config.enforce_eager),
-                            **config.memory_options(has_accelerator()))
-        self.llm.collective_rpc(worker_unlink_cpu_shm)
+        with rollout_world(self.world):
+            self.llm = vllm.LLM(model=hf_path, tensor_parallel_size=layout.tp,
+                                distributed_executor_backend="external_launcher",
+                                enable_sleep_mode=self.can_sleep, load_format="dummy", dtype=self.dtype,
+                                max_model_len=config.max_model_len, seed=replica_seed(0, layout.dp_rank),
+                                skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
+                                enforce_eager=(not has_accelerator() if config.enforce_eager is None
+                                               else config.enforce_eager),
+                                **config.memory_options(has_accelerator()))
+            self.llm.collective_rpc(worker_unlink_cpu_shm)
         self._asleep: set[str] = set()
 
     def generate(self, prompts: PromptBatch, params: SamplingParams) -> Rollouts:
@@ -77,11 +85,13 @@ class VllmEngine:
         if "weights" in self._asleep:
             raise RuntimeError("VllmEngine.generate while the weights sleep: call wake() and load_weights()")
         if "kv_cache" in self._asleep:
-            self.llm.wake_up(tags=["kv_cache"])
+            with rollout_world(self.world):
+                self.llm.wake_up(tags=["kv_cache"])
             self._asleep.discard("kv_cache")
         requests = [{"prompt_token_ids": prompts.prompt(i)} for i in range(prompts.num_prompts)]
         per_request = [self._sampling_params(params, index) for index in range(prompts.num_prompts)]
-        outputs = self.llm.generate(requests, per_request, use_tqdm=False)
+        with rollout_world(self.world):
+            outputs = self.llm.generate(requests, per_request, use_tqdm=False)
         return rollouts_from_outputs(outputs, params, prompts.pad_token_id, self.policy_version)
 
     def _sampling_params(self, params: SamplingParams, index: int) -> Any:
@@ -98,8 +108,10 @@ class VllmEngine:
             raise RuntimeError("VllmEngine.load_weights while the weights sleep: call wake() first")
         self.weights_ready = False
         pushed = check_push(weights, self.shapes)
-        self.llm.collective_rpc(worker_reload, args=(list(pushed.items()),))
-        verify_probe(self.llm.collective_rpc(worker_probe)[0], pushed, self.dtype)
+        with rollout_world(self.world):
+            self.llm.collective_rpc(worker_reload, args=(list(pushed.items()),))
+            probe = self.llm.collective_rpc(worker_probe)[0]
+        verify_probe(probe, pushed, self.dtype)
         self.weights_ready = True
         self.policy_version += 1
 
@@ -108,18 +120,20 @@ class VllmEngine:
         Without sleep mode on the platform: nothing happens (and nothing is claimed)."""
         if not self.can_sleep:
             return
-        self.llm.sleep(level=2 if release_weights else 1)
+        with rollout_world(self.world):
+            self.llm.sleep(level=2 if release_weights else 1)
         self._asleep = {"weights", "kv_cache"}
 
     def wake(self, kv_cache: bool = True) -> None:
         """Re-acquire weight memory, then the KV cache unless `kv_cache=False` (before a weight push; the next
         generate re-acquires it lazily)."""
-        if "weights" in self._asleep:
-            self.llm.wake_up(tags=["weights"])
-            self._asleep.discard("weights")
-        if kv_cache and "kv_cache" in self._asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self._asleep.discard("kv_cache")
+        with rollout_world(self.world):
+            if "weights" in self._asleep:
+                self.llm.wake_up(tags=["weights"])
+                self._asleep.discard("weights")
+            if kv_cache and "kv_cache" in self._asleep:
+                self.llm.wake_up(tags=["kv_cache"])
+                self._asleep.discard("kv_cache")
 
     def close(self) -> None:
         """vLLM's teardown while rlhf's process groups still exist, leaving torch.distributed to rlhf: vLLM's
@@ -129,10 +143,43 @@ class VllmEngine:
         client = self.llm.llm_engine.engine_core
         if client._finalizer.detach() is None:
             return
-        client.engine_core.model_executor.shutdown()
-        destroy_model_parallel()
+        with rollout_world(self.world):
+            client.engine_core.model_executor.shutdown()
+            destroy_model_parallel()
         gc.unfreeze()  # vLLM froze its startup objects; let the collector free them with this engine
         self.weights_ready = False
+
+
+@contextmanager
+def rollout_world(group: dist.ProcessGroup | None) -> Iterator[None]:
+    """vLLM's external_launcher takes the torch world for its own (it builds its groups over every rank). On a
+    rollout mesh apart from the training ranks, vLLM runs with the mesh's group as the default one (its ranks
+    renumbered from 0: RANK and WORLD_SIZE too), so the other ranks never join vLLM's collectives."""
+    if group is None:
+        yield
+        return
+    c10d = dist.distributed_c10d
+    world, env = c10d._get_default_group(), {name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE")}
+    c10d._update_default_pg(group)
+    os.environ.update(RANK=str(group.rank()), WORLD_SIZE=str(group.size()))
+    try:
+        yield
+    finally:
+        c10d._update_default_pg(world)
+        for name, value in env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def align_group_names() -> None:
+    """Collective over the world: torch names a new group by a per-process counter, so after vLLM created groups
+    on the rollout ranks alone (`rollout_world`), every rank continues from the largest count."""
+    c10d = dist.distributed_c10d
+    count = torch.tensor([c10d._world.group_count], dtype=torch.int64, device=collective_device(None))
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    c10d._world.group_count = int(count.item())
 
 
 def worker_unlink_cpu_shm(worker: Any) -> None:

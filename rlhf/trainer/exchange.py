@@ -58,6 +58,18 @@ def concat_batches(batches: list[TrainBatch], prompts_per_batch: list[int]) -> T
     return dataclasses.replace(batches[0], **merged)
 
 
+def group_shard(batch: TrainBatch, index: int, count: int) -> TrainBatch:
+    """The `index`-th of `count` equal, contiguous ranges of a batch's groups, numbered from 0 (concat_batches
+    of the shards in order gives the batch back)."""
+    num_groups = int(batch.group_index_b.max()) + 1
+    assert num_groups % count == 0, (num_groups, count)
+    per = num_groups // count
+    rows_b = (batch.group_index_b >= index * per) & (batch.group_index_b < (index + 1) * per)
+    shard = batch.select(rows_b)
+    shard.group_index_b = shard.group_index_b - index * per
+    return shard
+
+
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     assert isinstance(dtype, torch.dtype), f"not a torch dtype: {name!r}"
@@ -122,19 +134,20 @@ def _batch_tensors(batch: TrainBatch) -> tuple[dict[str, torch.Tensor], dict[str
     return tensors, plain
 
 
-def gather_global_batch(local: TrainBatch | None, num_prompts: int, layout: ParallelLayout) -> TrainBatch:
-    """Collective over the world: each replica's contributor sends its batch; all ranks get them concatenated
-    in dp order."""
+def gather_global_batch(local: TrainBatch | None, num_prompts: int, layout: ParallelLayout,
+                        group: dist.ProcessGroup | None = None) -> TrainBatch:
+    """Collective over `group` (default the world; it holds `layout`'s ranks): each replica's contributor sends
+    its batch; all ranks of the group get them concatenated in dp order."""
     rank = dist.get_rank()
-    if dist.get_world_size() == 1:
+    if dist.get_world_size(group) == 1:
         assert local is not None and layout.dp == 1
         return local
     if is_contributor(layout, rank):
         assert local is not None
         tensors, plain = _batch_tensors(local)
-        parts = gather_parts(tensors, {"num_prompts": num_prompts, "plain": plain})
+        parts = gather_parts(tensors, {"num_prompts": num_prompts, "plain": plain}, group)
     else:
-        parts = gather_parts(None)
+        parts = gather_parts(None, group=group)
     assert len(parts) == layout.dp, (len(parts), layout)
     batches = [TrainBatch(**meta["plain"], **tensors) for meta, tensors in parts]
     return concat_batches(batches, [meta["num_prompts"] for meta, _ in parts])

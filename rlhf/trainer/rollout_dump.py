@@ -2,9 +2,11 @@
 (`trainer.dump_rollouts`), and read back as `TrainBatch`es by `rlhf replay`.
 
 One row per rollout: prompt and response ids and text, the rollout's token logprobs, the sequence score, the
-advantages, policy version, data_source, uid (the prompt's dataset index) and group. The step's batch is already
-gathered on every rank (`gather_global_batch`), so rank 0 writes it with no further collective. Plain parquet
-columns only (never pickle); the file's metadata holds the format name, the pad token and the response width.
+advantages, each token's policy version and staleness (versions behind the actor at step N, N - 1), data_source,
+uid (the prompt's dataset index) and group. The step's batch is already gathered on every rank that trains
+(`gather_global_batch`), so one of them (rank 0; async: the first training rank) writes it, no collective.
+Plain parquet columns only (never pickle); the file's metadata holds the format name, the pad token and the
+response width.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ def batch_table(batch: TrainBatch, step: int, records: dict[int, PromptRecord], 
         "step": pa.array([step] * batch.size, pa.int64()),
         # per response token: a partial rollout's row holds tokens of two policy versions
         "policy_version": pa.array(_rows(batch.policy_version_bt, batch.response_lengths_b), pa.list_(pa.int64())),
+        # updates the sampling policy is behind the actor that trains on the token (async: > 0)
+        "staleness": pa.array(_rows(step - 1 - batch.policy_version_bt, batch.response_lengths_b),
+                              pa.list_(pa.int64())),
         "uid": pa.array(uids, pa.int64()),
         "group": pa.array(batch.group_index_b.tolist(), pa.int64()),
         "data_source": pa.array([records[uid].data_source for uid in uids], pa.string()),

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fixtures import make_tiny_setup, run_trainer, trainer_config  # noqa: E402
@@ -25,58 +26,132 @@ def tiny(tmp_path_factory):
     return make_tiny_setup(tmp_path_factory.mktemp("tiny"), num_val=4)
 
 
+def _recorded_run(paths, root, overrides):
+    """A trainer run that also returns the batch of every actor update (on its ranks) and the prompt batches
+    this rank's loader gave out."""
+    from rlhf.orchestration.loop import Trainer
+    from rlhf.orchestration.preflight import preflight
+    from rlhf.run_dir import close_run, setup_run
+
+    import torch.distributed as dist
+
+    cfg = trainer_config(paths, root, overrides)
+    preflight(cfg, dist.get_world_size())
+    run_dir = setup_run(cfg.run, cfg, defer_config=True)
+    try:
+        trainer, batches = Trainer(cfg, run_dir), []
+        update = trainer.stack.actor.update
+        trainer.stack.actor.update = lambda batch, algo: (batches.append(batch), update(batch, algo))[1]
+        history = trainer.fit()
+        return {"history": history, "batches": batches, "consumed": trainer.loader.sampler.consumed_batches}
+    finally:
+        close_run()
+
+
 def _runs(paths, root):
-    reward = Path(root) / "length_reward.py"  # a dense signal, so each update moves the weights
-    reward.write_text("def score(data_source, solution, ground_truth, extra_info):\n"
-                      "    return float(len(solution) % 2)\n")
-    common = ["reward.by_source={}", f"reward.function={reward}:score"]
+    rewards = Path(root) / "rewards.py"
+    rewards.write_text("def length(data_source, solution, ground_truth, extra_info):\n"  # dense: updates move
+                       "    return float(len(solution) % 2)\n"
+                       "def odd_only(data_source, solution, ground_truth, extra_info):\n"  # even answers: all 0
+                       "    return float(len(solution) % 2) if int(ground_truth) % 2 else 0.0\n")
+    common = ["reward.by_source={}", f"reward.function={rewards}:length"]
     sync = run_trainer(paths, f"{root}/sync", SPLIT + common + ["trainer.total_steps=2"])
-    full = run_trainer(paths, f"{root}/full", ASYNC + common + ["trainer.total_steps=4"])
-    run_trainer(paths, f"{root}/split", ASYNC + common + ["trainer.total_steps=2"])
-    resumed = run_trainer(paths, f"{root}/split", ASYNC + common + ["trainer.total_steps=4"])
+    dumped = ASYNC + common + ["trainer.dump_rollouts=true"]
+    full = _recorded_run(paths, f"{root}/full", dumped + ["trainer.total_steps=4"])
+    run_trainer(paths, f"{root}/split", dumped + ["trainer.total_steps=2"])
+    resumed = run_trainer(paths, f"{root}/split", dumped + ["trainer.total_steps=4"])
     two_off = run_trainer(paths, f"{root}/two", ASYNC + common + ["trainer.total_steps=3", "trainer.max_staleness=2",
                                                                   "checkpoint.every=0"])
     partial = ASYNC + common + ["trainer.max_staleness=2", "trainer.partial_rollout_tokens=2", "run.name=p"]
-    partial_full = run_trainer(paths, f"{root}/partial_full", partial + ["trainer.total_steps=4"])
+    partial_full = run_trainer(paths, f"{root}/partial_full", partial + ["trainer.total_steps=4",
+                                                                         "trainer.dump_rollouts=true"])
     run_trainer(paths, f"{root}/partial", partial + ["trainer.total_steps=2"])
     partial_resumed = run_trainer(paths, f"{root}/partial", partial + ["trainer.total_steps=4"])
-    return sync, full, resumed, two_off, partial_full, partial_resumed
+    # DAPO dynamic sampling: groups of an even answer all score 0 and are dropped; up to 3 rounds per batch
+    sampling = ["reward.by_source={}", f"reward.function={rewards}:odd_only", "algo.filter_groups.enable=true",
+                "algo.filter_groups.max_num_gen_batches=3", "trainer.val_every=0", "run.name=ds"]
+    ds_sync = _recorded_run(paths, f"{root}/ds_sync", SPLIT + sampling + ["trainer.total_steps=1"])
+    ds_full = _recorded_run(paths, f"{root}/ds_full", ASYNC + sampling + ["trainer.total_steps=4"])
+    _recorded_run(paths, f"{root}/ds", ASYNC + sampling + ["trainer.total_steps=2"])
+    ds_resumed = _recorded_run(paths, f"{root}/ds", ASYNC + sampling + ["trainer.total_steps=4"])
+    return {"sync": sync, "full": full, "resumed": resumed, "two_off": two_off, "partial_full": partial_full,
+            "partial_resumed": partial_resumed, "ds_sync": ds_sync, "ds_full": ds_full, "ds_resumed": ds_resumed}
+
+
+@pytest.fixture(scope="module")
+def world(tiny, tmp_path_factory):
+    """Every 2-rank run of this file in one launched world: per rank, the runs' results."""
+    root = tmp_path_factory.mktemp("async")
+    return root, run_distributed(_runs, 2, tiny, str(root), timeout_s=600)
 
 
 def _comparable(row):
     return {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/throughput", "memory/"))}
 
 
-def test_one_step_off_samples_one_version_behind_and_resumes_with_the_batch_in_flight(tiny, tmp_path):
-    sync, full, resumed, two_off, partial_full, partial_resumed = run_distributed(_runs, 2, tiny, str(tmp_path),
-                                                                               timeout_s=600)[0]
-    # Step 1 trains on the batch both modes sample from the initial policy with step 1's seed: identical.
-    assert _comparable(full[0]) == _comparable(sync[0])
-    assert [row["rollout/staleness_max"] for row in full] == [0.0, 1.0, 1.0, 1.0]
-    assert [row["rollout/staleness_mean"] for row in full] == [0.0, 1.0, 1.0, 1.0]
-    assert sync[1]["rollout/staleness_max"] == 0.0
-    assert [row["rollout/staleness_max"] for row in two_off] == [0.0, 1.0, 2.0]  # k-step-off: k batches ahead
-    # From step 2 the rollout sampled with the weights before the last update; the actor's recomputed old
-    # logprobs see the difference (synchronous: one rounding apart), and token TIS reweights it.
-    assert sync[1]["rollout/logprob_diff_max"] < 1e-5
-    assert all(row["rollout/logprob_diff_max"] > 1e-3 for row in full[1:])
-    spread = [row["rollout_corr/is_weight_max"] - row["rollout_corr/is_weight_min"] for row in (sync[1], full[1])]
-    assert spread[0] < 1e-4 < 1e-3 < spread[1], spread
-    # The checkpoint at step 2 holds batch 3 (generated during step 2), so the resumed run is the same run.
-    assert [row["step"] for row in resumed] == [3, 4]
-    assert [_comparable(r) for r in full[2:]] == [_comparable(r) for r in resumed]
-    step_2 = tmp_path / "split/r/checkpoints/step_2"
-    assert (step_2 / "async_in_flight.safetensors").is_file()
-    assert "val/score/mean@1" in full[-1]
-    # Partial rollouts (2 tokens per row, then the rest after the next push): from step 3 a batch mixes tokens
-    # two and one versions behind; the checkpoint holds the started batch, so the resume is exact again.
-    assert [row["rollout/staleness_max"] for row in partial_full] == [0.0, 1.0, 2.0, 2.0]
-    assert all(1.0 < row["rollout/staleness_mean"] < 2.0 for row in partial_full[2:])
-    assert [_comparable(r) for r in partial_full[2:]] == [_comparable(r) for r in partial_resumed]
-    from rlhf.state_file import decode_state
+def test_one_step_off_samples_one_version_behind_and_resumes_with_the_batch_in_flight(world):
+    tmp_path, ranks = world
+    runs = ranks[0]
+    sync, full, resumed, two_off = runs["sync"], runs["full"]["history"], runs["resumed"], runs["two_off"]
+    partial_full, partial_resumed = runs["partial_full"], runs["partial_resumed"]
+def test_dynamic_sampling_rounds_run_on_the_rollout_rank_and_resume_with_the_batch_in_flight(world):
+    ranks = world[1]
+    trainer, rollout = ranks[0], ranks[1]
+    sync, full, resumed = trainer["ds_sync"], trainer["ds_full"], trainer["ds_resumed"]
+    # Batch 1 (sampled by v0 in both modes): the same rounds (seeds, loader batches), the same filled batch.
+    trained = [{k: v for k, v in _comparable(run["history"][0]).items() if not k.startswith("val/")}
+               for run in (full, sync)]  # the 1-step run validates at its end
+    assert trained[0] == trained[1]
+    first, again = sync["batches"][0], full["batches"][0]
+    for name, value in vars(first).items():
+        theirs = getattr(again, name)
+        assert torch.equal(value, theirs) if isinstance(value, torch.Tensor) else value == theirs, name
+    rounds = [row["dynamic_sampling/gen_rounds"] for row in full["history"]]
+    assert max(rounds) > 1 and sum(row["dynamic_sampling/dropped_groups"] for row in full["history"]) > 0
+    for row, batch in zip(full["history"], full["batches"]):
+        assert row["dynamic_sampling/kept_groups"] + row["dynamic_sampling/filled_groups"] == 4
+        assert batch.size == 4 * 4 and int(batch.group_index_b.max()) == 3
+    # The rounds are decided by the rollout rank alone: its loader gave out every round of batches 1..5 (batch 5
+    # is in flight after step 4); the trainer's loader gave out nothing.
+    assert trainer["ds_full"]["consumed"] == 0 and rollout["ds_full"]["consumed"] > sum(rounds)
+    assert rollout["ds_sync"]["consumed"] == trainer["ds_sync"]["consumed"] == rounds[0]
+    # Resumed from step 2 (batch 3 in flight, its rounds' metrics held by the rollout rank): the same run.
+    assert [row["step"] for row in resumed["history"]] == [3, 4]
+    assert [_comparable(r) for r in full["history"][2:]] == [_comparable(r) for r in resumed["history"]]
+    assert rollout["ds_resumed"]["consumed"] == rollout["ds_full"]["consumed"]
 
-    rollout_state = decode_state((tmp_path / "partial/p/checkpoints/step_2/rank1.safetensors").read_bytes(), "rank1")
-    assert rollout_state["async"]["started"]["index"] == 4  # batch 3 was exchanged at step 2; batch 4 began
+
+def _dumps(folder):
+    import pyarrow.parquet as pq
+
+    return [pq.read_table(path).to_pylist() for path in sorted(folder.glob("step_*.parquet"))]
+
+
+def test_async_dumps_every_trained_batch_once_under_the_step_that_trains_it(world):
+    from rlhf.trainer.rollout_dump import dump_path, read_dump
+
+    root, ranks = world
+    full = ranks[0]["full"]
+    folder = root / "full/r/rollouts"
+    assert sorted(path.name for path in folder.iterdir()) == [dump_path(folder, step).name for step in (1, 2, 3, 4)]
+    for step, (rows, trained) in enumerate(zip(_dumps(folder), full["batches"]), start=1):
+        assert {row["step"] for row in rows} == {step}
+        assert {v for row in rows for v in row["policy_version"]} == {max(0, step - 2)}  # sampled one update behind
+        assert {v for row in rows for v in row["staleness"]} == {min(step - 1, 1)}
+        back = read_dump(dump_path(folder, step), vocab_size=18)
+        assert torch.equal(back.tokens_bs, trained.tokens_bs[:, :back.tokens_bs.shape[1]])
+        for name in ("scores_b", "group_index_b", "sample_index_b", "response_lengths_b"):
+            assert torch.equal(getattr(back, name), getattr(trained, name)), name
+        assert [row["advantages"] for row in rows] == [trained.advantages_bt[i, :n].tolist()
+                                                        for i, n in enumerate(trained.response_lengths_b.tolist())]
+    # The resumed run (batch 3 was in flight in the step-2 checkpoint) dumped steps 3 and 4 once, as the full run.
+    assert _dumps(root / "split/r/rollouts") == _dumps(folder)
+    # Partial rollouts: one row holds tokens of two versions (the rows still running at the push), per token.
+    partial = _dumps(root / "partial_full/p/rollouts")
+    assert len(partial) == 4
+    mixed = [row for row in partial[3] if len(set(row["policy_version"])) == 2]
+    assert mixed and all(row["policy_version"][:2] == [1, 1] and set(row["policy_version"][2:]) == {2}
+                         and row["staleness"][:2] == [2, 2] for row in mixed)
 
 
 def _check(tiny, tmp_path, overrides):
@@ -94,8 +169,10 @@ def test_async_configs_that_cannot_overlap_are_refused(tiny, tmp_path):
                                           r"\[0, 2\]"):
         _check(tiny, tmp_path, ["trainer.async_mode=one_step_off", "mesh.placement=split",
                                 "mesh.actor={ranks: [0, 2]}", "mesh.rollout={ranks: [0, 2]}"])
-    with pytest.raises(ConfigError, match=r"algo\.filter_groups\.enable=true yet"):
-        _check(tiny, tmp_path, ASYNC + ["algo.filter_groups.enable=true"])
+    with pytest.raises(ConfigError, match=r"^trainer\.partial_rollout_tokens=2 cannot be combined with "
+                                          r"algo\.filter_groups\.enable=true yet"):
+        _check(tiny, tmp_path, ASYNC + ["algo.filter_groups.enable=true", "trainer.partial_rollout_tokens=2",
+                                        "trainer.max_staleness=2"])
     with pytest.raises(ConfigError, match=r"set actor\.recompute_old_logprobs=true"):
         _check(tiny, tmp_path, ASYNC + ["actor.recompute_old_logprobs=false", "algo.rollout_correction.enable=false"])
     with pytest.raises(ConfigError, match=r"^trainer\.max_staleness=0 must be >= 1"):
@@ -106,8 +183,15 @@ def test_async_configs_that_cannot_overlap_are_refused(tiny, tmp_path):
         _check(tiny, tmp_path, ASYNC + ["trainer.partial_rollout_tokens=2"])
     with pytest.raises(ConfigError, match=r"must be below sampling\.max_new_tokens=5"):
         _check(tiny, tmp_path, ASYNC + ["trainer.partial_rollout_tokens=5", "trainer.max_staleness=2"])
+    with pytest.raises(ConfigError, match=r"^trainer\.partial_rollout_tokens=2 runs with the native or vllm engine "
+                                          r"and without ReMax's greedy baseline only yet \(rollout\.engine=hf, "):
+        _check(tiny, tmp_path, ASYNC + ["trainer.partial_rollout_tokens=2", "trainer.max_staleness=2",
+                                        "rollout.engine=hf"])
     _check(tiny, tmp_path, ASYNC)
+    _check(tiny, tmp_path, ASYNC + ["algo.filter_groups.enable=true"])
     _check(tiny, tmp_path, ASYNC + ["trainer.partial_rollout_tokens=2", "trainer.max_staleness=2"])
+    _check(tiny, tmp_path, ASYNC + ["trainer.partial_rollout_tokens=2", "trainer.max_staleness=2",
+                                    "rollout.engine=vllm"])
 
 
 def _four_rank_runs(paths, root):
@@ -122,21 +206,36 @@ def _four_rank_runs(paths, root):
     full = run_trainer(paths, f"{root}/full", grpo + ["trainer.total_steps=4"])
     run_trainer(paths, f"{root}/split", grpo + ["trainer.total_steps=2"])
     resumed = run_trainer(paths, f"{root}/split", grpo + ["trainer.total_steps=4"])
-    return ppo, full, resumed
+    rewards = Path(root) / "rewards.py"
+    rewards.write_text("def odd_only(data_source, solution, ground_truth, extra_info):\n"
+                       "    return float(len(solution) % 2) if int(ground_truth) % 2 else 0.0\n")
+    sampling = ["mesh.placement=split", "mesh.actor={ranks: [0, 2]}", "mesh.rollout={ranks: [2, 4]}",
+                "trainer.val_before_train=false", "trainer.val_every=0", "reward.by_source={}",
+                f"reward.function={rewards}:odd_only", "algo.filter_groups.enable=true",
+                "algo.filter_groups.max_num_gen_batches=3", "trainer.total_steps=1", "run.name=ds"]
+    ds_sync = run_trainer(paths, f"{root}/ds_sync", sampling)
+    ds_async = run_trainer(paths, f"{root}/ds_async", sampling + ["trainer.async_mode=one_step_off"])
+    return ppo, full, resumed, ds_sync, ds_async
 
 
 @pytest.mark.slow
 def test_async_ppo_and_grpo_resume_on_4_ranks(tiny, tmp_path):
-    """2 training ranks (actor tp2 + critic + ref, or actor dp2) beside 2 rollout ranks (dp2, or tp2)."""
+    """2 training ranks (actor tp2 + critic + ref, or actor dp2) beside 2 rollout ranks (dp2, or tp2); dynamic
+    sampling at rollout dp2."""
     results = run_distributed(_four_rank_runs, 4, tiny, str(tmp_path), timeout_s=900)
     assert results[3] == results[0], "every rank sees the same reduced metrics"
-    ppo, full, resumed = results[0]
+    ppo, full, resumed, ds_sync, ds_async = results[0]
     assert [row["rollout/staleness_max"] for row in ppo] == [0.0, 1.0, 1.0]
     for key in ("critic/vf_loss", "critic/vf_explained_var", "actor/reward_kl_penalty", "timing_s/update_critic",
                 "timing_s/gen", "actor/pg_loss"):
         assert all(key in row for row in ppo), key
     assert [row["step"] for row in resumed] == [3, 4]
     assert [_comparable(r) for r in full[2:]] == [_comparable(r) for r in resumed]
+    # Dynamic sampling with 2 rollout replicas: the rounds gathered over the rollout mesh, each replica's share of
+    # the filled batch exchanged; batch 1 (sampled by v0) trains exactly as in the synchronous loop.
+    trained = [{k: v for k, v in _comparable(run[0]).items() if not k.startswith("val/")}
+               for run in (ds_async, ds_sync)]
+    assert trained[0] == trained[1] and trained[0]["dynamic_sampling/gen_rounds"] > 1
 
 
 def test_an_in_flight_batch_round_trips_bitwise_and_a_foreign_one_is_refused():

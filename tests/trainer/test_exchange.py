@@ -9,7 +9,7 @@ import torch.distributed as dist
 from rlhf.parallel.layout import ParallelLayout
 from rlhf.testing.distributed import run_distributed
 from rlhf.trainer.batch import TrainBatch
-from rlhf.trainer.exchange import concat_batches, gather_global_batch, gather_rows, is_contributor
+from rlhf.trainer.exchange import concat_batches, gather_global_batch, gather_rows, group_shard, is_contributor
 
 
 def _batch(replica: int) -> TrainBatch:
@@ -53,3 +53,15 @@ def test_global_batch_and_rows_without_pickle():
             assert got.dtype == expected.dtype and torch.equal(got, expected), name
         assert batch.group_index_b.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
         assert torch.equal(rows, torch.tensor([0, 1, 2, 10, 11, 12]))
+
+
+def test_group_shards_concatenate_back_to_the_batch():
+    """Async dynamic sampling: each rollout contributor sends a contiguous share of the filled batch's groups."""
+    whole = concat_batches([_batch(0), _batch(1), _batch(2)], [2, 2, 2])  # 6 groups, widths padded to the widest
+    for count in (1, 2, 3):
+        shards = [group_shard(whole, index, count) for index in range(count)]
+        assert [shard.group_index_b.tolist() for shard in shards][0] == [g for g in range(6 // count) for _ in "ab"]
+        back = concat_batches(shards, [6 // count] * count)
+        for name in ("tokens_bs", "response_mask_bt", "group_index_b", "rollout_logprobs_bt", "scores_b",
+                     "advantages_bt"):
+            assert torch.equal(getattr(back, name), getattr(whole, name)), (count, name)

@@ -55,6 +55,7 @@ def test_a_dump_reads_back_as_the_batch_it_trained_on(tmp_path):
     assert [row["data_source"] for row in rows] == ["src1", "src1", "src0", "src0"]
     assert [row["response"] for row in rows] == ["4", "567", "", ""]  # <eos> (3) is skipped in the text
     assert rows[0]["prompt"] == "12=" and rows[0]["advantages"] == batch.advantages_bt[0, :2].tolist()
+    assert rows[1]["policy_version"] == [3, 3, 3] and rows[1]["staleness"] == [1, 1, 1]  # step 5 trains with v4
     assert not list(tmp_path.glob("*.tmp"))
     RolloutDumper(tmp_path, every=2, records=[], tokenizer=None, enabled=True).write(batch, 7)  # not due
     RolloutDumper(tmp_path, every=1, records=[], tokenizer=None, enabled=False).write(batch, 8)  # not rank 0
