@@ -57,17 +57,22 @@ def test_bad_step_counts_name_the_flag():
 def test_report_sums_calls_over_ranks_and_keeps_the_slowest_time():
     per_rank = [{"memory": {"gen": 100, "step": 300}, "comm": [
                     {"phase": "update_actor", "op": "all_reduce", "calls": 4, "bytes": 800, "seconds": 0.2}],
-                 "timings": [{"timing_s/step": 0.9}]},
+                 "timings": [{"timing_s/step": 0.9}], "side": "train",
+                 "timeline": [[["update_actor", 0.0, 0.8], ["gather", 0.8, 0.9]]]},
                 {"memory": {"gen": 200, "step": 250}, "comm": [
                     {"phase": "update_actor", "op": "all_reduce", "calls": 4, "bytes": 800, "seconds": 0.6}],
-                 "timings": [{"timing_s/step": 1.0}]}]
+                 "timings": [{"timing_s/step": 1.0}], "side": "rollout",
+                 "timeline": [[["gen", 0.0, 0.5], ["gather", 0.5, 0.9]]]}]
     report = build_report([_step(1.0, 0.5, 0.4)], per_rank, timed_steps=2)
     assert report["peak_memory_bytes"] == {"gen": 200, "step": 300}
     assert report["collectives_per_step"] == [{"phase": "update_actor", "op": "all_reduce", "calls": 4.0,
                                                "bytes": 800.0, "seconds_max_rank": 0.3}]
     assert report["per_rank_timings"] == [[{"timing_s/step": 0.9}], [{"timing_s/step": 1.0}]]
+    assert report["overlap"]["both_busy_s"] == pytest.approx(0.5)
     text = format_report(report)
     assert "phases account for 100.0%" in text and "update_actor" in text
+    assert "both busy 0.500 s of the 1.000 s step (50.0%)" in text
+    assert "  rollout  gen                 0.500       0.500  100.0%" in text
 
 
 def test_e2e_summary_keys_and_reward():
