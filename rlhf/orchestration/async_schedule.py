@@ -29,7 +29,8 @@ With dynamic sampling (`algo.filter_groups`) the rollout ranks generate a batch'
 does (`collect_batch`: the batch's own seed per round, one loader batch each), gathered over the rollout mesh's
 own group so every rollout rank agrees on the informative groups and the rounds; each rollout contributor sends
 its dp share of the filled batch's groups at the boundary, and the batch's dynamic_sampling/* metrics wait on
-the rollout ranks (and in their checkpoint) for the step that trains it. Not yet: with partial rollouts.
+the rollout ranks (and in their checkpoint) for the step that trains it. With partial rollouts too, the started
+batch is a batch's first round: finished with the current weights, then its extra rounds run whole.
 Engines: native or vLLM (on the rollout ranks alone, its world is the rollout mesh: `vllm_engine.rollout_world`).
 """
 
@@ -49,8 +50,8 @@ from rlhf.errors import CheckpointError, ConfigError
 from rlhf.metrics import StepMetrics
 from rlhf.parallel.layout import ParallelLayout
 from rlhf.parallel.meshes import RoleMeshes
-from rlhf.orchestration.step import (RLStack, collect_batch, generate_and_score, record_batch_metrics,
-                                     score_and_update)
+from rlhf.orchestration.step import (RLStack, collect_batch, fill_rounds, generate_and_score,
+                                     record_batch_metrics, score_and_update)
 from rlhf.trainer.batch import TrainBatch
 from rlhf.trainer.config import AlgoConfig
 from rlhf.trainer.exchange import gather_global_batch, group_shard, is_contributor
@@ -95,9 +96,6 @@ def check_partial_rollouts(cfg: RlhfConfig) -> None:
     if tokens >= cfg.sampling.max_new_tokens:
         raise ConfigError(f"{key} must be below sampling.max_new_tokens={cfg.sampling.max_new_tokens} (rows stop "
                           "there anyway); lower it or set 0")
-    if cfg.algo.filter_groups.enable:
-        raise ConfigError(f"{key} cannot be combined with algo.filter_groups.enable=true yet (a started batch "
-                          "would need its extra generation rounds started too); set one of them off")
     if cfg.rollout.engine not in ("native", "vllm") or cfg.algo.advantage.kind == AdvantageKind.REMAX:
         raise ConfigError(f"{key} runs with the native or vllm engine and without ReMax's greedy baseline only yet "
                           f"(rollout.engine={cfg.rollout.engine}, algo.advantage.kind={cfg.algo.advantage.kind})")
@@ -182,6 +180,8 @@ class AsyncSchedule:
         if self.started is not None:
             started, self.started = self.started, None
             assert started.index == self.num_generated + 1, (started.index, self.num_generated)
+            if self.stack.algo.filter_groups.enable:
+                return self._fill_started(started, metrics)
             with self.stack.memory.rollout(metrics), metrics.timer("gen"):
                 return finish_batch(self.stack, started), len(started.prompts.records)
         prompts = self.loader.next_step()
@@ -196,11 +196,28 @@ class AsyncSchedule:
         with self.stack.memory.rollout(metrics):
             batch, sampling = collect_batch(self.stack, prompts, self.num_generated + 1, self.loader.next_step,
                                             metrics, self.rollout_group)
+        return self._share(batch, sampling, len(prompts.records))
+
+    def _fill_started(self, started: StartedBatch, metrics: StepMetrics) -> tuple[TrainBatch | None, int]:
+        """Dynamic sampling with partial rollouts: the started first round finished with the current weights
+        (its continuation took seed round 1), then the extra rounds, whole, with seed rounds 2, 3, ..."""
+        layout = self.rollout_layout
+        with self.stack.memory.rollout(metrics):
+            with metrics.timer("gen"):
+                local = finish_batch(self.stack, started)
+            with metrics.timer("gather"):
+                first = gather_global_batch(local, len(started.prompts.records), layout, self.rollout_group)
+            batch, sampling = fill_rounds(self.stack, first, started.index, self.loader.next_step, metrics,
+                                          self.rollout_group, first_seed_round=2)
+        return self._share(batch, sampling, len(started.prompts.records))
+
+    def _share(self, batch: TrainBatch, sampling: dict[str, float], num_prompts: int) -> tuple[TrainBatch | None, int]:
+        """Hold the filled batch's dynamic_sampling/* metrics; each contributor sends its dp share of the groups
+        (`num_prompts`: this dp rank's share of the target, data.prompts_per_step / dp)."""
         self.sampling_metrics.append(sampling)
         layout, rank = self.rollout_layout, dist.get_rank()
         if not is_contributor(layout, rank):
             return None, 0
-        num_prompts = len(prompts.records)  # this dp rank's share of the target: data.prompts_per_step / dp
         return group_shard(batch, layout.coords(rank).dp_rank, layout.dp), num_prompts
 
     def _exchange(self, local: tuple[TrainBatch | None, int], metrics: StepMetrics) -> None:

@@ -113,14 +113,23 @@ def collect_batch(stack: RLStack, prompts: PromptStep, step: int,
     """The step's global batch on every rank of `group` (default the world; async: the rollout mesh) and its
     dynamic_sampling/* metrics; with dynamic sampling, rounds of prompts until it is full."""
     batch = generate_round(stack, prompts, step, 0, metrics, group)
+    return fill_rounds(stack, batch, step, more_prompts, metrics, group)
+
+
+def fill_rounds(stack: RLStack, first: TrainBatch, step: int, more_prompts: Callable[[], PromptStep] | None,
+                metrics: StepMetrics, group: dist.ProcessGroup | None = None,
+                first_seed_round: int = 1) -> tuple[TrainBatch, dict[str, float]]:
+    """Dynamic sampling after the first round (`first`, on every rank of `group`): rounds of prompts until the
+    batch is full, the k-th extra round sampled with seed round `first_seed_round` + k - 1; without it `first`."""
     if not stack.algo.filter_groups.enable:
-        return batch, {}
+        return first, {}
     assert more_prompts is not None, "dynamic sampling (algo.filter_groups) needs rl_step(more_prompts=...)"
-    rounds = [batch]
-    target = count_groups(batch)
+    rounds = [first]
+    target = count_groups(first)
     while (informative_groups(rounds) < target
            and len(rounds) < stack.algo.filter_groups.max_num_gen_batches):
-        rounds.append(generate_round(stack, more_prompts(), step, len(rounds), metrics, group))
+        rounds.append(generate_round(stack, more_prompts(), step, first_seed_round + len(rounds) - 1, metrics,
+                                     group))
     full = fill_batch(rounds, target)
     return full.batch, {f"dynamic_sampling/{name}": value for name, value in full.metrics.items()}
 

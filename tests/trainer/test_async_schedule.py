@@ -74,8 +74,14 @@ def _runs(paths, root):
     ds_full = _recorded_run(paths, f"{root}/ds_full", ASYNC + sampling + ["trainer.total_steps=4"])
     _recorded_run(paths, f"{root}/ds", ASYNC + sampling + ["trainer.total_steps=2"])
     ds_resumed = _recorded_run(paths, f"{root}/ds", ASYNC + sampling + ["trainer.total_steps=4"])
+    # ... with partial rollouts: a batch's first round is started a step early, its extra rounds run whole
+    dsp = ASYNC + sampling + ["trainer.max_staleness=2", "trainer.partial_rollout_tokens=2", "run.name=dsp"]
+    dsp_full = _recorded_run(paths, f"{root}/dsp_full", dsp + ["trainer.total_steps=4"])
+    _recorded_run(paths, f"{root}/dsp", dsp + ["trainer.total_steps=2"])
+    dsp_resumed = _recorded_run(paths, f"{root}/dsp", dsp + ["trainer.total_steps=4"])
     return {"sync": sync, "full": full, "resumed": resumed, "two_off": two_off, "partial_full": partial_full,
-            "partial_resumed": partial_resumed, "ds_sync": ds_sync, "ds_full": ds_full, "ds_resumed": ds_resumed}
+            "partial_resumed": partial_resumed, "ds_sync": ds_sync, "ds_full": ds_full, "ds_resumed": ds_resumed,
+            "dsp_full": dsp_full, "dsp_resumed": dsp_resumed}
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +125,29 @@ def test_dynamic_sampling_rounds_run_on_the_rollout_rank_and_resume_with_the_bat
     assert [row["step"] for row in resumed["history"]] == [3, 4]
     assert [_comparable(r) for r in full["history"][2:]] == [_comparable(r) for r in resumed["history"]]
     assert rollout["ds_resumed"]["consumed"] == rollout["ds_full"]["consumed"]
+
+
+def test_dynamic_sampling_with_partial_rollouts_fills_batches_of_two_versions_and_resumes(world):
+    ranks = world[1]
+    trainer, rollout = ranks[0], ranks[1]
+    full, resumed = trainer["dsp_full"], trainer["dsp_resumed"]
+    rounds = [row["dynamic_sampling/gen_rounds"] for row in full["history"]]
+    assert max(rounds) > 1
+    mixed = 0
+    for step, (row, batch) in enumerate(zip(full["history"], full["batches"]), start=1):
+        assert row["dynamic_sampling/kept_groups"] + row["dynamic_sampling/filled_groups"] == 4
+        assert batch.size == 4 * 4 and int(batch.group_index_b.max()) == 3
+        versions = batch.policy_version_bt[batch.response_mask_bt.bool()]
+        assert int(versions.max()) <= step - 1 and row["rollout/staleness_max"] <= 2
+        mixed += int(versions.max()) > int(versions.min())  # the started round's tokens span a weight push
+    assert mixed > 0
+    # Resumed from step 2 (a batch in flight and one started): the same rounds, batches and metrics.
+    assert [row["step"] for row in resumed["history"]] == [3, 4]
+    assert [_comparable(r) for r in full["history"][2:]] == [_comparable(r) for r in resumed["history"]]
+    for mine, theirs in zip(full["batches"][2:], resumed["batches"]):
+        assert torch.equal(mine.tokens_bs, theirs.tokens_bs)
+        assert torch.equal(mine.policy_version_bt, theirs.policy_version_bt)
+    assert rollout["dsp_resumed"]["consumed"] == rollout["dsp_full"]["consumed"]
 
 
 def _dumps(folder):
@@ -169,10 +198,6 @@ def test_async_configs_that_cannot_overlap_are_refused(tiny, tmp_path):
                                           r"\[0, 2\]"):
         _check(tiny, tmp_path, ["trainer.async_mode=one_step_off", "mesh.placement=split",
                                 "mesh.actor={ranks: [0, 2]}", "mesh.rollout={ranks: [0, 2]}"])
-    with pytest.raises(ConfigError, match=r"^trainer\.partial_rollout_tokens=2 cannot be combined with "
-                                          r"algo\.filter_groups\.enable=true yet"):
-        _check(tiny, tmp_path, ASYNC + ["algo.filter_groups.enable=true", "trainer.partial_rollout_tokens=2",
-                                        "trainer.max_staleness=2"])
     with pytest.raises(ConfigError, match=r"set actor\.recompute_old_logprobs=true"):
         _check(tiny, tmp_path, ASYNC + ["actor.recompute_old_logprobs=false", "algo.rollout_correction.enable=false"])
     with pytest.raises(ConfigError, match=r"^trainer\.max_staleness=0 must be >= 1"):
@@ -189,6 +214,8 @@ def test_async_configs_that_cannot_overlap_are_refused(tiny, tmp_path):
                                         "rollout.engine=hf"])
     _check(tiny, tmp_path, ASYNC)
     _check(tiny, tmp_path, ASYNC + ["algo.filter_groups.enable=true"])
+    _check(tiny, tmp_path, ASYNC + ["algo.filter_groups.enable=true", "trainer.partial_rollout_tokens=2",
+                                    "trainer.max_staleness=2"])
     _check(tiny, tmp_path, ASYNC + ["trainer.partial_rollout_tokens=2", "trainer.max_staleness=2"])
     _check(tiny, tmp_path, ASYNC + ["trainer.partial_rollout_tokens=2", "trainer.max_staleness=2",
                                     "rollout.engine=vllm"])
