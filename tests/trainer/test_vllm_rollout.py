@@ -1,6 +1,6 @@
 """GRPO with real vLLM as the rollout engine on 2 gloo ranks (`make test-vllm`), one launched world: rollout
 tp=2, then tp=1 x dp=2, a resume with engine=vllm equal to the uninterrupted run, and a Qwen3-MoE policy
-(vLLM's fused experts). In fp32 the rollout logprobs (vLLM's, at the sampling temperature) equal the training
+trained at tp=2 and rolled out by vLLM at tp=2 (vLLM's fused experts, split over tp). In fp32 the rollout logprobs (vLLM's, at the sampling temperature) equal the training
 forward's within 1e-5 at every step, which holds only if every sync left the engine with the actor's weights."""
 
 import importlib.util
@@ -41,7 +41,8 @@ def _runs(paths, moe_paths, root):
     full = run_trainer(paths, f"{root}/full", resume)
     run_trainer(paths, f"{root}/split", resume + ["trainer.total_steps=2"])
     resumed = run_trainer(paths, f"{root}/split", resume)
-    moe = run_trainer(moe_paths, f"{root}/moe", common + ["run.name=moe"])
+    # a Qwen3-MoE policy trained at tp2, rolled out by vLLM at tp2 (experts split over tp on both sides)
+    moe = run_trainer(moe_paths, f"{root}/moe", common + ["mesh.actor.tp=2", "mesh.rollout.tp=2", "run.name=moe"])
     return tp2, full, resumed, moe
 
 
