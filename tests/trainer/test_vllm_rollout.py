@@ -1,7 +1,8 @@
 """GRPO with real vLLM as the rollout engine on 2 gloo ranks (`make test-vllm`), one launched world: rollout
 tp=2, then tp=1 x dp=2, a resume with engine=vllm equal to the uninterrupted run, and a Qwen3-MoE policy
-trained at tp=2 and rolled out by vLLM at tp=2 (vLLM's fused experts, split over tp). In fp32 the rollout logprobs (vLLM's, at the sampling temperature) equal the training
-forward's within 1e-5 at every step, which holds only if every sync left the engine with the actor's weights."""
+trained at tp=2 and rolled out by vLLM at tp=2 (vLLM's fused experts, split over tp). In fp32 the rollout
+logprobs (vLLM's, at the sampling temperature) equal the training forward's within 1e-5 at every step, which
+holds only if every sync left the engine with the actor's weights."""
 
 import importlib.util
 import math
