@@ -75,7 +75,7 @@ def main() -> None:
                                 total_steps=1000, update=UpdateConfig(micro_batch_size=args.micro_batch,
                                                                       optim=OptimConfig(lr=1e-6)))
         batch = variable_length_batch(AutoConfig.from_pretrained(path).vocab_size)
-        sorted_order, trimmed_split = roles._by_length, roles.PolicyRole._micro_batches
+        sorted_order, trimmed_split = roles.by_length, roles.PolicyRole._micro_batches
         variants = {
             "sorted": (sorted_order, trimmed_split),
             "trimmed": (lambda b: torch.arange(b.size), trimmed_split),
@@ -84,12 +84,12 @@ def main() -> None:
         times: dict[str, list[float]] = {name: [] for name in variants}
         for repeat in range(args.repeats + 1):  # the first round warms up
             for name, (order, split) in variants.items():
-                roles._by_length, roles.PolicyRole._micro_batches = order, split
+                roles.by_length, roles.PolicyRole._micro_batches = order, split
                 start = time.perf_counter()
                 role.update(batch, AlgoConfig())
                 if repeat:
                     times[name].append(time.perf_counter() - start)
-        roles._by_length, roles.PolicyRole._micro_batches = sorted_order, trimmed_split
+        roles.by_length, roles.PolicyRole._micro_batches = sorted_order, trimmed_split
     median = {name: statistics.median(values) for name, values in times.items()}
     real = int((batch.prompt_lengths_b + batch.response_lengths_b).sum())
     summary = {f"padded_over_{name}": median["padded"] / median[name] for name in ("sorted", "trimmed")}

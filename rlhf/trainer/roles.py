@@ -31,48 +31,12 @@ from rlhf.train.engine import StepResult, TrainEngine
 from rlhf.trainer.batch import TrainBatch, gather_response, scatter_response
 from rlhf.trainer.config import AlgoConfig, UpdateConfig
 from rlhf.trainer.exchange import gather_rows, is_contributor
+from rlhf.trainer.micro_batches import balanced_order, by_length, micro_batches, row_lengths
 
 
 def _labels_bs(batch: TrainBatch) -> torch.Tensor:
     """The token each position predicts (the last position's label is never read)."""
     return torch.roll(batch.tokens_bs, shifts=-1, dims=1)
-
-
-def balanced_order(lengths_b: torch.Tensor, parts: int) -> torch.Tensor:
-    """A row order whose `parts` contiguous equal shards carry near-equal token totals, so no DP rank waits on
-    another (verl's balance_batch): longest rows first, each to the lightest shard with room. Deterministic:
-    every rank computes the same order from the same lengths."""
-    size = lengths_b.shape[0]
-    if parts == 1 or size % parts:
-        return torch.arange(size)
-    per = size // parts
-    lengths = lengths_b.tolist()
-    shards: list[list[int]] = [[] for _ in range(parts)]
-    totals = [0] * parts
-    for row in sorted(range(size), key=lambda r: (-lengths[r], r)):
-        target = min((k for k in range(parts) if len(shards[k]) < per), key=lambda k: (totals[k], k))
-        shards[target].append(row)
-        totals[target] += lengths[row]
-    return torch.tensor([row for shard in shards for row in sorted(shard)])
-
-
-def _lengths(batch: TrainBatch) -> torch.Tensor:
-    return batch.prompt_lengths_b + batch.response_lengths_b
-
-
-def _common_widths(micro: list[TrainBatch], ep_group: Any) -> list[TrainBatch]:
-    """Micro-batches padded (right, with pad tokens) to the widest of their expert-parallel peers' at the same
-    index: megatron's token dispatchers exchange equal-shaped token blocks between the ranks sharing experts."""
-    widths = torch.tensor([mb.tokens_bs.shape[1] for mb in micro], dtype=torch.int64, device=current_device())
-    torch.distributed.all_reduce(widths, op=torch.distributed.ReduceOp.MAX, group=ep_group)
-    return [dataclasses.replace(mb, tokens_bs=torch.nn.functional.pad(
-        mb.tokens_bs, (0, width - mb.tokens_bs.shape[1]), value=mb.pad_token_id)) for mb, width in
-        zip(micro, widths.tolist())]
-
-
-def _by_length(batch: TrainBatch) -> torch.Tensor:
-    """Row order by sequence length (stable), so micro-batches of neighbouring rows need little padding."""
-    return torch.argsort(_lengths(batch), stable=True)
 
 
 class ModelRole:
@@ -149,10 +113,10 @@ class ModelRole:
         if self._parked is not None:
             raise RuntimeError(f"the {self.name} model is offloaded; call reload() before using it")
         local: dict[str, torch.Tensor] | None = None
-        balance = balanced_order(_lengths(batch).cpu(), self.mesh.layout.dp)
+        balance = balanced_order(row_lengths(batch).cpu(), self.mesh.layout.dp)
         if self.mesh.is_member:
             shard = batch.select(balance).shard(self.dp_rank, self.dp_size).to(current_device())
-            order = _by_length(shard)
+            order = by_length(shard)
             micro = self._micro_batches(shard.select(order), min(self.micro_batch_size, shard.size), ragged=True)
 
             def step(output: torch.Tensor, micro_batch: TrainBatch) -> tuple[torch.Tensor, dict]:
@@ -184,18 +148,8 @@ class ModelRole:
         return values, routed
 
     def _micro_batches(self, shard: TrainBatch, size: int, *, ragged: bool = False) -> list[TrainBatch]:
-        """`shard` in micro-batches of `size` rows, each cut to its own longest row (compute scales with the
-        micro-batch's length, not the step's; callers sort rows by length first so similar lengths share a
-        micro-batch); with pp > 1 the schedule needs one shape, so the shard's, and equal micro-batches: a
-        `ragged` split (forward only) then takes the largest size <= `size` that divides the shard. At ep > 1
-        widths are evened out with the expert-parallel peers (`_common_widths`)."""
-        if self.mesh.pgs.pp.size() > 1:
-            if ragged:
-                size = max(d for d in range(1, size + 1) if shard.size % d == 0)
-            micro = shard.trimmed().chunks(size)
-        else:
-            micro = [micro.trimmed() for micro in shard.chunks(size, ragged=ragged)]
-        return _common_widths(micro, self.mesh.pgs.ep) if self.mesh.pgs.ep.size() > 1 else micro
+        """`shard` in micro-batches of `size` rows on this role's layout (`micro_batches.micro_batches`)."""
+        return micro_batches(shard, size, self.mesh.pgs, ragged=ragged)
 
     def _train(self, batch: TrainBatch, loss_fn: Callable[[torch.Tensor, TrainBatch, GlobalCounts], tuple],
                prefix: str) -> dict[str, float]:
@@ -231,11 +185,11 @@ class ModelRole:
     def _train_mini_batch(self, mini: TrainBatch,
                           loss_fn: Callable[[torch.Tensor, TrainBatch, GlobalCounts], tuple]) -> StepResult:
         """One optimizer step on this rank's DP shard of `mini`."""
-        balance = balanced_order(_lengths(mini).cpu(), self.dp_size)
+        balance = balanced_order(row_lengths(mini).cpu(), self.dp_size)
         shard = mini.select(balance).shard(self.dp_rank, self.dp_size).to(current_device())
         counts = GlobalCounts.of(shard.response_mask_bt, group=self.mesh.pgs.dp)
         # the loss sums over rows with global counts, so their order (hence micro-batching) is free
-        micro = self._micro_batches(shard.select(_by_length(shard)), self.update_config.micro_batch_size)
+        micro = self._micro_batches(shard.select(by_length(shard)), self.update_config.micro_batch_size)
         return self.engine.train_step(micro, lambda out, mb: loss_fn(out, mb, counts))
 
     def state_dict(self) -> dict[str, Any]:

@@ -175,7 +175,7 @@ def test_trimmed_micro_batch_drops_only_shared_padding():
 
 
 def test_balanced_order_evens_out_dp_shards():
-    from rlhf.trainer.roles import balanced_order
+    from rlhf.trainer.micro_batches import balanced_order
 
     lengths = torch.tensor([100, 90, 80, 70, 5, 4, 3, 2])  # contiguous halves: 340 vs 14 tokens
     order = balanced_order(lengths, 2)

@@ -1,0 +1,65 @@
+"""How a role cuts its rows: DP shards balanced by tokens, rows sorted by length, micro-batches cut to their own
+longest row (compute scales with each micro-batch's length, not the step's), widths evened out with the
+expert-parallel peers at ep > 1."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from rlhf.platform import current_device
+from rlhf.trainer.batch import TrainBatch
+
+
+def balanced_order(lengths_b: torch.Tensor, parts: int) -> torch.Tensor:
+    """A row order whose `parts` contiguous equal shards carry near-equal token totals, so no DP rank waits on
+    another (verl's balance_batch): longest rows first, each to the lightest shard with room. Deterministic:
+    every rank computes the same order from the same lengths."""
+    size = lengths_b.shape[0]
+    if parts == 1 or size % parts:
+        return torch.arange(size)
+    per = size // parts
+    lengths = lengths_b.tolist()
+    shards: list[list[int]] = [[] for _ in range(parts)]
+    totals = [0] * parts
+    for row in sorted(range(size), key=lambda r: (-lengths[r], r)):
+        target = min((k for k in range(parts) if len(shards[k]) < per), key=lambda k: (totals[k], k))
+        shards[target].append(row)
+        totals[target] += lengths[row]
+    return torch.tensor([row for shard in shards for row in sorted(shard)])
+
+
+def row_lengths(batch: TrainBatch) -> torch.Tensor:
+    """Prompt + response tokens of every row."""
+    return batch.prompt_lengths_b + batch.response_lengths_b
+
+
+def by_length(batch: TrainBatch) -> torch.Tensor:
+    """Row order by sequence length (stable), so micro-batches of neighbouring rows need little padding."""
+    return torch.argsort(row_lengths(batch), stable=True)
+
+
+def common_widths(micro: list[TrainBatch], ep_group: Any) -> list[TrainBatch]:
+    """Micro-batches padded (right, with pad tokens) to the widest of their expert-parallel peers' at the same
+    index: megatron's token dispatchers exchange equal-shaped token blocks between the ranks sharing experts."""
+    widths = torch.tensor([mb.tokens_bs.shape[1] for mb in micro], dtype=torch.int64, device=current_device())
+    torch.distributed.all_reduce(widths, op=torch.distributed.ReduceOp.MAX, group=ep_group)
+    return [dataclasses.replace(mb, tokens_bs=torch.nn.functional.pad(
+        mb.tokens_bs, (0, width - mb.tokens_bs.shape[1]), value=mb.pad_token_id)) for mb, width in
+        zip(micro, widths.tolist())]
+
+
+def micro_batches(shard: TrainBatch, size: int, pgs: Any, *, ragged: bool = False) -> list[TrainBatch]:
+    """`shard` in micro-batches of `size` rows, each cut to its own longest row (callers sort rows by length
+    first so similar lengths share a micro-batch); with pp > 1 (`pgs.pp`) the schedule needs one shape, so the
+    shard's, and equal micro-batches: a `ragged` split (forward only) then takes the largest size <= `size` that
+    divides the shard. At ep > 1 (`pgs.ep`) widths are evened out with the expert-parallel peers."""
+    if pgs.pp.size() > 1:
+        if ragged:
+            size = max(d for d in range(1, size + 1) if shard.size % d == 0)
+        micro = shard.trimmed().chunks(size)
+    else:
+        micro = [micro.trimmed() for micro in shard.chunks(size, ragged=ragged)]
+    return common_widths(micro, pgs.ep) if pgs.ep.size() > 1 else micro
