@@ -26,7 +26,7 @@ class DistConfig:
 
 @dataclass(kw_only=True)
 class CommConfig:
-    """Bucketed collectives and the hang watchdog (DESIGN.md §7). `strategy` governs the metric reduction and
+    """Bucketed collectives and the hang watchdog (docs/design.md §5). `strategy` governs the metric reduction and
     the weight sync: `bucket` coalesces small tensors into flat buckets, `rs_ag` all-reduces as reduce-scatter
     + all-gather, `plain` sends every tensor on its own. The weight sync moves actor shards to the rollout mesh
     by `weight_sync_method` (auto: shared memory on one CPU host, p2p otherwise) in buckets of at most

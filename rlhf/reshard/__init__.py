@@ -1,1 +1,1 @@
-"""Weight resharding from the training layout to the rollout layout: pure planner + transports (DESIGN.md section 6)."""
+"""Weight resharding from the training layout to the rollout layout: pure planner + transports (docs/design.md §4)."""

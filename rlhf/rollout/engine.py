@@ -1,4 +1,4 @@
-"""The `RolloutEngine` protocol every engine (native, hf, vllm) implements (DESIGN.md §5)."""
+"""The `RolloutEngine` protocol every engine (native, hf, vllm) implements (docs/design.md §1)."""
 
 from __future__ import annotations
 

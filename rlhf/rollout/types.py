@@ -1,4 +1,4 @@
-"""Typed payloads between the data loader, the rollout engine and the trainer (DESIGN.md §2).
+"""Typed payloads between the data loader, the rollout engine and the trainer (docs/design.md §2).
 
 `PromptBatch` goes into `RolloutEngine.generate`, `Rollouts` comes out. Shapes are in the field suffixes:
 `b` = prompts in the batch, `t` = tokens, `r` = rollouts (= prompts x samples per prompt).
