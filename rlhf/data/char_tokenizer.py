@@ -38,3 +38,32 @@ def build_char_tokenizer(alphabet: str = ARITHMETIC_ALPHABET) -> PreTrainedToken
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+CHAT_ALPHABET = "".join(chr(code) for code in range(32, 127)) + "\n"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+# ChatML with tools: the tool list as a system turn, tool results as `tool` turns. `strip_think` variant drops
+# `<think>...</think>` from earlier assistant turns (as Qwen3's template does): it rewrites history.
+CHATML_TEMPLATE = (
+    "{% if tools %}" + IM_START + "system\nTools:{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n' }}Call one with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>." + IM_END + "\n{% endif %}"
+    "{% for message in messages %}"
+    "{% set content = message['content'] %}"
+    "{% if strip_think and message['role'] == 'assistant' and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip() %}{% endif %}"
+    + IM_START + "{{ message['role'] }}\n{{ content }}" + IM_END + "\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}" + IM_START + "assistant\n{% endif %}"
+)
+
+
+def build_chat_char_tokenizer(alphabet: str = CHAT_ALPHABET, *, strip_think: bool = False) -> PreTrainedTokenizerFast:
+    """A char tokenizer with ChatML markers and tool-call tokens as single special tokens, EOS = `<|im_end|>`,
+    and a ChatML template with tool support (multi-turn tests and the tool-use demo)."""
+    tokenizer = build_char_tokenizer(alphabet)
+    tokenizer.add_special_tokens({"additional_special_tokens": [IM_START, IM_END, *TOOL_TOKENS]})
+    tokenizer.eos_token = IM_END
+    prefix = "{% set strip_think = true %}" if strip_think else "{% set strip_think = false %}"
+    tokenizer.chat_template = prefix + CHATML_TEMPLATE
+    return tokenizer
