@@ -53,6 +53,7 @@ class Trajectory:
     rows: tuple[Row, ...]
     termination: Termination
     num_turns: int
+    final_turn: tuple[int, ...] = ()  # the last turn's sampled tokens (what a rule reward scores)
     num_tool_calls: int = 0
     num_tool_errors: int = 0
     prefix_mismatches: int = 0  # turns where the template's rendering did not extend what the model had read
@@ -76,6 +77,7 @@ class TrajectoryBuilder:
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    last_sampled: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -92,6 +94,7 @@ class TrajectoryBuilder:
 
     def add_sampled(self, token_ids: list[int], logprobs: list[float], version: int) -> None:
         assert len(token_ids) == len(logprobs), (len(token_ids), len(logprobs))
+        self.last_sampled = list(token_ids)
         self.response += token_ids
         self.mask += [1] * len(token_ids)
         self.logprobs += [float(lp) for lp in logprobs]
@@ -117,4 +120,4 @@ class TrajectoryBuilder:
         """The frozen trajectory; a last row with nothing sampled (a fork right before the end) is dropped."""
         rows = self.rows + [self._row()]
         rows = [row for row in rows if row.num_sampled] or rows[:1]
-        return Trajectory(rows=tuple(rows), termination=termination, **trace)
+        return Trajectory(rows=tuple(rows), termination=termination, final_turn=tuple(self.last_sampled), **trace)

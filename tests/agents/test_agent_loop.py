@@ -2,98 +2,19 @@
 turn batching. (The engine is a test double here: what is under test is the loop; tests with a real engine
 check logprob alignment.)"""
 
-import time
-
 import pytest
-import torch
 
 from rlhf.agents.agent import TurnLimits, environment_agent
 from rlhf.agents.render import HistoryPolicy
 from rlhf.agents.rollout import MultiTurnRollout
-from rlhf.agents.tools import Calculator, ToolBox, ToolSpec
+from rlhf.agents.tools import Calculator
 from rlhf.agents.trajectory import Termination
-from rlhf.data.records import PromptRecord
-from rlhf.rollout.engine import EngineLayout
 from rlhf.rollout.sampling_params import SamplingParams
-from rlhf.rollout.types import FinishReason, Rollouts
-
-CALL = '<tool_call>{"name": "%s", "arguments": {"expression": "%s"}}</tool_call>'
-
-
-class ScriptedEngine:
-    """Answers turn k of the conversation whose first user message is q with script[q][k - 1]."""
-
-    layout = EngineLayout()
-    policy_version = 3
-
-    def __init__(self, tokenizer, script):
-        self.tokenizer, self.script, self.calls = tokenizer, script, []
-
-    def generate(self, prompts, params):
-        rows, reasons = [], []
-        self.calls.append(prompts.num_prompts)
-        for index in range(prompts.num_prompts):
-            text = self.tokenizer.decode(prompts.prompt(index))
-            question = text.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
-            turn = text.count("<|im_start|>assistant")
-            answer = self.script[question][turn - 1]
-            ids = self.tokenizer.encode(answer, add_special_tokens=False) + [self.tokenizer.eos_token_id]
-            reasons.append(FinishReason.STOP if len(ids) <= params.max_new_tokens else FinishReason.LENGTH)
-            rows.append(ids[:params.max_new_tokens])
-        width = max(len(r) for r in rows)
-        tokens = torch.zeros(len(rows), width, dtype=torch.long)
-        logprobs = torch.zeros(len(rows), width)
-        for i, r in enumerate(rows):
-            tokens[i, :len(r)] = torch.tensor(r)
-            logprobs[i, :len(r)] = -0.01 * torch.arange(1, len(r) + 1)
-        return Rollouts(response_tokens_rt=tokens, response_logprobs_rt=logprobs, response_scaled_logprobs_rt=None,
-                        response_lengths_r=torch.tensor([len(r) for r in rows]), finish_reasons=reasons,
-                        prompt_index_r=torch.arange(len(rows)), policy_version=self.policy_version)
-
-
-def _record(question, index=0, **extra):
-    return PromptRecord(prompt=[{"role": "user", "content": question}], data_source="t", ground_truth=None,
-                        extra_info=extra, index=index)
-
-
-class Flaky:
-    schema = Calculator.schema
-
-    def __init__(self, failures):
-        self.failures = failures
-
-    def call(self, arguments, **kwargs):
-        if self.failures:
-            self.failures -= 1
-            raise OSError("sandbox vanished")
-        return "ok"
-
-
-class Hangs:
-    schema = {"type": "function", "function": {"name": "hang", "parameters": {"type": "object"}}}
-
-    def call(self, arguments, **kwargs):
-        time.sleep(30)
-
-
-def _box(**tools):
-    return ToolBox(tools, {name: ToolSpec.parse(tool.schema if name != "flaky" else {
-        "type": "function", "function": {"name": "flaky", "parameters": Calculator.schema["function"]["parameters"]}},
-        name) for name, tool in tools.items()})
-
-
-def _run(tokenizer, script, records, n=1, **limits):
-    engine = ScriptedEngine(tokenizer, script)
-    toolbox = _box(calculator=Calculator(), flaky=Flaky(limits.pop("failures", 0)), hang=Hangs())
-    rollout = MultiTurnRollout(tokenizer, TurnLimits(**limits), toolbox)
-    result = rollout.collect(engine, records, SamplingParams(max_new_tokens=limits.get("token_budget", 512), n=n),
-                             pad_token_id=0)
-    return result, engine
-
+from tests.agents.scripted import CALL, ScriptedEngine, record, run, toolbox
 
 def test_tool_loop_masks_tokens_and_batches_turns(chat_tokenizer):
     script = {"12*30?": [CALL % ("calculator", "12*30"), "360"], "2+2?": ["4"]}
-    result, engine = _run(chat_tokenizer, script, [_record("12*30?"), _record("2+2?", 1)], n=2)
+    result, engine = run(chat_tokenizer, script, [record("12*30?"), record("2+2?", 1)], n=2)
     assert engine.calls == [4, 2]  # turn 1 of all four trajectories in one call; turn 2 for the two left
     first, second = result.groups
     (row,) = first.trajectories[0].rows
@@ -117,10 +38,10 @@ def test_tool_loop_masks_tokens_and_batches_turns(chat_tokenizer):
 
 def test_limits(chat_tokenizer):
     loop = [CALL % ("calculator", "1+1")] * 5
-    result, _ = _run(chat_tokenizer, {"q": loop}, [_record("q")], max_turns=3)
+    result, _ = run(chat_tokenizer, {"q": loop}, [record("q")], max_turns=3)
     traj = result.groups[0].trajectories[0]
     assert (traj.termination, traj.num_turns, traj.num_tool_calls) == (Termination.MAX_TURNS, 3, 2)
-    result, _ = _run(chat_tokenizer, {"q": loop}, [_record("q")], token_budget=700)
+    result, _ = run(chat_tokenizer, {"q": loop}, [record("q")], token_budget=700)
     traj = result.groups[0].trajectories[0]
     assert traj.termination is Termination.TOKEN_BUDGET and len(traj.rows[0].tokens) == 700
 
@@ -128,7 +49,7 @@ def test_limits(chat_tokenizer):
 def test_tool_errors_are_shown_to_the_model(chat_tokenizer):
     script = {"q": [CALL % ("calculator", "1/0"), '<tool_call>{"name": "nope"}</tool_call>', "<tool_call>{x</tool_call>",
                     "done"]}
-    result, _ = _run(chat_tokenizer, script, [_record("q")], max_turns=4)
+    result, _ = run(chat_tokenizer, script, [record("q")], max_turns=4)
     traj = result.groups[0].trajectories[0]
     text = chat_tokenizer.decode(traj.rows[0].tokens)
     assert "error: calculator: ZeroDivisionError: division by zero" in text
@@ -139,9 +60,9 @@ def test_tool_errors_are_shown_to_the_model(chat_tokenizer):
 
 def test_failure_retries_then_drops_the_whole_group(chat_tokenizer):
     script = {"q": [CALL % ("flaky", "1"), "done"], "r": ["fine"]}
-    result, _ = _run(chat_tokenizer, script, [_record("q"), _record("r", 1)], tool_retries=1, failures=1)
+    result, _ = run(chat_tokenizer, script, [record("q"), record("r", 1)], tool_retries=1, failures=1)
     assert result.groups[0].dropped is None  # one failure, one retry: it worked
-    result, _ = _run(chat_tokenizer, script, [_record("q"), _record("r", 1)], n=2, tool_retries=1, failures=3)
+    result, _ = run(chat_tokenizer, script, [record("q"), record("r", 1)], n=2, tool_retries=1, failures=3)
     dropped, kept = result.groups
     assert dropped.trajectories == () and dropped.dropped == (
         "tool 'flaky' failed 2 times: OSError: sandbox vanished")
@@ -150,15 +71,15 @@ def test_failure_retries_then_drops_the_whole_group(chat_tokenizer):
 
 def test_hanging_tool_times_out(chat_tokenizer):
     script = {"q": ['<tool_call>{"name": "hang", "arguments": {}}</tool_call>', "never"]}
-    result, _ = _run(chat_tokenizer, script, [_record("q")], tool_timeout_s=0.2)
+    result, _ = run(chat_tokenizer, script, [record("q")], tool_timeout_s=0.2)
     assert result.groups[0].trajectories[0].termination is Termination.TOOL_TIMEOUT
 
 
 def test_fork_rows_share_the_rollout(rewriting_tokenizer):
     script = {"q": ["<think>hmm</think>" + CALL % ("calculator", "2*3"), "<think>so</think>6"]}
     engine = ScriptedEngine(rewriting_tokenizer, script)
-    rollout = MultiTurnRollout(rewriting_tokenizer, TurnLimits(history=HistoryPolicy.FORK), _box(calculator=Calculator()))
-    result = rollout.collect(engine, [_record("q")], SamplingParams(max_new_tokens=256), pad_token_id=0)
+    rollout = MultiTurnRollout(rewriting_tokenizer, TurnLimits(history=HistoryPolicy.FORK), toolbox(calculator=Calculator()))
+    result = rollout.collect(engine, [record("q")], SamplingParams(max_new_tokens=256), pad_token_id=0)
     traj = result.groups[0].trajectories[0]
     assert traj.num_forks == 1 and traj.prefix_mismatches == 1
     first, second = traj.rows
@@ -188,7 +109,7 @@ def test_environment_agent(chat_tokenizer):
         return await environment_agent(ctx, sample, Counter)
 
     rollout = MultiTurnRollout(chat_tokenizer, TurnLimits(max_turns=5), agent=agent)
-    result = rollout.collect(engine, [_record("count")], SamplingParams(max_new_tokens=64), pad_token_id=0)
+    result = rollout.collect(engine, [record("count")], SamplingParams(max_new_tokens=64), pad_token_id=0)
     traj = result.groups[0].trajectories[0]
     assert (traj.termination, traj.turn_rewards, traj.reward) == (Termination.ENV_DONE, (1.0, 1.0, 0.0), 2.0)
     assert "<|im_start|>user\nsaid 2<|im_end|>" in chat_tokenizer.decode(traj.rows[0].tokens)
