@@ -41,9 +41,10 @@ class MultiTurnRollout:
     """Everything a rollout rank needs to run agents: tokenizer, tools, limits, the agent function."""
 
     def __init__(self, tokenizer: Any, limits: TurnLimits, toolbox: ToolBox | None = None,
-                 agent: AgentFunction = tool_agent, tool_threads: int = 8) -> None:
+                 agent: AgentFunction = tool_agent, tool_threads: int = 8, list_tools: bool = True) -> None:
+        """`list_tools=False` keeps the tool schemas out of the prompt (a policy trained to call them without)."""
         self.tokenizer, self.limits, self.toolbox, self.agent = tokenizer, limits, toolbox, agent
-        self.renderer = ChatRenderer(tokenizer, tools=toolbox.schemas if toolbox else None)
+        self.renderer = ChatRenderer(tokenizer, tools=toolbox.schemas if toolbox and list_tools else None)
         self.parser = ToolCallParser(tokenizer) if toolbox else None
         self.tool_threads = tool_threads
 

@@ -20,13 +20,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--experts", type=int, default=8, help="MoE archs: experts per layer")
     parser.add_argument("--experts-per-token", type=int, default=2, help="MoE archs: experts each token uses")
     parser.add_argument("--expert-ffn", type=int, default=128, help="qwen3_moe: the experts' width")
-    parser.add_argument("--alphabet", default=ARITHMETIC_ALPHABET, help="characters of the char tokenizer")
+    parser.add_argument("--alphabet", default=None,
+                        help=f"characters of the char tokenizer (default {ARITHMETIC_ALPHABET!r}; with --chat every "
+                             "printable ASCII character and the newline)")
+    parser.add_argument("--chat", action="store_true",
+                        help="ChatML markers and <tool_call> tokens as special tokens, EOS <|im_end|>, a ChatML "
+                             "template with a tool role (multi-turn tool use)")
     parser.add_argument("--seed", type=int, default=0)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlhf.data.char_tokenizer import build_char_tokenizer
+    from rlhf.data.char_tokenizer import CHAT_ALPHABET, build_char_tokenizer, build_chat_char_tokenizer
     from rlhf.models.init import InitModelConfig, init_hf_model
 
     config = InitModelConfig(arch=args.arch, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
@@ -34,6 +39,10 @@ def run(args: argparse.Namespace) -> int:
                              max_position_embeddings=args.max_positions, num_experts=args.experts,
                              num_experts_per_token=args.experts_per_token, expert_intermediate_size=args.expert_ffn,
                              seed=args.seed)
-    out = init_hf_model(config, build_char_tokenizer(args.alphabet), args.out)
+    if args.chat:
+        tokenizer = build_chat_char_tokenizer(args.alphabet or CHAT_ALPHABET)
+    else:
+        tokenizer = build_char_tokenizer(args.alphabet or ARITHMETIC_ALPHABET)
+    out = init_hf_model(config, tokenizer, args.out)
     print(f"wrote {out}")
     return 0

@@ -113,3 +113,12 @@ def test_environment_agent(chat_tokenizer):
     traj = result.groups[0].trajectories[0]
     assert (traj.termination, traj.turn_rewards, traj.reward) == (Termination.ENV_DONE, (1.0, 1.0, 0.0), 2.0)
     assert "<|im_start|>user\nsaid 2<|im_end|>" in chat_tokenizer.decode(traj.rows[0].tokens)
+
+
+def test_tool_schemas_in_the_prompt_unless_told_not_to(chat_tokenizer):
+    box = toolbox(calculator=Calculator())
+    listed = MultiTurnRollout(chat_tokenizer, TurnLimits(), box).renderer.prompt([{"role": "user", "content": "q"}])
+    bare = MultiTurnRollout(chat_tokenizer, TurnLimits(), box, list_tools=False).renderer.prompt(
+        [{"role": "user", "content": "q"}])
+    assert '"name": "calculator"' in chat_tokenizer.decode(listed)
+    assert chat_tokenizer.decode(bare) == "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n"

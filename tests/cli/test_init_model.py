@@ -37,3 +37,20 @@ def test_init_model_writes_a_loadable_model_of_the_arch(tmp_path, arch, capsys):
 def test_init_model_rejects_more_experts_per_token_than_experts():
     with pytest.raises(ConfigError, match="num_experts_per_token=5 must be between 1 and num_experts=4"):
         InitModelConfig(arch="mixtral", num_experts=4, num_experts_per_token=5)
+
+
+def test_init_model_chat_tokenizer_round_trips_a_tool_conversation(tmp_path):
+    out = tmp_path / "chat"
+    assert main(["init-model", "--out", str(out), "--hidden", "32", "--layers", "1", "--heads", "2",
+                 "--kv-heads", "2", "--ffn", "64", "--chat"]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    messages = [{"role": "user", "content": "12*34"},
+                {"role": "assistant", "content": '<tool_call>{"name": "calculator"}</tool_call>'},
+                {"role": "tool", "content": "408"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == ('<|im_start|>user\n12*34<|im_end|>\n<|im_start|>assistant\n<tool_call>{"name": "calculator"}'
+                    '</tool_call><|im_end|>\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n')
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text and tokenizer.unk_token_id not in ids
+    assert tokenizer.eos_token == "<|im_end|>" and len(tokenizer.encode("<tool_call>", add_special_tokens=False)) == 1
+    assert AutoModelForCausalLM.from_pretrained(out).config.vocab_size == len(tokenizer)
