@@ -106,7 +106,7 @@ def shape_rows(root: str, shape_name: str, anchor: str, steps: int, warmup: int)
     for step in range(1, steps + 1):
         for arm, trainer in trainers.items():
             start = time.perf_counter()
-            values = trainer.run_step(step).reduced(trainer.metric_reducer)
+            values = trainer.boundary.reduce(trainer.run_step(step))
             if step > warmup:
                 seconds[arm].append(time.perf_counter() - start)
                 for phase in PHASES:
@@ -127,7 +127,7 @@ def curve_rows(root: str, steps: int) -> list[dict]:
     for step in range(1, steps + 1):
         row = {"step": step}
         for arm, trainer in trainers.items():
-            row[f"{arm}_reward"] = trainer.run_step(step).reduced(trainer.metric_reducer)["critic/score/mean"]
+            row[f"{arm}_reward"] = trainer.boundary.reduce(trainer.run_step(step))["critic/score/mean"]
         rows.append(row)
     return rows
 
@@ -191,7 +191,7 @@ def demo_curve_rows(root: str, steps: int) -> list[dict]:
     for step in range(1, steps + 1):
         row = {"step": step}
         for arm, trainer in trainers.items():
-            row[f"{arm}_reward"] = trainer.run_step(step).reduced(trainer.metric_reducer)["critic/score/mean"]
+            row[f"{arm}_reward"] = trainer.boundary.reduce(trainer.run_step(step))["critic/score/mean"]
         rows.append(row)
     rows[-1].update({f"{arm}_val": t.validate(steps).get(VAL_KEY) for arm, t in trainers.items()})
     return rows

@@ -97,7 +97,7 @@ def size_rows(root: str, repeats: int) -> list[dict]:
 
         def load():
             state, manifest = manager.load(path)
-            trainer.stack.actor.load_state_dict(state["actor"], tensor_folders(path, manifest, "actor"))
+            trainer.train_side.actor.load_state_dict(state["actor"], tensor_folders(path, manifest, "actor"))
 
         load_s = _median_s(load, repeats)
         files = read_manifest(path)["files"]

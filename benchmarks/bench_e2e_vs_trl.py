@@ -73,7 +73,7 @@ def init_world() -> None:
 
 
 class RlhfArm:
-    """rlhf's Trainer stack driven one `rl_step` at a time."""
+    """rlhf's Trainer driven one step (`Trainer.run_step`) at a time."""
 
     def __init__(self, model_path: str, prompts: Path, beta: float, lr: float, run_root: Path) -> None:
         from rlhf.config import from_dict

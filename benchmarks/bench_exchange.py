@@ -1,7 +1,7 @@
 """Per-step traffic on 4 gloo ranks: the cross-mesh batch exchange and the metric reduction, pickled objects
 (what rlhf did before, and what `all_gather_object` stacks do) vs rlhf's tensor collectives, side by side.
 
-Exchange: a GRPO step's TrainBatch (64 rollouts x 256 response tokens, 512-token sequences) from the 2 DP
+Exchange: a GRPO step's RolloutBatch (64 rollouts x 256 response tokens, 512-token sequences) from the 2 DP
 contributors of a tp2 x dp2 layout to every rank. Metrics: 120 metrics per rank, one reported by rank 0 only.
 Bytes are what one rank receives; times are the slowest rank's, medians over alternating repeats.
 Writes benchmarks/results/exchange.json (summary: pickled / tensor time and bytes).
@@ -25,24 +25,27 @@ import torch.distributed as dist
 from rlhf.parallel.layout import ParallelLayout
 from rlhf.metrics import MetricReducer, StepMetrics
 from rlhf.testing.distributed import run_distributed
-from rlhf.trainer.batch import TrainBatch
+from rlhf.trainer.batch import RolloutBatch
 from rlhf.trainer.exchange import concat_batches, gather_global_batch, is_contributor
 
 WORLD, LAYOUT = 4, ParallelLayout(tp=2, dp=2)
 ROWS, SEQ, RESP, NUM_METRICS = 32, 512, 256, 120  # rows per contributor
 
 
-def _batch(replica: int) -> TrainBatch:
+def _batch(replica: int) -> RolloutBatch:
     gen = torch.Generator().manual_seed(replica)
-    return TrainBatch(tokens_bs=torch.randint(0, 50_000, (ROWS, SEQ), generator=gen),
-                      prompt_lengths_b=torch.full((ROWS,), SEQ - RESP), response_lengths_b=torch.full((ROWS,), RESP),
-                      response_mask_bt=torch.ones(ROWS, RESP, dtype=torch.bool),
-                      group_index_b=torch.arange(ROWS) // 8, rollout_logprobs_bt=-torch.rand(ROWS, RESP, generator=gen),
-                      scores_b=torch.rand(ROWS, generator=gen), old_logprobs_bt=-torch.rand(ROWS, RESP, generator=gen),
-                      ref_logprobs_bt=-torch.rand(ROWS, RESP, generator=gen))
+    mask = torch.ones(ROWS, RESP, dtype=torch.bool)
+    return RolloutBatch(tokens_bs=torch.randint(0, 50_000, (ROWS, SEQ), generator=gen),
+                        prompt_lengths_b=torch.full((ROWS,), SEQ - RESP), response_lengths_b=torch.full((ROWS,), RESP),
+                        response_mask_bt=mask, loss_mask_bt=mask, group_index_b=torch.arange(ROWS) // 8,
+                        sample_index_b=torch.arange(ROWS) // 8,
+                        rollout_logprobs_bt=-torch.rand(ROWS, RESP, generator=gen),
+                        policy_version_bt=torch.zeros(ROWS, RESP, dtype=torch.int32),
+                        truncated_b=torch.zeros(ROWS, dtype=torch.bool), scores_b=torch.rand(ROWS, generator=gen),
+                        baseline_scores_b=None, routed_experts_bslk=None, pad_token_id=0)
 
 
-def _pickled_exchange(local: TrainBatch | None) -> TrainBatch:
+def _pickled_exchange(local: RolloutBatch | None) -> RolloutBatch:
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, local)
     parts = [part for part in everyone if part is not None]

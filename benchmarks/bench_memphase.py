@@ -96,7 +96,7 @@ def step_rows(root: str, steps: int) -> list[dict]:
     for index in range(1, steps + 1):
         for arm, trainer in trainers.items():
             start = time.perf_counter()
-            last[arm] = trainer.run_step(index).reduced(trainer.metric_reducer)
+            last[arm] = trainer.boundary.reduce(trainer.run_step(index))
             if index > 1:
                 seconds[arm].append(time.perf_counter() - start)
     return [{"part": "rl_step", "arm": arm, "s_per_step": statistics.median(seconds[arm]),

@@ -31,16 +31,22 @@ ROWS, PROMPT, MAX_RESPONSE = 32, 6, 128
 
 
 def variable_length_batch(vocab: int):
-    from rlhf.trainer.batch import TrainBatch
+    from rlhf.trainer.batch import ScoredBatch
 
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, MAX_RESPONSE + 1, (ROWS,), generator=gen)
     mask = torch.arange(MAX_RESPONSE)[None] < lengths[:, None]
-    return TrainBatch(tokens_bs=torch.randint(3, vocab, (ROWS, PROMPT + MAX_RESPONSE), generator=gen),
-                      prompt_lengths_b=torch.full((ROWS,), PROMPT), response_lengths_b=lengths,
-                      response_mask_bt=mask, group_index_b=torch.arange(ROWS) // 4,
-                      rollout_logprobs_bt=torch.zeros(mask.shape),
-                      advantages_bt=torch.randn(mask.shape, generator=gen) * mask)
+    zeros_bt = torch.zeros(mask.shape)
+    return ScoredBatch(tokens_bs=torch.randint(3, vocab, (ROWS, PROMPT + MAX_RESPONSE), generator=gen),
+                       prompt_lengths_b=torch.full((ROWS,), PROMPT), response_lengths_b=lengths,
+                       response_mask_bt=mask, loss_mask_bt=mask, group_index_b=torch.arange(ROWS) // 4,
+                       sample_index_b=torch.arange(ROWS) // 4, rollout_logprobs_bt=zeros_bt,
+                       policy_version_bt=torch.zeros(mask.shape, dtype=torch.int32),
+                       truncated_b=torch.zeros(ROWS, dtype=torch.bool), scores_b=torch.zeros(ROWS),
+                       baseline_scores_b=None, routed_experts_bslk=None, pad_token_id=0, old_logprobs_bt=None,
+                       ref_logprobs_bt=None, values_bt=None, token_rewards_bt=zeros_bt,
+                       advantages_bt=torch.randn(mask.shape, generator=gen) * mask, returns_bt=None,
+                       is_weights_bt=None)
 
 
 def main() -> None:

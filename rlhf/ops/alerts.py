@@ -175,13 +175,13 @@ class WebhookSender:
 
 
 def dump_batch(batch: Any, folder: Path, info: dict) -> None:
-    """The step's TrainBatch as `batch.safetensors` (every tensor field) + `batch.json` (scalars, shapes, `info`)."""
+    """The step's ScoredBatch as `batch.safetensors` (every tensor field) + `batch.json` (scalars, shapes, `info`)."""
     folder.mkdir(parents=True, exist_ok=True)
     tensors, fields = {}, {}
     for field in dataclasses.fields(batch):
         value = getattr(batch, field.name)
         if isinstance(value, torch.Tensor):
-            tensors[field.name] = value.detach().cpu().contiguous()
+            tensors[field.name] = value.detach().cpu().clone()  # fields may share a tensor (masks)
             fields[field.name] = {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."),
                                   "non_finite": int((~torch.isfinite(value)).sum()) if value.is_floating_point()
                                   else 0}

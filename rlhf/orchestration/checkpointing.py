@@ -23,7 +23,8 @@ from rlhf.ops.alerts import AlertMonitor
 from rlhf.orchestration.async_schedule import AsyncSchedule
 from rlhf.orchestration.preflight import architecture
 from rlhf.orchestration.schema import RlhfConfig
-from rlhf.orchestration.step import RLStack
+from rlhf.orchestration.rollout_side import RolloutSide
+from rlhf.orchestration.train_side import TrainSide
 from rlhf.parallel.meshes import RoleMeshes
 from rlhf.parallel.watchdog import Watchdog
 from rlhf.run_dir import RunDir, get_logger
@@ -34,19 +35,21 @@ log = get_logger("trainer")
 class RunCheckpoints:
     """Saves and resumes one RL run's state under `<run>/checkpoints` (`manager` keeps the last few)."""
 
-    def __init__(self, cfg: RlhfConfig, run_dir: RunDir, meshes: RoleMeshes, stack: RLStack, loader: PromptLoader,
-                 alerts: AlertMonitor, async_schedule: AsyncSchedule | None, watchdog: Watchdog) -> None:
-        self.cfg, self.run_dir, self.meshes, self.stack, self.loader = cfg, run_dir, meshes, stack, loader
+    def __init__(self, cfg: RlhfConfig, run_dir: RunDir, meshes: RoleMeshes, train: TrainSide, rollout: RolloutSide,
+                 loader: PromptLoader, alerts: AlertMonitor, async_schedule: AsyncSchedule | None,
+                 watchdog: Watchdog) -> None:
+        self.cfg, self.run_dir, self.meshes, self.loader = cfg, run_dir, meshes, loader
+        self.train, self.engine = train, rollout.engine
         self.alerts, self.async_schedule, self.watchdog = alerts, async_schedule, watchdog
         self.manager = CheckpointManager(run_dir.path / "checkpoints", cfg.checkpoint.keep_last)
 
     def state(self, step: int) -> dict:
         """The plain-data state tree (JSON-able and tensors, never pickled)."""
-        stack = self.stack
-        return {"step": step, "actor": stack.actor.state_dict(),
-                "critic": stack.critic.state_dict() if stack.critic else {},
-                "loader": self.loader.state_dict(), "kl": stack.kl_controller.state_dict(),
-                "policy_version": getattr(stack.rollout, "policy_version", 0),
+        train = self.train
+        return {"step": step, "actor": train.actor.state_dict(),
+                "critic": train.critic.state_dict() if train.critic else {},
+                "loader": self.loader.state_dict(), "kl": train.kl_controller.state_dict(),
+                "policy_version": getattr(self.engine, "policy_version", 0),
                 "alerts": self.alerts.state_dict(),
                 "async": self.async_schedule.state_dict() if self.async_schedule else {},
                 "rng": {"torch": platform.rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
@@ -60,13 +63,13 @@ class RunCheckpoints:
         return self.async_schedule.replicated() if self.async_schedule else []
 
     def _trained(self) -> list:
-        return [role for role in (self.stack.actor, self.stack.critic) if role is not None]
+        return [role for role in (self.train.actor, self.train.critic) if role is not None]
 
     def expected(self) -> dict:
         """What must match on resume: the trained roles' architectures and the async settings (layouts may
         change)."""
         models = {"actor": self.cfg.model.path}
-        if self.stack.critic:
+        if self.train.critic:
             models["critic"] = self.cfg.model.critic_path or self.cfg.model.path
         trainer = self.cfg.trainer
         return {"models": {role: architecture(path) for role, path in models.items()},
@@ -99,13 +102,13 @@ class RunCheckpoints:
         check_replicas({role.name: (role.model, role.mesh.pgs.dp if role.mesh.is_member else None)
                         for role in trained})
         self.loader.load_state_dict(state["loader"])
-        self.stack.kl_controller.load_state_dict(state["kl"])
+        self.train.kl_controller.load_state_dict(state["kl"])
         if "alerts" in state:  # checkpoints written before alerts existed start with empty windows
             self.alerts.load_state_dict(state["alerts"])
         if self.async_schedule:
             self.async_schedule.load_state_dict(state["async"])
-        if self.stack.rollout is not None:
-            self.stack.rollout.policy_version = state["policy_version"]
+        if self.engine is not None:
+            self.engine.policy_version = state["policy_version"]
         if manifest["world_size"] == dist.get_world_size():
             platform.set_rng_state(state["rng"]["torch"])
             random.setstate(state["rng"]["python"])
@@ -129,5 +132,5 @@ class RunCheckpoints:
         if self.run_dir.is_rank0 and folder.exists():
             shutil.rmtree(folder)
         dist.barrier()
-        if self.stack.actor.mesh.is_member:
-            export_hf(self.stack.actor.model, str(folder), tokenizer_dir=self.cfg.model.path)
+        if self.train.actor.mesh.is_member:
+            export_hf(self.train.actor.model, str(folder), tokenizer_dir=self.cfg.model.path)

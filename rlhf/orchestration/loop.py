@@ -1,10 +1,13 @@
-"""The RL trainer: builds every role on its mesh, then runs `rl_step` with validation, metrics and checkpoints.
+"""The RL trainer: builds the two sides of the step and their boundary, then runs the step driver with validation,
+metrics and checkpoints.
 
     Trainer(cfg, run_dir).fit()
-      build: meshes -> data -> reward -> actor / ref / critic / reward model / rollout engine (+ weight sync)
-      loop:  resume? -> validate -> [rl_step -> reduce metrics -> alerts -> log -> validate? -> checkpoint?]*
+      build: meshes -> data -> reward -> TrainRoles -> rollout engine (+ weight sync) -> memory phases
+             -> RolloutSide · TrainSide · Boundary -> StepDriver (`rlhf.orchestration.step`)
+      loop:  resume? -> validate -> [step -> reduce metrics -> alerts -> log -> validate? -> checkpoint?]*
 Layouts, groups and every input check come from `rlhf.orchestration.preflight`; with trainer.async_mode on, each step
-follows `rlhf.orchestration.async_schedule` (rollout ranks a batch ahead) and the in-flight batches are checkpointed.
+is the driver's one-step-off ordering (`rlhf.orchestration.async_schedule`: rollout ranks a batch ahead) and the
+in-flight batches are checkpointed. Every scored batch reaches `scored_hooks` (rollout dumps; tests add theirs).
 Every stage after process-group init (build, resume, first push, validation, each step, each save) is a
 watchdog phase: a stall anywhere ends every rank with stacks in its log.
 """
@@ -17,7 +20,6 @@ from collections.abc import Callable
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from rlhf.algo.kl import KLController
 from rlhf.checkpoint import find_latest
 from rlhf.config.loader import to_dict
 from rlhf.orchestration.schema import RlhfConfig
@@ -25,13 +27,16 @@ from rlhf.data.loader import PromptLoader, load_prompts
 from rlhf.parallel.watchdog import Watchdog
 from rlhf.parallel.meshes import RoleMeshes
 from rlhf.loggers import RunInfo
-from rlhf.metrics import MetricReducer, MetricsSink, StepMetrics, read_jsonl
+from rlhf.metrics import MetricsSink, StepMetrics, read_jsonl
 from rlhf.ops.alerts import AlertMonitor
 from rlhf.ops.prometheus import PrometheusExporter
 from rlhf.rollout.factory import build_engine, close_engine, engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
-from rlhf.orchestration.step import RLStack, rl_step
 from rlhf.orchestration.async_schedule import AsyncSchedule, check_async, training_group
+from rlhf.orchestration.boundary import Boundary
+from rlhf.orchestration.rollout_side import RolloutSide
+from rlhf.orchestration.step import StepDriver
+from rlhf.orchestration.train_side import TrainRoles, TrainSide
 from rlhf.trainer.checks import input_warnings, load_tokenizer
 from rlhf.orchestration.console import end_summary, finished_notice, start_banner
 from rlhf.trainer.memory import plan_memory_phases
@@ -39,7 +44,8 @@ from rlhf.trainer.plot import plot_run
 from rlhf.orchestration.checkpointing import RunCheckpoints
 from rlhf.orchestration.preflight import (build_meshes, check_batches, resolved_algo, resolved_sleep, rollout_dtype,
                                           shares_weights)
-from rlhf.trainer.roles import CriticRole, PolicyRole, RewardModelRole
+from rlhf.trainer.batch import ScoredBatch
+from rlhf.trainer.roles import PolicyRole
 from rlhf.trainer.scoring import Scorer
 from rlhf.trainer.sync import SharedWeights
 from rlhf.trainer.rollout_dump import RolloutDumper
@@ -58,10 +64,8 @@ class Trainer:
             self._build(cfg, run_dir)
 
     def _build(self, cfg: RlhfConfig, run_dir: RunDir) -> None:
-        """Meshes, data, reward and every role on its mesh, the rollout engine and its weight sync (collective)."""
+        """Meshes, data, reward, the two sides of the step and their boundary (collective)."""
         self.meshes: RoleMeshes = build_meshes(cfg)
-        self.metric_reducer = MetricReducer(strategy=cfg.comm.strategy, min_bucket_mb=cfg.comm.min_bucket_mb,
-                                            verify=cfg.comm.verify, timeout_s=cfg.dist.timeout_s)
         layouts = {role: mesh.layout for role, mesh in self.meshes.meshes.items()}
         check_batches(cfg, layouts)
         algo = resolved_algo(cfg, layouts)
@@ -72,62 +76,56 @@ class Trainer:
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         self.loader = self._build_data()
-        if run_dir.is_rank0:
-            for warning in input_warnings(cfg, self.tokenizer, self.loader.prompts, self.val):
-                log.warning(warning)
-        self.scorer = Scorer(cfg.reward, self.tokenizer)
-        self.scorer.check_sources(([] if cfg.reward.model_path else self.loader.prompts.records)
-                                  + (self.val.records if self.val else []))
-        optimizer_steps = cfg.trainer.total_steps * cfg.actor.epochs * cfg.actor.mini_batches
-        actor = PolicyRole("actor", self.meshes["actor"], cfg.model.path, update=cfg.actor,
-                           total_steps=optimizer_steps, recompute=cfg.model.recompute, seed=cfg.dist.seed,
-                           fused_head=cfg.model.fused_head, temperature=cfg.sampling.logprob_temperature,
-                           params_dtype=cfg.model.torch_dtype, moe_kwargs=cfg.model.moe.build_kwargs(),
-                           gather_group=train_group, routing_replay=algo.routing_replay)
-        ref = (PolicyRole("ref", self.meshes["ref"], cfg.model.path, update=None, total_steps=0,
-                          micro_batch_size=cfg.ref.micro_batch_size, seed=cfg.dist.seed,
-                          offload_frozen=cfg.ref.offload, fused_head=cfg.model.fused_head,
-                          temperature=cfg.sampling.logprob_temperature, params_dtype=cfg.model.torch_dtype,
-                          moe_kwargs=cfg.model.moe.build_kwargs(), gather_group=train_group,
-                          routing_replay=algo.routing_replay)
-               if algo.uses_ref else None)
-        critic = (CriticRole("critic", self.meshes["critic"], cfg.model.critic_path or cfg.model.path,
-                             update=cfg.critic, value_head=True, seed=cfg.dist.seed + 1,
-                             total_steps=cfg.trainer.total_steps * cfg.critic.epochs * cfg.critic.mini_batches,
-                             params_dtype=cfg.model.torch_dtype, moe_kwargs=cfg.model.moe.build_kwargs(),
-                             gather_group=train_group)
-                  if algo.uses_critic else None)
-        reward_model = (RewardModelRole("reward", self.meshes["reward"], cfg.reward.model_path, update=None,
-                                        total_steps=0, micro_batch_size=cfg.reward.model_micro_batch_size,
-                                        value_head=True, offload_frozen=cfg.reward.model_offload,
-                                        params_dtype=cfg.model.torch_dtype, gather_group=train_group)
-                        if cfg.reward.model_path else None)
-        engine, weight_sync = self._build_rollout(actor)
+        self.scorer = self._build_scorer()
+        roles = TrainRoles.from_config(cfg, algo, self.meshes, train_group)
+        engine, weight_sync = self._build_rollout(roles.actor)
         if engine is not None and algo.routing_replay == "r3":
             engine.record_routing = True  # a native engine (preflight checks): rollouts carry their routing
-        memory = plan_memory_phases(engine=engine, roles={"actor": actor, "critic": critic, "ref": ref,
-                                                          "reward": reward_model},
-                                    on_rollout_mesh=self.meshes["rollout"].is_member, sleep=resolved_sleep(cfg),
+        memory = plan_memory_phases(engine=engine, roles=roles.by_name(), sleep=resolved_sleep(cfg),
+                                    on_rollout_mesh=self.meshes["rollout"].is_member,
                                     weights_shared=shares_weights(cfg, layouts))
-        self._weights_pushed = False
-        self.stack = RLStack(rollout=engine, rollout_layout=self.meshes["rollout"].layout, scorer=self.scorer,
-                             actor=actor, ref=ref, critic=critic, weight_sync=weight_sync, algo=algo,
-                             sampling=cfg.sampling, actor_update=cfg.actor,
-                             kl_controller=KLController.from_config(algo.kl), pad_token_id=self.pad_token_id,
-                             reward_model=reward_model, memory=memory)
-        self.async_schedule = (AsyncSchedule(self.stack, self.loader, self.meshes, cfg.trainer.max_staleness,
-                                             train_group, cfg.trainer.partial_rollout_tokens)
-                               if cfg.trainer.is_async else None)
-        if cfg.trainer.dump_rollouts:  # written by a rank that holds the trained batch (async: not a rollout rank)
-            writer = self.async_schedule.reporter_rank if self.async_schedule else 0
-            self.stack.dump = RolloutDumper(run_dir.path / "rollouts", every=cfg.trainer.dump_every,
-                                            records=self.loader.prompts.records, tokenizer=self.tokenizer,
-                                            enabled=dist.get_rank() == writer).write
+        self.rollout_side = RolloutSide.from_config(cfg, algo, self.meshes, engine=engine, loader=self.loader,
+                                                    scorer=self.scorer, memory=memory, pad_token_id=self.pad_token_id)
+        self.train_side = TrainSide.from_config(cfg, algo, roles, memory)
+        self.boundary = Boundary.from_config(cfg, self.meshes["rollout"].layout, engine=engine,
+                                             weight_sync=weight_sync, memory=memory)
+        pipeline = (AsyncSchedule(self.meshes, cfg.trainer.max_staleness, train_group,
+                                  cfg.trainer.partial_rollout_tokens, self.rollout_side)
+                    if cfg.trainer.is_async else None)
+        self.driver = StepDriver(rollout=self.rollout_side, train=self.train_side, boundary=self.boundary,
+                                 pipeline=pipeline, on_scored=self._on_scored)
+        self.last_scored: ScoredBatch | None = None  # what alerts.nan_policy=abort dumps
+        self.scored_hooks: list[Callable[[ScoredBatch, int], None]] = (
+            [self._dumper(pipeline)] if cfg.trainer.dump_rollouts else [])  # tests add their own
         self.sink: MetricsSink | None = None  # opened once the resumed step is known
         self.alerts = AlertMonitor(cfg.alerts, run_dir.path, is_rank0=run_dir.is_rank0)
-        self.checkpoints = RunCheckpoints(cfg, run_dir, self.meshes, self.stack, self.loader, self.alerts,
-                                          self.async_schedule, self.watchdog)
+        self.checkpoints = RunCheckpoints(cfg, run_dir, self.meshes, self.train_side, self.rollout_side, self.loader,
+                                          self.alerts, pipeline, self.watchdog)
         self.exporter: PrometheusExporter | None = None  # rank 0 serves while `fit` runs
+
+    def _build_scorer(self) -> Scorer:
+        """The rule reward, checked against every data source it will see; input warnings on rank 0."""
+        cfg = self.cfg
+        if self.run_dir.is_rank0:
+            for warning in input_warnings(cfg, self.tokenizer, self.loader.prompts, self.val):
+                log.warning(warning)
+        scorer = Scorer(cfg.reward, self.tokenizer)
+        scorer.check_sources(([] if cfg.reward.model_path else self.loader.prompts.records)
+                             + (self.val.records if self.val else []))
+        return scorer
+
+    def _dumper(self, pipeline: AsyncSchedule | None) -> Callable[[ScoredBatch, int], None]:
+        """trainer.dump_rollouts, written by a rank that holds the trained batch (async: not a rollout rank)."""
+        writer = pipeline.reporter_rank if pipeline else 0
+        return RolloutDumper(self.run_dir.path / "rollouts", every=self.cfg.trainer.dump_every,
+                             records=self.loader.prompts.records, tokenizer=self.tokenizer,
+                             enabled=dist.get_rank() == writer).write
+
+    def _on_scored(self, batch: ScoredBatch, step: int) -> None:
+        """Every trained batch, under its step: kept for the alerts' NaN dump, then the hooks (rollout dumps)."""
+        self.last_scored = batch
+        for hook in self.scored_hooks:
+            hook(batch, step)
 
     def _build_data(self) -> PromptLoader:
         rollout = self.meshes["rollout"]
@@ -170,35 +168,24 @@ class Trainer:
         return engine, sync
 
     def push_initial_weights(self) -> None:
-        """An engine with its own weights (a resharded copy, or vLLM's dummy init) takes the actor's current (maybe
-        resumed) ones before the first rollout; the policy version stays what the checkpoint (or 0) says.
-        Collective; idempotent (`run_step` calls it if nobody did)."""
-        if self._weights_pushed or isinstance(self.stack.weight_sync, SharedWeights):
-            self._weights_pushed = True
-            return
-        self._weights_pushed = True
-        engine = self.stack.rollout
-        version = engine.policy_version if engine is not None else 0
-        self.stack.weight_sync.sync()
-        if engine is not None:
-            engine.policy_version = version
+        """Collective, idempotent: an engine with its own weights takes the actor's (`Boundary.first_sync`)."""
+        self.boundary.first_sync()
 
     # -- loop ------------------------------------------------------------------------------------------------
     def run_step(self, step: int) -> StepMetrics:
         """One RL step on this rank (unreduced metrics): the one step driver `fit`, `rlhf profile`/`bench` and
         the benchmarks share, so none can skip the initial weight push or dynamic sampling's extra prompts."""
         self.push_initial_weights()
-        if self.async_schedule:
-            return self.async_schedule.step(step)
-        return rl_step(self.stack, self.loader.next_step(), step, more_prompts=self.loader.next_step)
+        return self.driver.run(step)
 
     def validate(self, step: int) -> dict[str, float]:
         if self.val is None:
             return {}
         native = self.cfg.rollout.native
         chunk = max(1, native.max_batch_size // max(1, self.cfg.sampling.val_n))
-        with self.stack.memory.rollout(sync_follows=False):
-            result = run_validation(self.stack.rollout, self.stack.rollout_layout, self.val, self.scorer,
+        rollout = self.rollout_side
+        with rollout.memory.rollout(sync_follows=False):
+            result = run_validation(rollout.engine, rollout.layout, self.val, self.scorer,
                                     self.cfg.sampling.val_params(step), chunk, self.pad_token_id,
                                     num_samples=self.cfg.trainer.val_samples)
         if self.sink is not None:
@@ -239,7 +226,7 @@ class Trainer:
                     with watchdog.phase(f"rl_step {step}"):
                         history.append(self._step(step))
         finally:
-            close_engine(self.stack.rollout)  # vLLM's teardown needs the process groups still alive
+            close_engine(self.rollout_side.engine)  # vLLM's teardown needs the process groups still alive
             self.alerts.close()
             if self.exporter is not None:
                 self.exporter.close()
@@ -287,8 +274,8 @@ class Trainer:
     def _step(self, step: int) -> dict:
         """One RL step plus its validation, logging and checkpoint."""
         cfg = self.cfg.trainer
-        values = self.run_step(step).reduced(self.metric_reducer)
-        values.update(self.alerts.observe(step, values, self.stack.last_batch))
+        values = self.boundary.reduce(self.run_step(step))
+        values.update(self.alerts.observe(step, values, self.last_scored))
         if (cfg.val_every and step % cfg.val_every == 0) or step == cfg.total_steps:
             values.update(self.validate(step))
         values["training/global_step"] = step

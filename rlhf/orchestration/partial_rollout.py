@@ -1,9 +1,10 @@
 """Partial rollouts (`trainer.partial_rollout_tokens` = P, with async): a batch's generation spans a weight push.
 
-  step k-1 │ start(batch j):  prompts ──► the first P tokens of every row, policy v_{k-2} (held by the rollout ranks)
+  step k-1 │ RolloutSide.start(j):     prompts ──► the first P tokens of every row, policy v_{k-2} (held)
   boundary │ weight push v_{k-1}
-  step k   │ finish(batch j): the rows still running (prompt + their P tokens) ──► the rest, policy v_{k-1}
-           │                  ──► merged Rollouts ──► TrainBatch + rule rewards (exchanged at step k's boundary)
+  step k   │ RolloutSide.generate(j):  the rows still running (prompt + their P tokens) ──► the rest, policy
+           │                           v_{k-1} ──► merged Rollouts ──► RolloutBatch + rule rewards (exchanged at
+           │                           step k's boundary)
 
 Rows that stopped within P tokens are done; the others continue with the new weights (rows in flight are never
 thrown away): each is resubmitted as prompt + its tokens so far for the remaining tokens (`continue_rollouts`,
@@ -22,15 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from rlhf.data.loader import PromptLoader, PromptStep
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.sampling_params import SamplingParams
 from rlhf.rollout.types import FinishReason, PromptBatch, Rollouts
-from rlhf.orchestration.step import RLStack, sample_indices, shaped_scores
-from rlhf.trainer.batch import TrainBatch, build_train_batch
-from rlhf.trainer.exchange import is_contributor
 
 
 @dataclass
@@ -41,32 +38,6 @@ class StartedBatch:
     loader_state: dict[str, Any]
     index: int
     rollouts: Rollouts
-
-
-def start_batch(stack: RLStack, loader: PromptLoader, index: int, num_tokens: int) -> StartedBatch:
-    """Sample the first `num_tokens` of every row of batch `index` (its own seed) with the current weights."""
-    loader_state = loader.state_dict()
-    prompts = loader.next_step()
-    params = dataclasses.replace(stack.sampling.train_params(index), max_new_tokens=num_tokens)
-    rollouts = stack.rollout.generate(_prompt_batch(stack, prompts), params)
-    return StartedBatch(prompts, loader_state, index, rollouts)
-
-
-def finish_batch(stack: RLStack, started: StartedBatch) -> TrainBatch | None:
-    """Continue the running rows with the current weights; contributors return the scored batch."""
-    prompt_batch = _prompt_batch(stack, started.prompts)
-    merged, versions_rt = continue_rollouts(stack.rollout, prompt_batch, started.rollouts,
-                                            stack.sampling.train_params(started.index, gen_round=1),
-                                            stack.sampling.max_new_tokens)
-    if not is_contributor(stack.rollout_layout, dist.get_rank()):
-        return None
-    batch = build_train_batch(prompt_batch, merged)
-    batch.policy_version_bt = versions_rt * batch.response_mask_bt
-    batch.sample_index_b = sample_indices(started.prompts, merged)
-    if stack.reward_model is None:
-        batch.scores_b = shaped_scores(stack.scorer.score(started.prompts.records, merged), batch.response_lengths_b,
-                                       stack.sampling.max_new_tokens, stack.algo.overlong_buffer)
-    return batch
 
 
 def continue_rollouts(engine: RolloutEngine, prompts: PromptBatch, first: Rollouts, params: SamplingParams,
@@ -115,10 +86,6 @@ def merge_rollouts(first: Rollouts, rest: Rollouts | None, running: list[int],
                       prompt_index_r=first.prompt_index_r.clone(), policy_version=first.policy_version,
                       pad_token_id=first.pad_token_id)
     return merged, versions_rt
-
-
-def _prompt_batch(stack: RLStack, prompts: PromptStep) -> PromptBatch:
-    return PromptBatch.from_token_lists(prompts.token_ids, pad_token_id=stack.pad_token_id)
 
 
 def started_state(started: StartedBatch | None) -> dict[str, Any] | None:

@@ -21,8 +21,7 @@ from rlhf.orchestration.schema import RlhfConfig
 from rlhf.errors import ConfigError
 from rlhf.metrics import StepMetrics
 from rlhf.run_dir import RunDir, get_logger
-from rlhf.orchestration.step import replay_step
-from rlhf.trainer.batch import TrainBatch
+from rlhf.trainer.batch import RolloutBatch
 from rlhf.trainer.checks import read_hf_config
 from rlhf.orchestration.loop import Trainer
 from rlhf.orchestration.preflight import preflight
@@ -77,17 +76,17 @@ class Replayer(Trainer):
     def run_step(self, step: int) -> StepMetrics:
         self.push_initial_weights()
         raw = {}
-        metrics = replay_step(self.stack, lambda: self._batch(step, raw), step)
+        metrics = self.driver.replay(step, lambda: self._batch(step, raw))
         metrics.add_global("replay/raw_score/mean", raw["mean"])
         if self.cfg.replay.reward_norm:
             metrics.add_global("replay/reward_std", self.reward_stats.std)
         return metrics
 
-    def _batch(self, step: int, raw: dict) -> TrainBatch:
+    def _batch(self, step: int, raw: dict) -> RolloutBatch:
         batch = read_dump(self.dumps[step - 1], self.vocab_size)
         raw["mean"] = float(batch.scores_b.mean())
         if self.cfg.replay.reward_norm:
-            batch.scores_b = self._normalized(batch.scores_b, step)
+            batch = dataclasses.replace(batch, scores_b=self._normalized(batch.scores_b, step))
         return batch
 
     def _normalized(self, scores_b: torch.Tensor, step: int) -> torch.Tensor:

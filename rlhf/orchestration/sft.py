@@ -21,7 +21,7 @@ from rlhf.metrics import MetricReducer, MetricsSink, StepMetrics
 from rlhf.models.hf_export import export_hf
 from rlhf.rollout.factory import engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
-from rlhf.trainer.batch import TrainBatch
+from rlhf.trainer.batch import SequenceBatch
 from rlhf.trainer.roles import PolicyRole
 from rlhf.orchestration.config import SftConfig
 from rlhf.trainer.scoring import Scorer
@@ -30,7 +30,7 @@ from rlhf.trainer.validate import validate
 log = get_logger("sft")
 
 
-def sft_batch(prompts: TokenizedPrompts, rows: list[int], tokenizer: Any, pad_token_id: int) -> TrainBatch:
+def sft_batch(prompts: TokenizedPrompts, rows: list[int], tokenizer: Any, pad_token_id: int) -> SequenceBatch:
     """Right-padded prompt + answer + EOS sequences; the answer tokens form the 'response'."""
     answers = [list(tokenizer.encode(prompts.records[i].ground_truth, add_special_tokens=False))
                + [tokenizer.eos_token_id] for i in rows]
@@ -41,10 +41,9 @@ def sft_batch(prompts: TokenizedPrompts, rows: list[int], tokenizer: Any, pad_to
         tokens_bs[row, :len(seq)] = torch.tensor(seq)
     lengths_b = torch.tensor([len(a) for a in answers])
     mask_bt = torch.arange(resp_width)[None, :] < lengths_b[:, None]
-    return TrainBatch(tokens_bs=tokens_bs, prompt_lengths_b=torch.tensor([len(prompts.token_ids[i]) for i in rows]),
-                      response_lengths_b=lengths_b, response_mask_bt=mask_bt,
-                      group_index_b=torch.arange(len(rows)), rollout_logprobs_bt=torch.zeros(mask_bt.shape),
-                      pad_token_id=pad_token_id)
+    return SequenceBatch(tokens_bs=tokens_bs,
+                         prompt_lengths_b=torch.tensor([len(prompts.token_ids[i]) for i in rows]),
+                         response_lengths_b=lengths_b, response_mask_bt=mask_bt, pad_token_id=pad_token_id)
 
 
 def run_sft(cfg: RlhfConfig, sft: SftConfig, run_dir: RunDir) -> dict[str, float]:

@@ -16,7 +16,7 @@ from rlhf.profiling.overlap import PhaseTimeline, side_of
 from rlhf.profiling.phases import PhaseMemory
 from rlhf.run_dir import RunDir
 
-# Phases of `rl_step`, in order; `step` is their enclosing wall time.
+# Phases of an RL step (`orchestration.step`), in order; `step` is their enclosing wall time.
 PHASES = ("gen", "gather", "reward", "old_log_prob", "ref", "values", "adv", "update_actor", "update_critic",
           "update_weights")
 TRAIN_PHASES = ("reward", "old_log_prob", "ref", "values", "update_actor", "update_critic")
@@ -46,7 +46,7 @@ def run_profiled_steps(cfg: RlhfConfig, run_dir: RunDir, *, steps: int, warmup: 
     profile.side = side_of(trainer.meshes["rollout"].is_member,
                            any(mesh.is_member for role, mesh in trainer.meshes.meshes.items() if role != "rollout"))
     for index in range(1, warmup + 1):
-        trainer.run_step(index).reduced(trainer.metric_reducer)
+        trainer.boundary.reduce(trainer.run_step(index))
     with ExitStack() as stack:
         if counters:
             stack.enter_context(profile.memory.active())
@@ -57,7 +57,7 @@ def run_profiled_steps(cfg: RlhfConfig, run_dir: RunDir, *, steps: int, warmup: 
             activities=list(torch.profiler.supported_activities()))) if trace_dir else None
         for index in range(warmup + 1, warmup + steps + 1):
             metrics = trainer.run_step(index)
-            profile.steps.append(metrics.reduced(trainer.metric_reducer))
+            profile.steps.append(trainer.boundary.reduce(metrics))
             profile.local_timings.append({k: v for k, v in metrics.local().items() if k.startswith("timing_s/")})
     if tracer is not None:
         trace_dir.mkdir(parents=True, exist_ok=True)

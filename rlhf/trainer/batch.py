@@ -1,4 +1,5 @@
-"""`TrainBatch`: prompt + response sequences and everything scored about them, ready for the actor and critic.
+"""The step's payloads: `RolloutBatch` (what the rollout side knows) and `ScoredBatch` (that plus what the training
+side scored), both frozen `SequenceBatch`es: prompt + response rows with per-row and per-token tensors.
 
 Sequences are **right-padded** `prompt + response` rows, so a causal model needs no attention mask or shifted
 positions (padding only ever follows real tokens). Per-token RL tensors are response-aligned `[B, T]`: column j
@@ -9,36 +10,23 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any, Self
 
 import torch
 
+from rlhf.errors import CheckpointError
 from rlhf.rollout.types import FinishReason, PromptBatch, Rollouts
 
 
-@dataclass(kw_only=True)
-class TrainBatch:
+@dataclass(frozen=True, kw_only=True)
+class SequenceBatch:
+    """Right-padded prompt + response rows: what every forward reads (`rlhf sft` trains on it as is)."""
+
     tokens_bs: torch.Tensor  # int64 [B, S] prompt + response, right-padded with pad_token_id
     prompt_lengths_b: torch.Tensor  # int64 [B]
     response_lengths_b: torch.Tensor  # int64 [B]
     response_mask_bt: torch.Tensor  # bool [B, T] real response tokens
-    group_index_b: torch.Tensor  # int64 [B] the prompt each row answers (GRPO/RLOO groups, contiguous)
-    rollout_logprobs_bt: torch.Tensor  # fp32 [B, T] logprobs the rollout engine sampled with
-    truncated_b: torch.Tensor | None = None  # bool [B] the response hit max_new_tokens (finish reason `length`)
-    policy_version_bt: torch.Tensor | None = None  # int32 [B, T] policy version that sampled each token (0 on pad)
-    scores_b: torch.Tensor | None = None  # fp32 [B] sequence reward
-    baseline_scores_b: torch.Tensor | None = None  # fp32 [B] greedy-rollout reward of the prompt (ReMax)
-    old_logprobs_bt: torch.Tensor | None = None  # fp32 [B, T] actor before the update
-    ref_logprobs_bt: torch.Tensor | None = None  # fp32 [B, T] frozen reference
-    values_bt: torch.Tensor | None = None  # fp32 [B, T] critic
-    token_rewards_bt: torch.Tensor | None = None  # fp32 [B, T] score at the last token (+ KL penalty)
-    advantages_bt: torch.Tensor | None = None  # fp32 [B, T]
-    returns_bt: torch.Tensor | None = None  # fp32 [B, T] critic targets
-    is_weights_bt: torch.Tensor | None = None  # fp32 [B, T] rollout-correction weights on the policy loss
-    loss_mask_bt: torch.Tensor | None = None  # bool [B, T] tokens in the actor loss (None: response_mask_bt)
-    sample_index_b: torch.Tensor | None = None  # int64 [B] dataset index of the row's prompt (rollout dumps)
-    # int16 [B, S, L, K] experts of each input token per routed layer (-1 unknown): routing replay (MoE)
-    routed_experts_bslk: torch.Tensor | None = None
-    pad_token_id: int = 0
+    pad_token_id: int
 
     @property
     def size(self) -> int:
@@ -66,7 +54,7 @@ class TrainBatch:
         rows_bt = torch.arange(self.size, device=mask_bt.device)[:, None].expand_as(mask_bt)
         return rows_bt[mask_bt], self.response_positions_bt()[mask_bt]
 
-    def trimmed(self) -> "TrainBatch":
+    def trimmed(self) -> Self:
         """Without the padding columns all rows share: tokens cut after the longest sequence, per-token fields
         after the longest response. Rows are right-padded and the model causal, so kept positions are unchanged."""
         if self.size == 0:
@@ -82,13 +70,13 @@ class TrainBatch:
                 updates[field.name] = value[:, :seq_width]
         return dataclasses.replace(self, **updates)
 
-    def to(self, device: torch.device) -> "TrainBatch":
+    def to(self, device: torch.device) -> Self:
         """Every tensor field on `device` (the step's global batch lives on the host; roles compute on theirs)."""
         updates = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
                    if isinstance(getattr(self, f.name), torch.Tensor)}
         return dataclasses.replace(self, **updates)
 
-    def select(self, rows: torch.Tensor | slice) -> "TrainBatch":
+    def select(self, rows: torch.Tensor | slice) -> Self:
         """The rows `rows` of every per-sample field."""
         updates = {}
         for field in dataclasses.fields(self):
@@ -97,25 +85,87 @@ class TrainBatch:
                 updates[field.name] = value[rows]
         return dataclasses.replace(self, **updates)
 
-    def shard(self, index: int, count: int) -> "TrainBatch":
+    def shard(self, index: int, count: int) -> Self:
         """Contiguous 1/count of the rows (a DP rank's share); count must divide the batch."""
         assert self.size % count == 0, (self.size, count)
         per = self.size // count
         return self.select(slice(index * per, (index + 1) * per))
 
-    def chunks(self, size: int, *, ragged: bool = False) -> list["TrainBatch"]:
+    def chunks(self, size: int, *, ragged: bool = False) -> list[Self]:
         """Consecutive row blocks of `size` (`ragged`: the last one may be smaller)."""
         assert ragged or self.size % size == 0, (self.size, size)
         return [self.select(slice(start, start + size)) for start in range(0, self.size, size)]
 
 
-def gather_response(values_bs: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+@dataclass(frozen=True, kw_only=True)
+class RolloutBatch(SequenceBatch):
+    """What the rollout side knows about its samples (`RolloutSide.generate`); None only where a run has none."""
+
+    group_index_b: torch.Tensor  # int64 [B] the prompt each row answers (GRPO/RLOO groups, contiguous)
+    sample_index_b: torch.Tensor  # int64 [B] dataset index of the row's prompt (rollout dumps, replay)
+    loss_mask_bt: torch.Tensor  # bool [B, T] sampled tokens to train on (single-turn: the response)
+    rollout_logprobs_bt: torch.Tensor  # fp32 [B, T] logprobs the rollout engine sampled with
+    policy_version_bt: torch.Tensor  # int32 [B, T] policy version that sampled each token (0 on pad)
+    truncated_b: torch.Tensor  # bool [B] the response hit max_new_tokens (finish reason `length`)
+    scores_b: torch.Tensor | None  # fp32 [B] sequence reward; None: a reward model scores it on the training side
+    baseline_scores_b: torch.Tensor | None  # fp32 [B] greedy-rollout reward of the prompt (ReMax only)
+    # int16 [B, S, L, K] experts of each input token per routed layer (-1 unknown): MoE routing replay only
+    routed_experts_bslk: torch.Tensor | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScoredBatch(RolloutBatch):
+    """A rollout batch scored by the training side (`TrainSide.train`); `loss_mask_bt` is the actor's final one
+    (rollout correction's rejections and overlong filtering applied). None: the run has no such role or stage."""
+
+    old_logprobs_bt: torch.Tensor | None  # fp32 [B, T] actor before the update (None: strictly on-policy)
+    ref_logprobs_bt: torch.Tensor | None  # fp32 [B, T] frozen reference
+    values_bt: torch.Tensor | None  # fp32 [B, T] critic
+    token_rewards_bt: torch.Tensor  # fp32 [B, T] score at the last token (+ KL penalty)
+    advantages_bt: torch.Tensor  # fp32 [B, T]
+    returns_bt: torch.Tensor | None  # fp32 [B, T] critic targets (GAE)
+    is_weights_bt: torch.Tensor | None  # fp32 [B, T] rollout-correction weights on the policy loss
+
+    @classmethod
+    def of(cls, batch: RolloutBatch, **scored: torch.Tensor | None) -> "ScoredBatch":
+        """`batch` with the scored fields (and any rollout field given again, e.g. the final loss mask)."""
+        rollout = {field.name: getattr(batch, field.name) for field in dataclasses.fields(RolloutBatch)}
+        return cls(**(rollout | scored))
+
+
+# The async checkpoint's in-flight batches: RolloutBatch's tensor fields and their dtypes (None where optional).
+ROLLOUT_SCHEMA = {"tokens_bs": torch.int64, "prompt_lengths_b": torch.int64, "response_lengths_b": torch.int64,
+                  "response_mask_bt": torch.bool, "group_index_b": torch.int64, "sample_index_b": torch.int64,
+                  "loss_mask_bt": torch.bool, "rollout_logprobs_bt": torch.float32, "policy_version_bt": torch.int32,
+                  "truncated_b": torch.bool, "scores_b": torch.float32, "baseline_scores_b": torch.float32,
+                  "routed_experts_bslk": torch.int16}
+
+
+def rollout_state(batch: RolloutBatch) -> dict[str, Any]:
+    """A rollout batch as a checkpoint state tree in `ROLLOUT_SCHEMA` (tensors and the pad id; no pickle)."""
+    return {"pad_token_id": batch.pad_token_id} | {name: getattr(batch, name) for name in ROLLOUT_SCHEMA}
+
+
+def rollout_from_state(state: dict[str, Any]) -> RolloutBatch:
+    """Inverse of `rollout_state`; a tree of another schema is a CheckpointError naming the difference."""
+    expected = set(ROLLOUT_SCHEMA) | {"pad_token_id"}
+    if set(state) != expected:
+        raise CheckpointError(f"the checkpoint's in-flight batch has fields {sorted(set(state) ^ expected)} this "
+                              "version does not expect; resume it with the version that wrote it")
+    for name, dtype in ROLLOUT_SCHEMA.items():
+        if state[name] is not None and state[name].dtype != dtype:
+            raise CheckpointError(f"the checkpoint's in-flight batch has {name} of dtype {state[name].dtype}, "
+                                  f"this version expects {dtype}; resume it with the version that wrote it")
+    return RolloutBatch(**state)
+
+
+def gather_response(values_bs: torch.Tensor, batch: SequenceBatch) -> torch.Tensor:
     """Per-position values `[B, S]` (position s predicting token s+1) -> response-aligned `[B, T]`, 0 on padding."""
     picked_bt = values_bs.gather(1, batch.response_positions_bt())
     return picked_bt * batch.response_mask_bt
 
 
-def scatter_response(values_n: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+def scatter_response(values_n: torch.Tensor, batch: SequenceBatch) -> torch.Tensor:
     """Values of the real response tokens (`response_index` order) -> response-aligned `[B, T]`, 0 on padding."""
     mask_bt = batch.response_mask_bt.bool()
     return values_n.new_zeros(mask_bt.shape).masked_scatter(mask_bt, values_n)
@@ -128,8 +178,11 @@ def _sampled_logprobs(rollouts: Rollouts) -> torch.Tensor:
     return scaled if scaled is not None else rollouts.response_logprobs_rt
 
 
-def build_train_batch(prompts: PromptBatch, rollouts: Rollouts) -> TrainBatch:
-    """Join each rollout with its prompt into right-padded sequences."""
+def build_rollout_batch(prompts: PromptBatch, rollouts: Rollouts, *, sample_index_b: torch.Tensor,
+                        scores_b: torch.Tensor | None, baseline_scores_b: torch.Tensor | None = None,
+                        policy_version_rt: torch.Tensor | None = None) -> RolloutBatch:
+    """Join each rollout with its prompt into right-padded sequences; `policy_version_rt` (partial rollouts): the
+    version of every token, else the engine's for all."""
     prompt_index_r = rollouts.prompt_index_r
     prompt_lengths_r = prompts.prompt_lengths_b[prompt_index_r]
     lengths_r = prompt_lengths_r + rollouts.response_lengths_r
@@ -142,12 +195,14 @@ def build_train_batch(prompts: PromptBatch, rollouts: Rollouts) -> TrainBatch:
     mask_rt = rollouts.response_mask_rt
     truncated_r = torch.tensor([reason is FinishReason.LENGTH for reason in rollouts.finish_reasons],
                                dtype=torch.bool)
-    return TrainBatch(tokens_bs=tokens_rs, prompt_lengths_b=prompt_lengths_r.clone(),
-                      response_lengths_b=rollouts.response_lengths_r.clone(), response_mask_bt=mask_rt,
-                      group_index_b=prompt_index_r.clone(),
-                      rollout_logprobs_bt=_sampled_logprobs(rollouts).float() * mask_rt, truncated_b=truncated_r,
-                      policy_version_bt=mask_rt.int() * rollouts.policy_version, pad_token_id=rollouts.pad_token_id,
-                      routed_experts_bslk=_routing(rollouts, width))
+    versions_rt = (mask_rt.int() * rollouts.policy_version if policy_version_rt is None
+                   else policy_version_rt * mask_rt)
+    return RolloutBatch(tokens_bs=tokens_rs, prompt_lengths_b=prompt_lengths_r.clone(),
+                        response_lengths_b=rollouts.response_lengths_r.clone(), response_mask_bt=mask_rt,
+                        group_index_b=prompt_index_r.clone(), sample_index_b=sample_index_b, loss_mask_bt=mask_rt,
+                        rollout_logprobs_bt=_sampled_logprobs(rollouts).float() * mask_rt, truncated_b=truncated_r,
+                        policy_version_bt=versions_rt, pad_token_id=rollouts.pad_token_id, scores_b=scores_b,
+                        baseline_scores_b=baseline_scores_b, routed_experts_bslk=_routing(rollouts, width))
 
 
 def _routing(rollouts: Rollouts, width: int) -> torch.Tensor | None:

@@ -6,40 +6,40 @@ kept set and on how many rounds (loader batches) a step consumes; the sampler po
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from rlhf.algo.dapo import informative_rows
 from rlhf.algo.groups import Groups
-from rlhf.trainer.batch import TrainBatch
+from rlhf.trainer.batch import RolloutBatch
 from rlhf.trainer.exchange import concat_batches
 
 
 @dataclass(kw_only=True)
 class FilledBatch:
-    batch: TrainBatch  # exactly `target` groups, renumbered 0..target-1
+    batch: RolloutBatch  # exactly `target` groups, renumbered 0..target-1
     metrics: dict[str, float]
 
 
-def _groups_of(batch: TrainBatch, rows_b: torch.Tensor) -> TrainBatch:
+def _groups_of(batch: RolloutBatch, rows_b: torch.Tensor) -> RolloutBatch:
     """The rows `rows_b` (bool [B], whole groups), their group ids renumbered densely in order."""
     part = batch.select(rows_b)
-    part.group_index_b = Groups.from_index(part.group_index_b).ids_b if part.size else part.group_index_b
-    return part
+    return dataclasses.replace(part, group_index_b=Groups.from_index(part.group_index_b).ids_b) if part.size else part
 
 
-def count_groups(batch: TrainBatch) -> int:
+def count_groups(batch: RolloutBatch) -> int:
     return int(batch.group_index_b.unique().numel())
 
 
-def informative_groups(rounds: list[TrainBatch]) -> int:
+def informative_groups(rounds: list[RolloutBatch]) -> int:
     """Groups with differing rewards over all rounds so far."""
     return sum(count_groups(batch.select(informative_rows(batch.scores_b, batch.group_index_b)))
                for batch in rounds)
 
 
-def fill_batch(rounds: list[TrainBatch], target: int) -> FilledBatch:
+def fill_batch(rounds: list[RolloutBatch], target: int) -> FilledBatch:
     """The first `target` informative groups in round order; when the rounds ran out, the shortfall is filled
     with uninformative groups (zero GRPO advantage) so the batch keeps its size and shape."""
     kept, dropped = [], []

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from rlhf.parallel.layout import ParallelLayout
 from rlhf.parallel.wire import all_gather_json, collective_device
-from rlhf.trainer.batch import TrainBatch
+from rlhf.trainer.batch import RolloutBatch
 
 
 def is_contributor(layout: ParallelLayout, rank: int) -> bool:
@@ -36,13 +36,13 @@ def _pad_to(tensor: torch.Tensor, width: int, value) -> torch.Tensor:
     return torch.cat([tensor, pad], dim=1)
 
 
-def concat_batches(batches: list[TrainBatch], prompts_per_batch: list[int]) -> TrainBatch:
+def concat_batches(batches: list[RolloutBatch], prompts_per_batch: list[int]) -> RolloutBatch:
     """Stack batches row-wise, padding sequence/response widths; group indices become global."""
     seq_width = max(b.tokens_bs.shape[1] for b in batches)
     resp_width = max(b.response_width for b in batches)
     offsets = torch.tensor([0] + prompts_per_batch[:-1]).cumsum(0).tolist()
     merged = {}
-    for field in dataclasses.fields(TrainBatch):
+    for field in dataclasses.fields(batches[0]):
         values = [getattr(b, field.name) for b in batches]
         if not isinstance(values[0], torch.Tensor):
             continue
@@ -58,7 +58,7 @@ def concat_batches(batches: list[TrainBatch], prompts_per_batch: list[int]) -> T
     return dataclasses.replace(batches[0], **merged)
 
 
-def group_shard(batch: TrainBatch, index: int, count: int) -> TrainBatch:
+def group_shard(batch: RolloutBatch, index: int, count: int) -> RolloutBatch:
     """The `index`-th of `count` equal, contiguous ranges of a batch's groups, numbered from 0 (concat_batches
     of the shards in order gives the batch back)."""
     num_groups = int(batch.group_index_b.max()) + 1
@@ -66,8 +66,7 @@ def group_shard(batch: TrainBatch, index: int, count: int) -> TrainBatch:
     per = num_groups // count
     rows_b = (batch.group_index_b >= index * per) & (batch.group_index_b < (index + 1) * per)
     shard = batch.select(rows_b)
-    shard.group_index_b = shard.group_index_b - index * per
-    return shard
+    return dataclasses.replace(shard, group_index_b=shard.group_index_b - index * per)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -122,10 +121,10 @@ def gather_parts(tensors: dict[str, torch.Tensor] | None, meta: Any = None,
     return parts
 
 
-def _batch_tensors(batch: TrainBatch) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _batch_tensors(batch: RolloutBatch) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A batch as (tensor fields, plain fields); None fields are plain."""
     tensors, plain = {}, {}
-    for field in dataclasses.fields(TrainBatch):
+    for field in dataclasses.fields(RolloutBatch):
         value = getattr(batch, field.name)
         if isinstance(value, torch.Tensor):
             tensors[field.name] = value
@@ -134,8 +133,8 @@ def _batch_tensors(batch: TrainBatch) -> tuple[dict[str, torch.Tensor], dict[str
     return tensors, plain
 
 
-def gather_global_batch(local: TrainBatch | None, num_prompts: int, layout: ParallelLayout,
-                        group: dist.ProcessGroup | None = None) -> TrainBatch:
+def gather_global_batch(local: RolloutBatch | None, num_prompts: int, layout: ParallelLayout,
+                        group: dist.ProcessGroup | None = None) -> RolloutBatch:
     """Collective over `group` (default the world; it holds `layout`'s ranks): each replica's contributor sends
     its batch; all ranks of the group get them concatenated in dp order."""
     rank = dist.get_rank()
@@ -149,7 +148,7 @@ def gather_global_batch(local: TrainBatch | None, num_prompts: int, layout: Para
     else:
         parts = gather_parts(None, group=group)
     assert len(parts) == layout.dp, (len(parts), layout)
-    batches = [TrainBatch(**meta["plain"], **tensors) for meta, tensors in parts]
+    batches = [RolloutBatch(**meta["plain"], **tensors) for meta, tensors in parts]
     return concat_batches(batches, [meta["num_prompts"] for meta, _ in parts])
 
 

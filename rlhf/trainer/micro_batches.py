@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from rlhf.platform import current_device
-from rlhf.trainer.batch import TrainBatch
+from rlhf.trainer.batch import SequenceBatch
 
 
 def balanced_order(lengths_b: torch.Tensor, parts: int) -> torch.Tensor:
@@ -31,17 +31,17 @@ def balanced_order(lengths_b: torch.Tensor, parts: int) -> torch.Tensor:
     return torch.tensor([row for shard in shards for row in sorted(shard)])
 
 
-def row_lengths(batch: TrainBatch) -> torch.Tensor:
+def row_lengths(batch: SequenceBatch) -> torch.Tensor:
     """Prompt + response tokens of every row."""
     return batch.prompt_lengths_b + batch.response_lengths_b
 
 
-def by_length(batch: TrainBatch) -> torch.Tensor:
+def by_length(batch: SequenceBatch) -> torch.Tensor:
     """Row order by sequence length (stable), so micro-batches of neighbouring rows need little padding."""
     return torch.argsort(row_lengths(batch), stable=True)
 
 
-def common_widths(micro: list[TrainBatch], ep_group: Any) -> list[TrainBatch]:
+def common_widths(micro: list[SequenceBatch], ep_group: Any) -> list[SequenceBatch]:
     """Micro-batches padded (right, with pad tokens) to the widest of their expert-parallel peers' at the same
     index: megatron's token dispatchers exchange equal-shaped token blocks between the ranks sharing experts."""
     widths = torch.tensor([mb.tokens_bs.shape[1] for mb in micro], dtype=torch.int64, device=current_device())
@@ -51,7 +51,7 @@ def common_widths(micro: list[TrainBatch], ep_group: Any) -> list[TrainBatch]:
         zip(micro, widths.tolist())]
 
 
-def micro_batches(shard: TrainBatch, size: int, pgs: Any, *, ragged: bool = False) -> list[TrainBatch]:
+def micro_batches(shard: SequenceBatch, size: int, pgs: Any, *, ragged: bool = False) -> list[SequenceBatch]:
     """`shard` in micro-batches of `size` rows, each cut to its own longest row (callers sort rows by length
     first so similar lengths share a micro-batch); with pp > 1 (`pgs.pp`) the schedule needs one shape, so the
     shard's, and equal micro-batches: a `ragged` split (forward only) then takes the largest size <= `size` that

@@ -1,7 +1,7 @@
 """The model roles of an RL step on their meshes: actor (trained policy), ref (frozen policy), critic (values).
 
-Each role's members run its DP shard of the global `TrainBatch`; per-sample outputs are gathered back so every
-rank sees the whole batch (`exchange.gather_rows`). Non-members only take part in that gather.
+Each role's members run its DP shard of the global batch (`trainer.batch`); per-sample outputs are gathered back so
+every rank sees the whole batch (`exchange.gather_rows`). Non-members only take part in that gather.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from rlhf.models.routing_replay import UNKNOWN, RoutingReplay
 from rlhf.platform import current_device
 from rlhf.train import offload as offload_lib
 from rlhf.train.engine import StepResult, TrainEngine
-from rlhf.trainer.batch import TrainBatch, gather_response, scatter_response
+from rlhf.trainer.batch import RolloutBatch, ScoredBatch, SequenceBatch, gather_response, scatter_response
 from rlhf.trainer.config import AlgoConfig, UpdateConfig
 from rlhf.trainer.exchange import gather_rows, is_contributor
 from rlhf.trainer.micro_batches import balanced_order, by_length, micro_batches, row_lengths
 
 
-def _labels_bs(batch: TrainBatch) -> torch.Tensor:
+def _labels_bs(batch: SequenceBatch) -> torch.Tensor:
     """The token each position predicts (the last position's label is never read)."""
     return torch.roll(batch.tokens_bs, shifts=-1, dims=1)
 
@@ -106,7 +106,7 @@ class ModelRole:
             offload_lib.reload_frozen(self._parked)
             self._parked = None
 
-    def _forward(self, batch: TrainBatch, fn: Callable[[torch.Tensor, TrainBatch], torch.Tensor],
+    def _forward(self, batch: SequenceBatch, fn: Callable[[torch.Tensor, SequenceBatch], torch.Tensor],
                  record_routing: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`fn(output, micro_batch) -> [b, T]` over this rank's DP shard, gathered to the whole batch `[B, T]`;
         with `record_routing` also the forward's own experts `[B, S, L, k]` (routing replay R2, pp=1)."""
@@ -119,7 +119,7 @@ class ModelRole:
             order = by_length(shard)
             micro = self._micro_batches(shard.select(order), min(self.micro_batch_size, shard.size), ragged=True)
 
-            def step(output: torch.Tensor, micro_batch: TrainBatch) -> tuple[torch.Tensor, dict]:
+            def step(output: torch.Tensor, micro_batch: SequenceBatch) -> tuple[torch.Tensor, dict]:
                 out = fn(output, micro_batch).detach()
                 if out.dim() == 2:  # response-aligned: back to the batch's response width
                     out = torch.nn.functional.pad(out, (0, batch.response_width - out.shape[1]))
@@ -147,11 +147,11 @@ class ModelRole:
                              self.gather_group)[torch.argsort(balance)]
         return values, routed
 
-    def _micro_batches(self, shard: TrainBatch, size: int, *, ragged: bool = False) -> list[TrainBatch]:
+    def _micro_batches(self, shard: SequenceBatch, size: int, *, ragged: bool = False) -> list[SequenceBatch]:
         """`shard` in micro-batches of `size` rows on this role's layout (`micro_batches.micro_batches`)."""
         return micro_batches(shard, size, self.mesh.pgs, ragged=ragged)
 
-    def _train(self, batch: TrainBatch, loss_fn: Callable[[torch.Tensor, TrainBatch, GlobalCounts], tuple],
+    def _train(self, batch: SequenceBatch, loss_fn: Callable[[torch.Tensor, SequenceBatch, GlobalCounts], tuple],
                prefix: str) -> dict[str, float]:
         """Epochs x mini-batches of optimizer steps; returns this rank's metric sums (contributors only), with
         the routing of the update's forwards (`<prefix>moe/...`, the role's global values) for an MoE model."""
@@ -182,8 +182,8 @@ class ModelRole:
         out[f"{prefix}skipped_steps"] = totals[f"{prefix}skipped_steps"]
         return out | routing_metrics if contributor else {}
 
-    def _train_mini_batch(self, mini: TrainBatch,
-                          loss_fn: Callable[[torch.Tensor, TrainBatch, GlobalCounts], tuple]) -> StepResult:
+    def _train_mini_batch(self, mini: SequenceBatch,
+                          loss_fn: Callable[[torch.Tensor, SequenceBatch, GlobalCounts], tuple]) -> StepResult:
         """One optimizer step on this rank's DP shard of `mini`."""
         balance = balanced_order(row_lengths(mini).cpu(), self.dp_size)
         shard = mini.select(balance).shard(self.dp_rank, self.dp_size).to(current_device())
@@ -227,11 +227,12 @@ class PolicyRole(ModelRole):
             self.routing_replay = RoutingReplay(self.model)
             self.model.rlhf_routing_replay = self.routing_replay
         self.routing_metrics: dict[str, float] = {}  # of the last `logprobs`: router agreement with the batch's
+        self.recorded_routing_bslk: torch.Tensor | None = None  # R2: the last `logprobs`' own routing
 
     def _output_mode(self) -> contextlib.AbstractContextManager:
         return hidden_output(self.model) if self.fused_head and self.model is not None else contextlib.nullcontext()
 
-    def _token_stats(self, output: torch.Tensor, mb: TrainBatch, *,
+    def _token_stats(self, output: torch.Tensor, mb: SequenceBatch, *,
                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprobs_bt, entropy_bt) of the response tokens from the model output (hidden states or logits)."""
         if self.fused_head:
@@ -247,11 +248,11 @@ class PolicyRole(ModelRole):
                                        self.temperature)
         return gather_response(logp_bs, mb), gather_response(entropy_bs, mb)
 
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+    def logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """Token logprobs `[B, T]`. Under routing replay R3 the forward routes as `batch.routed_experts_bslk`
         says (`routing_metrics`: how often the router's own choice agreed); under R2 the actor routes freely and
-        stores its routing in `batch.routed_experts_bslk` for the update to replay."""
-        def fn(output: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
+        keeps its routing in `recorded_routing_bslk` for the update to replay."""
+        def fn(output: torch.Tensor, mb: SequenceBatch) -> torch.Tensor:
             if self.fused_head:
                 return self._token_stats(output, mb)[0]
             return gather_response(token_logprobs(output, _labels_bs(mb), self.tp_group, self.vocab_size,
@@ -265,7 +266,7 @@ class PolicyRole(ModelRole):
         with self._output_mode():
             result = self._forward(source, fn, record_routing=self.records_routing)
         if self.records_routing:
-            result, batch.routed_experts_bslk = result
+            result, self.recorded_routing_bslk = result
         self.routing_metrics = {}
         if replay is not None and not self.records_routing and self.mesh.is_member:
             self.routing_metrics = replay.agreement(self.mesh.pgs.layout_all)
@@ -274,11 +275,11 @@ class PolicyRole(ModelRole):
             replay.record = False
         return result
 
-    def update(self, batch: TrainBatch, algo: AlgoConfig) -> dict[str, float]:
+    def update(self, batch: ScoredBatch, algo: AlgoConfig) -> dict[str, float]:
         use_kl_loss = algo.kl.use_as_loss
         entropy_grad = algo.policy_loss.entropy_coef > 0
 
-        def loss_fn(output: torch.Tensor, mb: TrainBatch, counts: GlobalCounts) -> tuple:
+        def loss_fn(output: torch.Tensor, mb: ScoredBatch, counts: GlobalCounts) -> tuple:
             logp_bt, entropy_bt = self._token_stats(output, mb, entropy_grad=entropy_grad)
             old_bt = mb.old_logprobs_bt if mb.old_logprobs_bt is not None else logp_bt.detach()  # on-policy
             inputs = ActorLossInputs(logprobs_bt=logp_bt, old_logprobs_bt=old_bt,
@@ -288,8 +289,8 @@ class PolicyRole(ModelRole):
             loss, metrics = actor_loss(inputs, algo.policy_loss, algo.kl, counts)
             return loss, {k: float(v) for k, v in metrics.as_dict("actor/").items()}
 
-        if batch.loss_mask_bt is not None:  # rejected tokens / filtered rows leave the loss and its counts
-            batch = dataclasses.replace(batch, response_mask_bt=batch.loss_mask_bt)
+        # rejected tokens / filtered rows leave the loss and its counts
+        batch = dataclasses.replace(batch, response_mask_bt=batch.loss_mask_bt)
         with self._output_mode():
             out = self._train(batch, loss_fn, "actor/")
         if self.routing_replay is not None:
@@ -299,9 +300,9 @@ class PolicyRole(ModelRole):
         return out
 
 
-    def sft_update(self, batch: TrainBatch) -> dict[str, float]:
+    def sft_update(self, batch: SequenceBatch) -> dict[str, float]:
         """Supervised step(s) on the response tokens: token-mean NLL over the global batch (`rlhf sft`)."""
-        def loss_fn(output: torch.Tensor, mb: TrainBatch, counts: GlobalCounts) -> tuple:
+        def loss_fn(output: torch.Tensor, mb: SequenceBatch, counts: GlobalCounts) -> tuple:
             logp_bt, _ = self._token_stats(output, mb)
             loss = -(logp_bt * mb.response_mask_bt).sum() / max(counts.num_tokens, 1)
             return loss, {"sft/loss": float(loss.detach())}
@@ -313,14 +314,14 @@ class PolicyRole(ModelRole):
 class CriticRole(ModelRole):
     """Value model: per-token values of the state before each response token, and the clipped value update."""
 
-    def values(self, batch: TrainBatch) -> torch.Tensor:
-        def fn(values_bs1: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
+    def values(self, batch: SequenceBatch) -> torch.Tensor:
+        def fn(values_bs1: torch.Tensor, mb: SequenceBatch) -> torch.Tensor:
             return gather_response(values_bs1.squeeze(-1).float(), mb)
 
         return self._forward(batch, fn)
 
-    def update(self, batch: TrainBatch, algo: AlgoConfig) -> dict[str, float]:
-        def loss_fn(values_bs1: torch.Tensor, mb: TrainBatch, counts: GlobalCounts) -> tuple:
+    def update(self, batch: ScoredBatch, algo: AlgoConfig) -> dict[str, float]:
+        def loss_fn(values_bs1: torch.Tensor, mb: ScoredBatch, counts: GlobalCounts) -> tuple:
             values_bt = gather_response(values_bs1.squeeze(-1).float(), mb)
             loss, metrics = value_loss(values_bt, mb.values_bt, mb.returns_bt, mb.response_mask_bt,
                                        algo.value_loss, counts)
@@ -332,8 +333,8 @@ class CriticRole(ModelRole):
 class RewardModelRole(ModelRole):
     """A frozen reward model (value head): the sequence reward is its value at the last response token."""
 
-    def scores(self, batch: TrainBatch) -> torch.Tensor:
-        def fn(values_bs1: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
+    def scores(self, batch: SequenceBatch) -> torch.Tensor:
+        def fn(values_bs1: torch.Tensor, mb: SequenceBatch) -> torch.Tensor:
             last_b = (mb.prompt_lengths_b + mb.response_lengths_b - 1).clamp(max=mb.tokens_bs.shape[1] - 1)
             return values_bs1.squeeze(-1).float().gather(1, last_b[:, None]).squeeze(1)
 

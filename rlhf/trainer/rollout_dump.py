@@ -1,5 +1,5 @@
 """Rollout dumps: each step's global batch as `rollouts/step_<N>.parquet` in the run folder
-(`trainer.dump_rollouts`), and read back as `TrainBatch`es by `rlhf replay`.
+(`trainer.dump_rollouts`), and read back as `RolloutBatch`es by `rlhf replay`.
 
 One row per rollout: prompt and response ids and text, the rollout's token logprobs, the sequence score, the
 advantages, each token's policy version and staleness (versions behind the actor at step N, N - 1), data_source,
@@ -21,7 +21,7 @@ import torch
 
 from rlhf.data.records import PromptRecord
 from rlhf.errors import ConfigError
-from rlhf.trainer.batch import TrainBatch
+from rlhf.trainer.batch import RolloutBatch, ScoredBatch
 
 FORMAT = "rlhf.rollouts/1"
 REQUIRED = ("step", "policy_version", "uid", "group", "data_source", "prompt_ids", "response_ids",
@@ -39,11 +39,10 @@ def _rows(values_bt: torch.Tensor, lengths_b: torch.Tensor, start_b: torch.Tenso
             for row, (start, length) in enumerate(zip(starts, lengths_b.tolist()))]
 
 
-def batch_table(batch: TrainBatch, step: int, records: dict[int, PromptRecord], tokenizer: Any):
+def batch_table(batch: ScoredBatch, step: int, records: dict[int, PromptRecord], tokenizer: Any):
     """The batch as a pyarrow table (one row per rollout) with the dump's metadata."""
     import pyarrow as pa
 
-    assert batch.sample_index_b is not None and batch.policy_version_bt is not None, "set by generate_and_score"
     prompt_ids = _rows(batch.tokens_bs, batch.prompt_lengths_b)
     response_ids = _rows(batch.tokens_bs, batch.response_lengths_b, batch.prompt_lengths_b)
     uids = batch.sample_index_b.tolist()
@@ -84,7 +83,7 @@ class RolloutDumper:
         self.records = {record.index: record for record in records}
         self._first = True
 
-    def write(self, batch: TrainBatch, step: int) -> None:
+    def write(self, batch: ScoredBatch, step: int) -> None:
         if not self.enabled or step % self.every:
             return
         import pyarrow.parquet as pq
@@ -158,8 +157,8 @@ def _padded(rows: list[list], width: int, dtype: torch.dtype, value: float = 0) 
     return out
 
 
-def read_dump(path: Path, vocab_size: int) -> TrainBatch:
-    """A dump as the TrainBatch its step trained on (scores and rollout logprobs; the rest is recomputed)."""
+def read_dump(path: Path, vocab_size: int) -> RolloutBatch:
+    """A dump as the RolloutBatch its step trained on (scores and rollout logprobs; the rest is recomputed)."""
     parquet = _open(path)
     meta = _check_schema(path, parquet)
     table = parquet.read().to_pydict()
@@ -177,17 +176,17 @@ def read_dump(path: Path, vocab_size: int) -> TrainBatch:
     width = max(int(meta["response_width"]), int(lengths_b.max()) if len(lengths_b) else 1)
     mask_bt = torch.arange(width)[None, :] < lengths_b[:, None]
     pad = int(meta["pad_token_id"])
-    return TrainBatch(
+    return RolloutBatch(
         tokens_bs=_padded(sequences, max(2, max(map(len, sequences))), torch.long, pad),
         prompt_lengths_b=torch.tensor([len(p) for p in prompt_ids], dtype=torch.long),
-        response_lengths_b=lengths_b, response_mask_bt=mask_bt,
+        response_lengths_b=lengths_b, response_mask_bt=mask_bt, loss_mask_bt=mask_bt,
         group_index_b=torch.tensor(table["group"], dtype=torch.long),
         rollout_logprobs_bt=_padded(table["rollout_logprobs"], width, torch.float32),
         truncated_b=torch.tensor(table["truncated"], dtype=torch.bool),
         scores_b=torch.tensor(table["score"], dtype=torch.float32),
         sample_index_b=torch.tensor(table["uid"], dtype=torch.long),
         policy_version_bt=_padded(table["policy_version"], width, torch.int32),
-        pad_token_id=pad)
+        baseline_scores_b=None, routed_experts_bslk=None, pad_token_id=pad)
 
 
 def read_scores(path: Path) -> torch.Tensor:

@@ -3,19 +3,23 @@
 import json
 import logging
 import math
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf.config import from_dict
-from rlhf.orchestration.schema import RlhfConfig
-from rlhf.errors import ConfigError, NonFiniteError
-from rlhf.ops.alerts import Alert, AlertDetectors, AlertMonitor, AlertsConfig, alert_metrics
-from rlhf.state_file import decode_state, encode_state
-from rlhf.trainer.batch import TrainBatch
+sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+from fixtures import scored_batch  # noqa: E402
+
+from rlhf.config import from_dict  # noqa: E402
+from rlhf.orchestration.schema import RlhfConfig  # noqa: E402
+from rlhf.errors import ConfigError, NonFiniteError  # noqa: E402
+from rlhf.ops.alerts import Alert, AlertDetectors, AlertMonitor, AlertsConfig, alert_metrics  # noqa: E402
+from rlhf.state_file import decode_state, encode_state  # noqa: E402
 
 
 def _steady(step: int) -> dict[str, float]:
@@ -87,11 +91,10 @@ class _Hook:
         self.server.server_close()
 
 
-def _batch() -> TrainBatch:
-    return TrainBatch(tokens_bs=torch.arange(12).reshape(2, 6), prompt_lengths_b=torch.tensor([3, 2]),
-                      response_lengths_b=torch.tensor([3, 4]), response_mask_bt=torch.ones(2, 4, dtype=torch.bool),
-                      group_index_b=torch.tensor([0, 0]), rollout_logprobs_bt=torch.zeros(2, 4),
-                      scores_b=torch.tensor([math.nan, 1.0]))
+def _batch():
+    return scored_batch(tokens_bs=torch.arange(12).reshape(2, 6), prompt_lengths_b=torch.tensor([3, 2]),
+                        response_lengths_b=torch.tensor([3, 4]), response_mask_bt=torch.ones(2, 4, dtype=torch.bool),
+                        group_index_b=torch.tensor([0, 0]), scores_b=torch.tensor([math.nan, 1.0]))
 
 
 def test_monitor_logs_one_line_posts_the_webhook_and_counts(tmp_path, caplog):

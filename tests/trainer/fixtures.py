@@ -61,3 +61,35 @@ def run_trainer(paths: dict[str, str], run_root: str, overrides: list[str]) -> l
         return Trainer(cfg, run_dir).fit()
     finally:
         close_run()
+
+
+def rollout_batch(**fields):
+    """A `RolloutBatch` for unit tests: `tokens_bs`, `prompt_lengths_b`, `response_mask_bt` and `group_index_b`
+    given, the rest defaulted from them (lengths from the mask, zero logprobs and versions, no scores)."""
+    import torch
+
+    from rlhf.trainer.batch import RolloutBatch
+
+    mask_bt, size = fields["response_mask_bt"], fields["tokens_bs"].shape[0]
+    defaults = dict(response_lengths_b=mask_bt.sum(-1), loss_mask_bt=mask_bt, sample_index_b=fields["group_index_b"],
+                    rollout_logprobs_bt=torch.zeros(mask_bt.shape), truncated_b=torch.zeros(size, dtype=torch.bool),
+                    policy_version_bt=torch.zeros(mask_bt.shape, dtype=torch.int32), scores_b=None,
+                    baseline_scores_b=None, routed_experts_bslk=None, pad_token_id=0)
+    return RolloutBatch(**(defaults | fields))
+
+
+def scored_batch(**fields):
+    """A `ScoredBatch` for unit tests: `rollout_batch`'s fields, zero token rewards and advantages unless given,
+    no old / ref logprobs, values, returns or weights."""
+    import dataclasses
+
+    import torch
+
+    from rlhf.trainer.batch import RolloutBatch, ScoredBatch
+
+    names = {field.name for field in dataclasses.fields(RolloutBatch)}
+    batch = rollout_batch(**{k: v for k, v in fields.items() if k in names})
+    zeros_bt = torch.zeros(batch.response_mask_bt.shape)
+    scored = dict(old_logprobs_bt=None, ref_logprobs_bt=None, values_bt=None, token_rewards_bt=zeros_bt,
+                  advantages_bt=zeros_bt, returns_bt=None, is_weights_bt=None)
+    return ScoredBatch.of(batch, **(scored | {k: v for k, v in fields.items() if k not in names}))

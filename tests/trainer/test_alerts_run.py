@@ -39,7 +39,8 @@ def _instrumented_fit(paths, root, overrides):
     run_dir = setup_run(cfg.run, cfg, defer_config=True)
     trainer = Trainer(cfg, run_dir)
     current = {"step": 0}
-    logprobs, step_fn = trainer.stack.actor.logprobs, trainer._step
+    actor = trainer.train_side.actor
+    logprobs, step_fn = actor.logprobs, trainer._step
 
     def crafted_logprobs(batch):
         logprobs_bt = logprobs(batch)
@@ -52,7 +53,6 @@ def _instrumented_fit(paths, root, overrides):
     def recorded_step(step):
         current["step"] = step
         row = step_fn(step)
-        actor = trainer.stack.actor
         seen.append({"step": step, "num_steps": actor.engine.num_steps,
                      "weights": [p.detach().clone() for p in actor.model.parameters()]})
         if trainer.exporter is not None:  # every rank's watchdog published a heartbeat when it started
@@ -61,7 +61,7 @@ def _instrumented_fit(paths, root, overrides):
                 seen[-1]["scrape"] = reply.read().decode()
         return row
 
-    trainer.stack.actor.logprobs, trainer._step = crafted_logprobs, recorded_step
+    actor.logprobs, trainer._step = crafted_logprobs, recorded_step
     try:
         history, error = trainer.fit(), None
     except NonFiniteError as raised:

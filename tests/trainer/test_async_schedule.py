@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fixtures import make_tiny_setup, run_trainer, trainer_config  # noqa: E402
+from fixtures import make_tiny_setup, rollout_batch, run_trainer, trainer_config  # noqa: E402
 
 from rlhf.errors import ConfigError  # noqa: E402
 from rlhf.testing.distributed import run_distributed  # noqa: E402
@@ -40,8 +40,7 @@ def _recorded_run(paths, root, overrides):
     run_dir = setup_run(cfg.run, cfg, defer_config=True)
     try:
         trainer, batches = Trainer(cfg, run_dir), []
-        update = trainer.stack.actor.update
-        trainer.stack.actor.update = lambda batch, algo: (batches.append(batch), update(batch, algo))[1]
+        trainer.scored_hooks.append(lambda batch, step: batches.append(batch))
         history = trainer.fit()
         return {"history": history, "batches": batches, "consumed": trainer.loader.sampler.consumed_batches}
     finally:
@@ -272,25 +271,28 @@ def test_an_in_flight_batch_round_trips_bitwise_and_a_foreign_one_is_refused():
 
     from rlhf.errors import CheckpointError
     from rlhf.state_file import decode_state, encode_state
-    from rlhf.orchestration.async_schedule import batch_from_state, batch_state
-    from rlhf.trainer.batch import TrainBatch
+    from rlhf.trainer.batch import RolloutBatch, rollout_from_state, rollout_state
 
     mask_bt = torch.tensor([[True, True, False], [True, False, False]])
-    batch = TrainBatch(tokens_bs=torch.randint(0, 50, (2, 7)), prompt_lengths_b=torch.tensor([4, 4]),
-                       response_lengths_b=torch.tensor([2, 1]), response_mask_bt=mask_bt,
-                       group_index_b=torch.tensor([0, 0]), rollout_logprobs_bt=-torch.rand(2, 3) * mask_bt,
-                       policy_version_bt=mask_bt.int() * 7, scores_b=torch.tensor([1.0, 0.0]), pad_token_id=3)
-    back = batch_from_state(decode_state(encode_state(batch_state(batch)), "in-flight batch"))
-    for field in dataclasses.fields(TrainBatch):
+    batch = rollout_batch(tokens_bs=torch.randint(0, 50, (2, 7)), prompt_lengths_b=torch.tensor([4, 4]),
+                          response_mask_bt=mask_bt, group_index_b=torch.tensor([0, 0]),
+                          rollout_logprobs_bt=-torch.rand(2, 3) * mask_bt, policy_version_bt=mask_bt.int() * 7,
+                          scores_b=torch.tensor([1.0, 0.0]), pad_token_id=3,
+                          routed_experts_bslk=torch.randint(-1, 4, (2, 7, 2, 2), dtype=torch.int16))
+    back = rollout_from_state(decode_state(encode_state(rollout_state(batch)), "in-flight batch"))
+    for field in dataclasses.fields(RolloutBatch):
         mine, theirs = getattr(batch, field.name), getattr(back, field.name)
         if isinstance(mine, torch.Tensor):
             assert mine.dtype == theirs.dtype and torch.equal(mine, theirs), field.name
         else:
             assert mine == theirs, field.name
-    foreign = batch_state(batch) | {"routing_bt": None}
+    foreign = rollout_state(batch) | {"routing_bt": None}
     with pytest.raises(CheckpointError, match=r"^the checkpoint's in-flight batch has fields \['routing_bt'\] this "
                                               r"version does not expect"):
-        batch_from_state(foreign)
+        rollout_from_state(foreign)
+    with pytest.raises(CheckpointError, match=r"^the checkpoint's in-flight batch has scores_b of dtype "
+                                              r"torch\.float64, this version expects torch\.float32"):
+        rollout_from_state(rollout_state(batch) | {"scores_b": batch.scores_b.double()})
 
 
 def test_partial_rollouts_join_each_row_with_its_continuation_token_by_token():

@@ -37,10 +37,10 @@ def _runs(paths, root):
     cfg = trainer_config(paths, root, ["model.dtype=bfloat16", "algo.kl.coef=0.01", "run.name=inspect"])
     trainer = Trainer(cfg, setup_run(cfg.run, cfg))
     close_run()
-    stack = trainer.stack
-    dtypes = {name: {p.dtype for p in role.model.parameters()} for name, role in (("actor", stack.actor),
-                                                                                    ("ref", stack.ref))}
-    optimizer = stack.actor.engine.optimizer
+    train = trainer.train_side
+    dtypes = {name: {p.dtype for p in role.model.parameters()} for name, role in (("actor", train.actor),
+                                                                                    ("ref", train.ref))}
+    optimizer = train.actor.engine.optimizer
     masters = {p.dtype for group in optimizer.param_groups for p in group["params"]}
     return histories, dtypes, masters
 

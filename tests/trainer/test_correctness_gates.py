@@ -24,15 +24,16 @@ def tiny(tmp_path_factory):
     return make_tiny_setup(tmp_path_factory.mktemp("tiny"), num_val=4)
 
 
-def _engine_matches_actor(stack) -> int:
+def _engine_matches_actor(trainer) -> int:
     """Slices verified bit for bit after a sync (collective); the shared engine holds the actor's own tensors."""
     from rlhf.trainer.sync import SharedWeights
 
-    if isinstance(stack.weight_sync, SharedWeights):
-        engine = {p.data_ptr() for p in stack.rollout.model.parameters()}
-        assert engine == {p.data_ptr() for p in stack.actor.model.parameters()}
+    weight_sync = trainer.boundary.weight_sync
+    if isinstance(weight_sync, SharedWeights):
+        engine = {p.data_ptr() for p in trainer.rollout_side.engine.model.parameters()}
+        assert engine == {p.data_ptr() for p in trainer.train_side.actor.model.parameters()}
         return len(engine)
-    return stack.weight_sync.check()
+    return weight_sync.check()
 
 
 def _watched_run(paths, root, overrides, config=None):
@@ -56,10 +57,10 @@ def _watched_run(paths, root, overrides, config=None):
     run_dir = setup_run(cfg.run, cfg)
     try:
         trainer = Trainer(cfg, run_dir)
-        stack, batches, checks = trainer.stack, [], []
-        update, sync = stack.actor.update, stack.weight_sync.sync
-        stack.actor.update = lambda batch, algo: (batches.append(batch), update(batch, algo))[1]
-        stack.weight_sync.sync = lambda: (sync(), checks.append(_engine_matches_actor(stack)))[0]
+        batches, checks, weight_sync = [], [], trainer.boundary.weight_sync
+        trainer.scored_hooks.append(lambda batch, step: batches.append(batch))
+        sync = weight_sync.sync
+        weight_sync.sync = lambda: (sync(), checks.append(_engine_matches_actor(trainer)))[0]
         history = trainer.fit()
         return {"history": history, "batches": batches, "checks": checks,
                 "consumed": trainer.loader.sampler.consumed_batches}

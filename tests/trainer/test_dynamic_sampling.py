@@ -2,18 +2,22 @@
 
 import torch
 
-from rlhf.trainer.batch import TrainBatch
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fixtures import rollout_batch  # noqa: E402
+
 from rlhf.trainer.dynamic_sampling import fill_batch, informative_groups
 
 
 def _round(scores, tag, n=2):
     """A gathered round: len(scores)/n groups of n rows; tokens carry `tag` so rows can be traced."""
     size = len(scores)
-    return TrainBatch(tokens_bs=torch.full((size, 3), tag) + torch.arange(size)[:, None] * 0,
-                      prompt_lengths_b=torch.ones(size, dtype=torch.long),
-                      response_lengths_b=torch.full((size,), 2), response_mask_bt=torch.ones(size, 2, dtype=torch.bool),
-                      group_index_b=torch.arange(size) // n, rollout_logprobs_bt=torch.zeros(size, 2),
-                      scores_b=torch.tensor(scores))
+    return rollout_batch(tokens_bs=torch.full((size, 3), tag) + torch.arange(size)[:, None] * 0,
+                         prompt_lengths_b=torch.ones(size, dtype=torch.long),
+                         response_mask_bt=torch.ones(size, 2, dtype=torch.bool), group_index_b=torch.arange(size) // n,
+                         scores_b=torch.tensor(scores))
 
 
 def test_kept_groups_come_first_in_round_order_renumbered():

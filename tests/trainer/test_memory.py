@@ -50,7 +50,7 @@ class RecordingRole:
 
 
 def _one_step(phases, engine, calls, metrics):
-    """What `rl_step` does, with a sync that pushes weights into the engine."""
+    """The phases of a synchronous step (`StepDriver.sync`), with a sync that pushes weights into the engine."""
     with phases.rollout(metrics):
         engine.generate()
     with phases.training(metrics):

@@ -43,40 +43,41 @@ def _fit(paths, root, overrides):
     cfg = trainer_config(paths, root, overrides)
     preflight(cfg, dist.get_world_size())
     trainer = Trainer(cfg, setup_run(cfg.run, cfg))
-    stack, calls, resident = trainer.stack, [], []
-    engine = stack.rollout
+    train, calls, resident = trainer.train_side, [], []
+    engine = trainer.rollout_side.engine
     for name in ("generate", "sleep", "wake", "load_weights"):
         setattr(engine, name, _record(calls, name, getattr(engine, name)))
     recorded_generate = engine.generate
 
     def generate(*args):  # what the training roles hold on this rank while the engine generates
-        resident.append({role.name: _resident_bytes(role) for role in (stack.actor, stack.critic, stack.ref,
-                                                                         stack.reward_model) if role is not None})
+        resident.append({role.name: _resident_bytes(role) for role in (train.actor, train.critic, train.ref,
+                                                                         train.reward_model) if role is not None})
         return recorded_generate(*args)
 
     engine.generate = generate
-    for role in (stack.actor, stack.critic, stack.ref, stack.reward_model):
+    for role in (train.actor, train.critic, train.ref, train.reward_model):
         if role is not None:
             role.offload = _record(calls, f"{role.name}.offload", role.offload)
             role.reload = _record(calls, f"{role.name}.reload", role.reload)
     at_sync = []  # (KV cache allocated, weights released) when each weight sync starts
-    recorded_sync = _record(calls, "sync", stack.weight_sync.sync)
+    weight_sync = trainer.boundary.weight_sync
+    recorded_sync = _record(calls, "sync", weight_sync.sync)
 
     def sync():
         at_sync.append((engine.cache.allocated, all(p.numel() == 0 for p in engine.model.parameters())))
         return recorded_sync()
 
-    stack.weight_sync.sync = sync
+    weight_sync.sync = sync
     try:
         history = trainer.fit()
     finally:
         close_run()
-    weights = {k: v.detach().clone() for k, v in stack.actor.model.state_dict().items() if v is not None}
+    weights = {k: v.detach().clone() for k, v in train.actor.model.state_dict().items() if v is not None}
     cache_after_fit = engine.cache.allocated
     engine.wake()
     return {"history": history, "weights": weights, "calls": calls, "cache_after_fit": cache_after_fit,
             "cache_after_wake": engine.cache.allocated and engine.cache.keys[0].shape == engine.cache.shape,
-            "at_sync": at_sync, "resident": resident, "optimizer_state": _optimizer_state_bytes(stack.actor)}
+            "at_sync": at_sync, "resident": resident, "optimizer_state": _optimizer_state_bytes(train.actor)}
 
 
 def _resident_bytes(role):

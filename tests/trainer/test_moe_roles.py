@@ -116,9 +116,9 @@ def _roles_at(paths: dict, cache, layout) -> dict:
     actor = PolicyRole("actor", mesh("actor"), paths["model"], update=update, total_steps=1,
                        moe_kwargs=ROUTER_LOSSES.build_kwargs())
     critic = CriticRole("critic", mesh("critic"), paths["model"], update=update, total_steps=1, value_head=True)
-    batch.ref_logprobs_bt = ref.logprobs(batch)
-    batch.values_bt = critic.values(batch)
-    batch.returns_bt = batch.values_bt + batch.advantages_bt
+    values_bt = critic.values(batch)
+    batch = dataclasses.replace(batch, ref_logprobs_bt=ref.logprobs(batch), values_bt=values_bt,
+                                returns_bt=values_bt + batch.advantages_bt)
     out = {"ref": batch.ref_logprobs_bt, "values": batch.values_bt, "actor_old": actor.logprobs(batch),
            "actor": actor.update(batch, algo), "critic": critic.update(batch, algo)}
     out["actor_after"], out["values_after"] = actor.logprobs(batch), critic.values(batch)
@@ -140,7 +140,7 @@ def _replay(paths: dict, cache) -> dict:
     from rlhf.rollout.sampling_params import SamplingParams
     from rlhf.rollout.types import PromptBatch
     from rlhf.train.config import OptimConfig
-    from rlhf.trainer.batch import build_train_batch
+    from rlhf.trainer.batch import build_rollout_batch
     from rlhf.trainer.config import UpdateConfig
     from rlhf.trainer.exchange import gather_global_batch
     from rlhf.trainer.roles import PolicyRole
@@ -157,13 +157,13 @@ def _replay(paths: dict, cache) -> dict:
     engine.record_routing = True
     prompts = PromptBatch.from_token_lists([[6, 7, 8], [10, 11, 12, 13], [7, 14], [15, 6, 12, 16, 17]])
     rollouts = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0, n=2, seed=4))
-    batch = build_train_batch(prompts, rollouts)
+    batch = build_rollout_batch(prompts, rollouts, sample_index_b=rollouts.prompt_index_r, scores_b=None)
     perm = torch.randperm(batch.size, generator=torch.Generator().manual_seed(1))
     permuted = batch.select(perm)
     out = {"batch": batch, "perm": perm, "rollouts_routing": rollouts.routed_experts_rslk}
-    r2 = dataclasses.replace(permuted)
-    out["r2_logprobs"] = role(dp2, "r2", update=True).logprobs(r2)
-    out["r2_routing"] = r2.routed_experts_bslk
+    r2 = role(dp2, "r2", update=True)
+    out["r2_logprobs"] = r2.logprobs(permuted)
+    out["r2_routing"] = r2.recorded_routing_bslk
     natural = role(dp2, "none").logprobs(permuted)
     r3 = role(dp2, "r3")
     out["natural"], out["r3_rollout"] = natural, r3.logprobs(permuted)
@@ -175,9 +175,9 @@ def _replay(paths: dict, cache) -> dict:
     out["r3_random_dp2"] = r3.logprobs(dataclasses.replace(permuted, routed_experts_bslk=random[perm]))
     out["r3_random_metrics"] = r3.routing_metrics
     tp2 = ParallelLayout(tp=2)  # each expert split over tp; the router sees every token
-    r2_tp2 = dataclasses.replace(permuted)
-    role(tp2, "r2", update=True).logprobs(r2_tp2)
-    out["r2_routing_tp2"] = r2_tp2.routed_experts_bslk
+    r2_tp2 = role(tp2, "r2", update=True)
+    r2_tp2.logprobs(permuted)
+    out["r2_routing_tp2"] = r2_tp2.recorded_routing_bslk
     r3_tp2 = role(tp2, "r3")
     out["r3_rollout_tp2"] = r3_tp2.logprobs(permuted)
     out["r3_rollout_tp2_metrics"] = r3_tp2.routing_metrics

@@ -35,7 +35,7 @@ def _replay(paths, root, overrides):
     run_dir = setup_run(cfg.run, cfg, prefix="replay", defer_config=True)
     try:
         replayer = Replayer(cfg, run_dir)
-        return {"history": replayer.fit(), "engine": replayer.stack.rollout is not None}
+        return {"history": replayer.fit(), "engine": replayer.rollout_side.engine is not None}
     finally:
         close_run()
 

@@ -1,5 +1,6 @@
 """Actor update on a fixed batch: the same loss and grad norm at DP=1 and DP=2, and with micro-batching."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from rlhf.parallel.layout import ParallelLayout  # noqa: E402
 from rlhf.parallel.meshes import RoleMesh  # noqa: E402
 from rlhf.testing.distributed import run_distributed  # noqa: E402
 from rlhf.train.config import OptimConfig  # noqa: E402
-from rlhf.trainer.batch import TrainBatch  # noqa: E402
+from rlhf.trainer.batch import ScoredBatch  # noqa: E402
 from rlhf.trainer.config import AlgoConfig, UpdateConfig  # noqa: E402
 from rlhf.trainer.roles import PolicyRole  # noqa: E402
 
@@ -24,18 +25,23 @@ def tiny(tmp_path_factory):
     return make_tiny_setup(tmp_path_factory.mktemp("tiny"), num_train=8, num_val=4)
 
 
-def fixed_batch(size: int = 8) -> TrainBatch:
+def fixed_batch(size: int = 8) -> ScoredBatch:
     gen = torch.Generator().manual_seed(0)
     prompt_lengths = torch.randint(2, 5, (size,), generator=gen)
     response_lengths = torch.randint(1, 6, (size,), generator=gen)
     width, resp = int((prompt_lengths + response_lengths).max()), int(response_lengths.max())
     tokens = torch.randint(4, 18, (size, width), generator=gen)
     mask = torch.arange(resp)[None, :] < response_lengths[:, None]
-    return TrainBatch(tokens_bs=tokens, prompt_lengths_b=prompt_lengths, response_lengths_b=response_lengths,
-                      response_mask_bt=mask, group_index_b=torch.arange(size) // 4,
-                      rollout_logprobs_bt=torch.zeros(mask.shape),
-                      old_logprobs_bt=-torch.rand(mask.shape, generator=gen) * 3 * mask,
-                      advantages_bt=torch.randn(mask.shape, generator=gen) * mask)
+    return ScoredBatch(tokens_bs=tokens, prompt_lengths_b=prompt_lengths, response_lengths_b=response_lengths,
+                       response_mask_bt=mask, loss_mask_bt=mask, group_index_b=torch.arange(size) // 4,
+                       sample_index_b=torch.arange(size) // 4, rollout_logprobs_bt=torch.zeros(mask.shape),
+                       policy_version_bt=torch.zeros(mask.shape, dtype=torch.int32),
+                       truncated_b=torch.zeros(size, dtype=torch.bool), scores_b=torch.zeros(size),
+                       baseline_scores_b=None, routed_experts_bslk=None, pad_token_id=0,
+                       old_logprobs_bt=-torch.rand(mask.shape, generator=gen) * 3 * mask, ref_logprobs_bt=None,
+                       values_bt=None, token_rewards_bt=torch.zeros(mask.shape),
+                       advantages_bt=torch.randn(mask.shape, generator=gen) * mask, returns_bt=None,
+                       is_weights_bt=None)
 
 
 def _update_at(paths, layouts_and_micro):
@@ -55,7 +61,7 @@ def _update_at(paths, layouts_and_micro):
                           update=UpdateConfig(micro_batch_size=2, optim=OptimConfig(lr=1e-3),
                                               recompute_old_logprobs=recompute))
         batch = fixed_batch()
-        batch.old_logprobs_bt = role.logprobs(batch) if recompute else None
+        batch = dataclasses.replace(batch, old_logprobs_bt=role.logprobs(batch) if recompute else None)
         on_policy.append(role.update(batch, AlgoConfig()))
     return out, on_policy
 

@@ -2,22 +2,27 @@
 folder is a one-line ConfigError naming the file and the fix."""
 
 import json
+import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rlhf.data.char_tokenizer import build_char_tokenizer
-from rlhf.data.records import PromptRecord
-from rlhf.errors import ConfigError
-from rlhf.trainer.batch import TrainBatch
-from rlhf.trainer.rollout_dump import RolloutDumper, check_dumps, dump_path, read_dump, read_scores
+sys.path.insert(0, str(Path(__file__).parent))
+from fixtures import scored_batch  # noqa: E402
+
+from rlhf.data.char_tokenizer import build_char_tokenizer  # noqa: E402
+from rlhf.data.records import PromptRecord  # noqa: E402
+from rlhf.errors import ConfigError  # noqa: E402
+from rlhf.trainer.batch import RolloutBatch  # noqa: E402
+from rlhf.trainer.rollout_dump import RolloutDumper, check_dumps, dump_path, read_dump, read_scores  # noqa: E402
 
 VOCAB = 18  # the char tokenizer: 4 special tokens + "0123456789+-= "
 
 
-def _batch() -> TrainBatch:
+def _batch():
     """Two prompts of different lengths, two responses each (one empty), right-padded as the trainer builds them."""
     prompts, responses = [[5, 6, 16], [7, 14]], [[8, 3], [9, 10, 11], [3], []]
     rows = [prompts[i // 2] + r for i, r in enumerate(responses)]
@@ -27,12 +32,11 @@ def _batch() -> TrainBatch:
     lengths = torch.tensor([len(r) for r in responses])
     mask = torch.arange(4)[None, :] < lengths[:, None]  # a response width of 4, wider than the longest
     logprobs = -torch.rand(4, 4) * mask
-    return TrainBatch(tokens_bs=tokens, prompt_lengths_b=torch.tensor([3, 3, 2, 2]), response_lengths_b=lengths,
-                      response_mask_bt=mask, group_index_b=torch.tensor([0, 0, 1, 1]), rollout_logprobs_bt=logprobs,
-                      truncated_b=torch.tensor([False, True, False, False]),
-                      scores_b=torch.tensor([1.0, 0.0, 0.5, -1.0]), advantages_bt=torch.randn(4, 4) * mask,
-                      sample_index_b=torch.tensor([7, 7, 2, 2]),
-                      policy_version_bt=mask.int() * 3)
+    return scored_batch(tokens_bs=tokens, prompt_lengths_b=torch.tensor([3, 3, 2, 2]), response_lengths_b=lengths,
+                        response_mask_bt=mask, group_index_b=torch.tensor([0, 0, 1, 1]), rollout_logprobs_bt=logprobs,
+                        truncated_b=torch.tensor([False, True, False, False]),
+                        scores_b=torch.tensor([1.0, 0.0, 0.5, -1.0]), advantages_bt=torch.randn(4, 4) * mask,
+                        sample_index_b=torch.tensor([7, 7, 2, 2]), policy_version_bt=mask.int() * 3)
 
 
 def _write(folder, step, batch=None):
@@ -49,7 +53,7 @@ def test_a_dump_reads_back_as_the_batch_it_trained_on(tmp_path):
     for name in ("tokens_bs", "prompt_lengths_b", "response_lengths_b", "response_mask_bt", "group_index_b",
                  "rollout_logprobs_bt", "truncated_b", "scores_b", "sample_index_b", "policy_version_bt"):
         assert torch.equal(getattr(back, name), getattr(batch, name)), name
-    assert back.advantages_bt is None and back.old_logprobs_bt is None, "recomputed by the replay"
+    assert type(back) is RolloutBatch and torch.equal(back.loss_mask_bt, batch.response_mask_bt), "replay rescores"
     assert torch.equal(read_scores(path), batch.scores_b)
     rows = pq.read_table(path).to_pylist()
     assert [row["data_source"] for row in rows] == ["src1", "src1", "src0", "src0"]
