@@ -1,4 +1,5 @@
-"""Checkpoint integrity: per-file size + sha256 for the manifest, rank-agreed verdicts, and the DP replica check.
+"""Checkpoint integrity: per-file size + sha256 for the manifest, rank-agreed verdicts, and the replica check
+(dense parameters over DP, experts over expert-DP).
 
 Verdicts travel as JSON in uint8 tensors (never pickled objects), and every rank takes the same decision,
 so a corrupt shard on one rank stops every rank with the same one-line error instead of a partial resume.
@@ -99,33 +100,49 @@ def _bits_checksum(param: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def param_checksums(model: torch.nn.Module) -> tuple[list[str], torch.Tensor]:
+def param_checksums(params: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor]:
     """Names and a `[num_params, 2]` int64 bit checksum per parameter."""
-    named = list(model.named_parameters())
-    names = [name.removeprefix("module.") for name, _ in named]
-    rows = [_bits_checksum(param) for _, param in named]
+    names = [name.removeprefix("module.") for name, _ in params]
+    rows = [_bits_checksum(param) for _, param in params]
     return names, torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.int64)
 
 
-def replica_problem(role: str, model: torch.nn.Module | None, dp_group: dist.ProcessGroup | None) -> str | None:
-    """On a role's members: its DP replicas' parameters must be bitwise equal (collective over `dp_group`)."""
-    if model is None or dp_group is None or dist.get_world_size(dp_group) == 1:
+def _differing(role: str, params: list, group: dist.ProcessGroup | None, replicas: str) -> str | None:
+    """Collective over `group`: the first parameter whose copies differ between its ranks, or None."""
+    if group is None or dist.get_world_size(group) == 1:
         return None
-    names, sums = param_checksums(model)
-    gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(dp_group))]
-    dist.all_gather(gathered, sums, group=dp_group)
-    ranks = dist.get_process_group_ranks(dp_group)
+    names, sums = param_checksums(params)
+    gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, sums, group=group)
+    ranks = dist.get_process_group_ranks(group)
     for other_rank, other in zip(ranks[1:], gathered[1:]):
         differing = (other != gathered[0]).any(dim=1).nonzero()
         if differing.numel():
-            return (f"the {role}'s DP replicas differ after loading the checkpoint: rank {ranks[0]} and rank "
+            return (f"the {role}'s {replicas} differ after loading the checkpoint: rank {ranks[0]} and rank "
                     f"{other_rank} hold different {names[int(differing[0])]} (a corrupted or mixed checkpoint)")
     return None
 
 
-def check_replicas(roles: dict[str, tuple[torch.nn.Module | None, dist.ProcessGroup | None]]) -> None:
-    """Collective over the world: CheckpointError (on every rank) if any role's DP replicas differ."""
-    problems = [replica_problem(role, model, group) for role, (model, group) in roles.items()]  # all: collectives
+def replica_problem(role: str, model: torch.nn.Module | None, dp_group: dist.ProcessGroup | None,
+                    expert_dp_group: dist.ProcessGroup | None = None) -> str | None:
+    """On a role's members: its dense parameters must be bitwise equal over `dp_group`, its expert parameters
+    (megatron marks them `allreduce=False` at ep>1: each ep rank holds other experts) over `expert_dp_group`."""
+    if model is None:
+        return None
+    named = list(model.named_parameters())
+    dense = [(name, param) for name, param in named if getattr(param, "allreduce", True)]
+    experts = [(name, param) for name, param in named if not getattr(param, "allreduce", True)]
+    problems = [_differing(role, dense, dp_group, "DP replicas")]
+    if experts:
+        problems.append(_differing(role, experts, expert_dp_group, "expert-DP replicas"))
+    return next((p for p in problems if p), None)
+
+
+def check_replicas(roles: dict[str, tuple[torch.nn.Module | None, Any]]) -> None:
+    """Collective over the world: CheckpointError (on every rank) if any role's replicas differ; `roles` maps
+    a role to its model and process groups (`dp`, `expt_dp`), both None on ranks outside its mesh."""
+    problems = [replica_problem(role, model, pgs.dp, pgs.expt_dp) if pgs is not None else None
+                for role, (model, pgs) in roles.items()]  # every role: its checks are collectives
     problem = agree(next((p for p in problems if p), None))
     if problem:
         raise CheckpointError(problem)

@@ -96,8 +96,7 @@ class RunCheckpoints:
         trained = self._trained()
         for role in trained:
             role.load_state_dict(state[role.name], tensor_folders(path, manifest, role.name))
-        check_replicas({role.name: (role.model, role.mesh.pgs.dp if role.mesh.is_member else None)
-                        for role in trained})
+        check_replicas({role.name: (role.model, role.mesh.pgs if role.mesh.is_member else None) for role in trained})
         self.loader.load_state_dict(state["loader"])
         self.stack.kl_controller.load_state_dict(state["kl"])
         if "alerts" in state:  # checkpoints written before alerts existed start with empty windows
