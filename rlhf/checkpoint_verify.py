@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from rlhf import platform
 from rlhf.errors import CheckpointError
+from rlhf.models.hf_load import open_safetensors
 
 # Bits of a parameter as integers of the same width: a checksum that any flipped bit changes.
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -60,6 +62,71 @@ def file_problem(path: Path, entry: dict[str, Any] | None) -> str | None:
         return f"{path} has {actual['size']} bytes, the manifest says {entry.get('size')} (truncated or replaced)"
     if actual["sha256"] != entry.get("sha256"):
         return f"{path} does not match its sha256 in the manifest (corrupted)"
+    return None
+
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_DTYPES = {"model": ("F32", "BF16", "F16")}  # weights in the run's dtype; masters and Adam moments fp32
+
+
+def _count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _files_problem(files: Any) -> str | None:
+    if not isinstance(files, dict):
+        return "has no files table"
+    for name, entry in files.items():
+        if "/" in name or name.startswith(".") or not name:
+            return f"lists a file {name[:80]!r} outside its folder"
+        if not (isinstance(entry, dict) and _count(entry.get("size")) and isinstance(entry.get("sha256"), str)
+                and _SHA256.match(entry["sha256"])):
+            return f"has a malformed entry for {name!r} (needs an integer size >= 0 and a sha256 hex digest)"
+    return None
+
+
+def _tensors_problem(tensors: Any, files: dict) -> str | None:
+    if not isinstance(tensors, dict):
+        return "has a malformed tensor index (role -> kind -> HF name -> file)"
+    for role, kinds in tensors.items():
+        if not isinstance(kinds, dict) or not all(isinstance(named, dict) for named in kinds.values()):
+            return f"has a malformed tensor index for {role!r} (role -> kind -> HF name -> file)"
+        for kind, named in kinds.items():
+            missing = next((file for file in named.values() if not isinstance(file, str) or file not in files), None)
+            if missing is not None or not all(isinstance(name, str) for name in named):
+                return f"indexes {role} {kind} tensors in {str(missing)[:80]!r}, a file it does not list"
+    return None
+
+
+def manifest_problem(manifest: dict, step: int | None) -> str | None:
+    """Why a parsed manifest breaks the schema (step >= 1 and the folder's, world size, file entries, tensor
+    index), or None; `step` is the folder name's."""
+    found = manifest.get("step")
+    if not _count(found) or found < 1 or (step is not None and found != step):
+        return f"has step={str(found)[:40]}, but its folder is step_{step} (a step is an integer >= 1)"
+    if not _count(manifest.get("world_size")) or manifest["world_size"] < 1:
+        return f"has world_size={str(manifest.get('world_size'))[:40]} (an integer >= 1)"
+    for key in ("layouts", "models", "hf_configs"):
+        if key in manifest and not isinstance(manifest[key], dict):
+            return f"has a malformed {key!r} (a JSON object)"
+    return _files_problem(manifest.get("files")) or _tensors_problem(manifest.get("tensors", {}), manifest["files"])
+
+
+def tensor_file_problem(path: Path, kind: str) -> str | None:
+    """Why the tensors of one `kind` in a checkpoint file are unfit to load, naming the tensor: a dtype the kind
+    never has (e.g. I32 over a weight's bytes), NaN or inf, a negative Adam second moment; None when fit.
+    A file safetensors cannot open is a CheckpointError."""
+    allowed = _DTYPES.get(kind, ("F32",))
+    with open_safetensors(str(path)) as handle:
+        for name in handle.keys():
+            dtype = handle.get_slice(name).get_dtype()
+            if dtype not in allowed:
+                return f"{path}: tensor {name!r} is {dtype}, but a {kind} tensor is {' or '.join(allowed)}"
+            tensor = handle.get_tensor(name)
+            if not bool(torch.isfinite(tensor).all()):
+                return f"{path}: tensor {name!r} ({kind}) holds NaN or inf"
+            if kind == "exp_avg_sq" and bool((tensor < 0).any()):
+                return f"{path}: tensor {name!r} holds negative Adam second moments (exp_avg_sq is never < 0)"
     return None
 
 
