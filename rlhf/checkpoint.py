@@ -27,18 +27,20 @@ from typing import Any
 
 import torch.distributed as dist
 
-from rlhf.checkpoint_verify import agree, all_gather_json, entry_problem, file_problem
+from rlhf.checkpoint_verify import (agree, all_gather_json, entry_problem, file_problem, manifest_problem,
+                                    tensor_file_problem)
 from rlhf.checkpoint_write import Writer, fsync_dir, write_durable
 from rlhf.errors import CheckpointError
 from rlhf.models.hf_load import HfFolder, open_safetensors
 from rlhf.run_dir import get_logger
 from rlhf.state_file import decode_state, encode_state
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
+STEP_DIR = re.compile(r"^step_(\d{1,18})$")  # bounded: int() of a crafted 5000-digit name is refused
 MANIFEST = "manifest.json"
 LATEST = "latest"
 FORMAT = "rlhf-checkpoint/3"  # 2: per-layout model files; 1: pickled rank<k>.pt (never loaded: they can run code)
 RoleTensors = dict[str, dict[str, dict[str, Any]]]  # role -> kind -> HF name -> tensor
+StateCheck = Callable[[Path, Any, dict], "str | None"]  # (folder, state, manifest) -> why it is malformed
 log = get_logger("checkpoint")
 
 
@@ -79,18 +81,23 @@ def read_manifest(step_dir: Path) -> dict[str, Any]:
     path = step_dir / MANIFEST
     if not path.is_file():
         raise CorruptCheckpointError(f"{step_dir} has no {MANIFEST}: not a complete checkpoint{_old_format(step_dir)}")
+    if path.is_symlink():
+        raise CorruptCheckpointError(f"{path} is a symlink; a checkpoint's files are never read through one")
     try:
         manifest = json.loads(path.read_text())
-        files, world = manifest["files"], manifest["world_size"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
-        raise CorruptCheckpointError(f"{path} is unreadable ({type(error).__name__}: {error})") from None
-    if manifest.get("format") != FORMAT or not isinstance(files, dict) or not isinstance(world, int):
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:  # ValueError: also a >4300-digit int
+        raise CorruptCheckpointError(f"{path} is unreadable ({type(error).__name__}: {str(error)[:200]})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{path} is not an {FORMAT} manifest")
-    for name, entry in files.items():
+    match = STEP_DIR.match(step_dir.name)
+    problem = manifest_problem(manifest, int(match.group(1)) if match else None)
+    if problem:
+        raise CorruptCheckpointError(f"{path} {problem}")
+    for name, entry in manifest["files"].items():
         file = step_dir / name
-        if not isinstance(entry, dict):
-            raise CorruptCheckpointError(f"{path} has a malformed entry for {name!r}")
-        if "/" in name or not file.is_file():
+        if file.is_symlink():
+            raise CorruptCheckpointError(f"{file} is a symlink; a checkpoint's files are never read through one")
+        if not file.is_file():
             raise CorruptCheckpointError(f"{file} is listed in the manifest but missing")
         if file.stat().st_size != entry.get("size"):
             raise CorruptCheckpointError(f"{file} has {file.stat().st_size} bytes, the manifest says "
@@ -109,17 +116,51 @@ def is_complete(step_dir: Path) -> bool:
     return True
 
 
-def find_latest(root: Path) -> Path | None:
-    """The newest complete checkpoint under `root` (trusting `latest` only if it names a complete one)."""
+def check_root(root: Path) -> None:
+    """CheckpointError when the checkpoints folder is a symlink: pruning through it would delete another run's."""
+    if root.is_symlink():
+        raise CheckpointError(f"{root} is a symlink (to {os.readlink(root)}); rlhf never reads, writes or prunes "
+                              "checkpoints through a symlink out of the run folder: make it a real folder")
+
+
+def step_folders(root: Path) -> list[Path]:
+    """The `step_<N>` folders under `root`, oldest first; a symlinked one is skipped with a warning, never read."""
     if not root.is_dir():
-        return None
+        return []
+    found = []
+    for path in root.iterdir():
+        if not STEP_DIR.match(path.name):
+            continue
+        if path.is_symlink():
+            log.warning("checkpoint: skipping %s: a symlink (to %s); checkpoints are never read through one",
+                        path.name, os.readlink(path))
+        elif path.is_dir():
+            found.append(path)
+    return sorted(found, key=_step_of)
+
+
+def _check_latest(root: Path) -> None:
+    """Warn when `latest` is not a plain `step_<N>` name (a path would point outside the run); never followed."""
     latest = root / LATEST
-    if latest.is_file():
-        named = root / latest.read_text().strip()
-        if is_complete(named):
-            return named
-    complete = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
-    return max(complete, key=_step_of, default=None)
+    if latest.is_symlink() or not latest.is_file():
+        return
+    name = latest.read_text(errors="replace").strip()
+    if not STEP_DIR.match(name):
+        log.warning("checkpoint: ignoring %s: it holds %r, not a step_<N> name", latest, name[:300])
+
+
+def find_latest(root: Path) -> Path | None:
+    """The newest complete checkpoint under `root`, logging each newer folder it skips and why (`latest` is
+    checked to be a plain name; the folders decide)."""
+    check_root(root)
+    _check_latest(root)
+    for path in reversed(step_folders(root)):
+        try:
+            read_manifest(path)
+            return path
+        except CorruptCheckpointError as error:
+            log.warning("checkpoint: skipping %s: %s", path.name, error)
+    return None
 
 
 @dataclass(frozen=True)
@@ -189,17 +230,23 @@ def _tensor_files(manifest: dict) -> list[str]:
                    for file in files.values()})
 
 
+def _kind_of_file(manifest: dict) -> dict[str, str]:
+    return {file: kind for kinds in manifest.get("tensors", {}).values() for kind, files in kinds.items()
+            for file in files.values()}
+
+
 def _verify_tensor_files(path: Path, manifest: dict) -> None:
-    """This rank's share of the tensor files (round robin): sha256 against the manifest, then the header."""
+    """This rank's share of the tensor files (round robin): sha256 against the manifest, then every tensor's
+    dtype and values (finite; second moments non-negative)."""
+    kinds = _kind_of_file(manifest)
     for name in _tensor_files(manifest)[_rank()::_world()]:
         problem = file_problem(path / name, manifest["files"].get(name))
+        try:
+            problem = problem or tensor_file_problem(path / name, kinds[name])
+        except CheckpointError as error:
+            problem = str(error)
         if problem:
             raise CorruptCheckpointError(problem)
-        try:
-            with open_safetensors(str(path / name)):
-                pass
-        except CheckpointError as error:
-            raise CorruptCheckpointError(str(error)) from None
 
 
 def tensor_folders(path: Path, manifest: dict, role: str) -> Callable[[str], HfFolder]:
@@ -259,9 +306,12 @@ class CheckpointManager:
         `tensors` it keeps; published at once, or (`wait=False`) by the next `commit` while a thread writes."""
         self.commit()  # an earlier async save is published (or refused) before this one starts
         rank = _rank()
+        check_root(self.root)
         final, tmp = self.root / f"step_{step}", self.root / f"step_{step}.tmp"
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.is_symlink():
+                tmp.unlink()
             shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted write
             tmp.mkdir()
         _barrier()
@@ -310,17 +360,21 @@ class CheckpointManager:
                   **pending.meta, "tensors": tensors, "files": files}
         write_durable(pending.tmp / MANIFEST, json.dumps(record, indent=2).encode())
         fsync_dir(pending.tmp)
-        if pending.final.exists():
+        if pending.final.is_symlink():  # the link itself goes, never what it points at
+            log.warning("checkpoint: replacing the symlink %s (to %s)", pending.final, os.readlink(pending.final))
+            pending.final.unlink()
+        elif pending.final.exists():
             shutil.rmtree(pending.final)
         os.replace(pending.tmp, pending.final)
         fsync_dir(self.root)
         latest_tmp = self.root / f"{LATEST}.tmp"
+        latest_tmp.unlink(missing_ok=True)  # a planted symlink would be written through
         write_durable(latest_tmp, pending.final.name.encode())
         os.replace(latest_tmp, self.root / LATEST)
         self._prune()
 
     def _prune(self) -> None:
-        complete = sorted((p for p in self.root.iterdir() if p.is_dir() and is_complete(p)), key=_step_of)
+        complete = [p for p in step_folders(self.root) if is_complete(p)]
         for old in complete[:-self.keep_last]:
             shutil.rmtree(old)
 
@@ -331,19 +385,23 @@ class CheckpointManager:
         if resume == "auto":
             return find_latest(self.root)
         path = Path(resume)
+        if path.is_symlink():
+            raise CheckpointError(f"checkpoint.resume={resume!r} is a symlink (to {os.readlink(path)}); "
+                                  "checkpoints are never read through one: name the real folder")
         if not STEP_DIR.match(path.name) or not (path / MANIFEST).is_file():
             raise CheckpointError(f"checkpoint.resume={resume!r} is not a complete checkpoint folder "
                                   f"(needs step_<N>/{MANIFEST} and every file it lists){_old_format(path)}")
         return path
 
-    def load(self, path: Path, expected_meta: dict[str, Any] | None = None,
-             replicated: list[Replicated] = ()) -> tuple[dict[str, Any], dict]:
+    def load(self, path: Path, expected_meta: dict[str, Any] | None = None, replicated: list[Replicated] = (),
+             check: StateCheck | None = None) -> tuple[dict[str, Any], dict]:
         """Collective: this rank's state (with its `replicated` subtrees) and the manifest, after the ranks
         verified every file between them (sizes, sha256; tensor files round robin). Any world size may load:
         the full tensors are read through `tensor_folders`, a rank the writing world lacked reads rank 0's file.
 
-        Manifest keys in `expected_meta` must match exactly (CheckpointError); a file that does not verify is a
-        CorruptCheckpointError naming it, raised on every rank.
+        Manifest keys in `expected_meta` must match exactly (CheckpointError); a file that does not verify, or
+        a state `check(path, state, manifest)` finds malformed, is a CorruptCheckpointError naming it, raised on
+        every rank.
         """
         state, failure = None, None
         try:
@@ -353,6 +411,9 @@ class CheckpointManager:
             for spec in replicated:
                 _insert(state, spec.path, _read_verified(path / spec.file, manifest))
             _verify_tensor_files(path, manifest)
+            problem = check(path, state, manifest) if check is not None else None
+            if problem:
+                raise CorruptCheckpointError(problem)
         except CheckpointError as error:
             failure = [isinstance(error, CorruptCheckpointError), str(error)]
         failure = agree(failure)
@@ -361,22 +422,30 @@ class CheckpointManager:
         return state, manifest
 
     def load_for_resume(self, resume: str, expected_meta: dict[str, Any] | None = None,
-                        replicated: list[Replicated] = ()) -> tuple[Path, dict[str, Any], dict] | None:
+                        replicated: list[Replicated] = (),
+                        check: StateCheck | None = None) -> tuple[Path, dict[str, Any], dict] | None:
         """Collective: the checkpoint `resume` names, loaded and verified; `auto` takes the newest that verifies,
         logging each newer one it skips and why. None when there is nothing to resume."""
         if resume != "auto":
             path = self.resolve(resume)
-            return None if path is None else (path, *self.load(path, expected_meta, replicated))
+            return None if path is None else (path, *self.load(path, expected_meta, replicated, check))
         for name in self._candidates():
             path = self.root / name
             try:
-                return (path, *self.load(path, expected_meta, replicated))
+                return (path, *self.load(path, expected_meta, replicated, check))
             except CorruptCheckpointError as error:
                 log.warning("checkpoint: skipping %s: %s", name, error)
         return None
 
     def _candidates(self) -> list[str]:
         """Published step folders, newest first, as rank 0 sees them (so every rank tries the same ones)."""
-        names = sorted((p.name for p in self.root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
-                       key=lambda n: -int(STEP_DIR.match(n).group(1))) if self.root.is_dir() else []
-        return all_gather_json(names)[0]
+        problem = None
+        try:
+            check_root(self.root)
+            names = [p.name for p in reversed(step_folders(self.root))]
+        except CheckpointError as error:
+            problem, names = str(error), []
+        problem, names = all_gather_json([problem, names])[0]
+        if problem:
+            raise CheckpointError(problem)
+        return names

@@ -1,4 +1,5 @@
-"""Checkpoint integrity: per-file size + sha256 for the manifest, rank-agreed verdicts, and the DP replica check.
+"""Checkpoint integrity: per-file size + sha256 for the manifest, rank-agreed verdicts, and the replica check
+(dense parameters over DP, experts over expert-DP).
 
 Verdicts travel as JSON in uint8 tensors (never pickled objects), and every rank takes the same decision,
 so a corrupt shard on one rank stops every rank with the same one-line error instead of a partial resume.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ import torch.distributed as dist
 
 from rlhf import platform
 from rlhf.errors import CheckpointError
+from rlhf.models.hf_load import open_safetensors
 
 # Bits of a parameter as integers of the same width: a checksum that any flipped bit changes.
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -62,6 +65,71 @@ def file_problem(path: Path, entry: dict[str, Any] | None) -> str | None:
     return None
 
 
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_DTYPES = {"model": ("F32", "BF16", "F16")}  # weights in the run's dtype; masters and Adam moments fp32
+
+
+def _count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _files_problem(files: Any) -> str | None:
+    if not isinstance(files, dict):
+        return "has no files table"
+    for name, entry in files.items():
+        if "/" in name or name.startswith(".") or not name:
+            return f"lists a file {name[:80]!r} outside its folder"
+        if not (isinstance(entry, dict) and _count(entry.get("size")) and isinstance(entry.get("sha256"), str)
+                and _SHA256.match(entry["sha256"])):
+            return f"has a malformed entry for {name!r} (needs an integer size >= 0 and a sha256 hex digest)"
+    return None
+
+
+def _tensors_problem(tensors: Any, files: dict) -> str | None:
+    if not isinstance(tensors, dict):
+        return "has a malformed tensor index (role -> kind -> HF name -> file)"
+    for role, kinds in tensors.items():
+        if not isinstance(kinds, dict) or not all(isinstance(named, dict) for named in kinds.values()):
+            return f"has a malformed tensor index for {role!r} (role -> kind -> HF name -> file)"
+        for kind, named in kinds.items():
+            missing = next((file for file in named.values() if not isinstance(file, str) or file not in files), None)
+            if missing is not None or not all(isinstance(name, str) for name in named):
+                return f"indexes {role} {kind} tensors in {str(missing)[:80]!r}, a file it does not list"
+    return None
+
+
+def manifest_problem(manifest: dict, step: int | None) -> str | None:
+    """Why a parsed manifest breaks the schema (step >= 1 and the folder's, world size, file entries, tensor
+    index), or None; `step` is the folder name's."""
+    found = manifest.get("step")
+    if not _count(found) or found < 1 or (step is not None and found != step):
+        return f"has step={str(found)[:40]}, but its folder is step_{step} (a step is an integer >= 1)"
+    if not _count(manifest.get("world_size")) or manifest["world_size"] < 1:
+        return f"has world_size={str(manifest.get('world_size'))[:40]} (an integer >= 1)"
+    for key in ("layouts", "models", "hf_configs"):
+        if key in manifest and not isinstance(manifest[key], dict):
+            return f"has a malformed {key!r} (a JSON object)"
+    return _files_problem(manifest.get("files")) or _tensors_problem(manifest.get("tensors", {}), manifest["files"])
+
+
+def tensor_file_problem(path: Path, kind: str) -> str | None:
+    """Why the tensors of one `kind` in a checkpoint file are unfit to load, naming the tensor: a dtype the kind
+    never has (e.g. I32 over a weight's bytes), NaN or inf, a negative Adam second moment; None when fit.
+    A file safetensors cannot open is a CheckpointError."""
+    allowed = _DTYPES.get(kind, ("F32",))
+    with open_safetensors(str(path)) as handle:
+        for name in handle.keys():
+            dtype = handle.get_slice(name).get_dtype()
+            if dtype not in allowed:
+                return f"{path}: tensor {name!r} is {dtype}, but a {kind} tensor is {' or '.join(allowed)}"
+            tensor = handle.get_tensor(name)
+            if not bool(torch.isfinite(tensor).all()):
+                return f"{path}: tensor {name!r} ({kind}) holds NaN or inf"
+            if kind == "exp_avg_sq" and bool((tensor < 0).any()):
+                return f"{path}: tensor {name!r} holds negative Adam second moments (exp_avg_sq is never < 0)"
+    return None
+
+
 def all_gather_json(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     """`value` from every rank of `group` (JSON-encoded into tensors: nothing is unpickled from peers)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
@@ -99,33 +167,49 @@ def _bits_checksum(param: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def param_checksums(model: torch.nn.Module) -> tuple[list[str], torch.Tensor]:
+def param_checksums(params: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor]:
     """Names and a `[num_params, 2]` int64 bit checksum per parameter."""
-    named = list(model.named_parameters())
-    names = [name.removeprefix("module.") for name, _ in named]
-    rows = [_bits_checksum(param) for _, param in named]
+    names = [name.removeprefix("module.") for name, _ in params]
+    rows = [_bits_checksum(param) for _, param in params]
     return names, torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.int64)
 
 
-def replica_problem(role: str, model: torch.nn.Module | None, dp_group: dist.ProcessGroup | None) -> str | None:
-    """On a role's members: its DP replicas' parameters must be bitwise equal (collective over `dp_group`)."""
-    if model is None or dp_group is None or dist.get_world_size(dp_group) == 1:
+def _differing(role: str, params: list, group: dist.ProcessGroup | None, replicas: str) -> str | None:
+    """Collective over `group`: the first parameter whose copies differ between its ranks, or None."""
+    if group is None or dist.get_world_size(group) == 1:
         return None
-    names, sums = param_checksums(model)
-    gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(dp_group))]
-    dist.all_gather(gathered, sums, group=dp_group)
-    ranks = dist.get_process_group_ranks(dp_group)
+    names, sums = param_checksums(params)
+    gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, sums, group=group)
+    ranks = dist.get_process_group_ranks(group)
     for other_rank, other in zip(ranks[1:], gathered[1:]):
         differing = (other != gathered[0]).any(dim=1).nonzero()
         if differing.numel():
-            return (f"the {role}'s DP replicas differ after loading the checkpoint: rank {ranks[0]} and rank "
+            return (f"the {role}'s {replicas} differ after loading the checkpoint: rank {ranks[0]} and rank "
                     f"{other_rank} hold different {names[int(differing[0])]} (a corrupted or mixed checkpoint)")
     return None
 
 
-def check_replicas(roles: dict[str, tuple[torch.nn.Module | None, dist.ProcessGroup | None]]) -> None:
-    """Collective over the world: CheckpointError (on every rank) if any role's DP replicas differ."""
-    problems = [replica_problem(role, model, group) for role, (model, group) in roles.items()]  # all: collectives
+def replica_problem(role: str, model: torch.nn.Module | None, dp_group: dist.ProcessGroup | None,
+                    expert_dp_group: dist.ProcessGroup | None = None) -> str | None:
+    """On a role's members: its dense parameters must be bitwise equal over `dp_group`, its expert parameters
+    (megatron marks them `allreduce=False` at ep>1: each ep rank holds other experts) over `expert_dp_group`."""
+    if model is None:
+        return None
+    named = list(model.named_parameters())
+    dense = [(name, param) for name, param in named if getattr(param, "allreduce", True)]
+    experts = [(name, param) for name, param in named if not getattr(param, "allreduce", True)]
+    problems = [_differing(role, dense, dp_group, "DP replicas")]
+    if experts:
+        problems.append(_differing(role, experts, expert_dp_group, "expert-DP replicas"))
+    return next((p for p in problems if p), None)
+
+
+def check_replicas(roles: dict[str, tuple[torch.nn.Module | None, Any]]) -> None:
+    """Collective over the world: CheckpointError (on every rank) if any role's replicas differ; `roles` maps
+    a role to its model and process groups (`dp`, `expt_dp`), both None on ranks outside its mesh."""
+    problems = [replica_problem(role, model, pgs.dp, pgs.expt_dp) if pgs is not None else None
+                for role, (model, pgs) in roles.items()]  # every role: its checks are collectives
     problem = agree(next((p for p in problems if p), None))
     if problem:
         raise CheckpointError(problem)

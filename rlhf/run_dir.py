@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 import warnings
@@ -18,6 +19,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 from tqdm import tqdm
 
+from rlhf.errors import ConfigError
 from rlhf.run_config import RunConfig
 
 T = TypeVar("T")
@@ -103,6 +105,17 @@ def setup_run(cfg: RunConfig, resolved_config: Any = None, prefix: str = "run", 
     if not defer_config:
         run_dir.commit_config()
     return run_dir
+
+
+def check_inside(path: Path, run: Path, what: str) -> None:
+    """ConfigError when `path` below the run folder `run`, or a folder between them, is a symlink leading out of
+    `run`: rlhf never reads, writes or deletes through one (a resume would clear another folder's files)."""
+    inside, current = run.resolve(), run
+    for part in path.relative_to(run).parts:
+        current = current / part
+        if current.is_symlink() and not current.resolve().is_relative_to(inside):
+            raise ConfigError(f"{what} {current} is a symlink to {os.readlink(current)}, outside the run folder; "
+                              "rlhf never writes or deletes through one: remove the link or make it a real folder")
 
 
 def get_logger(name: str = "") -> logging.Logger:

@@ -96,6 +96,30 @@ def decode_state(data: bytes, name: str) -> Any:
         if STATE_KEY not in metadata:
             raise ValueError(f"no {STATE_KEY!r} entry in its safetensors header")
         return _decode(json.loads(metadata[STATE_KEY]), load_tensors(data))
-    except (ValueError, KeyError, TypeError, struct.error, SafetensorError) as error:
+    except (ValueError, KeyError, TypeError, RecursionError, struct.error, SafetensorError) as error:
         raise CheckpointError(f"{name} is not an rlhf state file (safetensors with the state tree in its "
                               f"header): {type(error).__name__}: {str(error)[:200]}") from None
+
+
+COUNT = "count"  # in a schema: an int >= 0 (never a bool)
+
+
+def tree_problem(value: Any, schema: Any, where: str) -> str | None:
+    """Why a decoded state tree breaks `schema` (a dict of required keys -> schemas, a type, or COUNT; `float`
+    takes ints too), naming the first bad node as `where.key`; None when it fits."""
+    if isinstance(schema, dict):
+        if not isinstance(value, dict):
+            return f"{where} is {type(value).__name__}, expected a dict"
+        for key, sub in schema.items():
+            problem = (f"{where}.{key} is missing" if key not in value else
+                       tree_problem(value[key], sub, f"{where}.{key}"))
+            if problem:
+                return problem
+        return None
+    if schema == COUNT:
+        fits = type(value) is int and value >= 0
+    elif schema is float:
+        fits = type(value) in (int, float)
+    else:
+        fits = type(value) is schema
+    return None if fits else f"{where} is {str(value)[:40]!r}, expected {getattr(schema, '__name__', schema)}"

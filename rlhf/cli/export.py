@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -16,10 +18,43 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
+def _checkpoint(root, name: str, keep_last: int):
+    """The step folder `--checkpoint` names (`latest`: the newest complete one, each newer skip logged)."""
+    from rlhf.checkpoint import check_root, find_latest, step_folders
+    from rlhf.errors import CheckpointError
+    from rlhf.run_dir import get_logger
+
+    check_root(root)
+    console = logging.StreamHandler(sys.stderr)  # a skipped newer step is said, not silently passed over
+    console.setFormatter(logging.Formatter("rlhf export: warning: %(message)s"))
+    get_logger().addHandler(console)
+    try:
+        checkpoint = find_latest(root) if name == "latest" else root / name
+    finally:
+        get_logger().removeHandler(console)
+    have = ", ".join(p.name for p in step_folders(root)) or "none"
+    if checkpoint is None:
+        raise CheckpointError(f"no complete checkpoint under {root} (step folders: {have})")
+    if not checkpoint.exists():
+        raise CheckpointError(f"--checkpoint {name}: no such checkpoint under {root} (it holds {have}; the run "
+                              f"keeps the newest {keep_last}: checkpoint.keep_last); pass one of those or latest")
+    return checkpoint
+
+
+def _tokenizer_dir(model_path: str, config: str) -> str | None:
+    """model.path when it is a folder from here; else a warning: the export then has no tokenizer files."""
+    import os
+
+    if os.path.isdir(model_path):
+        return model_path
+    print(f"rlhf export: warning: model.path={model_path!r} in {config} is not a folder from {os.getcwd()}: "
+          "the export has no tokenizer files (run from the training's working directory)", file=sys.stderr)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from rlhf.checkpoint import find_latest
     from rlhf.checkpoint_verify import agree
     from rlhf.config import load_config
     from rlhf.orchestration.schema import RlhfConfig
@@ -31,15 +66,13 @@ def run(args: argparse.Namespace) -> int:
     check_writable_folder(args.out, "--out")
     run_dir = Path(args.run_dir)
     cfg = load_config(RlhfConfig, run_dir / "config.yaml")
-    root = run_dir / "checkpoints"
-    checkpoint = find_latest(root) if args.checkpoint == "latest" else root / args.checkpoint
-    if checkpoint is None:
-        raise CheckpointError(f"no complete checkpoint under {root}")
+    checkpoint = _checkpoint(run_dir / "checkpoints", args.checkpoint, cfg.checkpoint.keep_last)
     with distributed(cfg.dist.backend, timeout_s=cfg.dist.timeout_s, seed=cfg.dist.seed) as runtime:
         problem = None
         if runtime.env.rank == 0:  # one process writes; under a launcher the others wait for its verdict
             try:
-                export_checkpoint(checkpoint, args.out, args.model_role, tokenizer_dir=cfg.model.path)
+                export_checkpoint(checkpoint, args.out, args.model_role,
+                                  tokenizer_dir=_tokenizer_dir(cfg.model.path, str(run_dir / "config.yaml")))
             except RlhfError as error:
                 problem = str(error)
         problem = agree(problem)

@@ -6,17 +6,19 @@ The trainer owns one `RunCheckpoints`; every method but `state`/`expected` is co
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 from pathlib import Path
 
 import numpy as np
+import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
 from rlhf import platform
-from rlhf.checkpoint import CheckpointManager, tensor_folders
-from rlhf.checkpoint_verify import check_replicas
+from rlhf.checkpoint import CheckpointManager, check_root, tensor_folders
+from rlhf.checkpoint_verify import agree, check_replicas
 from rlhf.data.loader import PromptLoader
 from rlhf.models.hf_export import export_hf
 from rlhf.ops.alerts import AlertMonitor
@@ -27,9 +29,17 @@ from rlhf.orchestration.rollout_side import RolloutSide
 from rlhf.orchestration.train_side import TrainSide
 from rlhf.parallel.meshes import RoleMeshes
 from rlhf.parallel.watchdog import Watchdog
-from rlhf.run_dir import RunDir, get_logger
+from rlhf.run_dir import RunDir, check_inside, get_logger
+from rlhf.errors import CheckpointError
+from rlhf.state_file import COUNT, tree_problem
+from rlhf.train.state import checkpoint_problem
 
 log = get_logger("trainer")
+_ENGINE = {"scheduler": dict, "num_steps": COUNT, "optimizer_steps": COUNT}  # a trained role's, on its mesh
+_STATE = {"step": COUNT, "policy_version": COUNT, "kl": {"value": float}, "async": dict,
+          "loader": {"epoch": COUNT, "step_in_epoch": COUNT, "num_samples": COUNT, "global_batch_size": COUNT,
+                     "seed": int, "shuffle": bool},
+          "rng": {"torch": {"cpu": torch.Tensor}, "python": tuple, "numpy": tuple}}
 
 
 class RunCheckpoints:
@@ -42,6 +52,9 @@ class RunCheckpoints:
         self.train, self.engine = train, rollout.engine
         self.alerts, self.async_schedule, self.watchdog = alerts, async_schedule, watchdog
         self.manager = CheckpointManager(run_dir.path / "checkpoints", cfg.checkpoint.keep_last)
+        check_root(self.manager.root)
+        if cfg.checkpoint.save_hf_every:
+            check_inside(run_dir.path / "hf", run_dir.path, "checkpoint.save_hf_every folder")
 
     def state(self, step: int) -> dict:
         """The plain-data state tree (JSON-able and tensors, never pickled)."""
@@ -86,21 +99,55 @@ class RunCheckpoints:
     def _layouts(self) -> dict:
         return {role: mesh.layout.describe() for role, mesh in self.meshes.meshes.items()}
 
+    def state_problem(self, path: Path, state: object, manifest: dict) -> str | None:
+        """Why a verified checkpoint's state does not fit this run: the state tree's schema (its step the
+        manifest's), or a trained role's tensors (kinds, names, shapes) against its model."""
+        trained = self._trained()
+        schema = {**_STATE, **{role.name: _ENGINE if role.mesh.is_member else dict for role in trained}}
+        problem = tree_problem(state, schema, "state")
+        if problem is None and state["step"] != manifest["step"]:
+            problem = f"state.step is {state['step']}, but the manifest's step is {manifest['step']}"
+        if problem:
+            return f"checkpoint {path} holds a malformed state: {problem}"
+        for role in trained:
+            if role.mesh.is_member:
+                try:
+                    problem = checkpoint_problem(role.model, tensor_folders(path, manifest, role.name))
+                except CheckpointError as error:
+                    problem = str(error)
+                if problem:
+                    return f"{problem}, in the {role.name} of checkpoint {path}"
+        return None
+
     def resume(self) -> int:
         """Load and verify the checkpoint to resume from (if any), on this run's layouts whatever wrote it; its
-        DP replicas must then be bitwise equal. Returns the step it was taken at (0: none)."""
+        replicas must then be bitwise equal. Returns the step it was taken at (0: none)."""
         found = self.manager.load_for_resume(self.cfg.checkpoint.resume, expected_meta=self.expected(),
-                                             replicated=self.replicated())
+                                             replicated=self.replicated(), check=self.state_problem)
         if found is None:
             return 0
         path, state, manifest = found
         if manifest.get("layouts") != self._layouts():
             log.info("resharding %s: layouts %s -> %s", path.name, manifest.get("layouts"), self._layouts())
+        problem = None
+        try:
+            self._restore(path, state, manifest)
+        except CheckpointError as error:
+            problem = str(error)
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as error:  # past the schema check
+            problem = f"checkpoint {path} holds a malformed state ({type(error).__name__}: {str(error)[:200]})"
+        problem = agree(problem)
+        if problem:
+            raise CheckpointError(problem)
         trained = self._trained()
-        for role in trained:
+        check_replicas({role.name: (role.model, role.mesh.pgs if role.mesh.is_member else None) for role in trained})
+        log.info("resumed from %s (step %d)", path, state["step"])
+        return state["step"]
+
+    def _restore(self, path: Path, state: dict, manifest: dict) -> None:
+        """Hand each owner its part of a verified checkpoint."""
+        for role in self._trained():
             role.load_state_dict(state[role.name], tensor_folders(path, manifest, role.name))
-        check_replicas({role.name: (role.model, role.mesh.pgs.dp if role.mesh.is_member else None)
-                        for role in trained})
         self.loader.load_state_dict(state["loader"])
         self.train.kl_controller.load_state_dict(state["kl"])
         if "alerts" in state:  # checkpoints written before alerts existed start with empty windows
@@ -113,8 +160,6 @@ class RunCheckpoints:
             platform.set_rng_state(state["rng"]["torch"])
             random.setstate(state["rng"]["python"])
             np.random.set_state(state["rng"]["numpy"])
-        log.info("resumed from %s (step %d)", path, state["step"])
-        return state["step"]
 
     def at_step_end(self, step: int) -> None:
         """At a step boundary: publish an async save still pending, then save (and write an HF copy) if due."""
@@ -128,9 +173,16 @@ class RunCheckpoints:
                 self.save_hf(self.run_dir.path / "hf" / f"step_{step}")
 
     def save_hf(self, folder: Path) -> None:
-        """Collective: the actor as an HF folder (tokenizer, generation config); one a resumed run rewrites."""
-        if self.run_dir.is_rank0 and folder.exists():
-            shutil.rmtree(folder)
+        """Collective: the actor as an HF folder (tokenizer, generation config); one a resumed run rewrites. A
+        symlink in the way is removed itself, never followed."""
+        check_inside(folder.parent, self.run_dir.path, "checkpoint.save_hf_every folder")
+        if self.run_dir.is_rank0:
+            for path in (folder, folder.with_name(folder.name + ".partial")):
+                if path.is_symlink():
+                    log.warning("save_hf_every: replacing the symlink %s (to %s)", path, os.readlink(path))
+                    path.unlink()
+                elif path.exists():
+                    shutil.rmtree(path)
         dist.barrier()
         if self.train.actor.mesh.is_member:
             export_hf(self.train.actor.model, str(folder), tokenizer_dir=self.cfg.model.path)

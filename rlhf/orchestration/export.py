@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from rlhf.checkpoint import CheckpointManager, CorruptCheckpointError, read_manifest, tensor_folders
-from rlhf.checkpoint_verify import file_problem
+from rlhf.checkpoint import STEP_DIR, CorruptCheckpointError, read_manifest, tensor_folders
+from rlhf.checkpoint_verify import file_problem, tensor_file_problem
 from rlhf.errors import CheckpointError, ConfigError
 from rlhf.models.hf_export import export_config, write_metadata
 from rlhf.models.hf_load import HfFolder, check_folder, folder_head
@@ -32,13 +32,15 @@ def export_checkpoint(step_dir: str | Path, out_dir: str, role: str = "actor", *
         raise ConfigError(f"export role={role!r} is not one of actor, critic")
     if os.path.exists(out_dir):
         raise ConfigError(f"export folder {out_dir} already exists; choose a new folder")
-    path = CheckpointManager(Path(step_dir).parent).resolve(str(step_dir))
+    path = Path(step_dir)
+    if path.is_symlink() or not STEP_DIR.match(path.name):
+        raise CheckpointError(f"{path} is not a checkpoint folder (a step_<N> folder, never read through a symlink)")
     manifest = read_manifest(path)
     if role not in manifest.get("hf_configs", {}):
         raise CheckpointError(f"checkpoint {path} holds no {role} (roles: {sorted(manifest.get('hf_configs', {}))})")
     folder = tensor_folders(path, manifest, role)("model")
     for file in sorted(set(folder.file_of.values())):
-        problem = file_problem(path / file, manifest["files"].get(file))
+        problem = file_problem(path / file, manifest["files"].get(file)) or tensor_file_problem(path / file, "model")
         if problem:
             raise CorruptCheckpointError(problem)
     hf_config = AutoConfig.for_model(**manifest["hf_configs"][role])

@@ -19,6 +19,13 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "bfloat16")  # names of torch dtypes; torch is imported only where tensors are built
 
 
+def _local_folder(path: str) -> str:
+    """A local folder as an absolute path (config.yaml then means the same from any working directory, e.g.
+    for `rlhf export`); anything else (a hub id, an empty value) as given, with `~` expanded."""
+    path = os.path.expanduser(path)
+    return os.path.abspath(path) if path and os.path.isdir(path) else path
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """HF folders: `path` initialises actor, reference and rollout; the critic starts from `critic_path`
@@ -37,7 +44,7 @@ class ModelConfig:
     moe: MoeConfig = field(default_factory=MoeConfig)
 
     def __post_init__(self) -> None:
-        self.path, self.critic_path = os.path.expanduser(self.path), os.path.expanduser(self.critic_path)
+        self.path, self.critic_path = _local_folder(self.path), _local_folder(self.critic_path)
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype={self.dtype!r} is not one of {', '.join(DTYPES)}")
 

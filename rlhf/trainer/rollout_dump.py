@@ -21,6 +21,7 @@ import torch
 
 from rlhf.data.records import PromptRecord
 from rlhf.errors import ConfigError
+from rlhf.run_dir import check_inside
 from rlhf.trainer.batch import RolloutBatch, ScoredBatch
 
 FORMAT = "rlhf.rollouts/1"
@@ -75,10 +76,12 @@ def batch_table(batch: ScoredBatch, step: int, records: dict[int, PromptRecord],
 
 class RolloutDumper:
     """Writes the steps due (`every`) on rank 0, each file atomically (temp file + rename). The first write
-    removes dumps from that step on: they belong to an earlier attempt past the step this run resumed from."""
+    removes dumps from that step on: they belong to an earlier attempt past the step this run resumed from.
+    `folder` (inside the run folder) must not be a symlink out of it (ConfigError on every rank)."""
 
     def __init__(self, folder: Path, *, every: int, records: Sequence[PromptRecord], tokenizer: Any,
                  enabled: bool) -> None:
+        check_inside(folder, folder.parent, "trainer.dump_rollouts folder")
         self.folder, self.every, self.enabled, self.tokenizer = folder, every, enabled, tokenizer
         self.records = {record.index: record for record in records}
         self._first = True
@@ -96,6 +99,7 @@ class RolloutDumper:
             self._first = False
         path = dump_path(self.folder, step)
         tmp = path.with_name(path.name + ".tmp")
+        tmp.unlink(missing_ok=True)  # a symlink planted there would be written through
         pq.write_table(batch_table(batch, step, self.records, self.tokenizer), tmp)
         os.replace(tmp, path)
 
