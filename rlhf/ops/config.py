@@ -28,7 +28,7 @@ class AlertsConfig:
     reward_flat_tolerance: float = 1e-6  # how close two mean rewards count as unchanged
     throughput_drop_ratio: float = 0.5  # throughput below this share of the window median
     webhook_url: str = ""  # POST every alert as JSON to this http(s) URL; empty: none
-    webhook_timeout_s: float = 5.0  # deadline of one webhook POST
+    webhook_timeout_s: float = 5.0  # deadline of one webhook POST (connect to reply); the run end waits <= 2x
 
     def __post_init__(self) -> None:
         if self.nan_policy not in NAN_POLICIES:
