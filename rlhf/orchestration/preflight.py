@@ -180,7 +180,8 @@ def build_meshes(cfg: RlhfConfig) -> RoleMeshes:
 
 
 def preflight(cfg: RlhfConfig, world_size: int) -> None:
-    """Every input check that needs no process group, run before the run folder exists: bad input writes nothing."""
+    """Every input check that needs no role's process group (the Prometheus port check agrees over the world), run
+    before the run folder exists: bad input writes nothing."""
     check_metrics_endpoint(cfg)
     check_writable_folder(cfg.run.output_dir, "run.output_dir")
     check_resume_path(cfg.checkpoint.resume)

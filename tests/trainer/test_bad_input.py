@@ -264,3 +264,8 @@ def test_a_taken_prometheus_port_fails_a_resume_before_anything_is_written(tiny,
                         out.stderr.strip().splitlines()[-1]), out.stderr[-2000:]
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]
     assert (run / "config.yaml").read_text() == "the run's own config\n"
+    # profile / bench / doctor on that config serve no endpoint, so a training run holding the port stops none of them
+    from rlhf.cli.common import diagnostic_config
+
+    training = trainer_config(tiny, str(tmp_path), [f"metrics.prometheus_port={port}"])
+    assert diagnostic_config(training, "profile").metrics.prometheus_port == 0
