@@ -1,4 +1,5 @@
-# rlhf: `make demo` runs the CPU demo, `make test` runs the default suite. Both install first (idempotent).
+# rlhf: `make demo` runs the CPU demo, `make test` runs the default suite (`make test-slow` the long tests). All
+# install first (idempotent).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install install-bench install-vllm smollm2 demo doctor doctor-ranks test test-all test-vllm bench $(addprefix bench-,$(BENCHES)) gpu-check clean
+.PHONY: install install-bench install-vllm smollm2 demo doctor doctor-ranks test test-slow test-all test-vllm bench $(addprefix bench-,$(BENCHES)) gpu-check clean
 
 install: $(STAMP)
 
@@ -44,6 +45,10 @@ doctor: install
 
 test: install
 	$(PY) -m pytest -q -m "not slow and not vllm" $(PYTEST_FLAGS) tests
+
+# The long tests (marker `slow`: 4-rank worlds, kill-and-resume runs; ~6+ min on 2 cores), CPU only.
+test-slow: install
+	$(PY) -m pytest -q -m "slow and not vllm" $(PYTEST_FLAGS) tests
 
 # The tests against real vLLM (marker `vllm`), after installing it into the same venv.
 test-vllm: install-vllm

@@ -26,10 +26,12 @@ def config_from_args(args: argparse.Namespace) -> RlhfConfig:
 
 def diagnostic_config(cfg: RlhfConfig, command: str) -> RlhfConfig:
     """`doctor`, `profile` and `bench` given a training config write to `<run.name>-<command>`, never into the
-    training run's folder (they used to overwrite its config.yaml); they neither resume nor save checkpoints."""
+    training run's folder (they used to overwrite its config.yaml); they neither resume nor save checkpoints, and
+    serve no Prometheus endpoint (the training run may hold its port)."""
     name = f"{cfg.run.name}-{command}" if cfg.run.name else ""
     checkpoint = dataclasses.replace(cfg.checkpoint, resume="none", every=0, save_at_end=False)
-    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=name), checkpoint=checkpoint)
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=name), checkpoint=checkpoint,
+                               metrics=dataclasses.replace(cfg.metrics, prometheus_port=0))
 
 
 def run_in_world(cfg: RlhfConfig, prefix: str, body: Callable[[RlhfConfig, Any], Any],

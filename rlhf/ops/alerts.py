@@ -2,9 +2,11 @@
 
 Every rank sees the same reduced metrics, so every rank finds the same alerts (an abort needs no vote). Rank 0
 logs one warning line per alert, counts it (`alerts/<name>` metrics, the Prometheus counters) and POSTs it as
-JSON to `alerts.webhook_url` (from a thread: a slow endpoint never stalls a step). NaN/inf in a loss or gradient: the optimizer has already skipped that update (no
-optimizer or scheduler step, `TrainEngine`); `nan_policy: abort` then writes the step's batch as safetensors +
-JSON under `<run>/nan_dumps/step_<N>/` and ends every rank with a `NonFiniteError` naming the step.
+JSON to `alerts.webhook_url` (from a thread, each POST under `alerts.webhook_timeout_s`: a slow endpoint never
+stalls a step, and the run's end waits on it at most that long). NaN/inf in a loss or gradient: the optimizer has
+already skipped that update (no optimizer or scheduler step, `TrainEngine`); `nan_policy: abort` then writes the
+step's batch as safetensors + JSON under `<run>/nan_dumps/step_<N>/` and ends every rank with a `NonFiniteError`
+naming the step.
 The detectors' windows are checkpointed: a resumed run alerts as the uninterrupted one. The throughput drop is
 judged on wall time, so its metric is `perf/throughput_drop` (beside the other timing-derived values, which no
 two runs share) and `alerts/count` leaves it out.
@@ -13,12 +15,11 @@ two runs share) and `alerts/count` leaves it out.
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 import math
 import queue
 import threading
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from rlhf.errors import NonFiniteError
+from rlhf.http_post import DeadlineExceeded, DeadlinePost, ReplyTooLarge
 from rlhf.ops.config import AlertsConfig
 from rlhf.ops.detectors import DropDetector, FlatDetector, SpikeDetector, non_finite
 from rlhf.run_dir import get_logger
@@ -138,25 +140,39 @@ def alert_metrics(alerts: list[Alert]) -> dict[str, float]:
     return out
 
 
+WEBHOOK_REPLY_BYTES = 1 << 16  # a webhook's reply is read (to complete the exchange) and dropped
+
+
 def post_webhook(url: str, payload: dict, timeout_s: float) -> str | None:
-    """POST `payload` as JSON; the failure as one line (None when delivered). Never raises."""
-    request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+    """POST `payload` as JSON under one deadline; the failure as one line (None when delivered). Never raises."""
+    return _delivered(DeadlinePost(url, json.dumps(payload).encode(), timeout_s=timeout_s,
+                                   max_reply_bytes=WEBHOOK_REPLY_BYTES))
+
+
+def _delivered(post: DeadlinePost) -> str | None:
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-            reply.read()
+        post.send()
         return None
-    except (urllib.error.URLError, OSError, ValueError) as error:
-        return f"alerts: webhook {url} failed ({error}); training goes on"
+    except DeadlineExceeded:
+        reason = f"no full reply within alerts.webhook_timeout_s={post.timeout_s:g}s"
+    except ReplyTooLarge:
+        reason = f"reply of more than {WEBHOOK_REPLY_BYTES} bytes"
+    except (OSError, http.client.HTTPException, ValueError) as error:
+        reason = str(error) or type(error).__name__
+    return f"alerts: webhook {post.url} failed ({reason}); training goes on"
 
 
 class WebhookSender:
-    """POSTs payloads in order from a daemon thread; `close()` returns once the queued ones are delivered or have
-    failed (each POST is bounded by `timeout_s`)."""
+    """POSTs payloads in order from a daemon thread, each under `timeout_s`. `close()` waits `timeout_s` for the
+    queued ones, then cuts the POST in flight and drops the rest (one warning line): it returns within
+    2 x `timeout_s` whatever the endpoint does."""
 
     def __init__(self, url: str, timeout_s: float) -> None:
         self.url, self.timeout_s = url, timeout_s
         self._queue: queue.Queue[dict | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._closing = False
+        self._current: DeadlinePost | None = None
         self._thread = threading.Thread(target=self._run, name="rlhf-alert-webhook", daemon=True)
         self._thread.start()
 
@@ -164,14 +180,31 @@ class WebhookSender:
         self._queue.put(payload)
 
     def _run(self) -> None:
+        dropped = 0
         while (payload := self._queue.get()) is not None:
-            failure = post_webhook(self.url, payload, self.timeout_s)
+            post = DeadlinePost(self.url, json.dumps(payload).encode(), timeout_s=self.timeout_s,
+                                max_reply_bytes=WEBHOOK_REPLY_BYTES)
+            with self._lock:
+                if self._closing:
+                    dropped += 1
+                    continue
+                self._current = post
+            failure = _delivered(post)
             if failure:
                 log.warning(failure)
+        if dropped:
+            log.warning("alerts: %d webhook post(s) to %s dropped at shutdown (alerts.webhook_timeout_s=%g spent)",
+                        dropped, self.url, self.timeout_s)
 
     def close(self) -> None:
         self._queue.put(None)
-        self._thread.join()
+        self._thread.join(self.timeout_s)
+        if self._thread.is_alive():
+            with self._lock:
+                self._closing = True
+                if self._current is not None:
+                    self._current.cut()
+            self._thread.join(self.timeout_s)  # the cut POST returns at once (a connect within its socket timeout)
 
 
 def dump_batch(batch: Any, folder: Path, info: dict) -> None:

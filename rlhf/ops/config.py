@@ -28,7 +28,7 @@ class AlertsConfig:
     reward_flat_tolerance: float = 1e-6  # how close two mean rewards count as unchanged
     throughput_drop_ratio: float = 0.5  # throughput below this share of the window median
     webhook_url: str = ""  # POST every alert as JSON to this http(s) URL; empty: none
-    webhook_timeout_s: float = 5.0  # deadline of one webhook POST
+    webhook_timeout_s: float = 5.0  # deadline of one webhook POST (connect to reply); the run end waits <= 2x
 
     def __post_init__(self) -> None:
         if self.nan_policy not in NAN_POLICIES:
@@ -51,13 +51,22 @@ class AlertsConfig:
 
 @dataclass(kw_only=True)
 class MetricsConfig:
-    """`prometheus_port`: 0 = no endpoint, -1 = any free port (logged, and written to `<run>/prometheus.port`);
-    `prometheus_host`: the interface rank 0 binds (0.0.0.0: reachable by a Prometheus on another host)."""
+    """`prometheus_port`: 0 = no endpoint, -1 = any free port (logged, and written to `<run>/prometheus.port`).
+    `prometheus_host`: the interface rank 0 binds; the default 127.0.0.1 answers this host only. The endpoint has
+    no authentication: set `0.0.0.0` (every interface) or one address only for a Prometheus on another host of a
+    trusted network. At most `prometheus_max_connections` are served at once (more are closed unanswered), each
+    closed `prometheus_timeout_s` after it opened (an idle or trickling client holds no thread longer)."""
 
     prometheus_port: int = 0  # rank 0 serves /metrics here; 0: off, -1: any free port
-    prometheus_host: str = "0.0.0.0"  # interface the endpoint binds
+    prometheus_host: str = "127.0.0.1"  # interface the endpoint binds; 0.0.0.0: every interface (opt-in)
+    prometheus_max_connections: int = 8  # connections served at once; more are closed unanswered
+    prometheus_timeout_s: float = 10.0  # deadline of one connection: request read and reply written
 
     def __post_init__(self) -> None:
         if not -1 <= self.prometheus_port <= 65535:
             raise ConfigError(f"metrics.prometheus_port={self.prometheus_port} must be 0 (off), -1 (any free "
                               "port) or a port number up to 65535")
+        if self.prometheus_max_connections < 1:
+            raise ConfigError(f"metrics.prometheus_max_connections={self.prometheus_max_connections} must be >= 1")
+        if not self.prometheus_timeout_s > 0:
+            raise ConfigError(f"metrics.prometheus_timeout_s={self.prometheus_timeout_s} must be > 0")

@@ -7,11 +7,14 @@
       every other step metric as rlhf_metric{name}.
 The server is a daemon thread; a scrape renders the last completed step's snapshot and reads the heartbeats
 then, so a stalled step shows as a growing heartbeat age and a stale `rlhf_last_step_timestamp_seconds`.
+Bounded: at most `metrics.prometheus_max_connections` connections at once (two threads each, handler and
+deadline; more are closed unanswered), each cut `metrics.prometheus_timeout_s` after it opened, whatever it does.
 """
 
 from __future__ import annotations
 
 import math
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -110,6 +113,68 @@ def render(samples: list[tuple[str, dict, float]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _port(cfg: MetricsConfig) -> int:
+    return 0 if cfg.prometheus_port == -1 else cfg.prometheus_port
+
+
+def _listen_error(cfg: MetricsConfig, error: OSError) -> ConfigError:
+    return ConfigError(f"metrics.prometheus_port={cfg.prometheus_port}: cannot listen on {cfg.prometheus_host}:"
+                       f"{_port(cfg)} ({error.strerror or error}); choose a free port or -1, or another "
+                       "metrics.prometheus_host")
+
+
+def check_listen(cfg: MetricsConfig) -> None:
+    """The endpoint's host:port can be bound (bound and let go at once): a taken port or an unknown host is a
+    ConfigError before the run folder exists, with the same text the exporter raises."""
+    if not cfg.prometheus_port:
+        return
+    try:
+        socket.create_server((cfg.prometheus_host, _port(cfg))).close()
+    except OSError as error:
+        raise _listen_error(cfg, error) from None
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """One daemon thread per connection, at most `max_connections` of them, each cut at `timeout_s`."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type, *, max_connections: int, timeout_s: float) -> None:
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.timeout_s = timeout_s
+        super().__init__(address, handler)
+
+    def process_request(self, request: socket.socket, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # over the cap: closed unanswered, no thread
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: socket.socket, client_address: Any) -> None:
+        timer = threading.Timer(self.timeout_s, _cut, args=(request,))
+        timer.daemon = True
+        timer.start()
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            timer.cancel()
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that hung up or was cut; nothing for the run log
+
+
+def _cut(request: socket.socket) -> None:
+    try:
+        request.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 class PrometheusExporter:
     """Rank 0's endpoint: `update()` after each step; `port` is the bound port (useful with port -1)."""
 
@@ -121,6 +186,8 @@ class PrometheusExporter:
         exporter = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = cfg.prometheus_timeout_s  # per socket operation; the whole connection: _BoundedServer
+
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 if self.path.split("?")[0] != "/metrics":
                     self.send_error(404, "only /metrics is served")
@@ -135,13 +202,12 @@ class PrometheusExporter:
             def log_message(self, *args: Any) -> None:  # scrapes do not belong in the run log
                 pass
 
-        port = 0 if cfg.prometheus_port == -1 else cfg.prometheus_port
         try:
-            self._server = ThreadingHTTPServer((cfg.prometheus_host, port), Handler)
+            self._server = _BoundedServer((cfg.prometheus_host, _port(cfg)), Handler,
+                                          max_connections=cfg.prometheus_max_connections,
+                                          timeout_s=cfg.prometheus_timeout_s)
         except OSError as error:
-            raise ConfigError(f"metrics.prometheus_port={cfg.prometheus_port}: cannot listen on "
-                              f"{cfg.prometheus_host}:{port} ({error.strerror}); choose a free port or -1") from None
-        self._server.daemon_threads = True
+            raise _listen_error(cfg, error) from None
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="rlhf-prometheus", daemon=True)
         self._thread.start()

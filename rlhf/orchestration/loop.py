@@ -206,12 +206,12 @@ class Trainer:
                     mesh_rows=self.meshes.summary_rows(), num_train=len(self.loader.prompts.records),
                     num_val=len(self.val.records) if self.val else 0, run_path=self.run_dir.path, start_step=start))
                 started = time.perf_counter()
+                self._start_exporter()  # before config.yaml: a port taken since preflight leaves it as it was
                 self.run_dir.commit_config()  # only now: a failed resume leaves the run's config.yaml as it was
                 self.sink = MetricsSink(self.run_dir.path, enabled=self.run_dir.is_rank0, loggers=cfg.loggers,
                                         first_step=start + 1 if start else 0, info=RunInfo(
                                             project=cfg.project_name, config=to_dict(self.cfg),
                                             experiment=cfg.experiment_name or self.run_dir.path.name))
-                self._start_exporter()
                 with watchdog.phase("first weight push"):
                     self.push_initial_weights()
                 history = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 from transformers import AutoConfig
 
 from rlhf import platform
@@ -15,7 +16,10 @@ from rlhf.data.loader import load_prompts
 from rlhf.data.sampler import PromptSampler
 from rlhf.errors import ConfigError
 from rlhf.loggers import check_loggers
+from rlhf.models.config import MoeConfig
+from rlhf.ops.prometheus import check_listen
 from rlhf.parallel.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes, plan_meshes
+from rlhf.parallel.wire import broadcast_json
 from rlhf.run_dir import get_logger
 from rlhf.orchestration.async_schedule import check_async
 from rlhf.trainer.checks import (check_kv_cache, check_model_folders, check_resume_path, check_reward_tokenizer,
@@ -112,6 +116,50 @@ def check_routing_replay(cfg: RlhfConfig, layouts: dict) -> None:
                           f"{layouts['actor'].pp}; use algo.routing_replay=r3 or mesh.actor.pp=1")
 
 
+def check_moe_settings(cfg: RlhfConfig) -> None:
+    """model.moe.* changed from its defaults needs a model with experts (the policy, or the critic it builds)."""
+    default = MoeConfig()
+    changed = [f"model.moe.{f.name}={getattr(cfg.model.moe, f.name)!r}" for f in dataclasses.fields(MoeConfig)
+               if getattr(cfg.model.moe, f.name) != getattr(default, f.name)]
+    if not changed:
+        return
+    paths = [cfg.model.path] + ([cfg.model.critic_path] if cfg.algo.uses_critic and cfg.model.critic_path else [])
+    if not any(model_dims(path).num_experts for path in paths):
+        raise ConfigError(f"{', '.join(changed)} configure MoE routing, but model.path={cfg.model.path} is a dense "
+                          "model (no experts): they would do nothing; unset them")
+
+
+def check_algo_settings(cfg: RlhfConfig) -> None:
+    """Settings that run but cannot mean anything: dynamic sampling without groups, an overlong buffer longer than
+    any response."""
+    algo, sampling = cfg.algo, cfg.sampling
+    if algo.filter_groups.enable and sampling.n < 2:
+        raise ConfigError(f"algo.filter_groups.enable=true keeps only groups whose rewards differ, but sampling.n="
+                          f"{sampling.n} makes every group a single sample: no group is ever kept; set sampling.n >= 2 "
+                          "or algo.filter_groups.enable=false")
+    if algo.overlong_buffer.len > sampling.max_new_tokens:
+        raise ConfigError(f"algo.overlong_buffer.len={algo.overlong_buffer.len} > sampling.max_new_tokens="
+                          f"{sampling.max_new_tokens}: the penalty would start before the first token and hit every "
+                          f"response; set algo.overlong_buffer.len <= {sampling.max_new_tokens}")
+
+
+def check_metrics_endpoint(cfg: RlhfConfig) -> None:
+    """Rank 0 binds metrics.prometheus_host:port and lets go (a taken port used to fail after the run folder and
+    a resumed run's config.yaml were written); every rank raises rank 0's error."""
+    if not cfg.metrics.prometheus_port:
+        return
+    error = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            check_listen(cfg.metrics)
+        except ConfigError as found:
+            error = str(found)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        error = broadcast_json(error, src=0)
+    if error:
+        raise ConfigError(error)
+
+
 def check_layouts(cfg: RlhfConfig, world_size: int) -> dict:
     """Every role's layout for `world_size` ranks, with the batch-split and memory-phase rules checked (pure)."""
     layouts = plan_meshes(mesh_config(cfg), world_size, model_dims(cfg.model.path), role_dims(cfg))
@@ -120,6 +168,8 @@ def check_layouts(cfg: RlhfConfig, world_size: int) -> dict:
     correction = cfg.algo.rollout_correction.resolved(weights_shared=shares_weights(cfg, layouts))
     check_async(cfg, layouts, dataclasses.replace(cfg.algo, rollout_correction=correction))
     check_routing_replay(cfg, layouts)
+    check_moe_settings(cfg)
+    check_algo_settings(cfg)
     return layouts
 
 
@@ -130,7 +180,9 @@ def build_meshes(cfg: RlhfConfig) -> RoleMeshes:
 
 
 def preflight(cfg: RlhfConfig, world_size: int) -> None:
-    """Every input check that needs no process group, run before the run folder exists: bad input writes nothing."""
+    """Every input check that needs no role's process group (the Prometheus port check agrees over the world), run
+    before the run folder exists: bad input writes nothing."""
+    check_metrics_endpoint(cfg)
     check_writable_folder(cfg.run.output_dir, "run.output_dir")
     check_resume_path(cfg.checkpoint.resume)
     check_loggers(cfg.trainer.loggers)

@@ -44,7 +44,8 @@ def replay_config(cfg: RlhfConfig) -> RlhfConfig:
 
 
 def replay_preflight(cfg: RlhfConfig, world_size: int) -> None:
-    """The dump folder's checks (format, columns, sizes; the first dump's tokens), then `rlhf train`'s."""
+    """The dump folder's checks (format, metadata, column types, sizes; the first dump's rows), then
+    `rlhf train`'s."""
     files = check_dumps(cfg.replay.rollouts, num_steps=cfg.trainer.total_steps,
                         rows_per_step=cfg.data.prompts_per_step * cfg.sampling.n)
     run_path = (Path(cfg.run.output_dir) / cfg.run.name).resolve() if cfg.run.name else None
@@ -52,7 +53,8 @@ def replay_preflight(cfg: RlhfConfig, world_size: int) -> None:
         raise ConfigError(f"--rollouts {cfg.replay.rollouts} lies in the replay's own run folder {run_path}; "
                           f"set run.name to another name")
     preflight(cfg, world_size)
-    read_dump(files[0], read_hf_config(cfg.model.path).vocab_size)
+    hf_config = read_hf_config(cfg.model.path)
+    read_dump(files[0], hf_config.vocab_size, hf_config.max_position_embeddings)
 
 
 class Replayer(Trainer):
@@ -61,7 +63,8 @@ class Replayer(Trainer):
     def __init__(self, cfg: RlhfConfig, run_dir: RunDir) -> None:
         self.dumps = check_dumps(cfg.replay.rollouts, num_steps=cfg.trainer.total_steps,
                                  rows_per_step=cfg.data.prompts_per_step * cfg.sampling.n)
-        self.vocab_size = read_hf_config(cfg.model.path).vocab_size
+        hf_config = read_hf_config(cfg.model.path)
+        self.vocab_size, self.max_positions = hf_config.vocab_size, hf_config.max_position_embeddings
         self.reward_stats, self._folded = RunningMeanStd(), 0
         super().__init__(cfg, run_dir)
         log.info("replay: %d step dumps from %s (reward_norm=%s, validation engine: %s)", len(self.dumps),
@@ -83,7 +86,7 @@ class Replayer(Trainer):
         return metrics
 
     def _batch(self, step: int, raw: dict) -> RolloutBatch:
-        batch = read_dump(self.dumps[step - 1], self.vocab_size)
+        batch = read_dump(self.dumps[step - 1], self.vocab_size, self.max_positions)
         raw["mean"] = float(batch.scores_b.mean())
         if self.cfg.replay.reward_norm:
             batch = dataclasses.replace(batch, scores_b=self._normalized(batch.scores_b, step))

@@ -51,7 +51,8 @@ def build_layout_groups(layout: ParallelLayout, cache: GroupCache | None = None)
 
     Returns None on ranks outside the layout. Context parallelism is size 1 for now: its groups alias the
     single-rank or dense groups megatron-core expects to find. Expert groups follow `layout.ep` (at ep=1 they
-    are the dense ones); the experts' tensor-parallel group is tp.
+    are the dense ones); the experts' tensor-parallel group is tp. The one distributed-optimizer instance spans
+    the whole layout: its grad norm sums every rank's shard (over dp alone, tp/pp ranks clipped differently).
     """
     cache = cache or GroupCache()
     rank = dist.get_rank()
@@ -78,7 +79,7 @@ def build_layout_groups(layout: ParallelLayout, cache: GroupCache | None = None)
                         ("pos_embd", pos_embd), ("cp", single), ("tp_cp", tp), ("dp_cp", dp),
                         ("intra_dp_cp", dp), ("tp_dp_cp", tp_dp), ("ep", ep), ("expt_tp", tp),
                         ("expt_dp", expt_dp), ("tp_ep", tp_ep), ("tp_ep_pp", tp_ep_pp), ("intra_expt_dp", expt_dp),
-                        ("inter_dist_opt", single), ("intra_dist_opt", dp)):
+                        ("inter_dist_opt", single), ("intra_dist_opt", everyone)):
         setattr(pgs, name, group)
     pgs.hcp = []
     pgs.layout_all = everyone  # rlhf's own: every rank of the layout (see models/megatron_globals.py)

@@ -12,10 +12,7 @@ from __future__ import annotations
 import http.client
 import json
 import math
-import socket
-import threading
 import time
-import urllib.parse
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,6 +21,7 @@ import torch
 
 from rlhf.data.records import PromptRecord
 from rlhf.errors import RewardError
+from rlhf.http_post import DeadlineExceeded, DeadlinePost, ReplyTooLarge
 from rlhf.rewards.config import RemoteRewardConfig
 from rlhf.rewards.inputs import RewardInputs
 
@@ -86,59 +84,29 @@ class RemoteReward:
         raise AssertionError("unreachable")
 
     def _post(self, body: bytes, where: str) -> Any:
-        """One attempt: a timer cuts the connection at the deadline, whatever phase it is in."""
-        url = urllib.parse.urlsplit(self.config.url)
-        connection_type = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
-        connection = connection_type(url.hostname, url.port, timeout=self.config.timeout_s)
-        expired = threading.Event()
-        timer = threading.Timer(self.config.timeout_s, _cut, args=(connection, expired))
-        timer.start()
+        """One attempt under one deadline (`rlhf.http_post`)."""
+        post = DeadlinePost(self.config.url, body, timeout_s=self.config.timeout_s,
+                            max_reply_bytes=self.config.max_reply_bytes)
         try:
-            target = (url.path or "/") + (f"?{url.query}" if url.query else "")
-            connection.request("POST", target, body=body, headers={"Content-Type": "application/json"})
-            response = connection.getresponse()
-            text = self._read_capped(response, where)
+            reply = post.send()
+        except DeadlineExceeded:
+            raise _Retryable(self._missed_deadline()) from None
+        except ReplyTooLarge:
+            raise RewardError(f"{where} replied with more than reward.remote.max_reply_bytes="
+                              f"{self.config.max_reply_bytes} bytes; raise the cap or lower reward.remote.batch_size"
+                              ) from None
         except (OSError, http.client.HTTPException) as error:
-            # the socket's own per-operation timeout (also timeout_s) may fire before the timer on a busy host
-            if expired.is_set() or isinstance(error, TimeoutError):
-                raise _Retryable(self._missed_deadline()) from None
             raise _Retryable(f"{type(error).__name__}: {error}") from None
-        finally:
-            timer.cancel()
-            connection.close()
-        if expired.is_set():
-            raise _Retryable(self._missed_deadline())
-        if response.status >= 400:
-            detail = " ".join(text[:200].decode(errors="replace").split())
-            if response.status in RETRIED_STATUSES:
-                raise _Retryable(f"HTTP {response.status} {detail}")
-            raise RewardError(f"{where} answered HTTP {response.status}: {detail}")
+        if reply.status >= 400:
+            detail = " ".join(reply.body[:200].decode(errors="replace").split())
+            if reply.status in RETRIED_STATUSES:
+                raise _Retryable(f"HTTP {reply.status} {detail}")
+            raise RewardError(f"{where} answered HTTP {reply.status}: {detail}")
         try:
-            return json.loads(text)
+            return json.loads(reply.body)
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise RewardError(f"{where} replied with non-JSON: {text[:80]!r}") from None
-
-    def _read_capped(self, response: http.client.HTTPResponse, where: str) -> bytes:
-        limit = self.config.max_reply_bytes
-        chunks, size = [], 0
-        while chunk := response.read1(65536):
-            size += len(chunk)
-            if size > limit:
-                raise RewardError(f"{where} replied with more than reward.remote.max_reply_bytes={limit} bytes; "
-                                  "raise the cap or lower reward.remote.batch_size")
-            chunks.append(chunk)
-        return b"".join(chunks)
+            raise RewardError(f"{where} replied with non-JSON: {reply.body[:80]!r}") from None
 
     def _missed_deadline(self) -> str:
         return f"no full reply within reward.remote.timeout_s={self.config.timeout_s:g}s"
 
-
-def _cut(connection: http.client.HTTPConnection, expired: threading.Event) -> None:
-    """Deadline reached: shut the socket down so the blocked connect/send/read returns at once."""
-    expired.set()
-    sock = connection.sock
-    if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass

@@ -23,11 +23,8 @@ from rlhf.data.records import PromptRecord
 from rlhf.errors import ConfigError
 from rlhf.run_dir import check_inside
 from rlhf.trainer.batch import RolloutBatch, ScoredBatch
+from rlhf.trainer.dump_schema import FIX, FORMAT, check_footer, check_rows, check_score
 
-FORMAT = "rlhf.rollouts/1"
-REQUIRED = ("step", "policy_version", "uid", "group", "data_source", "prompt_ids", "response_ids",
-            "rollout_logprobs", "score", "truncated")
-FIX = "point --rollouts at the rollouts/ folder of a run trained with trainer.dump_rollouts=true"
 
 
 def dump_path(folder: Path, step: int) -> Path:
@@ -125,28 +122,17 @@ def _open(path: Path):
                           f"{FIX}") from None
 
 
-def _check_schema(path: Path, parquet) -> dict:
-    raw = (parquet.schema_arrow.metadata or {}).get(b"rlhf")
-    meta = json.loads(raw) if raw else {}
-    if meta.get("format") != FORMAT:
-        raise ConfigError(f"rollout dump {path} is not an rlhf rollout dump (format {meta.get('format')!r}, "
-                          f"expected {FORMAT!r}); {FIX}")
-    missing = [name for name in REQUIRED if name not in parquet.schema_arrow.names]
-    if missing:
-        raise ConfigError(f"rollout dump {path} lacks the column(s) {', '.join(missing)}; {FIX}")
-    return meta
-
-
 def check_dumps(folder: str | Path, *, num_steps: int, rows_per_step: int) -> list[Path]:
     """The dumps replay step 1..num_steps trains on (the folder's files in step order), checked from their
-    footers: format, columns and row count; every problem is a one-line ConfigError naming the file."""
+    footers: format, metadata, column types and row count; every problem is a one-line ConfigError naming the
+    file."""
     files = _dump_files(Path(folder))
     if len(files) < num_steps:
         raise ConfigError(f"--rollouts {folder} holds {len(files)} step dump(s) but trainer.total_steps={num_steps}; "
                           f"set trainer.total_steps<={len(files)}")
     for path in files[:num_steps]:
         parquet = _open(path)
-        _check_schema(path, parquet)
+        check_footer(path, parquet.schema_arrow)
         if parquet.metadata.num_rows != rows_per_step:
             raise ConfigError(f"rollout dump {path} has {parquet.metadata.num_rows} rollouts, but "
                               f"data.prompts_per_step x sampling.n = {rows_per_step}; replay with the config of "
@@ -161,20 +147,14 @@ def _padded(rows: list[list], width: int, dtype: torch.dtype, value: float = 0) 
     return out
 
 
-def read_dump(path: Path, vocab_size: int) -> RolloutBatch:
-    """A dump as the RolloutBatch its step trained on (scores and rollout logprobs; the rest is recomputed)."""
+def read_dump(path: Path, vocab_size: int, max_positions: int) -> RolloutBatch:
+    """A dump as the RolloutBatch its step trained on (scores and rollout logprobs; the rest is recomputed), every
+    row checked against the model first (`dump_schema.check_rows`)."""
     parquet = _open(path)
-    meta = _check_schema(path, parquet)
+    meta = check_footer(path, parquet.schema_arrow)
     table = parquet.read().to_pydict()
+    check_rows(path, table, meta, vocab_size=vocab_size, max_positions=max_positions)
     prompt_ids, response_ids = table["prompt_ids"], table["response_ids"]
-    if any(len(p) < 1 for p in prompt_ids) or any(len(r) != len(lp) for r, lp in
-                                                   zip(response_ids, table["rollout_logprobs"])):
-        raise ConfigError(f"rollout dump {path} has an empty prompt or a response whose logprobs do not match "
-                          f"its length; {FIX}")
-    top = max(max(ids, default=0) for ids in prompt_ids + response_ids)
-    if top >= vocab_size:
-        raise ConfigError(f"rollout dump {path} holds token id {top}, outside model.path's vocabulary of "
-                          f"{vocab_size}; replay with the model (tokenizer) the dump was made with")
     sequences = [p + r for p, r in zip(prompt_ids, response_ids)]
     lengths_b = torch.tensor([len(r) for r in response_ids], dtype=torch.long)
     width = max(int(meta["response_width"]), int(lengths_b.max()) if len(lengths_b) else 1)
@@ -194,5 +174,10 @@ def read_dump(path: Path, vocab_size: int) -> RolloutBatch:
 
 
 def read_scores(path: Path) -> torch.Tensor:
-    """The dump's sequence scores (float32 [B]) alone."""
-    return torch.tensor(_open(path).read(columns=["score"]).column("score").to_pylist(), dtype=torch.float32)
+    """The dump's sequence scores (float32 [B]) alone, each checked (`dump_schema.check_score`)."""
+    parquet = _open(path)
+    check_footer(path, parquet.schema_arrow)
+    scores = parquet.read(columns=["score"]).column("score").to_pylist()
+    for row, score in enumerate(scores):
+        check_score(path, row, score)
+    return torch.tensor(scores, dtype=torch.float32)

@@ -3,6 +3,7 @@
 import json
 import logging
 import math
+import socket
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,7 +19,10 @@ from fixtures import scored_batch  # noqa: E402
 from rlhf.config import from_dict  # noqa: E402
 from rlhf.orchestration.schema import RlhfConfig  # noqa: E402
 from rlhf.errors import ConfigError, NonFiniteError  # noqa: E402
-from rlhf.ops.alerts import Alert, AlertDetectors, AlertMonitor, AlertsConfig, alert_metrics  # noqa: E402
+from rlhf.http_post import DeadlineExceeded  # noqa: E402
+from rlhf.ops import alerts as alerts_module  # noqa: E402
+from rlhf.ops.alerts import (Alert, AlertDetectors, AlertMonitor, AlertsConfig, WebhookSender,  # noqa: E402
+                             alert_metrics, post_webhook)
 from rlhf.state_file import decode_state, encode_state  # noqa: E402
 
 
@@ -128,6 +132,88 @@ def test_unreachable_webhook_is_one_warning_and_training_goes_on(tmp_path, caplo
         monitor.close()
     assert len(caplog.records) == 2 and caplog.records[1].getMessage().startswith(
         f"alerts: webhook {hook.url} failed (") and caplog.records[1].getMessage().endswith("); training goes on")
+
+
+class _TricklingHook:
+    """A webhook that answers 200 and then one byte of its promised body every 20 ms, until the client hangs up
+    (each byte restarts a socket timeout: only an overall deadline ends the POST)."""
+
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/hook"
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        conn, _ = self.listener.accept()
+        with conn:
+            conn.recv(65536)
+            try:
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n")
+                while not self.stop.wait(0.02):  # pacing the trickle, not waiting for an outcome
+                    conn.sendall(b" ")
+            except OSError:
+                pass  # the client cut the connection: done
+
+    def close(self):
+        self.stop.set()
+        self.thread.join()
+        self.listener.close()
+
+
+def test_a_trickling_webhook_misses_its_deadline_and_close_returns(tmp_path, caplog):
+    hook = _TricklingHook()
+    try:
+        assert post_webhook(hook.url, {"alert": "nan"}, 0.3) == (
+            f"alerts: webhook {hook.url} failed (no full reply within alerts.webhook_timeout_s=0.3s); "
+            "training goes on")
+    finally:
+        hook.close()
+    hook = _TricklingHook()
+    try:
+        monitor = AlertMonitor(AlertsConfig(webhook_url=hook.url, webhook_timeout_s=0.3), tmp_path, is_rank0=True)
+        sender = monitor._webhook
+        with caplog.at_level(logging.WARNING, logger="rlhf.alerts"):
+            monitor.observe(1, {"actor/grad_norm": math.inf})
+            monitor.close()  # used to join the sender forever
+    finally:
+        hook.close()
+    assert not sender._thread.is_alive()
+    assert [r.getMessage() for r in caplog.records][1:] == [
+        f"alerts: webhook {hook.url} failed (no full reply within alerts.webhook_timeout_s=0.3s); training goes on"]
+
+
+class _StuckPost:
+    """A POST that only ever ends when cut (as if its own timer never fired)."""
+    started = threading.Event()
+
+    def __init__(self, url, body, *, timeout_s, max_reply_bytes):
+        self.url, self.timeout_s, self._cut = url, timeout_s, threading.Event()
+
+    def cut(self):
+        self._cut.set()
+
+    def send(self):
+        _StuckPost.started.set()
+        self._cut.wait()
+        raise DeadlineExceeded("cut")
+
+
+def test_close_waits_one_deadline_then_cuts_the_post_in_flight_and_drops_the_rest(monkeypatch, caplog):
+    monkeypatch.setattr(alerts_module, "DeadlinePost", _StuckPost)
+    sender = WebhookSender("http://127.0.0.1:9/hook", timeout_s=0.2)
+    with caplog.at_level(logging.WARNING, logger="rlhf.alerts"):
+        sender.send({"alert": "nan", "step": 1})
+        sender.send({"alert": "nan", "step": 2})
+        _StuckPost.started.wait()
+        sender.close()
+    assert not sender._thread.is_alive()
+    assert [r.getMessage() for r in caplog.records] == [
+        "alerts: webhook http://127.0.0.1:9/hook failed (no full reply within alerts.webhook_timeout_s=0.2s); "
+        "training goes on",
+        "alerts: 1 webhook post(s) to http://127.0.0.1:9/hook dropped at shutdown (alerts.webhook_timeout_s=0.2 "
+        "spent)"]
 
 
 def test_abort_dumps_the_batch_as_safetensors_and_json_and_names_the_step(tmp_path):

@@ -3,7 +3,9 @@
 import json
 import math
 import re
+import select
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -14,7 +16,7 @@ import torch.distributed as dist
 import yaml
 
 from rlhf.errors import ConfigError
-from rlhf.ops.prometheus import FAMILIES, MetricsConfig, PrometheusExporter
+from rlhf.ops.prometheus import FAMILIES, MetricsConfig, PrometheusExporter, check_listen
 from rlhf.parallel.watchdog import _PREFIX
 
 MONITORING = Path(__file__).resolve().parents[2] / "launch" / "monitoring"
@@ -100,8 +102,75 @@ def test_port_config_errors(exporter):
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(ConfigError, match=rf"^metrics.prometheus_port={port}: cannot listen on 127.0.0.1:{port} "
-                                              r"\(.+\); choose a free port or -1$"):
+                                              r"\(.+\); choose a free port or -1, or another "
+                                              r"metrics.prometheus_host$"):
             PrometheusExporter(MetricsConfig(prometheus_port=port, prometheus_host="127.0.0.1"), world_size=1)
+        with pytest.raises(ConfigError, match=rf"^metrics.prometheus_port={port}: cannot listen on 127.0.0.1:{port} "):
+            check_listen(MetricsConfig(prometheus_port=port))
+    check_listen(MetricsConfig(prometheus_port=port))  # free again
+    check_listen(MetricsConfig(prometheus_port=0, prometheus_host="no-such-host.invalid"))  # no endpoint: no check
+    with pytest.raises(ConfigError, match=r"^metrics.prometheus_port=-1: cannot listen on no-such-host.invalid:0 "):
+        check_listen(MetricsConfig(prometheus_port=-1, prometheus_host="no-such-host.invalid"))
+    with pytest.raises(ConfigError, match=r"^metrics.prometheus_max_connections=0 must be >= 1$"):
+        MetricsConfig(prometheus_max_connections=0)
+    with pytest.raises(ConfigError, match=r"^metrics.prometheus_timeout_s=0 must be > 0$"):
+        MetricsConfig(prometheus_timeout_s=0)
+
+
+def test_the_default_host_is_loopback_only():
+    assert MetricsConfig().prometheus_host == "127.0.0.1"
+    exporter = PrometheusExporter(MetricsConfig(prometheus_port=-1), world_size=1)
+    try:
+        assert exporter._server.server_address[0] == "127.0.0.1"
+        assert parse_exposition(_scrape(exporter.port))["rlhf_world_size"] == {(): 1.0}
+    finally:
+        exporter.close()
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    """The server hung up (EOF or reset) rather than answering."""
+    try:
+        return sock.recv(65536) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_idle_and_trickling_connections_are_cut_at_the_timeout():
+    exporter = PrometheusExporter(MetricsConfig(prometheus_port=-1, prometheus_timeout_s=0.3), world_size=1)
+    try:
+        with socket.create_connection(("127.0.0.1", exporter.port), timeout=60) as idle:
+            assert _closed_by_server(idle), "an idle connection is closed at the timeout"
+        with socket.create_connection(("127.0.0.1", exporter.port), timeout=60) as trickle:
+            closed = False
+            for _ in range(3000):  # one byte of a never-ending request line every 20 ms
+                try:
+                    trickle.sendall(b"G")
+                except OSError:
+                    closed = True
+                    break
+                if select.select([trickle], [], [], 0.02)[0]:
+                    closed = _closed_by_server(trickle)
+                    break
+            assert closed, "each byte restarts a socket timeout; the connection's deadline still cuts it"
+    finally:
+        exporter.close()
+
+
+def test_connections_over_the_cap_are_closed_unanswered_and_hold_no_thread():
+    exporter = PrometheusExporter(MetricsConfig(prometheus_port=-1, prometheus_max_connections=2,
+                                                prometheus_timeout_s=60), world_size=1)
+    before = threading.active_count()
+    held = [socket.create_connection(("127.0.0.1", exporter.port), timeout=60) for _ in range(2)]
+    try:
+        for _ in range(5):  # accepted in order after the two held ones: each finds no free slot
+            with socket.create_connection(("127.0.0.1", exporter.port), timeout=60) as extra:
+                extra.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+                assert _closed_by_server(extra), "a connection over the cap gets no reply"
+        assert threading.active_count() <= before + 2 * 2  # per held connection: its handler and its deadline
+    finally:
+        for sock in held:
+            sock.close()
+        exporter.close()
 
 
 def _names(expr: str) -> set[str]:

@@ -103,14 +103,16 @@ def check_loss_scaling(path: str, pg: dict) -> dict:
     return out
 
 
-def check_layouts(path: str, pg: dict, layouts: tuple[str, ...] = ("tp2", "pp2")) -> dict:
-    """Layouts vs one rank from the same HF weights: 3 SFT steps' losses and grad norms; HF's loss."""
+def check_layouts(path: str, pg: dict, layouts: tuple[str, ...] = ("tp2", "pp2", "tp2_distopt", "pp2_distopt")) -> dict:
+    """Layouts (`<layout>_distopt`: with the distributed optimizer) vs one rank from the same HF weights: 3 SFT
+    steps' losses and grad norms; HF's loss."""
     tokens, mask = sft_batch(8, 16, seed=1)
     hf_loss, _ = hf_sft_loss(path, tokens, mask)
     out = {"hf_loss": hf_loss}
     for key in ("single", *layouts):
-        engine = _engine(path, pg[key])
-        steps = [engine.train_step(_batches(pg[key], 2, seed=1), _loss_fn(engine)) for _ in range(3)]
+        name, _, optimizer = key.partition("_")
+        engine = _engine(path, pg[name], use_distributed_optimizer=optimizer == "distopt")
+        steps = [engine.train_step(_batches(pg[name], 2, seed=1), _loss_fn(engine)) for _ in range(3)]
         out[key] = [(step.loss, step.grad_norm) for step in steps]
     return out
 
@@ -340,7 +342,7 @@ def engine_world_4(path: str) -> dict:
           "pp2dp2": build_layout_groups(ParallelLayout(tp=1, pp=2, dp=2), cache)}
     pg["single"] = [build_layout_groups(ParallelLayout(tp=1, pp=1, dp=1, first_rank=r), cache)
                     for r in range(4)][rank]
-    return {"layouts": check_layouts(path, pg, ("tp2dp2", "pp2dp2")),
+    return {"layouts": check_layouts(path, pg, ("tp2dp2", "pp2dp2", "tp2dp2_distopt", "pp2dp2_distopt")),
             "resume_tp2dp2_distopt": check_resume(path, pg, "tp2dp2", True),
             "resume_pp2dp2": check_resume(path, pg, "pp2dp2", False)}
 

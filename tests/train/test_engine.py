@@ -34,7 +34,7 @@ def test_distributed_optimizer_steps_like_the_plain_one(world):
         assert rank_result["loss_scaling"]["distopt_weight_diff"] < 1e-6
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "tp2_distopt", "pp2_distopt"])
 def test_layouts_match_one_rank_and_transformers(world, layout):
     for rank_result in world:
         result = rank_result["layouts"]

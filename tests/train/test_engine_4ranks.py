@@ -18,7 +18,7 @@ def world(tmp_path_factory) -> list[dict]:
     return run_distributed(engine_world_4, 4, path, timeout_s=600)
 
 
-@pytest.mark.parametrize("layout", ["tp2dp2", "pp2dp2"])
+@pytest.mark.parametrize("layout", ["tp2dp2", "pp2dp2", "tp2dp2_distopt", "pp2dp2_distopt"])
 def test_layouts_match_one_rank_and_transformers(world, layout):
     for rank_result in world:
         result = rank_result["layouts"]

@@ -20,6 +20,7 @@ from rlhf.trainer.batch import RolloutBatch  # noqa: E402
 from rlhf.trainer.rollout_dump import RolloutDumper, check_dumps, dump_path, read_dump, read_scores  # noqa: E402
 
 VOCAB = 18  # the char tokenizer: 4 special tokens + "0123456789+-= "
+POSITIONS = 64  # the model's max_position_embeddings
 
 
 def _batch():
@@ -49,7 +50,7 @@ def _write(folder, step, batch=None):
 def test_a_dump_reads_back_as_the_batch_it_trained_on(tmp_path):
     batch = _batch()
     path = _write(tmp_path, 5, batch)
-    back = read_dump(path, VOCAB)
+    back = read_dump(path, VOCAB, POSITIONS)
     for name in ("tokens_bs", "prompt_lengths_b", "response_lengths_b", "response_mask_bt", "group_index_b",
                  "rollout_logprobs_bt", "truncated_b", "scores_b", "sample_index_b", "policy_version_bt"):
         assert torch.equal(getattr(back, name), getattr(batch, name)), name
@@ -100,12 +101,105 @@ def test_bad_dump_folders_are_one_line_config_errors(tmp_path):
                                           r"sampling.n = 8; replay with the config of the run that wrote it$"):
         check_dumps(good, num_steps=1, rows_per_step=8)
     assert check_dumps(good, num_steps=1, rows_per_step=4) == [dump_path(good, 1)]
-    with pytest.raises(ConfigError, match=r"holds token id 16, outside model.path's vocabulary of 12; replay with "
-                                          r"the model \(tokenizer\) the dump was made with$"):
-        read_dump(dump_path(good, 1), 12)
+    with pytest.raises(ConfigError, match=r"step_000001.parquet row 0 column prompt_ids: token id 16 is outside "
+                                          r"model.path's vocabulary of 12; replay with the model \(tokenizer\) the "
+                                          r"dump was made with$"):
+        read_dump(dump_path(good, 1), 12, POSITIONS)
     table = pq.read_table(dump_path(good, 1))
     pq.write_table(table.drop(["score"]).replace_schema_metadata(table.schema.metadata), good / "step_000002.parquet")
     with pytest.raises(ConfigError, match=r"step_000002.parquet lacks the column\(s\) score; point --rollouts"):
         check_dumps(good, num_steps=2, rows_per_step=4)
     assert json.loads(table.schema.metadata[b"rlhf"]) == {"format": "rlhf.rollouts/1", "pad_token_id": 0,
                                                           "response_width": 4}
+
+
+def _crafted(folder, name, column, row, value, arrow_type=None):
+    """The good dump with one row's `column` set to `value` (the column keeps its type unless `arrow_type`)."""
+    table = pq.read_table(_write(folder / "good", 1))
+    values = table.column(column).to_pylist()
+    values[row] = value
+    index = table.schema.get_field_index(column)
+    field = table.schema.field(index)
+    array = pa.array(values, arrow_type or field.type)
+    crafted = table.set_column(index, pa.field(column, array.type), array)
+    path = folder / name / "step_000001.parquet"
+    path.parent.mkdir()
+    pq.write_table(crafted.replace_schema_metadata(table.schema.metadata), path)
+    return path
+
+
+@pytest.mark.parametrize("column, value, arrow_type, what", [
+    ("response_ids", [9, -3, 11], None, "token id -3 is outside model.path's vocabulary of 18"),
+    ("response_ids", [9, None, 11], None, "a null value"),
+    ("response_ids", [9, 2 ** 40, 11], None, "token id 1099511627776 is outside model.path's vocabulary of 18"),
+    ("prompt_ids", [], None, "an empty prompt"),
+    ("policy_version", [3, 2 ** 31, 3], None, "policy version 2147483648 is outside [0, 2147483647]"),
+    ("policy_version", [3, 3], None, "2 values for a response of 3 tokens"),
+    ("rollout_logprobs", [-0.5, 50.0, -0.1], None, "log-probability 50.0 is not a finite number <= 0"),
+    ("rollout_logprobs", [-0.5, float("-inf"), -0.1], None, "log-probability -inf is not a finite number <= 0"),
+    ("rollout_logprobs", [-0.5, -1e300, -0.1], pa.list_(pa.float64()),
+     "log-probability -1e+300 is not a finite number <= 0"),
+    ("score", float("nan"), None, "score nan is not a finite float32"),
+    ("score", None, None, "a null value"),
+    ("truncated", None, None, "a null value"),
+    ("uid", -1, None, "uid -1 is not a dataset index in [0, 9223372036854775807]"),
+])
+def test_a_bad_value_is_one_line_naming_the_file_row_and_column(tmp_path, column, value, arrow_type, what):
+    """They were raw tracebacks (torch's int32 overflow, a None in torch.tensor) or trained (+50 log-probs)."""
+    path = _crafted(tmp_path, "bad", column, 1, value, arrow_type)
+    fix = ("replay with the model (tokenizer) the dump was made with" if "vocabulary" in what else
+           "point --rollouts at the rollouts/ folder of a run trained with trainer.dump_rollouts=true")
+    with pytest.raises(ConfigError) as error:
+        read_dump(path, VOCAB, POSITIONS)
+    assert str(error.value) == f"rollout dump {path} row 1 column {column}: {what}; {fix}"
+    if column == "score":
+        with pytest.raises(ConfigError, match=r"row 1 column score: "):
+            read_scores(path)
+
+
+def test_a_prompt_past_the_models_positions_is_one_line(tmp_path):
+    path = _write(tmp_path, 1)
+    with pytest.raises(ConfigError) as error:
+        read_dump(path, VOCAB, 5)  # row 1: 3 prompt + 3 response tokens
+    assert str(error.value) == (f"rollout dump {path} row 1 column response_ids: 3 prompt + 3 response tokens exceed "
+                                "model.path's max_position_embeddings=5; replay with the model (tokenizer) the dump "
+                                "was made with")
+
+
+def test_a_bad_footer_is_one_line_before_any_row_is_read(tmp_path):
+    fix = "point --rollouts at the rollouts/ folder of a run trained with trainer.dump_rollouts=true"
+    table = pq.read_table(_write(tmp_path / "good", 2))
+    ids = [[str(i) for i in row] for row in table.column("prompt_ids").to_pylist()]
+    strings = tmp_path / "strings" / "step_000001.parquet"
+    strings.parent.mkdir()
+    index = table.schema.get_field_index("prompt_ids")
+    crafted = table.set_column(index, "prompt_ids", pa.array(ids, pa.list_(pa.string())))
+    pq.write_table(crafted.replace_schema_metadata(table.schema.metadata), strings)
+    with pytest.raises(ConfigError) as error:
+        check_dumps(strings.parent, num_steps=1, rows_per_step=4)
+    assert str(error.value) == (f"rollout dump {strings} column prompt_ids holds list<element: string>, expected a list "
+                                f"of integers per row; {fix}")
+    for name, metadata, message in (
+            ("not_json", b"{not json", "has 'rlhf' metadata that is not valid JSON"),
+            ("huge_int", b'{"format": "rlhf.rollouts/1", "pad_token_id": ' + b"9" * 5000 + b"}",
+             "has 'rlhf' metadata that is not valid JSON"),
+            ("deep", b"[" * 100_000 + b"]" * 100_000, "has 'rlhf' metadata that is not valid JSON"),
+            ("pad", json.dumps({"format": "rlhf.rollouts/1", "pad_token_id": "0", "response_width": 4}).encode(),
+             "metadata pad_token_id='0' is not an integer >= 0"),
+            ("width", json.dumps({"format": "rlhf.rollouts/1", "pad_token_id": 0, "response_width": -1}).encode(),
+             "metadata response_width=-1 is not an integer >= 1")):
+        path = tmp_path / name / "step_000001.parquet"
+        path.parent.mkdir()
+        pq.write_table(table.replace_schema_metadata({"rlhf": metadata}), path)
+        with pytest.raises(ConfigError) as error:
+            check_dumps(path.parent, num_steps=1, rows_per_step=4)
+        assert str(error.value) == f"rollout dump {path} {message}; {fix}"
+    wide = tmp_path / "wide" / "step_000001.parquet"
+    wide.parent.mkdir()
+    meta = {"format": "rlhf.rollouts/1", "pad_token_id": 0, "response_width": 10 ** 12}
+    pq.write_table(table.replace_schema_metadata({"rlhf": json.dumps(meta)}), wide)
+    with pytest.raises(ConfigError) as error:
+        read_dump(wide, VOCAB, POSITIONS)
+    assert str(error.value) == (f"rollout dump {wide} metadata response_width=1000000000000 is above 64 (model.path: "
+                                "vocabulary 18, max_position_embeddings 64); replay with the model (tokenizer) the dump "
+                                "was made with")
