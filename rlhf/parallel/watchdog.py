@@ -35,6 +35,7 @@ import torch.distributed as dist
 from rlhf.parallel import inflight, peers
 from rlhf.errors import ConfigError
 from rlhf.platform import set_async_error_handling_env
+from rlhf.platform.compat import torch as torch_compat
 
 EXIT_CODE = 124
 TERMINATED_EXIT_CODE = 128 + signal.SIGTERM
@@ -308,7 +309,6 @@ def _abort_group(group: dist.ProcessGroup | None) -> None:
     """Abort the process group (unblocks NCCL peers' kernels), but never let the abort itself hang the exit."""
     if not dist.is_initialized():
         return
-    # torch 2.13 has no public abort; `_abort_process_group` is c10d's own (private) entry point.
     worker = threading.Thread(target=_try_abort, args=(group,), daemon=True)
     worker.start()
     worker.join(timeout=5.0)
@@ -316,7 +316,7 @@ def _abort_group(group: dist.ProcessGroup | None) -> None:
 
 def _try_abort(group: dist.ProcessGroup | None) -> None:
     try:
-        dist.distributed_c10d._abort_process_group(group)
+        torch_compat.abort_process_group(group)
     except Exception:  # noqa: BLE001 - best effort on the way out; os._exit follows regardless
         pass
 

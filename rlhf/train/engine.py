@@ -24,8 +24,9 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from rlhf.errors import NonFiniteError
 from rlhf.models.forward import LossFn, forward_backward, routed_tokens
 from rlhf.models.hf_load import HfFolder, check_folder
-from rlhf.models.routing import has_router_losses, router_losses_per_token
-from rlhf.platform import current_device, megatron_compat
+from rlhf.models.routing import has_router_losses
+from rlhf.platform import current_device
+from rlhf.platform.compat import megatron as megatron_compat
 from rlhf.train import offload as offload_lib
 from rlhf.train.config import OptimConfig
 from rlhf.train.optim import build_optimizer, build_scheduler
@@ -124,7 +125,7 @@ class TrainEngine:
         num_tokens = torch.tensor(sum(routed_tokens(mb) for mb in micro_batches), dtype=torch.int64,
                                   device=current_device())
         dist.all_reduce(num_tokens, group=self.pg_collection.dp)
-        return router_losses_per_token(self.module, int(num_tokens))
+        return megatron_compat.router_losses_per_token(self.module, int(num_tokens))
 
     def _global_loss(self, losses: list[torch.Tensor]) -> float:
         """Sum of this step's loss values over micro-batches and DP, known to every rank of the role."""

@@ -9,7 +9,7 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from rlhf.models.megatron_globals import default_group_as
+from rlhf.platform.compat.megatron import default_group_as
 from rlhf.train.config import OptimConfig
 
 
