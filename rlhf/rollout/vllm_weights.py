@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from rlhf.errors import WeightSyncError
 from rlhf.platform.compat import vllm as vllm_compat
-from rlhf.reshard.verify import WeightSyncError
 
 # |engine - expected| <= tolerance * sum(|W| |x|): fp32 kernels reorder sums; 16-bit kernels round products.
 PROBE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
