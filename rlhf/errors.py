@@ -27,5 +27,9 @@ class CheckpointError(RlhfError, RuntimeError):
 
 class NonFiniteError(RlhfError, RuntimeError):
     """A train step produced a NaN/inf loss or gradient under a `nan_policy` of "abort"; names the step."""
+class WeightSyncError(RlhfError, RuntimeError):
+    """The rollout engine's weights differ from the trainer's after a sync, or a push was refused: names the tensor."""
+
+
 class ProcessGroupError(RlhfError, RuntimeError):
     """The ranks could not form the world (a rank missing, rank 0 unreachable): names the address and the count."""

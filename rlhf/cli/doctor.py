@@ -97,6 +97,7 @@ def clean_shm() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rlhf.orchestration.preflight import mesh_config
     from rlhf.parallel.probe import run_probe
 
     if args.clean_shm:
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         run_dir = setup_run(cfg.run, cfg, prefix="doctor")
         log = get_logger("doctor")
         try:
-            meshes = build_role_meshes(cfg.mesh, timeout_s=cfg.dist.timeout_s)
+            meshes = build_role_meshes(mesh_config(cfg), timeout_s=cfg.dist.timeout_s)
             rows = all_gather_json(_rank_row(runtime))
             probe = run_probe(group=None, num_tensors=args.probe_tensors, timeout_s=args.probe_timeout)
             report = {

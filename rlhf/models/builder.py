@@ -17,11 +17,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from rlhf.models.lm_head import GPTModelWithHiddenOutput
-from rlhf.models.megatron_globals import ensure_memory_buffer, seed_rng_tracker
 from rlhf.models.moe_tp import tensor_parallel_moe_spec
 from rlhf.models.spec import ModelSpec
 from rlhf.models.value_head import ValueHead
-from rlhf.platform import current_device, has_accelerator, megatron_compat
+from rlhf.platform import current_device, has_accelerator
+from rlhf.platform.compat import megatron as megatron_compat
 
 
 def moe_config(spec: ModelSpec, *, ep: int = 1, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
@@ -108,8 +108,8 @@ def build_gpt(hf_config: Any, pg_collection: ProcessGroupCollection, *, pre_proc
     post_process = pp_rank == pp - 1 if post_process is None else post_process
     config = transformer_config(spec, tp=tp, pp=pp, params_dtype=params_dtype, recompute=recompute,
                                 moe_kwargs=moe_config(spec, ep=pg_collection.ep.size(), **(moe_kwargs or {})))
-    seed_rng_tracker(seed, pg_collection.tp.rank())
-    ensure_memory_buffer()
+    megatron_compat.seed_rng_tracker(seed, pg_collection.tp.rank())
+    megatron_compat.ensure_memory_buffer()
     model = GPTModelWithHiddenOutput(
         config=config, transformer_layer_spec=layer_spec(config, pp_rank, pg_collection),
         vocab_size=spec.padded_vocab_size(tp),

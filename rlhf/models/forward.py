@@ -16,7 +16,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
 from rlhf.errors import ConfigError
-from rlhf.platform import megatron_compat
+from rlhf.platform.compat import megatron as megatron_compat
 
 LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict]]
 

@@ -13,7 +13,6 @@ outputs are all-gathered back. Each expert is split over tp (megatron's expert-t
 from __future__ import annotations
 
 import dataclasses
-import logging
 from functools import partial
 from typing import Any
 
@@ -24,6 +23,8 @@ from megatron.core.tensor_parallel.mappings import (gather_from_sequence_paralle
                                                     scatter_to_sequence_parallel_region)
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
+
+from rlhf.platform.compat import megatron as megatron_compat
 
 
 def _replicated_router(router_class: Any, *, config: Any, pg_collection: ProcessGroupCollection) -> Any:
@@ -67,15 +68,7 @@ class TensorParallelMoELayer(MoELayer):
         return gathered[:num_tokens].view_as(hidden_states), None
 
 
-class _UnknownMlpWarning(logging.Filter):
-    """megatron's TransformerLayer warns about any MLP class it does not list; this one it builds right."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Unknown MLP type")
-
-
-_TRANSFORMER_LAYER_LOG = logging.getLogger("megatron.core.transformer.transformer_layer")
-_TRANSFORMER_LAYER_LOG.addFilter(_UnknownMlpWarning())
+megatron_compat.silence_unknown_mlp_warning()  # megatron warns about MLP classes it does not list, as this one
 
 
 def tensor_parallel_moe_spec(block_spec: Any, pg_collection: ProcessGroupCollection) -> Any:

@@ -3,48 +3,25 @@
 `RoutingRecorder` hooks every megatron router of a model and keeps, per MoE layer (megatron's 1-based global
 layer number), the experts each token was sent to (`[tokens, top_k]`, ascending ids) plus the load and the
 router entropy. It only observes: the forward is unchanged (routing replay, which changes it, is
-`rlhf.models.routing_replay`). `router_losses_per_token` scales megatron's router losses for a whole step.
+`rlhf.models.routing_replay`); scaling megatron's router losses for a whole step patches megatron's routers, so it
+is `rlhf.platform.compat.megatron.router_losses_per_token`.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-
-def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Every megatron top-k router of `model` (one per MoE layer of this pipeline stage)."""
-    return [m for m in model.modules() if type(m).__name__ == "TopKRouter"]
+from rlhf.platform.compat.megatron import routers
 
 
 def has_router_losses(model: torch.nn.Module) -> bool:
     """Whether `model` adds a load-balancing or z-loss to its gradients."""
     config = model.config
     return bool(routers(model)) and bool(config.moe_aux_loss_coeff or config.moe_z_loss_coeff)
-
-
-@contextlib.contextmanager
-def router_losses_per_token(model: torch.nn.Module, num_tokens: int) -> Iterator[None]:
-    """While open, each forward's router losses enter the gradients weighted by its share of the `num_tokens`
-    routed in the whole optimizer step (every micro-batch and DP rank): their token-weighted mean, at the
-    configured coefficients. Megatron otherwise adds them once per micro-batch and per DP rank."""
-    config, found = model.config, routers(model)
-    saved = (config.moe_aux_loss_coeff, config.moe_z_loss_coeff, [r.calculate_per_token_loss for r in found])
-    for router in found:
-        router.calculate_per_token_loss = True  # megatron multiplies each forward's losses by its token count
-    config.moe_aux_loss_coeff = saved[0] / num_tokens if saved[0] else saved[0]
-    config.moe_z_loss_coeff = saved[1] / num_tokens if saved[1] else saved[1]
-    try:
-        yield
-    finally:
-        config.moe_aux_loss_coeff, config.moe_z_loss_coeff = saved[0], saved[1]
-        for router, per_token in zip(found, saved[2]):
-            router.calculate_per_token_loss = per_token
 
 
 @dataclass

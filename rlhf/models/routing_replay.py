@@ -18,7 +18,7 @@ from typing import Any, Callable, Literal
 import torch
 import torch.distributed as dist
 
-from rlhf.models.routing import routers
+from rlhf.platform.compat.megatron import routers
 
 ROUTING_DTYPE = torch.int16
 UNKNOWN = -1

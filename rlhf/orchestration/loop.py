@@ -26,6 +26,7 @@ from rlhf.orchestration.schema import RlhfConfig
 from rlhf.data.loader import PromptLoader, load_prompts
 from rlhf.parallel.watchdog import Watchdog
 from rlhf.parallel.meshes import RoleMeshes
+from rlhf.platform.compat import torch as torch_compat
 from rlhf.loggers import RunInfo
 from rlhf.metrics import MetricsSink, StepMetrics, read_jsonl
 from rlhf.ops.alerts import AlertMonitor
@@ -261,7 +262,7 @@ class Trainer:
         if not metrics.prometheus_port or not self.run_dir.is_rank0:
             return
         self.exporter = PrometheusExporter(metrics, world_size=dist.get_world_size(),
-                                           store=dist.distributed_c10d._get_default_store())
+                                           store=torch_compat.default_store())
         (self.run_dir.path / "prometheus.port").write_text(f"{self.exporter.port}\n")
         log.info("prometheus: serving http://%s:%d/metrics", metrics.prometheus_host, self.exporter.port)
 
@@ -269,7 +270,7 @@ class Trainer:
         """A phase that outlives comm.step_timeout_s dumps every rank's stacks to its log and exits non-zero."""
         rank = dist.get_rank()
         return Watchdog(timeout_s=self.cfg.comm.step_timeout_s, log_file=self.run_dir.path / f"rank{rank}.log",
-                        store=dist.distributed_c10d._get_default_store())
+                        store=torch_compat.default_store())
 
     def _step(self, step: int) -> dict:
         """One RL step plus its validation, logging and checkpoint."""

@@ -47,12 +47,20 @@ def architecture(path: str) -> dict:
 
 
 def mesh_config(cfg: RlhfConfig):
-    """The mesh config with exactly the roles the algorithm uses (ref only with KL, critic only with GAE)."""
+    """The mesh config with exactly the roles the run uses (ref only with KL, critic only with GAE, reward only
+    with a reward model); a `mesh.roles` that names others is a ConfigError, not overwritten."""
     algo = cfg.algo
     needed = {"actor", "rollout"} | ({"ref"} if algo.uses_ref else set()) | ({"critic"} if algo.uses_critic else set())
     if cfg.reward.model_path:
         needed.add("reward")
-    return dataclasses.replace(cfg.mesh, roles=[role for role in ROLES if role in needed])
+    roles = [role for role in ROLES if role in needed]
+    if cfg.mesh.roles is not None and set(cfg.mesh.roles) != needed:
+        why = {"ref": "algo.kl.coef > 0", "critic": "algo.advantage.kind=gae",
+               "reward": "reward.model_path set"}
+        reasons = "; ".join(f"{role}: {why[role]}" for role in roles if role in why) or "no ref, critic or reward"
+        raise ConfigError(f"mesh.roles={cfg.mesh.roles}, but this run uses {roles} ({reasons}): remove mesh.roles "
+                          f"(the roles follow from algo and reward) or set mesh.roles={roles}")
+    return dataclasses.replace(cfg.mesh, roles=roles)
 
 
 def role_dims(cfg: RlhfConfig) -> dict[str, ModelDims]:

@@ -81,8 +81,9 @@ class MeshConfig:
 
     # colocated: every role on every rank; split: roles on disjoint rank ranges
     placement: Literal["colocated", "split"] = "colocated"
-    # roles that exist (actor and rollout always; critic for gae, ref for KL, reward for a model)
-    roles: list[str] = field(default_factory=lambda: ["actor", "ref", "rollout"])
+    # roles that exist; null: those the run uses (actor and rollout always; critic for gae, ref for KL, reward for
+    # reward.model_path); `rlhf train` refuses a list that names others
+    roles: list[str] | None = None
     actor: RoleLayoutConfig = field(default_factory=RoleLayoutConfig)
     critic: RoleLayoutConfig = field(default_factory=RoleLayoutConfig)
     ref: RoleLayoutConfig = field(default_factory=RoleLayoutConfig)
@@ -90,16 +91,18 @@ class MeshConfig:
     rollout: RoleLayoutConfig = field(default_factory=RoleLayoutConfig)
 
     def __post_init__(self) -> None:
-        for role in self.roles:
-            if role not in ROLES:
-                raise ConfigError(f"mesh.roles has unknown role {role!r}; roles are {', '.join(ROLES)}")
-        if len(set(self.roles)) != len(self.roles):
-            raise ConfigError(f"mesh.roles={self.roles} lists a role twice")
-        if "actor" not in self.roles or "rollout" not in self.roles:
-            raise ConfigError(f"mesh.roles={self.roles} must include 'actor' and 'rollout'")
+        if self.roles is not None:
+            for role in self.roles:
+                if role not in ROLES:
+                    raise ConfigError(f"mesh.roles has unknown role {role!r}; roles are {', '.join(ROLES)}")
+            if len(set(self.roles)) != len(self.roles):
+                raise ConfigError(f"mesh.roles={self.roles} lists a role twice")
+            if "actor" not in self.roles or "rollout" not in self.roles:
+                raise ConfigError(f"mesh.roles={self.roles} must include 'actor' and 'rollout'")
         if self.rollout.pp != 1:
             raise ConfigError(f"mesh.rollout.pp={self.rollout.pp}: rollout engines run with pp=1; "
                               "use mesh.rollout.tp to shard the rollout model")
         if self.rollout.ep != 1:
             raise ConfigError(f"mesh.rollout.ep={self.rollout.ep}: rollout engines hold every expert (ep=1); "
                               "the weight sync gathers them from the training layout's expert-parallel ranks")
+

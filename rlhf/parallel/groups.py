@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from rlhf.parallel.layout import ParallelLayout
+from rlhf.platform.compat import megatron as megatron_compat
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -72,15 +73,7 @@ def build_layout_groups(layout: ParallelLayout, cache: GroupCache | None = None)
     everyone = cache.get(list(layout.ranks))
     if not layout.contains(rank):
         return None
-    from megatron.core.process_groups_config import ProcessGroupCollection  # slow import, needed late
-
-    pgs = ProcessGroupCollection()
-    for name, group in (("tp", tp), ("pp", pp), ("mp", mp), ("dp", dp), ("embd", embd),
-                        ("pos_embd", pos_embd), ("cp", single), ("tp_cp", tp), ("dp_cp", dp),
-                        ("intra_dp_cp", dp), ("tp_dp_cp", tp_dp), ("ep", ep), ("expt_tp", tp),
-                        ("expt_dp", expt_dp), ("tp_ep", tp_ep), ("tp_ep_pp", tp_ep_pp), ("intra_expt_dp", expt_dp),
-                        ("inter_dist_opt", single), ("intra_dist_opt", everyone)):
-        setattr(pgs, name, group)
-    pgs.hcp = []
-    pgs.layout_all = everyone  # rlhf's own: every rank of the layout (see models/megatron_globals.py)
-    return pgs
+    return megatron_compat.process_groups(
+        everyone, tp=tp, pp=pp, mp=mp, dp=dp, embd=embd, pos_embd=pos_embd, cp=single, tp_cp=tp, dp_cp=dp,
+        intra_dp_cp=dp, tp_dp_cp=tp_dp, ep=ep, expt_tp=tp, expt_dp=expt_dp, tp_ep=tp_ep, tp_ep_pp=tp_ep_pp,
+        intra_expt_dp=expt_dp, inter_dist_opt=single, intra_dist_opt=everyone, hcp=[])

@@ -86,6 +86,7 @@ def plan_meshes(cfg: MeshConfig, world_size: int, dims: ModelDims | None = None,
 
     `dims` applies to every role; `role_dims` overrides it per role (a critic may be another model).
     """
+    assert cfg.roles is not None, "mesh.roles unresolved: plan `orchestration.preflight.mesh_config(cfg)`"
     ranges = {role: _role_range(cfg, role, world_size) for role in ROLES if role in cfg.roles}
     if cfg.placement == "split":
         _check_split_ranges(ranges, world_size)

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from rlhf.parallel import inflight, peers
 from rlhf.errors import ConfigError
 from rlhf.platform import set_async_error_handling_env
+from rlhf.platform.compat import torch as torch_compat
 
 EXIT_CODE = 124
 TERMINATED_EXIT_CODE = 128 + signal.SIGTERM
@@ -42,18 +43,17 @@ _PREFIX = peers.PREFIX
 
 
 class Watchdog:
-    """Deadlines for phases (`timeout_s`) and single collectives (`collective_timeout_s`, optional)."""
+    """Deadlines for phases (`timeout_s`); a single collective is bounded by the process-group timeout
+    (`dist.timeout_s`), and the report names the one in flight."""
 
     def __init__(self, *, timeout_s: float, log_file: str | os.PathLike | None,
-                 group: dist.ProcessGroup | None = None,
-                 collective_timeout_s: float | None = None, store: dist.Store | None = None,
+                 group: dist.ProcessGroup | None = None, store: dist.Store | None = None,
                  poll_s: float = 1.0, ack_wait_s: float = 10.0, backstop_grace_s: float = 60.0) -> None:
-        for label, value in (("comm.step_timeout_s", timeout_s), ("collective_timeout_s", collective_timeout_s),
-                             ("poll_s", poll_s), ("backstop_grace_s", backstop_grace_s)):
-            if value is not None and not value > 0:
+        for label, value in (("comm.step_timeout_s", timeout_s), ("poll_s", poll_s),
+                             ("backstop_grace_s", backstop_grace_s)):
+            if not value > 0:
                 raise ConfigError(f"watchdog {label}={value!r} must be a positive number of seconds")
         self.timeout_s = timeout_s
-        self.collective_timeout_s = collective_timeout_s
         self.log_file = os.fspath(log_file) if log_file is not None else None  # None: the process stderr (fd 2)
         self.group = group
         self.store = store
@@ -168,12 +168,6 @@ class Watchdog:
             with self._lock:
                 self._set_phase((outer[0], time.monotonic(), outer[2]) if outer else None)
 
-    def beat(self) -> None:
-        """Report progress inside a long phase: its deadline restarts from now."""
-        with self._lock:
-            if self._phase is not None:
-                self._set_phase((self._phase[0], time.monotonic(), self._phase[2]))
-
     def _set_phase(self, phase: tuple[str, float, float] | None) -> None:
         """Switch phase (caller holds the lock) and re-arm the faulthandler backstop for its deadline."""
         self._phase = phase
@@ -215,9 +209,6 @@ class Watchdog:
             phase = self._phase
         if phase is not None and time.monotonic() - phase[1] > phase[2]:
             return f"phase {phase[0]!r} exceeded its {phase[2]:g}s deadline"
-        current = inflight.current()
-        if self.collective_timeout_s is not None and current and current.age_s() > self.collective_timeout_s:
-            return f"collective {current.description!r} exceeded its {self.collective_timeout_s:g}s deadline"
         return None
 
     def _publish(self, status: dict) -> None:
@@ -308,7 +299,6 @@ def _abort_group(group: dist.ProcessGroup | None) -> None:
     """Abort the process group (unblocks NCCL peers' kernels), but never let the abort itself hang the exit."""
     if not dist.is_initialized():
         return
-    # torch 2.13 has no public abort; `_abort_process_group` is c10d's own (private) entry point.
     worker = threading.Thread(target=_try_abort, args=(group,), daemon=True)
     worker.start()
     worker.join(timeout=5.0)
@@ -316,7 +306,7 @@ def _abort_group(group: dist.ProcessGroup | None) -> None:
 
 def _try_abort(group: dist.ProcessGroup | None) -> None:
     try:
-        dist.distributed_c10d._abort_process_group(group)
+        torch_compat.abort_process_group(group)
     except Exception:  # noqa: BLE001 - best effort on the way out; os._exit follows regardless
         pass
 

@@ -13,18 +13,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rlhf.platform.compat.torch import ONEDNN_LINEAR_POINTWISE, ONEDNN_REORDER_LINEAR_WEIGHT
+
 # Below this many weight elements oneDNN's fixed per-call cost outweighs its faster GEMM (measured on a
 # 2-core AVX-512 host: break-even near 64x1024 at 32 rows).
 MIN_PACKED_NUMEL = 1 << 17
-
-
-def _onednn_packing_available() -> bool:
-    """oneDNN in this torch build, with the (private, inductor-used) reorder/linear ops this module calls."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
-ONEDNN_PACKING = _onednn_packing_available()
+# oneDNN in this torch build, with the (private, inductor-used) reorder/linear ops this module calls.
+ONEDNN_PACKING = ONEDNN_REORDER_LINEAR_WEIGHT is not None and ONEDNN_LINEAR_POINTWISE is not None
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -40,29 +35,29 @@ class PreparedLinear:
                  batch_hint: int = 32) -> None:
         self.weight, self.bias = weight, bias
         self.weight_t = weight.t()
-        self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+        self.packed = (ONEDNN_REORDER_LINEAR_WEIGHT(weight.detach(), batch_hint)
                        if pack and can_pack(weight) else None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return ONEDNN_LINEAR_POINTWISE(x, self.packed, self.bias, "none", [], "")
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + x @ W^T (+ b): the residual add happens inside the GEMM."""
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
+            return ONEDNN_LINEAR_POINTWISE.binary(x, residual, self.packed, self.bias, "add")
         if x.dim() == 2 and self.bias is None:
             return torch.addmm(residual, x, self.weight_t)
         return residual + F.linear(x, self.weight, self.bias)
 
     def _silu(self, x: torch.Tensor) -> torch.Tensor:
         assert self.packed is not None
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "swish", [], "")
+        return ONEDNN_LINEAR_POINTWISE(x, self.packed, self.bias, "swish", [], "")
 
     def _mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         assert self.packed is not None
-        return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
+        return ONEDNN_LINEAR_POINTWISE.binary(x, other, self.packed, self.bias, "mul")
 
 
 class PreparedSwiGLU:

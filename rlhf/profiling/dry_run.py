@@ -101,14 +101,6 @@ def weight_sync_estimate(hf_config: Any, src: ParallelLayout, dst: ParallelLayou
             "peers_sent_to": len({t.dst_rank for t in mine.sent})}
 
 
-def fake_world(world_size: int, rank: int) -> None:
-    """Join a `world_size`-rank world as `rank` on torch's fake backend (collectives return at once)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-
-
 def dry_run(cfg: Any, world_size: int, rank: int, meshes_fn: Any) -> dict:
     """The report for `rank` of a `world_size` job: meshes (groups created for real on the fake backend),
     per-role estimates on this rank, and this rank's weight-sync plan. `meshes_fn()` builds the role meshes."""
@@ -116,8 +108,10 @@ def dry_run(cfg: Any, world_size: int, rank: int, meshes_fn: Any) -> dict:
 
     import torch.distributed as dist
 
+    from rlhf.platform.compat.torch import init_fake_world
+
     hf_config = AutoConfig.from_pretrained(cfg.model.path)
-    fake_world(world_size, rank)
+    init_fake_world(world_size, rank)
     try:
         started = time.perf_counter()
         meshes = meshes_fn()

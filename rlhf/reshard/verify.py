@@ -12,15 +12,12 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from rlhf.errors import WeightSyncError
 from rlhf.reshard.apply import dst_view, src_view
 from rlhf.reshard.planner import ReshardPlan
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _PRIME = 65521
-
-
-class WeightSyncError(RuntimeError):
-    """The rollout engine's weights differ from the trainer's after a sync."""
 
 
 def checksum(tensor: torch.Tensor) -> int:

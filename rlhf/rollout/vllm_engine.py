@@ -13,7 +13,6 @@ world (`rollout_world`), since its external_launcher builds groups over every ra
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 from collections.abc import Iterable, Iterator
@@ -26,6 +25,8 @@ import torch.distributed as dist
 from rlhf.errors import ConfigError
 from rlhf.parallel.wire import collective_device
 from rlhf.platform import has_accelerator
+from rlhf.platform.compat import torch as torch_compat
+from rlhf.platform.compat import vllm as vllm_compat
 from rlhf.rollout.config import VllmEngineConfig
 from rlhf.rollout.engine import EngineLayout
 from rlhf.rollout.sampling_params import SamplingParams, replica_seed, request_seed
@@ -75,7 +76,7 @@ class VllmEngine:
                                 enforce_eager=(not has_accelerator() if config.enforce_eager is None
                                                else config.enforce_eager),
                                 **config.memory_options(has_accelerator()))
-            self.llm.collective_rpc(worker_unlink_cpu_shm)
+            self.llm.collective_rpc(vllm_compat.unlink_cpu_shm)
         self._asleep: set[str] = set()
 
     def generate(self, prompts: PromptBatch, params: SamplingParams) -> Rollouts:
@@ -138,15 +139,10 @@ class VllmEngine:
     def close(self) -> None:
         """vLLM's teardown while rlhf's process groups still exist, leaving torch.distributed to rlhf: vLLM's
         own exit hook would also end the default group, or fail once rlhf has ended it."""
-        from vllm.distributed.parallel_state import destroy_model_parallel
-
-        client = self.llm.llm_engine.engine_core
-        if client._finalizer.detach() is None:
+        if not vllm_compat.detach_exit_hook(self.llm):
             return
         with rollout_world(self.world):
-            client.engine_core.model_executor.shutdown()
-            destroy_model_parallel()
-        gc.unfreeze()  # vLLM froze its startup objects; let the collector free them with this engine
+            vllm_compat.shutdown(self.llm)
         self.weights_ready = False
 
 
@@ -158,14 +154,12 @@ def rollout_world(group: dist.ProcessGroup | None) -> Iterator[None]:
     if group is None:
         yield
         return
-    c10d = dist.distributed_c10d
-    world, env = c10d._get_default_group(), {name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE")}
-    c10d._update_default_pg(group)
+    env = {name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE")}
     os.environ.update(RANK=str(group.rank()), WORLD_SIZE=str(group.size()))
     try:
-        yield
+        with torch_compat.default_group_swapped(group):
+            yield
     finally:
-        c10d._update_default_pg(world)
         for name, value in env.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -176,27 +170,9 @@ def rollout_world(group: dist.ProcessGroup | None) -> Iterator[None]:
 def align_group_names() -> None:
     """Collective over the world: torch names a new group by a per-process counter, so after vLLM created groups
     on the rollout ranks alone (`rollout_world`), every rank continues from the largest count."""
-    c10d = dist.distributed_c10d
-    count = torch.tensor([c10d._world.group_count], dtype=torch.int64, device=collective_device(None))
+    count = torch.tensor([torch_compat.group_count()], dtype=torch.int64, device=collective_device(None))
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    c10d._world.group_count = int(count.item())
-
-
-def worker_unlink_cpu_shm(worker: Any) -> None:
-    """Runs in a vLLM worker: remove the names of the shared-memory segments of vLLM's CPU TP/PP communicator
-    once every rank has mapped them. vLLM never unlinks them and, under external_launcher, names them the same
-    on every run, so a leftover segment fails the next engine start (`create shm ... errno: 17`)."""
-    import _posixshmem  # CPython's POSIX shared-memory calls (what multiprocessing.shared_memory uses)
-
-    from vllm.distributed import get_pp_group, get_tp_group
-
-    for group in (get_tp_group(), get_pp_group()):
-        shm = getattr(group.device_communicator, "dist_module", None)
-        if hasattr(shm, "group_name"):
-            try:
-                _posixshmem.shm_unlink(f"/{shm.group_name.lstrip('/')}_{shm.communicator.rank}")
-            except FileNotFoundError:
-                pass
+    torch_compat.set_group_count(int(count.item()))
 
 
 def rollouts_from_outputs(outputs: list, params: SamplingParams, pad_token_id: int,

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from rlhf.reshard.verify import WeightSyncError
+from rlhf.errors import WeightSyncError
+from rlhf.platform.compat import vllm as vllm_compat
 
 # |engine - expected| <= tolerance * sum(|W| |x|): fp32 kernels reorder sums; 16-bit kernels round products.
 PROBE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
@@ -149,26 +150,10 @@ def _weight_name(probe: ProbeSum, name: str) -> str:
 
 
 def worker_reload(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs inside a vLLM worker: vLLM's in-place reload, then the weight processing of a tied head again (the
-    layer-wise reload processes the head, e.g. packs it for the CPU GEMM, before the shared embedding lands) and
-    the experts kernel's own processing of fused MoE experts (vLLM runs it on the first load only, so a reload
-    leaves them in checkpoint layout, not the CPU kernel's prepacked one; the probe catches either)."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-
+    """Runs inside a vLLM worker: vLLM's in-place reload, then the weight processing it skips on a reload (of a
+    tied head and of fused MoE experts: `vllm_compat.reprocess_after_reload`; the probe catches either)."""
     worker.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
-    model = worker.model_runner.get_model()
-    embedding_weights = {id(m.weight) for m in model.modules()
-                         if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)}
-    for module in model.modules():
-        if isinstance(module, ParallelLMHead) and id(module.weight) in embedding_weights:
-            module.quant_method.process_weights_after_loading(module)
-        elif _is_experts(module):
-            module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
-
-
-def _is_experts(module: Any) -> bool:
-    """vLLM's fused MoE experts layer (all experts of one layer in `w13_weight` and `w2_weight`)."""
-    return hasattr(module, "w13_weight") and hasattr(module, "w2_weight")
+    vllm_compat.reprocess_after_reload(worker.model_runner.get_model())
 
 
 def worker_probe(worker: Any) -> list[ProbeSum]:
@@ -186,7 +171,7 @@ def worker_probe(worker: Any) -> list[ProbeSum]:
     for name, module in model.named_modules():
         own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in owner]
         owner.update({id(p): name for _, p in module.named_parameters(recurse=False) if id(p) not in owner})
-        if _is_experts(module):
+        if vllm_compat.is_fused_experts(module):
             probes.append(("experts", name, (name.removesuffix(".routed_experts"),)))
             values.append(_experts_sum(module, tp_rank))
         elif isinstance(module, LinearBase):

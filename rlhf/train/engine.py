@@ -24,8 +24,9 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from rlhf.errors import NonFiniteError
 from rlhf.models.forward import LossFn, forward_backward, routed_tokens
 from rlhf.models.hf_load import HfFolder, check_folder
-from rlhf.models.routing import has_router_losses, router_losses_per_token
-from rlhf.platform import current_device, megatron_compat
+from rlhf.models.routing import has_router_losses
+from rlhf.platform import current_device
+from rlhf.platform.compat import megatron as megatron_compat
 from rlhf.train import offload as offload_lib
 from rlhf.train.config import OptimConfig
 from rlhf.train.optim import build_optimizer, build_scheduler
@@ -42,7 +43,6 @@ class StepResult:
     grad_norm: float
     lr: float
     skipped: bool
-    num_zeros: int
     metrics: list[dict] = field(default_factory=list)
 
 
@@ -107,14 +107,12 @@ class TrainEngine:
         lr = self.lr
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self._on_non_finite(loss, grad_norm)
-            return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, skipped=True, num_zeros=0, metrics=metrics)
+            return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, skipped=True, metrics=metrics)
         self._clip(grad_norm)
-        num_zeros = self._count_zeros()
         self.optimizer.step_with_ready_grads()
         self.scheduler.step(increment=1)
         self.num_steps += 1
-        return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, skipped=False, num_zeros=num_zeros,
-                          metrics=metrics)
+        return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, skipped=False, metrics=metrics)
 
     def _router_losses(self, micro_batches: list) -> contextlib.AbstractContextManager:
         """MoE router losses as a token-weighted mean over the step's micro-batches and DP ranks (see
@@ -124,7 +122,7 @@ class TrainEngine:
         num_tokens = torch.tensor(sum(routed_tokens(mb) for mb in micro_batches), dtype=torch.int64,
                                   device=current_device())
         dist.all_reduce(num_tokens, group=self.pg_collection.dp)
-        return router_losses_per_token(self.module, int(num_tokens))
+        return megatron_compat.router_losses_per_token(self.module, int(num_tokens))
 
     def _global_loss(self, losses: list[torch.Tensor]) -> float:
         """Sum of this step's loss values over micro-batches and DP, known to every rank of the role."""
@@ -151,11 +149,6 @@ class TrainEngine:
             params = optimizer.get_parameters()
             if params:
                 clip_grad_by_total_norm_fp32(params, self.config.clip_grad, grad_norm)
-
-    def _count_zeros(self) -> int:
-        # per part: ChainedOptimizer.count_zeros omits the tp group and falls back to megatron's globals
-        return int(sum(part.count_zeros() for part in getattr(self.optimizer, "chained_optimizers",
-                                                                [self.optimizer])))
 
     def state_dict(self) -> dict:
         """This rank's small, layout-free state (scheduler, step counts); the tensors: `checkpoint_tensors`."""

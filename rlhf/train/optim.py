@@ -9,7 +9,7 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from rlhf.models.megatron_globals import default_group_as
+from rlhf.platform.compat.megatron import default_group_as
 from rlhf.train.config import OptimConfig
 
 
@@ -25,8 +25,7 @@ def build_optimizer(config: OptimConfig, model: DistributedDataParallel,
         optimizer="adam", lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
         adam_beta1=config.betas[0], adam_beta2=config.betas[1], adam_eps=config.eps,
         clip_grad=config.clip_grad, use_distributed_optimizer=config.use_distributed_optimizer,
-        params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
-        log_num_zeros_in_grad=True)
+        params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16)
     with default_group_as(pg_collection.layout_all):
         return get_megatron_optimizer(megatron_config, [model], use_gloo_process_groups=False,
                                       pg_collection=pg_collection)

@@ -23,6 +23,7 @@ from rlhf.errors import CheckpointError
 from rlhf.models.hf_load import HfFolder, check_folder, param_specs_for, stage_params
 from rlhf.models.shard_rules import merge_shards, read_shard
 from rlhf.platform import current_device
+from rlhf.platform.compat import megatron as megatron_compat
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 Tensors = dict[str, dict[str, torch.Tensor]]  # kind -> HF name -> full tensor
@@ -48,8 +49,8 @@ def _slots(optimizer: MegatronOptimizer) -> dict[int, _Slot]:
         inner = part.optimizer
         if isinstance(part, DistributedOptimizer):
             for param, (group, order) in part.model_param_group_index_map.items():
-                piece = part._get_model_param_range_map(param)["param"]
-                slots[id(param)] = _Slot(inner, inner.param_groups[group]["params"][order], (piece.start, piece.end))
+                slots[id(param)] = _Slot(inner, inner.param_groups[group]["params"][order],
+                                         megatron_compat.param_range(part, param))
         elif isinstance(part, Float16OptimizerWithFloat16Params):
             for models, mains in zip(part.float16_groups, part.fp32_from_float16_groups):
                 slots.update({id(p): _Slot(inner, main, None) for p, main in zip(models, mains)})

@@ -13,7 +13,7 @@ from rlhf.testing.distributed import run_distributed
 
 
 def mesh(**data) -> MeshConfig:
-    return from_dict(MeshConfig, data, "mesh")
+    return from_dict(MeshConfig, {"roles": ["actor", "ref", "rollout"], **data}, "mesh")
 
 
 def test_colocated_roles_span_the_world():

@@ -5,6 +5,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from rlhf.parallel.probe import run_probe
+from rlhf.platform.compat import torch as torch_compat
 from rlhf.testing.distributed import run_distributed
 
 
@@ -16,7 +17,7 @@ def _pass_then_mismatch() -> list[dict]:
 
 
 def _one_rank_absent() -> tuple[str, str]:
-    store = dist.distributed_c10d._get_default_store()
+    store = torch_compat.default_store()
     if dist.get_rank() == 1:
         # Stands in for a rank stuck elsewhere: it waits until rank 0's probe has given up on its own.
         store.wait(["probe_returned"], timedelta(seconds=600))

@@ -84,7 +84,7 @@ def _dense_fc2(family: str) -> str:
 
 def _check_pair(path, src, dst, cache, fc2_name="decoder.layers.0.mlp.linear_fc2.weight"):
     from rlhf.reshard.sync import WeightSync
-    from rlhf.reshard.verify import WeightSyncError
+    from rlhf.errors import WeightSyncError
 
     config, src_model, make_engine = _models(path, src, dst, cache)
     rank, stats = dist.get_rank(), {}

@@ -9,8 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from rlhf.errors import ConfigError
-from rlhf.reshard.verify import WeightSyncError
+from rlhf.errors import ConfigError, RlhfError, WeightSyncError
 from rlhf.rollout.hf_engine import HFEngine
 from rlhf.rollout.sampling_params import SamplingParams
 from rlhf.rollout.types import FinishReason, PromptBatch
@@ -61,6 +60,7 @@ def test_push_is_checked_against_the_checkpoint_before_anything_moves():
         with pytest.raises(WeightSyncError) as error:
             check_push(weights, shapes)
         assert str(error.value) == message
+        assert isinstance(error.value, RlhfError)  # `rlhf` reports it as one line, exit code 2
 
 
 def test_probe_tells_landed_weights_from_others():

@@ -16,7 +16,7 @@ def _probe() -> dict:
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as dispatcher
 
-    from rlhf.platform import megatron_compat
+    from rlhf.platform.compat import megatron as megatron_compat
 
     original_zeros = torch.zeros
     megatron_compat.apply()
@@ -53,7 +53,7 @@ def test_apply_adapts_megatron_only_and_is_idempotent():
 
 
 def _import_generation_after_compat() -> bool:
-    from rlhf.platform import megatron_compat
+    from rlhf.platform.compat import megatron as megatron_compat
 
     megatron_compat.apply()
     import transformers.generation.continuous_batching.utils  # noqa: F401 - annotates with torch.cuda.Stream | None

@@ -1,0 +1,341 @@
+"""megatron-core's touch-points: the CPU adapter (`apply()`), its process-wide state, and the patches rlhf needs.
+
+pinned: megatron-core==0.16.1
+
+Touch-points (name: what it does; why):
+- `apply()`, CPU hosts only (a no-op with CUDA): megatron-core touches CUDA in many places (buffers at
+  `device=torch.cuda.current_device()`, `torch.zeros(..., device="cuda")` in the schedules, CUDA RNG states,
+  `.cuda()`, grad type checks against `'torch.cuda.FloatTensor'`); exactly those are redirected:
+  - patches `torch.cuda.current_device` (the CPU device), `torch.cuda.synchronize` (nothing), `Tensor.cuda`
+    (the tensor itself), `Tensor.type()` without arguments (the CUDA type name: the optimizer and clip_grads
+    compare against it), `torch.cuda.{get,set}_rng_state` / `manual_seed` and megatron's private
+    `tensor_parallel.random._{get,set}_cuda_rng_state` (the CPU generator), `torch.cuda.Stream` /
+    `current_stream` / `stream` (host stand-ins: the MoE all-to-all dispatcher copies its split sizes on a side
+    stream; on the CPU every op is already ordered);
+  - swaps the `torch` global of every loaded `megatron.core.*` module for a proxy whose tensor factories map a
+    CUDA device to the CPU (patching `torch.zeros` globally broke `transformers`) and whose `distributed` runs
+    list all-gathers / reduce-scatters of unequal sizes (the MoE dispatcher's gathers over tp) as a padded
+    all-gather and an all-reduce: gloo only takes equal sizes;
+  - wraps `moe.*.maybe_move_tensor_to_cpu` so `as_numpy=True` returns numpy for a CPU tensor too (megatron only
+    converts device tensors, and `all_to_all_single` takes no tensor of sizes);
+  - defines `moe_utils.te_general_gemm = None`: the router's gating GEMM tests that Transformer-Engine symbol,
+    never defined without TE (a NameError in 0.16.1), so megatron takes its torch path.
+  A TorchFunctionMode is deliberately not used: autograd switches it off in backward, breaking recompute.
+- `seed_rng_tracker`: seeds the process-wide RNG tracker (`tensor_parallel.random`) that attention dropout and
+  weight init fork from, with the tp rank of the model being built (roles colocated in one process share it:
+  with dropout > 0 they must use the same tp layout).
+- `ensure_memory_buffer`: creates `parallel_state._GLOBAL_MEMORY_BUFFER` (private), the scratch buffer the
+  local attention spec takes; it holds no layout, so one per process serves every role.
+- `default_group_as`: patches `torch.distributed.all_gather_object` / `get_world_size` while megatron's
+  `get_megatron_optimizer` runs: it agrees on param-group keys over the default (world) group, which would pair
+  up roles on disjoint ranks (split placement) or built one after another, and hang or mix.
+- `process_groups`: a `ProcessGroupCollection` with rlhf's own extra attribute `layout_all` (every rank of the
+  layout); megatron ignores attributes it does not declare.
+- `param_range`: a distributed optimizer's private `_get_model_param_range_map` (the [start, end) of a param's
+  flat piece held on this DP rank), for the layout-free optimizer state.
+- `routers` / `router_losses_per_token`: megatron's `TopKRouter`s by class name; while open, each router's
+  `calculate_per_token_loss` is set and the config's `moe_aux_loss_coeff` / `moe_z_loss_coeff` are divided by
+  the step's routed tokens, so router losses are a token-weighted mean over micro-batches and DP ranks
+  (megatron otherwise adds them once per micro-batch and per DP rank).
+- `silence_unknown_mlp_warning`: a filter on `megatron.core.transformer.transformer_layer`'s logger, which
+  warns "Unknown MLP type" for any MLP class it does not list (rlhf's `TensorParallelMoELayer`).
+
+Public but version-bound, used in place (re-read them on a bump): `rlhf.models.moe_tp` overrides
+`MoELayer.forward` with its own sequence of `route` / `preprocess` / `dispatch` / `routed_experts_compute` /
+`combine` / `postprocess`; `rlhf.models.routing` hooks `TopKRouter.forward` (outputs `(probs, routing_map)`);
+`rlhf.models.routing_replay` fills the router's `router_replay` slot; `rlhf.train.state` reads the optimizers'
+`model_param_group_index_map`, `float16_groups`, `fp32_from_float16_groups`, `fp32_from_fp32_groups`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_FACTORIES = ("arange", "as_tensor", "empty", "empty_like", "full", "full_like", "linspace", "ones",
+              "ones_like", "rand", "randint", "randn", "randperm", "tensor", "zeros", "zeros_like")
+_PROXY_MARK = "_rlhf_cpu_proxy"
+_state = {"applied": False}
+
+
+def _to_cpu_device(device: Any) -> Any:
+    """A CUDA device spec (string, torch.device or ordinal) becomes the CPU device; others pass through."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cpu")
+    if isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+def _cpu_factory(factory: Any) -> Any:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    wrapped.__name__ = factory.__name__
+    wrapped.__doc__ = factory.__doc__
+    return wrapped
+
+
+def _uneven_all_gather(tensor_list: list, tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+    """`dist.all_gather`, where parts of unequal first dimension travel zero-padded to the longest."""
+    if async_op or all(part.shape == tensor.shape for part in tensor_list):
+        return torch.distributed.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    rows = max(part.shape[0] for part in tensor_list)
+    padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+    padded[:tensor.shape[0]] = tensor
+    parts = [torch.empty_like(padded) for _ in tensor_list]
+    torch.distributed.all_gather(parts, padded, group=group)
+    for out, part in zip(tensor_list, parts):
+        out.copy_(part[:out.shape[0]])
+    return None
+
+
+def _list_reduce_scatter(output: torch.Tensor, input_list: list, op: Any = None, group: Any = None,
+                         async_op: bool = False) -> None:
+    """`dist.reduce_scatter` of a list (gloo has none): an all-reduce of the whole, this rank's part kept."""
+    assert not async_op and op in (None, torch.distributed.ReduceOp.SUM)
+    full = torch.cat([part.reshape(part.shape[0], -1) for part in input_list])
+    torch.distributed.all_reduce(full, group=group)
+    start = sum(part.shape[0] for part in input_list[:torch.distributed.get_rank(group)])
+    output.copy_(full[start:start + output.shape[0]].view_as(output))
+
+
+class _HostDistributed(types.ModuleType):
+    """Stands in for `torch.distributed` inside megatron.core modules: unequal list collectives for gloo."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.distributed")
+        self.all_gather, self.reduce_scatter = _uneven_all_gather, _list_reduce_scatter
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.distributed, name)
+
+
+class _CpuTorch(types.ModuleType):
+    """Stands in for `torch` inside megatron.core modules: factories keep CUDA devices off the CPU host."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        setattr(self, _PROXY_MARK, True)
+        for name in _FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+        self.distributed = _HostDistributed()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _cpu_rng_get(*_args: Any, **_kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_rng_set(state: torch.Tensor, *_args: Any, **_kwargs: Any) -> None:
+    torch.set_rng_state(state)
+
+
+def _cpu_seed(seed: int, *_args: Any, **_kwargs: Any) -> None:
+    torch.manual_seed(seed)
+
+
+class _HostEvent:
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, *_args: Any) -> None:
+        return None
+
+
+class _HostStream:
+    """Stands in for `torch.cuda.Stream` on a CPU host, where all work runs in program order. A class, not a
+    factory: libraries annotate with `torch.cuda.Stream | None` at import time (transformers' generation)."""
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, _other: Any) -> None:
+        return None
+
+    def wait_event(self, _event: Any) -> None:
+        return None
+
+    def record_event(self, _event: Any = None) -> _HostEvent:
+        return _HostEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+
+_HOST_STREAM = _HostStream()
+
+
+def _host_copy(original: Any) -> Any:
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu.rlhf_host_copy = True
+    return maybe_move_tensor_to_cpu
+
+
+def _patch_torch() -> None:
+    original_type = torch.Tensor.type
+
+    def tensor_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        name = original_type(self, *args, **kwargs)
+        if not args and not kwargs and isinstance(name, str) and name.startswith("torch."):
+            return name.replace("torch.", "torch.cuda.", 1)
+        return name
+
+    torch.Tensor.type = tensor_type
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.Stream = _HostStream
+    torch.cuda.current_stream = lambda *args, **kwargs: _HOST_STREAM
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    torch.cuda.get_rng_state = _cpu_rng_get
+    torch.cuda.set_rng_state = _cpu_rng_set
+    torch.cuda.manual_seed = _cpu_seed
+    torch.cuda.random.get_rng_state = _cpu_rng_get
+    torch.cuda.random.set_rng_state = _cpu_rng_set
+
+
+def _patch_megatron_modules() -> None:
+    """Swap `torch` for the CPU proxy in every loaded megatron.core module (new ones on each call; the scan of
+    sys.modules is skipped while no module was imported since the last one: it runs before every forward)."""
+    if _state.get("modules_seen") == len(sys.modules):
+        return
+    _state["modules_seen"] = len(sys.modules)
+    proxy = _state.setdefault("proxy", _CpuTorch())
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("megatron.core"):
+            continue
+        if getattr(module, "torch", None) is torch:
+            module.torch = proxy
+        if name == "megatron.core.tensor_parallel.random":
+            module._get_cuda_rng_state = _cpu_rng_get
+            module._set_cuda_rng_state = _cpu_rng_set
+        if name == "megatron.core.transformer.moe.moe_utils" and not hasattr(module, "te_general_gemm"):
+            module.te_general_gemm = None
+        move = getattr(module, "maybe_move_tensor_to_cpu", None) if name.startswith("megatron.core.transformer.moe") \
+            else None
+        if move is not None and not getattr(move, "rlhf_host_copy", False):
+            module.maybe_move_tensor_to_cpu = _host_copy(move)
+
+
+def apply() -> None:
+    """Adapt megatron-core to a CPU-only host; idempotent, and a no-op when CUDA is available.
+
+    Call it after importing megatron modules (the builder and forward helpers do): modules loaded since
+    the previous call are adapted too.
+    """
+    if torch.cuda.is_available():
+        return
+    import megatron.core.pipeline_parallel.schedules  # noqa: F401 - load the modules we adapt
+    import megatron.core.tensor_parallel.random  # noqa: F401
+
+    if not _state["applied"]:
+        _patch_torch()
+        _state["applied"] = True
+    _patch_megatron_modules()
+
+
+def seed_rng_tracker(seed: int, tp_rank: int) -> None:
+    """(Re)seed megatron's process-wide RNG tracker without reading its parallel_state globals."""
+    from megatron.core import tensor_parallel
+
+    apply()
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=0, etp_rank=0,
+                                                    force_reset_rng=True)
+
+
+def ensure_memory_buffer() -> None:
+    """Create megatron's process-wide scratch buffer once (the local attention spec asks for it)."""
+    from megatron.core import parallel_state
+
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
+
+
+@contextlib.contextmanager
+def default_group_as(group: dist.ProcessGroup) -> Iterator[None]:
+    """While active, megatron's group-less `all_gather_object` / `get_world_size` calls use `group`.
+
+    Only wrap a megatron call known to use the default group for role-local agreement (optimizer building).
+    """
+    gather, world_size = dist.all_gather_object, dist.get_world_size
+
+    def role_gather(object_list, obj, group_arg=None, **kwargs):
+        return gather(object_list, obj, group=group_arg or kwargs.pop("group", None) or group, **kwargs)
+
+    def role_world_size(group_arg=None, **kwargs):
+        return world_size(group_arg or kwargs.pop("group", None) or group)
+
+    dist.all_gather_object, dist.get_world_size = role_gather, role_world_size
+    try:
+        yield
+    finally:
+        dist.all_gather_object, dist.get_world_size = gather, world_size
+
+
+def process_groups(layout_all: dist.ProcessGroup, **groups: Any) -> Any:
+    """megatron's `ProcessGroupCollection` of `groups`, carrying rlhf's `layout_all` (every rank of the layout)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection  # slow import, needed late
+
+    collection = ProcessGroupCollection(**groups)
+    collection.layout_all = layout_all
+    return collection
+
+
+def param_range(optimizer: Any, param: torch.nn.Parameter) -> tuple[int, int]:
+    """[start, end) of `param`'s flattened elements held on this DP rank by a megatron DistributedOptimizer."""
+    piece = optimizer._get_model_param_range_map(param)["param"]
+    return piece.start, piece.end
+
+
+def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every megatron top-k router of `model` (one per MoE layer of this pipeline stage)."""
+    return [m for m in model.modules() if type(m).__name__ == "TopKRouter"]
+
+
+@contextlib.contextmanager
+def router_losses_per_token(model: torch.nn.Module, num_tokens: int) -> Iterator[None]:
+    """While open, each forward's router losses enter the gradients weighted by its share of the `num_tokens`
+    routed in the whole optimizer step (every micro-batch and DP rank): their token-weighted mean, at the
+    configured coefficients. Megatron otherwise adds them once per micro-batch and per DP rank."""
+    config, found = model.config, routers(model)
+    saved = (config.moe_aux_loss_coeff, config.moe_z_loss_coeff, [r.calculate_per_token_loss for r in found])
+    for router in found:
+        router.calculate_per_token_loss = True  # megatron multiplies each forward's losses by its token count
+    config.moe_aux_loss_coeff = saved[0] / num_tokens if saved[0] else saved[0]
+    config.moe_z_loss_coeff = saved[1] / num_tokens if saved[1] else saved[1]
+    try:
+        yield
+    finally:
+        config.moe_aux_loss_coeff, config.moe_z_loss_coeff = saved[0], saved[1]
+        for router, per_token in zip(found, saved[2]):
+            router.calculate_per_token_loss = per_token
+
+
+class _UnknownMlpWarning(logging.Filter):
+    """megatron's TransformerLayer warns about any MLP class it does not list; rlhf's MoE layer it builds right."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Unknown MLP type")
+
+
+def silence_unknown_mlp_warning() -> None:
+    """Drop megatron's "Unknown MLP type" warning (idempotent)."""
+    logger = logging.getLogger("megatron.core.transformer.transformer_layer")
+    if not any(isinstance(f, _UnknownMlpWarning) for f in logger.filters):
+        logger.addFilter(_UnknownMlpWarning())

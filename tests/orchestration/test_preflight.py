@@ -1,0 +1,39 @@
+"""`mesh.roles` follows from the run when unset; a list that names other roles is refused, never overwritten."""
+
+import pytest
+
+from rlhf.config import load_config
+from rlhf.errors import ConfigError
+from rlhf.orchestration.preflight import mesh_config
+from rlhf.orchestration.schema import RlhfConfig
+
+
+def _config(*overrides: str) -> RlhfConfig:
+    return load_config(RlhfConfig, "configs/tiny_cpu.yaml", list(overrides))
+
+
+def test_unset_roles_are_those_the_run_uses():
+    assert _config().mesh.roles is None
+    assert mesh_config(_config()).roles == ["actor", "rollout"]
+    assert mesh_config(_config("algo.kl.coef=0.01", "algo.advantage.kind=gae")).roles == [
+        "actor", "critic", "ref", "rollout"]
+
+
+def test_roles_that_match_the_run_are_kept_in_any_order():
+    assert mesh_config(_config("algo.kl.coef=0.01", "mesh.roles=[rollout,ref,actor]")).roles == [
+        "actor", "ref", "rollout"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["mesh.roles=[actor,ref,rollout]"],
+     "mesh.roles=['actor', 'ref', 'rollout'], but this run uses ['actor', 'rollout'] (no ref, critic or reward): "
+     "remove mesh.roles (the roles follow from algo and reward) or set mesh.roles=['actor', 'rollout']"),
+    (["mesh.roles=[actor,rollout]", "algo.kl.coef=0.01", "algo.advantage.kind=gae"],
+     "mesh.roles=['actor', 'rollout'], but this run uses ['actor', 'critic', 'ref', 'rollout'] (critic: "
+     "algo.advantage.kind=gae; ref: algo.kl.coef > 0): remove mesh.roles (the roles follow from algo and reward) "
+     "or set mesh.roles=['actor', 'critic', 'ref', 'rollout']"),
+])
+def test_roles_that_differ_from_the_run_are_a_config_error(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        mesh_config(_config(*overrides))
+    assert str(error.value) == message
