@@ -73,3 +73,17 @@ def test_check_bad_tokenizer_folder(tmp_path, capsys):
     data.write_text(json.dumps({"prompt": "1", "data_source": "x", "reward_model": {"ground_truth": "1"}}) + "\n")
     assert invoke("check", str(data), "--tokenizer", str(tmp_path / "nothing")) == 2
     assert "--tokenizer" in capsys.readouterr().err
+
+
+def test_tasks_lists_what_make_writes(capsys):
+    assert invoke("tasks") == 0
+    names = capsys.readouterr().out.splitlines()
+    assert len(names) == 100 and "gsm_symbolic" in names and "boxnet" not in names
+
+
+def test_make_gsm_symbolic_past_five_prompts(tmp_path, capsys):
+    """The quickstart's own command crashed on the 6th item (a Fraction in its metadata)."""
+    out = tmp_path / "train.parquet"
+    assert invoke("make", "--task", "gsm_symbolic", "--num-prompts", "30", "--out", str(out)) == 0
+    assert capsys.readouterr().out == f"wrote 30 prompts of reasoning-gym 'gsm_symbolic' (seed 0) to {out}\n"
+    assert len(read_records(out)) == 30
