@@ -1,4 +1,5 @@
-"""`rlhf config --print` shows the resolved tree a run would use; `--reference` writes the reference page."""
+"""`rlhf config --print` shows the resolved tree a run would use; `--reference` prints the reference page, or
+writes it to the path given."""
 
 from __future__ import annotations
 
@@ -28,3 +29,9 @@ def test_reference_writes_the_page(tmp_path, capsys):
     out = tmp_path / "config.md"
     assert main(["config", "--reference", str(out)]) == 0
     assert out.read_text() == render(RlhfConfig) and capsys.readouterr().out == f"wrote {out}\n"
+
+
+def test_reference_without_a_path_prints_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["config", "--reference"]) == 0
+    assert capsys.readouterr().out == render(RlhfConfig) and list(tmp_path.iterdir()) == []
