@@ -24,6 +24,7 @@ T = TypeVar("T")
 LOGGER_NAME = "rlhf"
 _FORMAT = "%(asctime)s rank%(rank)s %(levelname)s %(name)s: %(message)s"
 _CONSOLE = "rlhf-console"
+FILE_ONLY = "file_only"  # `extra={FILE_ONLY: True}`: the record goes to the rank's log file, not the console
 
 
 class _RankFilter(logging.Filter):
@@ -138,6 +139,8 @@ class _ConsoleHandler(logging.StreamHandler):
     """Rank 0's console: each line goes through `tqdm.write`, so a live progress bar is redrawn below it."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, FILE_ONLY, False):
+            return
         try:
             tqdm.write(self.format(record), file=self.stream)
         except Exception:

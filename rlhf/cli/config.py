@@ -57,7 +57,11 @@ def check(cfg: RlhfConfig, world_size: int) -> int:
     if world_size < 1:
         raise ConfigError(f"--world {world_size} must be >= 1")
     from rlhf.orchestration.preflight import preflight
+    from rlhf.orchestration.previous_run import previous_run_notice
 
+    notice = previous_run_notice(cfg)
+    if notice is not None:
+        print(f"note: {notice}")
     for note in preflight(cfg, world_size):
         print(f"note: {note}")
     print(f"config OK for {world_size} rank{'s' if world_size > 1 else ''}: every check rlhf train runs before "

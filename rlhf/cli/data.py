@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from collections import Counter
 
+from rlhf.cli.failure import exit_code, report
 from rlhf.data.make import PROMPT_FORMATS, MakeConfig, make_dataset, offered_tasks, parse_task_options
 from rlhf.data.records import PromptRecord, read_records
 from rlhf.data.config import TRUNCATIONS, DataConfig
@@ -53,8 +53,8 @@ def run(args: argparse.Namespace) -> int:
             return 0
         return _make(args) if args.data_command == "make" else _check(args)
     except (ConfigError, DataError) as error:
-        print(f"rlhf data {args.data_command}: error: {error}", file=sys.stderr)
-        return 2 if isinstance(error, ConfigError) else 1
+        report(f"rlhf data {args.data_command}: error: {error}", exit_code(error))
+        return exit_code(error)
 
 
 def _make(args: argparse.Namespace) -> int:

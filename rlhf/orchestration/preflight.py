@@ -14,8 +14,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from transformers import AutoConfig
-
 from rlhf import platform
 from rlhf.algo.advantages import AdvantageKind, check_group_size
 from rlhf.orchestration.schema import RlhfConfig
@@ -76,14 +74,6 @@ def model_dims(path: str, label: str = "model.path") -> ModelDims:
     num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0
     return ModelDims(hf_config.num_hidden_layers, hf_config.num_attention_heads,
                      getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads, num_experts)
-
-
-def architecture(path: str) -> dict:
-    """What must not change across a resume: the HF config fields that define the model's parameters."""
-    hf_config = AutoConfig.from_pretrained(path)
-    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "vocab_size", "tie_word_embeddings")
-    return {key: getattr(hf_config, key, None) for key in keys}
 
 
 def mesh_config(cfg: RlhfConfig):

@@ -44,7 +44,7 @@ def replay_config(cfg: RlhfConfig) -> RlhfConfig:
     return dataclasses.replace(cfg, algo=algo, trainer=trainer)
 
 
-def replay_preflight(cfg: RlhfConfig, world_size: int) -> None:
+def replay_preflight(cfg: RlhfConfig, world_size: int) -> list[str]:
     """The dump folder's checks (format, columns, sizes; the first dump's tokens), then `rlhf train`'s."""
     files = check_dumps(cfg.replay.rollouts, num_steps=cfg.trainer.total_steps,
                         rows_per_step=cfg.data.prompts_per_step * cfg.sampling.n)
@@ -52,8 +52,9 @@ def replay_preflight(cfg: RlhfConfig, world_size: int) -> None:
     if run_path is not None and run_path in Path(cfg.replay.rollouts).resolve().parents:
         raise ConfigError(f"--rollouts {cfg.replay.rollouts} lies in the replay's own run folder {run_path}; "
                           f"set run.name to another name")
-    preflight(cfg, world_size)
+    notes = preflight(cfg, world_size)
     read_dump(files[0], read_hf_config(cfg.model.path).vocab_size)
+    return notes
 
 
 class Replayer(Trainer):
