@@ -246,9 +246,9 @@ def _check_data(cfg: RlhfConfig, problems: Problems) -> list[str]:
     sets = [(prompts, label) for prompts, label in ((train, "data.train_files"), (val, "data.val_files")) if prompts]
     if not sets:
         return []
-    for prompts, label in sets:
-        problems.check(check_positions, cfg, max(prompts.lengths), label)
-    problems.check(check_kv_cache, cfg, max(max(prompts.lengths) for prompts, _ in sets))
+    longest, label = max((max(prompts.lengths), label) for prompts, label in sets)
+    problems.check(check_positions, cfg, longest, label)
+    problems.check(check_kv_cache, cfg, longest)
     # the reward model scores training; rule rewards then only score validation
     records = ([] if cfg.reward.model_path or train is None else train.records) + (val.records if val else [])
     problems.check(Scorer(cfg.reward, tokenizer).check_sources, records)
