@@ -98,3 +98,18 @@ def test_rlhf_train_on_a_finished_run_answers_before_importing_torch(tmp_path, m
     assert out.stdout.splitlines() == [f"{run} already finished: its checkpoint is at step 3 and trainer.total_steps=3; "
                                        "raise trainer.total_steps to train on, or start afresh with another run.name "
                                        "(or checkpoint.resume=none)", "no torch 0"], out.stderr[-2000:]
+
+
+def test_the_launcher_answers_for_a_finished_run_without_starting_ranks(tmp_path, model):
+    """launch/torchrun.sh's wrapper reads the run folder first: no torch import, no rank started."""
+    cfg = _config(tmp_path, model)
+    run = _finished_run(tmp_path, cfg)
+    save_config(cfg, tmp_path / "c.yaml")
+    code = ("import sys; from rlhf.cli.torchrun import main; rc = main(sys.argv[1:]); "
+            "print('torch imported' if 'torch' in sys.modules else 'no torch', rc)")
+    out = subprocess.run([sys.executable, "-c", code, "--standalone", "--nproc_per_node=2", "-m", "rlhf", "train",
+                          "--config", str(tmp_path / "c.yaml")], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120, env={"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
+    assert out.stdout.splitlines() == [f"{run} already finished: its checkpoint is at step 3 and trainer.total_steps=3; "
+                                       "raise trainer.total_steps to train on, or start afresh with another run.name "
+                                       "(or checkpoint.resume=none)", "no torch 0"], out.stderr[-2000:]
