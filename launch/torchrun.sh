@@ -3,6 +3,8 @@
 #   launch/torchrun.sh 4 doctor
 #   launch/torchrun.sh train --config configs/tiny_cpu.yaml
 # NPROC defaults to the number of visible GPUs, or 4 local CPU ranks (gloo) when there are none.
+# A failure ends with one line naming the error (printed once, last) and an exit code by class: 1 unexpected,
+# 2 bad input, 3 checkpoint, 4 training stopped, 5 ranks (rlhf/cli/failure.py; docs/troubleshooting.md).
 set -euo pipefail
 PYTHON=${PYTHON:-python}
 
@@ -25,5 +27,5 @@ fi
 # Single-node rendezvous on a free local port, so two runs on one machine do not collide.
 PORT=${MASTER_PORT:-$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec "$PYTHON" -m torch.distributed.run --standalone --nnodes=1 --nproc_per_node="$NPROC" \
+exec "$PYTHON" -m rlhf.cli.torchrun --standalone --nnodes=1 --nproc_per_node="$NPROC" \
   --master_port="$PORT" -m rlhf "$@"

@@ -10,14 +10,20 @@ from rlhf.errors import ConfigError
 
 @dataclass(kw_only=True)
 class RunConfig:
-    """Run identity and output location; an empty name becomes `<prefix>-<UTC time>` (agreed by all ranks)."""
+    """Run identity and output location; an empty name becomes `<prefix>-<UTC time>` (agreed by all ranks).
+    Outside a terminal rank 0 prints a progress line every `progress_every` steps or `progress_every_s` seconds."""
 
     name: str = ""  # the run's folder name under output_dir; empty: `<command>-<UTC time>`
     output_dir: str = "runs"  # where run folders are created (`~` is expanded)
     log_level: str = "INFO"  # level of the console and of every rank's log file
+    progress_every: int = 10  # outside a terminal: a progress line (with ETA) every this many steps...
+    progress_every_s: float = 60.0  # ...or this many seconds, whichever comes first
 
     def __post_init__(self) -> None:
         self.output_dir = os.path.expanduser(self.output_dir)
+        if self.progress_every < 1 or not self.progress_every_s > 0:
+            raise ConfigError(f"run.progress_every={self.progress_every} and run.progress_every_s="
+                              f"{self.progress_every_s} must be >= 1 and > 0")
         if "/" in self.name or self.name in (".", ".."):
             raise ConfigError(f"run.name={self.name!r} must be a plain folder name (no '/')")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

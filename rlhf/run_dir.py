@@ -26,6 +26,7 @@ T = TypeVar("T")
 LOGGER_NAME = "rlhf"
 _FORMAT = "%(asctime)s rank%(rank)s %(levelname)s %(name)s: %(message)s"
 _CONSOLE = "rlhf-console"
+FILE_ONLY = "file_only"  # `extra={FILE_ONLY: True}`: the record goes to the rank's log file, not the console
 
 
 class _RankFilter(logging.Filter):
@@ -96,6 +97,7 @@ def setup_run(cfg: RunConfig, resolved_config: Any = None, prefix: str = "run", 
     logger.addHandler(file_handler)
     if rank == 0:
         console = _ConsoleHandler(sys.stdout)
+        console.progress_every, console.progress_every_s = cfg.progress_every, cfg.progress_every_s
         console.set_name(_CONSOLE)
         console.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(console)
@@ -139,18 +141,63 @@ def close_run() -> None:
         logger.removeHandler(handler)
 
 
-def progress(items: Iterable[T], desc: str, total: int | None = None) -> Iterator[T]:
-    """A progress bar on rank 0's terminal only: never in a log file or pipe (no `\\r` there), never on other
-    ranks; the step lines are printed above it (`_ConsoleHandler`)."""
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds + 0.5), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def progress_line(desc: str, done: int, total: int | None, elapsed_s: float) -> str:
+    """`rl: 10/200 (5%), 1m02s elapsed, eta 19m38s` (no total: the count and the elapsed time)."""
+    if not total:
+        return f"{desc}: {done} done, {_clock(elapsed_s)} elapsed"
+    eta = elapsed_s / done * (total - done) if done else 0.0
+    return f"{desc}: {done}/{total} ({100 * done // total}%), {_clock(elapsed_s)} elapsed, eta {_clock(eta)}"
+
+
+def _console() -> "_ConsoleHandler | None":
+    return next((h for h in logging.getLogger(LOGGER_NAME).handlers if isinstance(h, _ConsoleHandler)), None)
+
+
+def progress(items: Iterable[T], desc: str, total: int | None = None, *, every_steps: int | None = None,
+             every_s: float | None = None, tty: bool | None = None, clock=time.monotonic) -> Iterator[T]:
+    """Rank 0 only: a progress bar on a terminal; elsewhere (a Slurm log, a pipe) one line every `every_steps`
+    items or `every_s` seconds and at the end, to the console and rank0.log (defaults: the run's
+    `run.progress_every` / `run.progress_every_s`)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    shown = rank == 0 and sys.stdout.isatty()
-    yield from tqdm(items, desc=desc, total=total, disable=not shown, dynamic_ncols=True, file=sys.stdout)
+    if rank != 0:
+        yield from items
+        return
+    if sys.stdout.isatty() if tty is None else tty:  # the step lines are printed above it (`_ConsoleHandler`)
+        yield from tqdm(items, desc=desc, total=total, dynamic_ncols=True, file=sys.stdout)
+        return
+    console = _console()
+    every_steps = every_steps or (console.progress_every if console else 10)
+    every_s = every_s or (console.progress_every_s if console else 60.0)
+    write = get_logger("progress").info if console else (lambda line: print(line, flush=True))
+    start = last = clock()
+    done = printed = 0
+    for item in items:
+        yield item
+        done += 1
+        now = clock()
+        if done % every_steps == 0 or now - last >= every_s or done == total:
+            write(progress_line(desc, done, total, now - start))
+            last, printed = now, done
+    if done != printed:  # no total: the count at the end
+        write(progress_line(desc, done, total, clock() - start))
 
 
 class _ConsoleHandler(logging.StreamHandler):
-    """Rank 0's console: each line goes through `tqdm.write`, so a live progress bar is redrawn below it."""
+    """Rank 0's console: each line goes through `tqdm.write`, so a live progress bar is redrawn below it; it
+    carries the run's progress-line cadence for `progress` outside a terminal."""
+
+    progress_every: int = 10
+    progress_every_s: float = 60.0
 
     def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, FILE_ONLY, False):
+            return
         try:
             tqdm.write(self.format(record), file=self.stream)
         except Exception:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -34,22 +35,29 @@ def diagnostic_config(cfg: RlhfConfig, command: str) -> RlhfConfig:
                                metrics=dataclasses.replace(cfg.metrics, prometheus_port=0))
 
 
+def is_launch_rank0() -> bool:
+    """Rank 0 of the launch (torchrun's RANK, Slurm's SLURM_PROCID; a lone process), read before the world exists."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
 def run_in_world(cfg: RlhfConfig, prefix: str, body: Callable[[RlhfConfig, Any], Any],
-                 preflight: Callable[[RlhfConfig, int], None] | None = None, defer_config: bool = False) -> None:
-    """Start the world, check inputs (before any folder exists), open the run folder, run `body(cfg, run_dir)`;
-    a failure is logged with its traceback to every rank's log before it propagates. With `defer_config` the
-    body writes config.yaml itself (`RunDir.commit_config`)."""
+                 preflight: Callable[[RlhfConfig, int], list[str] | None] | None = None,
+                 defer_config: bool = False) -> None:
+    """Start the world, check inputs (before any folder exists), open the run folder, log the preflight's notes,
+    run `body(cfg, run_dir)`; a failure's traceback goes to every rank's log file (not the console: `rlhf.cli.main`
+    ends it with one line) before it propagates. With `defer_config` the body writes config.yaml itself."""
     from rlhf.parallel.runtime import distributed
-    from rlhf.run_dir import close_run, get_logger, setup_run
+    from rlhf.run_dir import FILE_ONLY, close_run, get_logger, setup_run
 
     with distributed(cfg.dist.backend, timeout_s=cfg.dist.timeout_s, seed=cfg.dist.seed) as runtime:
-        if preflight is not None:
-            preflight(cfg, runtime.world_size)
+        notes = (preflight(cfg, runtime.world_size) or []) if preflight is not None else []
         run_dir = setup_run(cfg.run, cfg, prefix=prefix, defer_config=defer_config)
+        for note in notes:
+            get_logger(prefix).warning(note)
         try:
             body(cfg, run_dir)
         except Exception:
-            get_logger(prefix).exception("%s failed", prefix)
+            get_logger(prefix).exception("%s failed", prefix, extra={FILE_ONLY: True})
             raise
         finally:
             close_run()

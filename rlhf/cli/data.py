@@ -1,14 +1,14 @@
-"""`rlhf data make` writes a verl-schema prompt dataset from a reasoning-gym task; `rlhf data check` reads one
-back, as the trainer would, and summarises it."""
+"""`rlhf data make` writes a verl-schema prompt dataset from a reasoning-gym task (`rlhf data tasks` lists them);
+`rlhf data check` reads one back, as the trainer would, and summarises it."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from collections import Counter
 
-from rlhf.data.make import PROMPT_FORMATS, MakeConfig, make_dataset, parse_task_options
+from rlhf.cli.failure import exit_code, report
+from rlhf.data.make import PROMPT_FORMATS, MakeConfig, make_dataset, offered_tasks, parse_task_options
 from rlhf.data.records import PromptRecord, read_records
 from rlhf.data.config import TRUNCATIONS, DataConfig
 from rlhf.data.tokenize import tokenize_records
@@ -23,7 +23,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "make", help="write a dataset from a reasoning-gym task",
         description="Write N prompts of a reasoning-gym task as verl-schema JSONL or parquet. Items come from "
                     "seed, seed+1, ...: give a held-out set a far-away --seed and --exclude the training files.")
-    make.add_argument("--task", required=True, help="reasoning-gym task, e.g. chain_sum, countdown, gsm_symbolic")
+    make.add_argument("--task", required=True,
+                      help="reasoning-gym task, e.g. chain_sum, countdown, gsm_symbolic (`rlhf data tasks` lists all)")
     make.add_argument("--num-prompts", type=int, required=True, help="number of prompts")
     make.add_argument("--out", required=True, help="output file, .parquet or .jsonl")
     make.add_argument("--seed", type=int, default=0, help="seed of item 0 (default 0)")
@@ -33,6 +34,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                       help="task config option, repeatable, e.g. --task-option max_terms=3")
     make.add_argument("--exclude", action="append", default=[], metavar="FILE",
                       help="dataset whose questions must not appear (repeatable); output questions are distinct")
+    commands.add_parser("tasks", help="list the reasoning-gym tasks `data make` writes, one per line")
     check = commands.add_parser("check", help="validate a dataset and summarise it",
                                 description="Read a dataset as training would; with --tokenizer, also tokenize "
                                             "it under the length policy and report prompt lengths.")
@@ -46,10 +48,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     """Run `rlhf data <command>`; a bad input prints one line to stderr and returns non-zero, writing nothing."""
     try:
+        if args.data_command == "tasks":
+            print("\n".join(offered_tasks()))
+            return 0
         return _make(args) if args.data_command == "make" else _check(args)
     except (ConfigError, DataError) as error:
-        print(f"rlhf data {args.data_command}: error: {error}", file=sys.stderr)
-        return 2 if isinstance(error, ConfigError) else 1
+        report(f"rlhf data {args.data_command}: error: {error}", exit_code(error))
+        return exit_code(error)
 
 
 def _make(args: argparse.Namespace) -> int:

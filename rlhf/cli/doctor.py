@@ -1,23 +1,28 @@
 """`rlhf doctor`: versions, devices, backend, world and mesh summary, and a small-tensor collective probe.
 
 Run it under torchrun/srun to check a whole allocation; it exits 0 only when the probe PASSes on every rank.
+Its logs go to a temp folder unless a `--config` or a `run.*` override says where (then `<run.name>-doctor`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import importlib.util
 import json
 import os
 import platform as py_platform
 import socket
+import tempfile
 from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 
 from rlhf import __version__, platform
 from rlhf.cli.common import add_config_args, config_from_args, diagnostic_config
+from rlhf.orchestration.schema import RlhfConfig
 from rlhf.parallel.meshes import build_role_meshes
 from rlhf.parallel.wire import all_gather_json
 from rlhf.parallel.runtime import distributed
@@ -96,13 +101,22 @@ def clean_shm() -> int:
     return 0
 
 
+def doctor_config(args: argparse.Namespace) -> RlhfConfig:
+    """The config doctor runs with: a bare `rlhf doctor` logs under the temp folder, not `./runs/`."""
+    cfg = diagnostic_config(config_from_args(args), "doctor")
+    if args.config is not None or any(override.startswith("run.") for override in args.overrides):
+        return cfg
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, output_dir=str(Path(tempfile.gettempdir())
+                                                                                      / "rlhf-doctor")))
+
+
 def run(args: argparse.Namespace) -> int:
     from rlhf.orchestration.preflight import mesh_config
     from rlhf.parallel.probe import run_probe
 
     if args.clean_shm:
         return clean_shm()
-    cfg = diagnostic_config(config_from_args(args), "doctor")
+    cfg = doctor_config(args)
     with distributed(cfg.dist.backend, timeout_s=cfg.dist.timeout_s, seed=cfg.dist.seed) as runtime:
         run_dir = setup_run(cfg.run, cfg, prefix="doctor")
         log = get_logger("doctor")

@@ -2,6 +2,8 @@
 
 Runs under torchrun in the rollout layout (`--tp`; dp = world / tp): each DP replica generates its share
 of the prompts and rank 0 writes every row in dataset order. Without torchrun it runs as a world of one.
+Rank 0 reports progress (a bar on a terminal, else a line every `--progress-every` batches); when every prompt's
+data_source has a rule reward and a ground truth, each row gets its `score` and the summary their mean.
 """
 
 from __future__ import annotations
@@ -35,7 +37,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--top-k", type=int, default=-1)
     parser.add_argument("--samples", type=int, default=1, help="samples per prompt")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--progress-every", type=int, default=10, metavar="N",
+                        help="outside a terminal: a progress line every N batches (default 10)")
     return parser
+
+
+def _rule_reward(rows):
+    """The built-in rule reward when it can score every row (each has a ground truth and a known source)."""
+    from rlhf.rewards.registry import RewardConfig, RuleReward
+
+    if not rows or any(row.ground_truth is None for row in rows):
+        return None
+    reward = RuleReward(RewardConfig())
+    try:
+        reward.check_sources(row.data_source for row in rows)
+    except ConfigError:
+        return None
+    return reward
 
 
 def _init_world() -> None:
@@ -77,26 +95,34 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     rows = read_records(args.data, require_ground_truth=False)[:args.limit]
     mine = rows[engine.layout.dp_rank::engine.layout.dp]
-    records = _generate_all(engine, tokenizer, mine, params, args.batch_size)
+    records = _generate_all(engine, tokenizer, mine, params, args.batch_size, _rule_reward(rows),
+                            args.progress_every)
     gathered = all_gather_json(records if engine.layout.tp_rank == 0 else [])
     if dist.get_rank() == 0:
         merged = sorted((r for part in gathered for r in part), key=lambda r: (r["index"], r["sample"]))
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("".join(json.dumps(record) + "\n" for record in merged))
-        print(json.dumps({"prompts": len(rows), "rollouts": len(merged), "out": args.out}))
+        summary = {"prompts": len(rows), "rollouts": len(merged), "out": args.out}
+        if merged and "score" in merged[0]:
+            summary["score/mean"] = sum(record["score"] for record in merged) / len(merged)
+        print(json.dumps(summary))
     close_engine(engine)
     dist.destroy_process_group()
     return 0
 
 
-def _generate_all(engine, tokenizer, rows, params: SamplingParams, batch_size: int) -> list[dict]:
+def _generate_all(engine, tokenizer, rows, params: SamplingParams, batch_size: int, reward=None,
+                  progress_every: int = 10) -> list[dict]:
     from rlhf.data.tokenize import encode_prompt
     from rlhf.rollout.types import PromptBatch
+    from rlhf.run_dir import progress
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     records = []
-    for start in range(0, len(rows), batch_size):
+    starts = range(0, len(rows), batch_size)
+    for start in progress(starts, desc=f"generate (batches of {batch_size} prompts)", total=len(starts),
+                          every_steps=progress_every):
         chunk = rows[start:start + batch_size]
         token_lists = [encode_prompt(row.prompt, tokenizer) for row in chunk]
         out = engine.generate(PromptBatch.from_token_lists(token_lists, pad_token_id=pad), params)
@@ -110,4 +136,10 @@ def _generate_all(engine, tokenizer, rows, params: SamplingParams, batch_size: i
                                 prompt_tokens=token_lists[int(out.prompt_index_r[r])], tokens=response,
                                 logprobs=out.response_logprobs_rt[r, :len(response)].tolist(),
                                 finish_reason=out.finish_reasons[r].value, policy_version=out.policy_version))
+        if reward is not None:
+            mine = records[-out.num_rollouts:]
+            scores = reward.score([chunk[int(out.prompt_index_r[r])] for r in range(out.num_rollouts)],
+                                  [record["response"] for record in mine])
+            for record, score in zip(mine, scores.tolist()):
+                record["score"] = score
     return records

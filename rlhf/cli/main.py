@@ -1,4 +1,5 @@
-"""`rlhf <command>`: dispatch to the subcommand modules; user errors print one line and exit 2."""
+"""`rlhf <command>`: dispatch to the subcommand modules; an rlhf error ends in one line and an exit code by
+class (`rlhf.cli.failure`: 2 bad input, 3 checkpoint, 4 training stopped, 5 ranks, 1 anything else)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from rlhf.cli.failure import ERROR_DIR_ENV, exit_code, report
 from rlhf.errors import RlhfError
 
 # Subcommand -> module; modules not present in this build are simply not offered.
@@ -67,5 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except RlhfError as err:
-        print(f"rlhf {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        report(f"rlhf {args.command}: error: {err}", exit_code(err))
+        return exit_code(err)
+    except Exception as err:
+        if os.environ.get(ERROR_DIR_ENV):  # the launcher's last line points at the traceback
+            first = (str(err).strip().splitlines() or [""])[0]
+            report(f"rlhf {args.command}: failed: {type(err).__name__}: {first} (traceback above and in the "
+                   "run folder's rank<k>.log)", 1)
+        raise

@@ -25,8 +25,8 @@ from rlhf.config.loader import to_dict
 
 HEADER = """# Config reference
 
-Generated from the config dataclasses by `rlhf config --reference` (a test fails when this page is stale); do
-not edit by hand. Every key can be set in the YAML file (`section:` then `key: value`) or on the command line
+Generated from the config dataclasses by `rlhf config --reference docs/config.md` (a test fails when this page
+is stale); do not edit by hand. Every key can be set in the YAML file (`section:` then `key: value`) or on the command line
 as a dotted override (`actor.optim.lr=1e-6`); `rlhf config --print --config FILE [overrides...]` prints the
 resolved tree. Unknown keys are errors with a did-you-mean hint.
 """

@@ -7,8 +7,10 @@ each global batch through `PromptSampler`, so no collective is needed.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rlhf.data.config import DataConfig
@@ -33,6 +35,10 @@ def read_dataset(paths: Sequence[str], require_ground_truth: bool = True, label:
         raise ConfigError(f"{label} is empty; list the .jsonl/.parquet prompt files (e.g. made by `rlhf data make`)")
     records: list[PromptRecord] = []
     for path in paths:
+        if not Path(path).is_file():
+            where = "" if Path(path).is_absolute() else f" (relative to {os.getcwd()})"
+            raise ConfigError(f"{label}: {path!r} is not a file{where}; point {label} at a .jsonl or .parquet "
+                              "prompt file (e.g. one made by `rlhf data make`)")
         offset = len(records)
         records.extend(dataclasses.replace(record, index=offset + record.index)
                        for record in read_records(path, require_ground_truth))

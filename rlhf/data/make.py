@@ -11,13 +11,27 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from rlhf.data.records import SUFFIXES, PromptRecord, read_records, write_records
 from rlhf.errors import ConfigError, DataError
 
 PROMPT_FORMATS = ("chat", "text", "expression")
+TUPLE_TAG, FRACTION_TAG = "__tuple__", "__fraction__"
 ATTEMPTS_PER_ITEM = 20  # with exclusions, give up after this many candidates per wanted item
+# reasoning-gym tasks `make` does not offer: no reference answer (the scorer reads the metadata), or no items of
+# their own (composite mixes other tasks)
+UNOFFERED_TASKS = {"boxnet": "no reference answers", "graph_color": "no reference answers",
+                   "propositional_logic": "no reference answers", "rubiks_cube": "no reference answers",
+                   "rush_hour": "no reference answers", "composite": "a mix of other tasks, not a task"}
+
+
+def offered_tasks() -> list[str]:
+    """The reasoning-gym tasks `rlhf data make` writes (each round-trips through the file and its scorer)."""
+    from reasoning_gym.factory import DATASETS
+
+    return sorted(set(DATASETS) - set(UNOFFERED_TASKS))
 
 
 @dataclass(kw_only=True)
@@ -45,9 +59,12 @@ def _create_task(config: MakeConfig, size: int) -> Any:
     import reasoning_gym
     from reasoning_gym.factory import DATASETS
 
+    if config.task in UNOFFERED_TASKS:
+        raise ConfigError(f"reasoning-gym task {config.task!r} is not offered ({UNOFFERED_TASKS[config.task]}); "
+                          "`rlhf data tasks` lists the tasks that are")
     if config.task not in DATASETS:
-        close = difflib.get_close_matches(config.task, DATASETS, n=3)
-        hint = f"did you mean {', '.join(close)}?" if close else "see reasoning_gym.factory.DATASETS"
+        close = difflib.get_close_matches(config.task, offered_tasks(), n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else "`rlhf data tasks` lists them"
         raise ConfigError(f"unknown reasoning-gym task {config.task!r}; {hint}")
     try:
         return reasoning_gym.create_dataset(config.task, **config.task_config, seed=config.seed, size=size)
@@ -68,13 +85,51 @@ def _prompt(item: dict[str, Any], config: MakeConfig) -> str | list[dict[str, st
     return expression.replace(" ", "") + "="
 
 
+def _tagged(value: Any) -> Any:
+    """Metadata as JSON-native values; tuples and fractions tagged so the scorer gets them back as they were
+    (rearc compares tuple grids, gsm_symbolic holds `Fraction`s); sets and numpy values become lists/scalars."""
+    if isinstance(value, dict):
+        return {key: _tagged(item) for key, item in value.items()}
+    if isinstance(value, tuple):
+        return {TUPLE_TAG: [_tagged(item) for item in value]}
+    if isinstance(value, list):
+        return [_tagged(item) for item in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted((_tagged(item) for item in value), key=repr)
+    if isinstance(value, Fraction):
+        return {FRACTION_TAG: str(value)}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "tolist"):  # numpy scalars and arrays
+        return _tagged(value.tolist())
+    return str(value)
+
+
+def _untagged(obj: dict) -> Any:
+    if len(obj) == 1 and TUPLE_TAG in obj:
+        return tuple(obj[TUPLE_TAG])
+    if len(obj) == 1 and FRACTION_TAG in obj:
+        return Fraction(obj[FRACTION_TAG])
+    return obj
+
+
+def encode_metadata(metadata: dict[str, Any]) -> str:
+    """A task item's metadata as the JSON string `extra_info.metadata` holds."""
+    return json.dumps(_tagged(metadata), sort_keys=True)
+
+
+def decode_metadata(text: str) -> dict[str, Any]:
+    """`encode_metadata`'s inverse (also reads untagged metadata written before tags existed)."""
+    return json.loads(text, object_hook=_untagged)
+
+
 def _record(item: dict[str, Any], item_index: int, position: int, config: MakeConfig) -> PromptRecord:
     if not isinstance(item.get("answer"), str):
         raise ConfigError(f"task {config.task!r} has no reference answers (its scorer checks answers against the "
                           "metadata), which rule rewards need; pick another task")
     extra_info = {
         "index": position, "task": config.task, "seed": config.seed, "item_index": item_index,
-        "question": item["question"], "metadata": json.dumps(item["metadata"], sort_keys=True),
+        "question": item["question"], "metadata": encode_metadata(item["metadata"]),
         "task_config": json.dumps(config.task_config, sort_keys=True),
     }
     return PromptRecord(prompt=_prompt(item, config), data_source=f"reasoning_gym/{config.task}",

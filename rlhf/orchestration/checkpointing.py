@@ -23,7 +23,7 @@ from rlhf.data.loader import PromptLoader
 from rlhf.models.hf_export import export_hf
 from rlhf.ops.alerts import AlertMonitor
 from rlhf.orchestration.async_schedule import AsyncSchedule
-from rlhf.orchestration.preflight import architecture
+from rlhf.orchestration.previous_run import architecture
 from rlhf.orchestration.schema import RlhfConfig
 from rlhf.orchestration.rollout_side import RolloutSide
 from rlhf.orchestration.train_side import TrainSide

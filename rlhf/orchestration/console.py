@@ -10,6 +10,7 @@ from pathlib import Path
 
 from transformers import AutoConfig
 
+from rlhf.orchestration.previous_run import finished_notice  # noqa: F401  (the loop prints it)
 from rlhf.orchestration.schema import RlhfConfig
 from rlhf.models.param_specs import param_specs
 from rlhf.parallel.layout import ParallelLayout
@@ -68,10 +69,3 @@ def end_summary(cfg: RlhfConfig, *, run_path: Path, last_step: int, elapsed_s: f
     lines.append(f"next, the actor as an HF folder: launch/torchrun.sh {world_size} export --run-dir {run_path} "
                  f"--out {run_path / 'hf'}")
     return lines
-
-
-def finished_notice(cfg: RlhfConfig, run_path: Path, start_step: int) -> str:
-    """A relaunched run that has nothing left to do says so (it used to print an empty progress bar)."""
-    return (f"{run_path} already finished: its checkpoint is at step {start_step} and trainer.total_steps="
-            f"{cfg.trainer.total_steps}; raise trainer.total_steps to train on, or start afresh with another "
-            "run.name (or checkpoint.resume=none)")

@@ -20,6 +20,7 @@ from rlhf.models.hf_export import export_config, write_metadata
 from rlhf.models.hf_load import HfFolder, check_folder, folder_head
 from rlhf.models.param_specs import hf_shapes
 from rlhf.models.spec import ModelSpec
+from rlhf.run_dir import progress
 
 _DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 
@@ -39,7 +40,8 @@ def export_checkpoint(step_dir: str | Path, out_dir: str, role: str = "actor", *
     if role not in manifest.get("hf_configs", {}):
         raise CheckpointError(f"checkpoint {path} holds no {role} (roles: {sorted(manifest.get('hf_configs', {}))})")
     folder = tensor_folders(path, manifest, role)("model")
-    for file in sorted(set(folder.file_of.values())):
+    files = sorted(set(folder.file_of.values()))
+    for file in progress(files, desc="export: verify", total=len(files)):
         problem = file_problem(path / file, manifest["files"].get(file)) or tensor_file_problem(path / file, "model")
         if problem:
             raise CorruptCheckpointError(problem)
@@ -52,7 +54,8 @@ def export_checkpoint(step_dir: str | Path, out_dir: str, role: str = "actor", *
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     weight_map = {}
-    for index, shard in enumerate(_shards(folder, names, dtype, max_shard_bytes)):
+    shards = _shards(folder, names, dtype, max_shard_bytes)
+    for index, shard in progress(enumerate(shards), desc="export: write", total=len(shards)):
         file = f"model-{index + 1:05d}.safetensors"
         write_streamed(os.path.join(staging, file), {name: folder.shape(name) for name in shard}, dtype,
                        lambda name: folder.slice(name)[:])

@@ -1,20 +1,27 @@
 """Everything decided from the config before a role is built: role layouts and their checks, the process groups,
-and `preflight` (every input check, run before the run folder exists, so bad input writes nothing)."""
+and `preflight` (every input check, run before the run folder exists, so bad input writes nothing).
+
+`preflight` needs no process group (`rlhf config --check` runs it in one process) and reports every problem at
+once: independent checks each add theirs to a `Problems` list; a check whose input failed is skipped.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig
 
 from rlhf import platform
 from rlhf.algo.advantages import AdvantageKind, check_group_size
 from rlhf.orchestration.schema import RlhfConfig
 from rlhf.data.loader import load_prompts
 from rlhf.data.sampler import PromptSampler
-from rlhf.errors import ConfigError
+from rlhf.errors import CheckpointError, ConfigError, DataError
 from rlhf.loggers import check_loggers
 from rlhf.models.config import MoeConfig
 from rlhf.ops.prometheus import check_listen
@@ -22,13 +29,49 @@ from rlhf.parallel.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes
 from rlhf.parallel.wire import broadcast_json
 from rlhf.run_dir import get_logger
 from rlhf.orchestration.async_schedule import check_async
+from rlhf.rollout.vllm_engine import INSTALL_HINT as VLLM_INSTALL_HINT
 from rlhf.trainer.checks import (check_kv_cache, check_model_folders, check_resume_path, check_reward_tokenizer,
                                  check_writable_folder, load_tokenizer, read_hf_config)
 from rlhf.trainer.config import check_batch_sizes
+from rlhf.data.tokenize import TokenizedPrompts
 from rlhf.trainer.memory import check_sleep
 from rlhf.trainer.scoring import Scorer
 
 log = get_logger("trainer")
+
+
+class Problems:
+    """The messages of failed input checks, in check order (each once); `raise_all` raises them together."""
+
+    def __init__(self) -> None:
+        self.errors: list[Exception] = []
+
+    def check(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)`, or None with its input error (config, data, checkpoint path) recorded."""
+        try:
+            return fn(*args, **kwargs)
+        except (ConfigError, DataError, CheckpointError) as error:
+            if str(error) not in map(str, self.errors):
+                self.errors.append(error)
+            return None
+
+    def raise_all(self) -> None:
+        """One problem is raised as it is; several as one ConfigError listing them all, numbered."""
+        if len(self.errors) == 1:
+            raise self.errors[0]
+        if self.errors:
+            listed = "\n".join(f"  {number}. {error}" for number, error in enumerate(self.errors, 1))
+            raise ConfigError(f"{len(self.errors)} problems in the config:\n{listed}")
+
+
+@contextmanager
+def collecting(problems: Problems | None) -> Iterator[Problems]:
+    """The caller's collector, or (for a caller that wants the old raise-on-failure contract) a fresh one whose
+    problems are raised together on exit."""
+    own = problems if problems is not None else Problems()
+    yield own
+    if problems is None:
+        own.raise_all()
 
 
 def model_dims(path: str, label: str = "model.path") -> ModelDims:
@@ -36,14 +79,6 @@ def model_dims(path: str, label: str = "model.path") -> ModelDims:
     num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0
     return ModelDims(hf_config.num_hidden_layers, hf_config.num_attention_heads,
                      getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads, num_experts)
-
-
-def architecture(path: str) -> dict:
-    """What must not change across a resume: the HF config fields that define the model's parameters."""
-    hf_config = AutoConfig.from_pretrained(path)
-    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "vocab_size", "tie_word_embeddings")
-    return {key: getattr(hf_config, key, None) for key in keys}
 
 
 def mesh_config(cfg: RlhfConfig):
@@ -79,13 +114,31 @@ def role_dims(cfg: RlhfConfig) -> dict[str, ModelDims]:
     return dims
 
 
-def check_batches(cfg: RlhfConfig, layouts: dict) -> None:
-    check_group_size(cfg.algo.advantage.kind, cfg.sampling.n)
-    for role in ("actor", "critic"):
-        if role in layouts:
-            check_batch_sizes(prompts_per_step=cfg.data.prompts_per_step, n=cfg.sampling.n,
-                              rollout_dp=layouts["rollout"].dp, role=role, role_dp=layouts[role].dp,
-                              update=getattr(cfg, role))
+def check_warmup(cfg: RlhfConfig, role: str) -> None:
+    """A trained role's LR warmup ends before its last optimizer step (it used to fail at build, unnamed)."""
+    update = getattr(cfg, role)
+    optim = update.optim
+    if optim.total_steps:
+        total, source = optim.total_steps, f"{role}.optim.total_steps"
+    else:
+        total = cfg.trainer.total_steps * update.epochs * update.mini_batches
+        source = (f"trainer.total_steps={cfg.trainer.total_steps} x {role}.epochs={update.epochs} x "
+                  f"{role}.mini_batches={update.mini_batches}")
+    if optim.warmup_steps >= total:
+        raise ConfigError(f"{role}.optim.warmup_steps={optim.warmup_steps} must be < the {role}'s {total} optimizer "
+                          f"steps ({source}); lower {role}.optim.warmup_steps or raise trainer.total_steps")
+
+
+def check_batches(cfg: RlhfConfig, layouts: dict, problems: Problems | None = None) -> None:
+    """Group size, every trained role's batch split and LR warmup (all problems, see `collecting`)."""
+    with collecting(problems) as problems:
+        problems.check(check_group_size, cfg.algo.advantage.kind, cfg.sampling.n)
+        for role in ("actor", "critic"):
+            if role in layouts:
+                problems.check(check_batch_sizes, prompts_per_step=cfg.data.prompts_per_step, n=cfg.sampling.n,
+                               rollout_dp=layouts["rollout"].dp, role=role, role_dp=layouts[role].dp,
+                               update=getattr(cfg, role))
+                problems.check(check_warmup, cfg, role)
 
 
 def rollout_dtype(cfg: RlhfConfig) -> torch.dtype:
@@ -168,16 +221,24 @@ def check_metrics_endpoint(cfg: RlhfConfig) -> None:
         raise ConfigError(error)
 
 
-def check_layouts(cfg: RlhfConfig, world_size: int) -> dict:
-    """Every role's layout for `world_size` ranks, with the batch-split and memory-phase rules checked (pure)."""
-    layouts = plan_meshes(mesh_config(cfg), world_size, model_dims(cfg.model.path), role_dims(cfg))
-    check_batches(cfg, layouts)
-    check_sleep(resolved_sleep(cfg), shares_weights(cfg, layouts))
-    correction = cfg.algo.rollout_correction.resolved(weights_shared=shares_weights(cfg, layouts))
-    check_async(cfg, layouts, dataclasses.replace(cfg.algo, rollout_correction=correction))
-    check_routing_replay(cfg, layouts)
-    check_moe_settings(cfg)
-    check_algo_settings(cfg)
+def _plan(cfg: RlhfConfig, world_size: int) -> dict:
+    return plan_meshes(mesh_config(cfg), world_size, model_dims(cfg.model.path), role_dims(cfg))
+
+
+def check_layouts(cfg: RlhfConfig, world_size: int, problems: Problems | None = None) -> dict | None:
+    """Every role's layout for `world_size` ranks, with the batch-split and memory-phase rules checked (pure);
+    None (with the problem recorded) when the layouts cannot be planned."""
+    with collecting(problems) as problems:
+        layouts = problems.check(_plan, cfg, world_size)
+        if layouts is None:
+            return None
+        check_batches(cfg, layouts, problems)
+        problems.check(check_sleep, resolved_sleep(cfg), shares_weights(cfg, layouts))
+        correction = cfg.algo.rollout_correction.resolved(weights_shared=shares_weights(cfg, layouts))
+        problems.check(check_async, cfg, layouts, dataclasses.replace(cfg.algo, rollout_correction=correction))
+        problems.check(check_routing_replay, cfg, layouts)
+        problems.check(check_moe_settings, cfg)
+        problems.check(check_algo_settings, cfg)
     return layouts
 
 
@@ -187,25 +248,87 @@ def build_meshes(cfg: RlhfConfig) -> RoleMeshes:
                              role_dims=role_dims(cfg))
 
 
-def preflight(cfg: RlhfConfig, world_size: int) -> None:
-    """Every input check that needs no role's process group (the Prometheus port check agrees over the world), run
-    before the run folder exists: bad input writes nothing."""
-    check_metrics_endpoint(cfg)
-    check_writable_folder(cfg.run.output_dir, "run.output_dir")
-    check_resume_path(cfg.checkpoint.resume)
-    check_loggers(cfg.trainer.loggers)
-    layouts = check_layouts(cfg, world_size)
-    check_model_folders(cfg)
-    tokenizer = load_tokenizer(cfg.model.path)
-    check_reward_tokenizer(cfg, tokenizer)
-    train = load_prompts(cfg.data.train_files, tokenizer, cfg.data)
-    PromptSampler(num_samples=len(train.records), global_batch_size=cfg.data.prompts_per_step, dp_rank=0,
-                  dp_size=layouts["rollout"].dp, seed=cfg.data.seed)
-    val = load_prompts(cfg.data.val_files, tokenizer, cfg.data, label="data.val_files") if cfg.data.val_files else None
-    check_kv_cache(cfg, max(len(ids) for prompts in (train, val) if prompts for ids in prompts.token_ids))
+def check_engine_installed(cfg: RlhfConfig) -> None:
+    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(VLLM_INSTALL_HINT)
+
+
+def position_models(cfg: RlhfConfig) -> list[tuple[str, str]]:
+    """(key, folder) of every model that reads prompt + response: policy (actor, ref, rollout), critic, reward."""
+    models = [("model.path", cfg.model.path)]
+    if cfg.algo.uses_critic and cfg.model.critic_path:
+        models.append(("model.critic_path", cfg.model.critic_path))
+    if cfg.reward.model_path:
+        models.append(("reward.model_path", cfg.reward.model_path))
+    return models
+
+
+def check_positions(cfg: RlhfConfig, longest_prompt: int, label: str) -> None:
+    """The longest prompt + sampling.max_new_tokens fits every model's position table (past it, RoPE models
+    train on positions they never saw: reward 0 and no word)."""
+    needed = longest_prompt + cfg.sampling.max_new_tokens
+    for key, path in position_models(cfg):
+        positions = getattr(read_hf_config(path, key), "max_position_embeddings", None)
+        if positions is not None and needed > positions:
+            raise ConfigError(
+                f"the longest prompt in {label} ({longest_prompt} tokens) + sampling.max_new_tokens="
+                f"{cfg.sampling.max_new_tokens} = {needed} positions, but {key}={path!r} has max_position_embeddings="
+                f"{positions}; lower sampling.max_new_tokens, or data.max_prompt_length with data.truncation=filter "
+                f"(or left), to fit {positions}")
+
+
+def length_policy_note(prompts: TokenizedPrompts, cfg: RlhfConfig, label: str) -> str | None:
+    """One line counting the prompts data.truncation dropped or cut (they are not an error, but not silent)."""
+    if not prompts.num_filtered and not prompts.num_truncated:
+        return None
+    total = len(prompts.records) + prompts.num_filtered
+    done = (f"{prompts.num_filtered} dropped" if cfg.data.truncation == "filter"
+            else f"{prompts.num_truncated} truncated ({cfg.data.truncation} end cut)")
+    return (f"{label}: {done} of {total} prompts longer than data.max_prompt_length={cfg.data.max_prompt_length} "
+            f"tokens (data.truncation={cfg.data.truncation})")
+
+
+def _check_data(cfg: RlhfConfig, problems: Problems) -> list[str]:
+    """Tokenizer, prompt files, their lengths against the models and the KV cache, reward sources; the notes."""
+    if problems.check(read_hf_config, cfg.model.path) is None:
+        return []  # the data checks read the policy's tokenizer and positions
+    tokenizer = problems.check(load_tokenizer, cfg.model.path)
+    if tokenizer is None:
+        return []
+    problems.check(check_reward_tokenizer, cfg, tokenizer)
+    train = problems.check(load_prompts, cfg.data.train_files, tokenizer, cfg.data)
+    if train is not None:  # enough prompts for one step (the dp split is check_batch_sizes')
+        problems.check(PromptSampler, num_samples=len(train.records), global_batch_size=cfg.data.prompts_per_step,
+                       dp_rank=0, dp_size=1, seed=cfg.data.seed)
+    val = (problems.check(load_prompts, cfg.data.val_files, tokenizer, cfg.data, label="data.val_files")
+           if cfg.data.val_files else None)
+    sets = [(prompts, label) for prompts, label in ((train, "data.train_files"), (val, "data.val_files")) if prompts]
+    if not sets:
+        return []
+    longest, label = max((max(prompts.lengths), label) for prompts, label in sets)
+    problems.check(check_positions, cfg, longest, label)
+    problems.check(check_kv_cache, cfg, longest)
     # the reward model scores training; rule rewards then only score validation
-    records = ([] if cfg.reward.model_path else train.records) + (val.records if val else [])
-    Scorer(cfg.reward, tokenizer).check_sources(records)
+    records = ([] if cfg.reward.model_path or train is None else train.records) + (val.records if val else [])
+    problems.check(Scorer(cfg.reward, tokenizer).check_sources, records)
+    return [note for prompts, label in sets if (note := length_policy_note(prompts, cfg, label))]
+
+
+def preflight(cfg: RlhfConfig, world_size: int) -> list[str]:
+    """Every input check that needs no process group, run before the run folder exists: bad input writes nothing.
+    All problems are raised at once (see `Problems.raise_all`); returns the notes worth a line (prompts the
+    length policy dropped or cut)."""
+    problems = Problems()
+    problems.check(check_metrics_endpoint, cfg)
+    problems.check(check_writable_folder, cfg.run.output_dir, "run.output_dir")
+    problems.check(check_resume_path, cfg.checkpoint.resume)
+    problems.check(check_loggers, cfg.trainer.loggers)
+    problems.check(check_engine_installed, cfg)
+    check_layouts(cfg, world_size, problems)
+    problems.check(check_model_folders, cfg)
+    notes = _check_data(cfg, problems)
+    problems.raise_all()
+    return notes
 
 
 def resolved_algo(cfg: RlhfConfig, layouts: dict):

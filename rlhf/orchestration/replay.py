@@ -43,18 +43,19 @@ def replay_config(cfg: RlhfConfig) -> RlhfConfig:
     return dataclasses.replace(cfg, algo=algo, trainer=trainer)
 
 
-def replay_preflight(cfg: RlhfConfig, world_size: int) -> None:
+def replay_preflight(cfg: RlhfConfig, world_size: int) -> list[str]:
     """The dump folder's checks (format, metadata, column types, sizes; the first dump's rows), then
-    `rlhf train`'s."""
+    `rlhf train`'s; returns its notes."""
     files = check_dumps(cfg.replay.rollouts, num_steps=cfg.trainer.total_steps,
                         rows_per_step=cfg.data.prompts_per_step * cfg.sampling.n)
     run_path = (Path(cfg.run.output_dir) / cfg.run.name).resolve() if cfg.run.name else None
     if run_path is not None and run_path in Path(cfg.replay.rollouts).resolve().parents:
         raise ConfigError(f"--rollouts {cfg.replay.rollouts} lies in the replay's own run folder {run_path}; "
                           f"set run.name to another name")
-    preflight(cfg, world_size)
+    notes = preflight(cfg, world_size)
     hf_config = read_hf_config(cfg.model.path)
     read_dump(files[0], hf_config.vocab_size, hf_config.max_position_embeddings)
+    return notes
 
 
 class Replayer(Trainer):

@@ -12,6 +12,8 @@ import json
 import re
 from typing import Any
 
+from rlhf.data.make import decode_metadata
+
 SOURCE_PREFIX = "reasoning_gym/"
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -42,7 +44,7 @@ def score_reasoning_gym(data_source: str, solution_str: str, ground_truth: str |
     if ground_truth is None:
         raise ValueError("reasoning-gym scoring needs reward_model.ground_truth")
     dataset = _dataset(task_of(data_source), extra_info.get("task_config") or "{}")
-    entry = {"answer": ground_truth, "metadata": json.loads(extra_info.get("metadata") or "{}")}
+    entry = {"answer": ground_truth, "metadata": decode_metadata(extra_info.get("metadata") or "{}")}
     return float(dataset.score_answer(response_answer(solution_str), entry))
 
 

@@ -50,7 +50,8 @@ def check_model_folders(cfg: Any) -> None:
     if cfg.reward.model_path:
         folders.append(("reward.model_path", cfg.reward.model_path, True))
     for label, path, value_head in folders:
-        check_folder(HfFolder(path), ModelSpec.from_hf(read_hf_config(path, label)), value_head=value_head)
+        spec = ModelSpec.from_hf(read_hf_config(path, label))  # first: it names the key of a wrong path
+        check_folder(HfFolder(path), spec, value_head=value_head)
 
 
 def check_resume_path(resume: str) -> None:

@@ -1,7 +1,7 @@
 """Learning-curve figures from runs' metrics.jsonl: `curve.png` of every RL run (`trainer.plot`), and the demo's
-before/after summary (SFT then RL).
+before/after summary (SFT then RL, beside SFT continued for as many optimizer steps as RL: the equal-compute arm).
 
-    python -m rlhf.trainer.plot --rl runs/demo/grpo --out runs/demo [--sft runs/demo/sft]
+    python -m rlhf.trainer.plot --rl runs/demo/grpo --out runs/demo [--sft runs/demo/sft] [--sft-more runs/demo/sft_more]
 """
 
 from __future__ import annotations
@@ -14,21 +14,31 @@ from rlhf.metrics import read_jsonl
 
 VAL = "val/score/mean@1"
 REWARD = "critic/score/mean"
+STEP_TIME = "timing_s/step"
 # The run curve's panels: a title and the metrics it draws (those a run logged; KL is the loss term or the penalty).
 RUN_PANELS = (("train reward", (REWARD,)), ("validation score", ("val/score/mean@",)),
               ("KL to the reference", ("actor/kl_loss", "actor/reward_kl_penalty")),
               ("response length (tokens)", ("response_length/mean",)))
 
 
-def summarize(sft_rows: list[dict], rl_rows: list[dict]) -> dict:
+def _arm(prefix: str, rows: list[dict]) -> dict:
+    """One arm after the SFT policy: its validation curve, final and best accuracy, steps and step time."""
+    val = [(r["step"], r[VAL]) for r in rows if VAL in r]
+    return {f"{prefix}_val_curve": val, f"{prefix}_final_accuracy": val[-1][1] if val else None,
+            f"{prefix}_best_accuracy": max(v for _, v in val) if val else None,
+            f"{prefix}_steps": max((r["step"] for r in rows), default=0),
+            f"{prefix}_step_time_s": sum(r.get(STEP_TIME, 0.0) for r in rows)}
+
+
+def summarize(sft_rows: list[dict], rl_rows: list[dict], sft_more_rows: list[dict] = ()) -> dict:
+    """The SFT policy's accuracy, then the RL arm's and (when run) the equal-compute SFT arm's."""
     sft_val = [(r["step"], r[VAL]) for r in sft_rows if VAL in r]
     rl_val = [(r["step"], r[VAL]) for r in rl_rows if VAL in r]
-    return {"sft_val_curve": sft_val, "rl_val_curve": rl_val,
-            "sft_only_accuracy": sft_val[-1][1] if sft_val else None,
-            "rl_start_accuracy": rl_val[0][1] if rl_val else None,
-            "rl_final_accuracy": rl_val[-1][1] if rl_val else None,
-            "rl_best_accuracy": max(v for _, v in rl_val) if rl_val else None,
-            "rl_steps": max((r["step"] for r in rl_rows), default=0)}
+    summary = {"sft_val_curve": sft_val, "sft_only_accuracy": sft_val[-1][1] if sft_val else None,
+               "rl_start_accuracy": rl_val[0][1] if rl_val else None, **_arm("rl", rl_rows)}
+    if sft_more_rows:
+        summary.update(_arm("sft_more", sft_more_rows))
+    return summary
 
 
 def _pyplot():
@@ -71,8 +81,9 @@ def plot_run(rows: list[dict], out: Path) -> Path | None:
     return path
 
 
-def plot(sft_rows: list[dict], rl_rows: list[dict], out: Path) -> Path | None:
-    """curve.png: train reward per RL step, and held-out accuracy across SFT then RL steps."""
+def plot(sft_rows: list[dict], rl_rows: list[dict], out: Path, sft_more_rows: list[dict] = ()) -> Path | None:
+    """curve.png: train reward per RL step, and held-out accuracy across SFT then RL steps (and then SFT steps
+    of the equal-compute arm)."""
     plt = _pyplot()
     if plt is None:
         return None
@@ -88,6 +99,10 @@ def plot(sft_rows: list[dict], rl_rows: list[dict], out: Path) -> Path | None:
         right.plot(*zip(*sft_val), "o-", color="tab:gray", label="SFT (labelled answers)")
     if rl_val:
         right.plot(*zip(*rl_val), "o-", color="tab:red", label="GRPO (reward only)")
+    more_val = [(sft_steps + r["step"], r[VAL]) for r in sft_more_rows if VAL in r]
+    if more_val:
+        start = sft_val[-1:] if sft_val else []
+        right.plot(*zip(*(start + more_val)), "s--", color="tab:green", label="SFT continued (same optimizer steps)")
     right.axvline(sft_steps, color="k", lw=0.5, ls="--")
     right.set(title="held-out accuracy (greedy, mean@1)", xlabel="step (SFT, then RL)", ylabel="accuracy")
     right.legend()
@@ -102,19 +117,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sft", help="the SFT run before RL (its validation curve comes first)")
     parser.add_argument("--rl", required=True)
+    parser.add_argument("--sft-more", help="SFT continued from the SFT policy for the RL run's optimizer steps")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     sft_rows = read_jsonl(Path(args.sft) / "metrics.jsonl") if args.sft else []
     rl_rows = read_jsonl(Path(args.rl) / "metrics.jsonl")
+    more_rows = read_jsonl(Path(args.sft_more) / "metrics.jsonl") if args.sft_more else []
     out = Path(args.out)
-    summary = summarize(sft_rows, rl_rows)
+    summary = summarize(sft_rows, rl_rows, more_rows)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    figure = plot(sft_rows, rl_rows, out)
+    figure = plot(sft_rows, rl_rows, out, more_rows)
     if summary["sft_only_accuracy"] is not None:
         print(f"held-out accuracy after SFT only : {summary['sft_only_accuracy']:.3f}")
     if summary["rl_final_accuracy"] is not None:
         print(f"held-out accuracy after GRPO     : {summary['rl_final_accuracy']:.3f} "
-              f"(best {summary['rl_best_accuracy']:.3f}, {summary['rl_steps']} RL steps)")
+              f"(best {summary['rl_best_accuracy']:.3f}, {summary['rl_steps']} RL steps, "
+              f"{summary['rl_step_time_s']:.0f} s of steps)")
+    if summary.get("sft_more_final_accuracy") is not None:
+        print(f"held-out accuracy after more SFT : {summary['sft_more_final_accuracy']:.3f} "
+              f"(best {summary['sft_more_best_accuracy']:.3f}, {summary['sft_more_steps']} more SFT steps, "
+              f"{summary['sft_more_step_time_s']:.0f} s of steps)")
     print(f"curve: {figure or 'matplotlib not installed, no figure'}; summary: {out / 'summary.json'}")
     return 0
 

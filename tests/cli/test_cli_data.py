@@ -30,7 +30,7 @@ def test_make_writes_a_readable_dataset(tmp_path, capsys):
 @pytest.mark.parametrize("argv, rc, message", [
     (["--task", "nope", "--num-prompts", "3"], 2, "unknown reasoning-gym task 'nope'"),
     (["--task", "chain_sum", "--num-prompts", "3", "--task-option", "oops"], 2, "task option 'oops' must be written key=value"),
-    (["--task", "chain_sum", "--num-prompts", "3", "--exclude", "missing.jsonl"], 1, "missing.jsonl: dataset file not found"),
+    (["--task", "chain_sum", "--num-prompts", "3", "--exclude", "missing.jsonl"], 2, "missing.jsonl: dataset file not found"),
     (["--task", "chain_sum", "--num-prompts", "1", "--out", "x.csv"], 2, "--out 'x.csv' must end in one of .jsonl, .parquet"),
 ])
 def test_make_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch, argv, rc, message):
@@ -45,7 +45,7 @@ def test_make_with_malformed_exclude_file_names_its_line(tmp_path, capsys):
     bad = tmp_path / "train.jsonl"
     bad.write_text(json.dumps({"prompt": "1+1=", "data_source": "x"}) + "\n{oops\n")
     out = tmp_path / "held.jsonl"
-    assert invoke("make", "--task", "chain_sum", "--num-prompts", "2", "--out", str(out), "--exclude", str(bad)) == 1
+    assert invoke("make", "--task", "chain_sum", "--num-prompts", "2", "--out", str(out), "--exclude", str(bad)) == 2
     assert capsys.readouterr().err == f"rlhf data make: error: {bad}:2: invalid JSON (Expecting property name " \
                                       "enclosed in double quotes at column 2)\n"
     assert not out.exists()
@@ -62,7 +62,7 @@ def test_check_summarises_and_tokenizes(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines() == [
         f"{data}: 5 prompts; data sources: reasoning_gym/chain_sum (5)",
         "prompt tokens: min 4, mean 4.0, max 4; kept 5, filtered 0, truncated 0 (max_prompt_length 4, filter)"]
-    assert invoke("check", str(data), "--tokenizer", str(tmp_path / "tok"), "--max-prompt-length", "3") == 1
+    assert invoke("check", str(data), "--tokenizer", str(tmp_path / "tok"), "--max-prompt-length", "3") == 2
     err = capsys.readouterr().err
     assert err.startswith("rlhf data check: error: prompt index 0 (data_source='reasoning_gym/chain_sum') has 4 "
                           "tokens > data.max_prompt_length=3") and err.count("\n") == 1
@@ -73,3 +73,17 @@ def test_check_bad_tokenizer_folder(tmp_path, capsys):
     data.write_text(json.dumps({"prompt": "1", "data_source": "x", "reward_model": {"ground_truth": "1"}}) + "\n")
     assert invoke("check", str(data), "--tokenizer", str(tmp_path / "nothing")) == 2
     assert "--tokenizer" in capsys.readouterr().err
+
+
+def test_tasks_lists_what_make_writes(capsys):
+    assert invoke("tasks") == 0
+    names = capsys.readouterr().out.splitlines()
+    assert len(names) == 100 and "gsm_symbolic" in names and "boxnet" not in names
+
+
+def test_make_gsm_symbolic_past_five_prompts(tmp_path, capsys):
+    """The quickstart's own command crashed on the 6th item (a Fraction in its metadata)."""
+    out = tmp_path / "train.parquet"
+    assert invoke("make", "--task", "gsm_symbolic", "--num-prompts", "30", "--out", str(out)) == 0
+    assert capsys.readouterr().out == f"wrote 30 prompts of reasoning-gym 'gsm_symbolic' (seed 0) to {out}\n"
+    assert len(read_records(out)) == 30

@@ -52,3 +52,18 @@ def test_bad_override_is_one_line_error(tmp_path):
 def test_launch_scripts_parse():
     for script in sorted((ROOT / "launch").rglob("*.sh")) + sorted((ROOT / "launch").rglob("*.sbatch")):
         subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+def test_bare_doctor_logs_under_the_temp_folder(tmp_path, monkeypatch):
+    """A bare `rlhf doctor` used to leave runs/doctor-<time>/ in the working directory."""
+    from rlhf.cli.doctor import doctor_config
+    from rlhf.cli.main import build_parser
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    parse = build_parser("doctor").parse_args
+    assert doctor_config(parse(["doctor"])).run.output_dir == str(tmp_path / "rlhf-doctor")
+    assert doctor_config(parse(["doctor", "mesh.rollout.tp=1"])).run.output_dir == str(tmp_path / "rlhf-doctor")
+    assert doctor_config(parse(["doctor", "run.output_dir=mine"])).run.output_dir == "mine"
+    asked = doctor_config(parse(["doctor", "--config", str(ROOT / "configs/tiny_cpu.yaml")])).run
+    assert asked.output_dir == "runs" and asked.name == ""  # doctor-<time> under runs/

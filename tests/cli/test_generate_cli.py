@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -98,3 +99,36 @@ def test_generate_with_vllm_pushes_the_checkpoint_and_exits_cleanly(tmp_path):
         torch.testing.assert_close(torch.tensor(row["logprobs"]),
                                    logprobs.gather(-1, tokens[0, len(row["prompt_tokens"]):, None])[:, 0],
                                    atol=1e-5, rtol=0)
+
+
+def _run_cli_capturing(argv):
+    import contextlib
+    import io
+
+    from rlhf.cli.main import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    return code, out.getvalue()
+
+
+def test_generate_reports_progress_and_the_scores_of_rewarded_data(tmp_path):
+    """Outside a terminal a progress line per `--progress-every` batches; gsm8k rows get their rule-reward score."""
+    model_dir, data, out = tmp_path / "model", tmp_path / "prompts.jsonl", tmp_path / "gen.jsonl"
+    tiny_hf_model("llama", seed=2).save_pretrained(model_dir)
+    _save_char_tokenizer(model_dir)
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "data_source": "openai/gsm8k",
+                                        "reward_model": {"ground_truth": str(i + 1)}}) + "\n" for i in range(5)))
+    argv = ["generate", "--model", str(model_dir), "--data", str(data), "--out", str(out), "--temperature", "0",
+            "--max-new-tokens", "3", "--batch-size", "2", "--progress-every", "1"]
+    [(code, stdout)] = run_distributed(_run_cli_capturing, 1, argv, backend="none", timeout_s=180)
+    lines = stdout.splitlines()
+    assert code == 0 and len(lines) == 4
+    for done, line in enumerate(lines[:3], 1):
+        assert re.fullmatch(rf"generate \(batches of 2 prompts\): {done}/3 \({100 * done // 3}%\), \S+ elapsed, "
+                            r"eta \S+", line), line
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(row["score"] in (0.0, 1.0) for row in rows)
+    assert json.loads(lines[3]) == {"prompts": 5, "rollouts": 5, "out": str(out),
+                                    "score/mean": sum(row["score"] for row in rows) / 5}

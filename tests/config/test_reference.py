@@ -15,7 +15,7 @@ def _keys() -> dict:
 
 
 def test_reference_page_is_current():
-    assert PAGE.read_text() == render(RlhfConfig), "docs/config.md is stale: run `rlhf config --reference`"
+    assert PAGE.read_text() == render(RlhfConfig), "docs/config.md is stale: run `rlhf config --reference docs/config.md`"
 
 
 def test_every_key_is_described_with_type_default_and_choices():

@@ -82,7 +82,7 @@ def test_cli_one_line_error_and_nothing_written(tiny, tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model: {{path: {tiny['model']}}}\ndata: {{train_files: [{tiny['train']}], prompts_per_step: 4}}\n"
                    f"run: {{output_dir: {tmp_path / 'runs'}}}\nactor: {{micro_batch_size: 3}}\n"
-                   "dist: {backend: gloo}\n")
+                   "dist: {backend: gloo}\nsampling: {max_new_tokens: 8}\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     out = subprocess.run([sys.executable, "-m", "rlhf", "train", "--config", str(cfg)], env=env,
                          capture_output=True, text=True, timeout=180)
