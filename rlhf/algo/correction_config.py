@@ -113,9 +113,10 @@ class RolloutCorrectionConfig:
                               "but bypass mode computes them per micro-batch from the current policy; set it false "
                               "or bypass_mode=false")
         if self.bypass_mode and self.rollout_is is not None and self.loss_type is BypassLossType.PPO_CLIP:
-            raise ConfigError("algo.rollout_correction.rollout_is with bypass_mode and loss_type=ppo_clip has no "
-                              "effect (the PPO ratio pi_theta/pi_rollout is the correction); set rollout_is null, "
-                              "or loss_type=reinforce to weight REINFORCE by it")
+            raise ConfigError("algo.rollout_correction.bypass_mode=true anchors PPO at the rollout log-probs (its "
+                              "ratio pi_theta/pi_rollout is the correction), so rollout_is has no effect with "
+                              "loss_type=ppo_clip; set rollout_is null, or loss_type=reinforce to weight REINFORCE "
+                              "by it")
         if not self.bypass_mode and self.loss_type is not BypassLossType.PPO_CLIP:
             raise ConfigError(f"algo.rollout_correction.loss_type={self.loss_type.value} applies in bypass mode only; "
                               "set bypass_mode=true or loss_type=ppo_clip")

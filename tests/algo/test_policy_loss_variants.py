@@ -90,7 +90,8 @@ def test_geo_mean_clips_log_ratios_by_the_advantage_sign_and_averages_rows():
     loss, grad, metrics = _run("geo_mean", ratios, adv, clip_low=0.2, clip_high=0.28, agg="seq-mean-token-mean")
     assert loss == pytest.approx((-row0 + 2.0 * math.exp(-0.2)) / 2)
     torch.testing.assert_close(grad, _grad([0.0, -row0 / 2 / 2, 0.0]))
-    assert metrics.pg_clipfrac.item() == pytest.approx(1 / 3) and metrics.pg_clipfrac_lower.item() == pytest.approx(1 / 3)
+    assert metrics.pg_clipfrac.item() == pytest.approx(1 / 3)  # the A > 0 token clipped above
+    assert metrics.pg_clipfrac_lower.item() == pytest.approx(1 / 3)  # the A < 0 token clipped below
     token_mean, _, _ = _run("gmpo", ratios, adv, clip_low=0.2, clip_high=0.28, agg="token-mean")
     assert token_mean == pytest.approx((2 * -row0 + 2.0 * math.exp(-0.2)) / 3)  # the row's loss on each token
     weights = T([[4.0, 0.0, 1.0], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0]], dtype=F64)

@@ -118,9 +118,9 @@ def test_auto_is_on_exactly_when_the_engine_has_its_own_weights():
 
 
 def test_bad_config_values():
-    with pytest.raises(ConfigError, match=r"^algo.rollout_correction.rollout_is with bypass_mode and "
-                                          r"loss_type=ppo_clip has no effect .*set rollout_is null, or "
-                                          r"loss_type=reinforce"):
+    with pytest.raises(ConfigError, match=r"^algo.rollout_correction.bypass_mode=true anchors PPO at the rollout "
+                                          r"log-probs .*rollout_is has no effect with loss_type=ppo_clip; set "
+                                          r"rollout_is null, or loss_type=reinforce"):
         RolloutCorrectionConfig(enable=True, bypass_mode=True)
     with pytest.raises(ConfigError, match=r"rejection band \[3.0, 2.0\] .* needs 0 <= lower <= upper"):
         RolloutCorrectionConfig(rollout_rs="token", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=3.0)
