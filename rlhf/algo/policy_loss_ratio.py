@@ -71,7 +71,8 @@ def sapo_loss(inputs: PolicyLossInputs, config: PolicyLossConfig,
     mask = inputs.mask
     advantages_bt = masked(inputs.advantages_bt, mask)
     ratio_bt = torch.exp(log_ratio(inputs))
-    tau_bt = torch.where(advantages_bt > 0, config.tau_pos, config.tau_neg).to(ratio_bt.dtype)
+    taus = torch.tensor([config.tau_neg, config.tau_pos], dtype=ratio_bt.dtype, device=ratio_bt.device)
+    tau_bt = taus[(advantages_bt > 0).long()]
     gate_bt = torch.sigmoid(tau_bt * (ratio_bt - 1.0)) * (4.0 / tau_bt)
     return finish(-gate_bt * advantages_bt, inputs, config, counts)
 
