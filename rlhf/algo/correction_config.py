@@ -166,11 +166,11 @@ class RolloutCorrectionConfig:
         """Legacy band [lower, upper] on rho = pi_old/pi_rollout is verl's k1 band [1/upper, 1/lower] on 1/rho."""
         spec = self.rollout_rs_threshold if self.rollout_rs_threshold is not None else self.rollout_is_threshold
         upper, band_lower = parse_band(spec, "algo.rollout_correction.rollout_rs_threshold")
-        if band_lower is not None and self.rollout_rs_threshold_lower is not None:
-            raise ConfigError("algo.rollout_correction: give the legacy lower bound once (rollout_rs_threshold_lower "
-                              "or the band string), not both")
-        lower = self.rollout_rs_threshold_lower if self.rollout_rs_threshold_lower is not None else band_lower
-        lower = 1.0 / upper if lower is None else lower
+        if band_lower is not None:
+            raise ConfigError(f"algo.rollout_correction.rollout_rs={level!r} (legacy level, band on pi_old/pi_rollout) "
+                              f"with the band {spec!r} is ambiguous: write rollout_rs={LEGACY_REJECTION_LEVELS[level]} "
+                              "for verl's band on pi_rollout/pi_old, or an upper bound with rollout_rs_threshold_lower")
+        lower = self.rollout_rs_threshold_lower if self.rollout_rs_threshold_lower is not None else 1.0 / upper
         if not 0 <= lower <= upper:
             raise ConfigError(f"algo.rollout_correction rejection band [{lower}, {upper}] (rollout_rs_threshold_lower,"
                               " rollout_rs_threshold) needs 0 <= lower <= upper")

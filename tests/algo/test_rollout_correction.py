@@ -222,6 +222,9 @@ def test_verl_api_config_errors():
         RolloutCorrectionConfig(rollout_rs="seq_mena_k1", rollout_rs_threshold=2.0)
     with pytest.raises(ConfigError, match=r"gives 2 thresholds for 3 options"):
         RolloutCorrectionConfig(rollout_rs="token_k1,token_k2,seq_max_k3", rollout_rs_threshold="2.0,0.1")
+    with pytest.raises(ConfigError, match=r"rollout_rs='sequence' \(legacy level, band on pi_old/pi_rollout\) with "
+                                          r"the band '0.5_5.0' is ambiguous: write rollout_rs=seq_sum_k1"):
+        RolloutCorrectionConfig(rollout_rs="sequence", rollout_rs_threshold="0.5_5.0")
     with pytest.raises(ConfigError, match=r"mixes the legacy level 'token' with other options"):
         RolloutCorrectionConfig(rollout_rs="token,seq_max_k2", rollout_rs_threshold=2.0)
     with pytest.raises(ConfigError, match=r"rollout_is_threshold='5.0_0.5' needs 0 < lower <= upper"):
