@@ -7,21 +7,20 @@ Whitening uses statistics over every rank of `dp_group` when given, so DP size d
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rlhf.algo import advantages_group, optimal_baseline  # noqa: F401  (importing them registers their estimators)
+from rlhf.algo.advantage_base import (ADVANTAGE_ESTIMATORS, AdvantageInputs, AdvantageResult,
+                                      discounted_returns_bt, group_normalised_b, sequence_scores_b, spread)
 from rlhf.algo.config import AdvantageConfig, AdvantageKind
-from rlhf.algo.groups import Groups
 from rlhf.algo.masked import check_finite, masked_whiten
-from rlhf.algo.registry import Registry
 from rlhf.errors import ConfigError, RlhfError
 
 
-GROUPED_KINDS = (AdvantageKind.GRPO, AdvantageKind.RLOO, AdvantageKind.REINFORCE_PP_BASELINE)
+GROUPED_KINDS = (AdvantageKind.GRPO, AdvantageKind.RLOO, AdvantageKind.REINFORCE_PP_BASELINE, AdvantageKind.OPO,
+                 AdvantageKind.GPG, AdvantageKind.GRPO_PASSK, AdvantageKind.GDPO, AdvantageKind.OPTIMAL_TOKEN_BASELINE)
 
 
 def check_group_size(kind: AdvantageKind, samples_per_prompt: int) -> None:
@@ -32,27 +31,6 @@ def check_group_size(kind: AdvantageKind, samples_per_prompt: int) -> None:
                           f"would be 0); set sampling.n >= 2, or use reinforce_plus_plus / gae with n=1")
 
 
-@dataclass(kw_only=True)
-class AdvantageInputs:
-    """What the estimators read; only GAE needs values, only ReMax baselines, only grouped kinds groups."""
-
-    token_rewards_bt: Tensor  # [B, T] float
-    response_mask_bt: Tensor  # [B, T] 0/1
-    values_bt: Tensor | None = None  # [B, T] critic values (GAE)
-    baseline_scores_b: Tensor | None = None  # [B] greedy-rollout scores (ReMax)
-    groups: Groups | None = None  # prompt groups (GRPO, RLOO, REINFORCE++-baseline)
-
-
-@dataclass(kw_only=True)
-class AdvantageResult:
-    advantages_bt: Tensor  # [B, T], 0 outside the response mask
-    returns_bt: Tensor  # [B, T] value targets (GAE: A + V before whitening), 0 outside the mask
-
-
-EstimatorFn = Callable[[AdvantageInputs, AdvantageConfig, "dist.ProcessGroup | None"], AdvantageResult]
-ADVANTAGE_ESTIMATORS: Registry[AdvantageKind, EstimatorFn] = Registry(AdvantageKind, "advantage estimator")
-
-
 def compute_advantages(config: AdvantageConfig, inputs: AdvantageInputs, *,
                        dp_group: dist.ProcessGroup | None = None) -> AdvantageResult:
     """Validate inputs (shapes, finiteness, what the estimator needs) and run the configured estimator.
@@ -60,11 +38,12 @@ def compute_advantages(config: AdvantageConfig, inputs: AdvantageInputs, *,
     Collective when `dp_group` is given and the estimator whitens: every rank of the group must call it.
     """
     fn = ADVANTAGE_ESTIMATORS.get(config.kind)
-    _validate(config.kind, inputs)
+    _validate(config, inputs)
     return fn(inputs, config, dp_group)
 
 
-def _validate(kind: AdvantageKind, inputs: AdvantageInputs) -> None:
+def _validate(config: AdvantageConfig, inputs: AdvantageInputs) -> None:
+    kind = config.kind
     shape = tuple(inputs.response_mask_bt.shape)
     if len(shape) != 2 or tuple(inputs.token_rewards_bt.shape) != shape:
         raise ConfigError(f"token_rewards_bt {tuple(inputs.token_rewards_bt.shape)} and response_mask_bt "
@@ -84,33 +63,20 @@ def _validate(kind: AdvantageKind, inputs: AdvantageInputs) -> None:
         if inputs.groups is None or tuple(inputs.groups.ids_b.shape) != shape[:1]:
             raise ConfigError(f"advantage estimator {kind.value!r} needs groups covering the batch of "
                               f"{shape[0]} (n samples per prompt)")
-
-
-def _sequence_scores_b(inputs: AdvantageInputs) -> Tensor:
-    """Per-sequence total reward [B] in float64, summed over response tokens only."""
-    mask = inputs.response_mask_bt.bool()
-    rewards = inputs.token_rewards_bt.double()
-    return torch.where(mask, rewards, torch.zeros_like(rewards)).sum(dim=-1)
-
-
-def _spread(per_seq_b: Tensor, inputs: AdvantageInputs) -> Tensor:
-    """A per-sequence value [B] on every response token [B, T], 0 elsewhere, in the rewards' dtype."""
-    mask = inputs.response_mask_bt.bool()
-    per_seq_b = per_seq_b.to(mask.device)
-    spread = torch.where(mask, per_seq_b.unsqueeze(-1), torch.zeros_like(per_seq_b).unsqueeze(-1))
-    return spread.to(inputs.token_rewards_bt.dtype)
-
-
-def _discounted_returns_bt(rewards_bt: Tensor, mask_bt: Tensor, gamma: float) -> Tensor:
-    """G_t = r_t + gamma * G_next over response tokens; masked tokens are skipped (hold the running return)."""
-    mask = mask_bt.bool()
-    rewards = torch.where(mask, rewards_bt, torch.zeros_like(rewards_bt))
-    running_b = torch.zeros_like(rewards[:, 0])
-    returns = torch.zeros_like(rewards)
-    for t in reversed(range(rewards.shape[1])):
-        running_b = torch.where(mask[:, t], rewards[:, t] + gamma * running_b, running_b)
-        returns[:, t] = running_b
-    return torch.where(mask, returns, torch.zeros_like(returns))
+    if kind is AdvantageKind.GDPO:
+        num_keys = len(config.gdpo_reward_keys or [])
+        components = inputs.reward_components_bk
+        if components is None or tuple(components.shape) != (shape[0], num_keys):
+            raise ConfigError(f"advantage estimator 'gdpo' needs reward_components_bk of shape {(shape[0], num_keys)}"
+                              f" (one score per gdpo_reward_keys entry: {config.gdpo_reward_keys})")
+        check_finite("GDPO reward component", components)
+    if kind is AdvantageKind.OPTIMAL_TOKEN_BASELINE:
+        for name in ("old_logprobs_bt", "sum_pi_squared_bt"):
+            value = getattr(inputs, name)
+            if value is None or tuple(value.shape) != shape:
+                raise ConfigError(f"advantage estimator 'optimal_token_baseline' needs {name} of shape {shape} "
+                                  f"(the actor's old-logprob forward)")
+            check_finite(name, value, inputs.response_mask_bt, error=RlhfError, hint="the actor forward diverged?")
 
 
 @ADVANTAGE_ESTIMATORS.register(AdvantageKind.GAE)
@@ -140,14 +106,7 @@ def gae(inputs: AdvantageInputs, config: AdvantageConfig, dp_group: dist.Process
 def grpo(inputs: AdvantageInputs, config: AdvantageConfig, dp_group: dist.ProcessGroup | None) -> AdvantageResult:
     """(score - group mean) / (group std + eps), std unbiased; Dr.GRPO skips the std. Group of 1 -> 0."""
     assert inputs.groups is not None
-    groups = inputs.groups
-    scores_b = _sequence_scores_b(inputs)
-    sizes_g = groups.sizes_g(scores_b)
-    centered_b = scores_b - groups.broadcast_b(groups.sum_g(scores_b) / sizes_g)
-    if config.norm_by_std:
-        var_g = groups.sum_g(centered_b.square()) / (sizes_g - 1).clamp(min=1)
-        centered_b = centered_b / (groups.broadcast_b(var_g.sqrt()) + config.eps)
-    advantages = _spread(centered_b, inputs)
+    advantages = spread(group_normalised_b(sequence_scores_b(inputs), inputs.groups, config), inputs)
     return AdvantageResult(advantages_bt=advantages, returns_bt=advantages.clone())
 
 
@@ -156,12 +115,12 @@ def rloo(inputs: AdvantageInputs, config: AdvantageConfig, dp_group: dist.Proces
     """score - mean of the OTHER samples of its group; a group of 1 has no baseline and gets 0."""
     assert inputs.groups is not None
     groups = inputs.groups
-    scores_b = _sequence_scores_b(inputs)
+    scores_b = sequence_scores_b(inputs)
     sizes_b = groups.broadcast_b(groups.sizes_g(scores_b))
     others_sum_b = groups.broadcast_b(groups.sum_g(scores_b)) - scores_b
     baseline_b = others_sum_b / (sizes_b - 1).clamp(min=1)
     advantage_b = torch.where(sizes_b > 1, scores_b - baseline_b, torch.zeros_like(scores_b))
-    advantages = _spread(advantage_b, inputs)
+    advantages = spread(advantage_b, inputs)
     return AdvantageResult(advantages_bt=advantages, returns_bt=advantages.clone())
 
 
@@ -169,7 +128,7 @@ def rloo(inputs: AdvantageInputs, config: AdvantageConfig, dp_group: dist.Proces
 def reinforce_plus_plus(inputs: AdvantageInputs, config: AdvantageConfig,
                         dp_group: dist.ProcessGroup | None) -> AdvantageResult:
     """Discounted return per token (nothing flows in from after EOS), whitened over the global batch."""
-    returns = _discounted_returns_bt(inputs.token_rewards_bt, inputs.response_mask_bt, config.gamma)
+    returns = discounted_returns_bt(inputs.token_rewards_bt, inputs.response_mask_bt, config.gamma)
     advantages = masked_whiten(returns, inputs.response_mask_bt, group=dp_group) if config.whiten else returns
     return AdvantageResult(advantages_bt=advantages, returns_bt=returns)
 
@@ -180,9 +139,9 @@ def reinforce_plus_plus_baseline(inputs: AdvantageInputs, config: AdvantageConfi
     """score - group mean (group of 1 -> 0) on every response token, then whitened over the global batch."""
     assert inputs.groups is not None
     groups = inputs.groups
-    scores_b = _sequence_scores_b(inputs)
+    scores_b = sequence_scores_b(inputs)
     centered_b = scores_b - groups.broadcast_b(groups.sum_g(scores_b) / groups.sizes_g(scores_b))
-    advantages = _spread(centered_b, inputs)
+    advantages = spread(centered_b, inputs)
     if config.whiten:
         advantages = masked_whiten(advantages, inputs.response_mask_bt, group=dp_group)
     return AdvantageResult(advantages_bt=advantages, returns_bt=advantages.clone())
@@ -192,8 +151,8 @@ def reinforce_plus_plus_baseline(inputs: AdvantageInputs, config: AdvantageConfi
 def remax(inputs: AdvantageInputs, config: AdvantageConfig, dp_group: dist.ProcessGroup | None) -> AdvantageResult:
     """Undiscounted return-to-go minus the greedy rollout's score (ReMax baseline)."""
     assert inputs.baseline_scores_b is not None
-    returns = _discounted_returns_bt(inputs.token_rewards_bt, inputs.response_mask_bt, 1.0)
-    baseline_bt = _spread(inputs.baseline_scores_b.double(), inputs)
+    returns = discounted_returns_bt(inputs.token_rewards_bt, inputs.response_mask_bt, 1.0)
+    baseline_bt = spread(inputs.baseline_scores_b.double(), inputs)
     return AdvantageResult(advantages_bt=returns - baseline_bt, returns_bt=returns)
 
 

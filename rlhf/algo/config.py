@@ -1,4 +1,5 @@
-"""Config sections of the RL algorithms (estimators, losses, KL, rollout correction, DAPO), free of torch.
+"""Config sections of the RL algorithms (estimators, losses, KL, DAPO), free of torch; rollout correction's is in
+correction_config.py.
 
 The implementing modules (advantages.py, policy_loss.py, kl.py, ...) import their section and enum from here, so
 a config is loaded and checked without importing torch.
@@ -6,10 +7,8 @@ a config is loaded and checked without importing torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Literal
-
 from rlhf.algo.registry import parse_kind
 from rlhf.errors import ConfigError
 
@@ -40,11 +39,19 @@ class AdvantageKind(StrEnum):
     REINFORCE_PP = "reinforce_plus_plus"
     REINFORCE_PP_BASELINE = "reinforce_plus_plus_baseline"
     REMAX = "remax"
+    OPO = "opo"  # length-weighted group baseline (arXiv 2505.23585)
+    GPG = "gpg"  # group mean baseline, rescaled by B / rewarded samples (arXiv 2504.02546)
+    GRPO_PASSK = "grpo_passk"  # only each group's best sample: r_max - r_second (arXiv 2503.19595)
+    GDPO = "gdpo"  # GRPO per reward component, weighted sum, batch-whitened (arXiv 2601.05242)
+    OPTIMAL_TOKEN_BASELINE = "optimal_token_baseline"  # per-token variance-weighted group baseline (arXiv 2602.07078)
 
 
 @dataclass(kw_only=True)
 class AdvantageConfig:
-    """Which estimator and its knobs. `whiten` applies to GAE and both REINFORCE++ variants."""
+    """Which estimator and its knobs. `whiten` applies to GAE and both REINFORCE++ variants. Papers: GRPO arXiv
+    2402.03300 (Dr.GRPO 2503.20783), RLOO 2402.14740, REINFORCE++ 2501.03262, ReMax 2310.10505, OPO 2505.23585,
+    GPG 2504.02546, pass@k 2503.19595, GDPO 2601.05242, optimal token baseline 2602.07078 (it needs the actor's
+    per-token sum of squared probabilities)."""
 
     # the estimator, which picks the algorithm (gae = PPO with a critic; alias ppo)
     kind: AdvantageKind = AdvantageKind.GRPO
@@ -53,9 +60,18 @@ class AdvantageConfig:
     norm_by_std: bool = True  # GRPO: divide by the group std; False is Dr.GRPO
     whiten: bool = True  # batch-whiten advantages (GAE, REINFORCE++, REINFORCE++-baseline)
     eps: float = 1e-6  # GRPO std epsilon
+    # GDPO: names of the reward components the scorer returns (verl's algorithm.gdpo_reward_keys)
+    gdpo_reward_keys: list[str] | None = None
+    gdpo_reward_weights: list[float] | None = None  # GDPO: weight per component; null: all 1
 
     def __post_init__(self) -> None:
         self.kind = parse_kind(AdvantageKind, self.kind, "advantage estimator", aliases={"ppo": AdvantageKind.GAE})
+        if self.kind is AdvantageKind.GDPO and not self.gdpo_reward_keys:
+            raise ConfigError("advantage estimator 'gdpo' normalises each reward component on its own: list them "
+                              "in algo.advantage.gdpo_reward_keys (e.g. [format_reward, accuracy_reward])")
+        if self.gdpo_reward_weights is not None and len(self.gdpo_reward_weights) != len(self.gdpo_reward_keys or []):
+            raise ConfigError(f"algo.advantage.gdpo_reward_weights has {len(self.gdpo_reward_weights)} entries for "
+                              f"{len(self.gdpo_reward_keys or [])} gdpo_reward_keys; give one weight per key")
         if not 0.0 < self.gamma <= 1.0:
             raise ConfigError(f"advantage gamma must be in (0, 1], got {self.gamma}")
         if not 0.0 <= self.lam <= 1.0:
@@ -65,27 +81,49 @@ class AdvantageConfig:
 
 
 class PolicyLossKind(StrEnum):
-    PPO = "ppo"
-    GSPO = "gspo"
+    PPO = "ppo"  # clipped ratio, dual clip (verl: vanilla)
+    GSPO = "gspo"  # sequence geometric-mean ratio, clipped (arXiv 2507.18071)
+    CISPO = "cispo"  # REINFORCE weighted by the clipped, detached ratio (arXiv 2506.13585)
+    GEO_MEAN = "geo_mean"  # GMPO: geometric mean of token-clipped ratios x sequence advantage (arXiv 2507.20673)
+    SAPO = "sapo"  # sigmoid-gated ratio instead of a clip (arXiv 2511.20347)
+    GPG = "gpg"  # plain -A log pi (arXiv 2504.02546)
+    CLIP_COV = "clip_cov"  # PPO; a few high-covariance tokens lose their gradient (arXiv 2505.22617)
+    KL_COV = "kl_cov"  # unclipped ratio; top-covariance tokens get a |log ratio| penalty (arXiv 2505.22617)
+    DPPO_TV = "dppo_tv"  # masks tokens whose probability moved more than a TV bound (arXiv 2602.04879)
+    DPPO_KL = "dppo_kl"  # masks tokens whose binary KL exceeds a bound (arXiv 2602.04879)
+
+
+POLICY_LOSS_ALIASES = {"vanilla": PolicyLossKind.PPO, "gmpo": PolicyLossKind.GEO_MEAN}
 
 
 @dataclass(kw_only=True)
 class PolicyLossConfig:
-    """Ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO clip-higher: clip_high > clip_low).
+    """Ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO clip-higher: clip_high > clip_low); GMPO clips the
+    log-ratio to [-clip_low, clip_high]; DPPO reads clip_low/clip_high as its divergence bounds (verl's keys).
+    Every kind honours `agg` with global counts and the rollout-correction weights (verl hard-codes
+    seq-mean-token-mean for GSPO and SAPO and a micro-batch row mean for GMPO: set `agg` to match). Papers (arXiv):
+    PPO 1707.06347, dual clip 1912.09729, DAPO clip-higher 2503.14476, GSPO 2507.18071, CISPO 2506.13585,
+    GMPO 2507.20673, SAPO 2511.20347, GPG 2504.02546, Clip-Cov / KL-Cov 2505.22617, DPPO 2602.04879."""
 
-    clip_ratio_c: dual-clip bound for negative advantages (> 1), None to disable. Not used by GSPO.
-    """
-
-    kind: PolicyLossKind = PolicyLossKind.PPO  # ppo: token ratio clip; gspo: sequence-level ratio (GSPO)
-    clip_low: float = 0.2  # ratio lower clip: 1 - clip_low
-    clip_high: float = 0.2  # ratio upper clip: 1 + clip_high (DAPO clip-higher)
-    clip_ratio_c: float | None = 3.0  # dual-clip bound for negative advantages (> 1); null: off
+    # the loss (aliases vanilla = ppo, gmpo = geo_mean)
+    kind: PolicyLossKind = PolicyLossKind.PPO
+    clip_low: float = 0.2  # ratio lower clip: 1 - clip_low (DPPO: divergence bound for A <= 0)
+    clip_high: float = 0.2  # ratio upper clip: 1 + clip_high (DAPO clip-higher; DPPO: bound for A > 0)
+    # dual-clip bound for negative advantages (> 1; DPPO: truncation of its detached ratio); null: off
+    clip_ratio_c: float | None = 3.0
+    tau_pos: float = 1.0  # SAPO gate temperature for A > 0
+    tau_neg: float = 1.05  # SAPO gate temperature for A <= 0
+    clip_cov_ratio: float = 0.0002  # Clip-Cov: fraction of response tokens whose gradient is detached
+    clip_cov_lb: float = 1.0  # Clip-Cov: candidates have covariance above this
+    clip_cov_ub: float = 5.0  # Clip-Cov: ... and below this
+    kl_cov_ratio: float = 0.0002  # KL-Cov: fraction of response tokens (highest covariance) that are penalised
+    ppo_kl_coef: float = 0.1  # KL-Cov: weight of the |log ratio| penalty
     agg: LossAggMode = LossAggMode.TOKEN_MEAN  # how per-token losses become one scalar (verl names)
     agg_norm_length: int | None = None  # constant length for seq-mean-token-sum-norm
     entropy_coef: float = 0.0  # entropy bonus weight (subtracted from the loss)
 
     def __post_init__(self) -> None:
-        self.kind = parse_kind(PolicyLossKind, self.kind, "policy loss")
+        self.kind = parse_kind(PolicyLossKind, self.kind, "policy loss", POLICY_LOSS_ALIASES)
         self.agg = parse_agg_mode(self.agg, self.agg_norm_length)
         if not 0.0 <= self.clip_low < 1.0:
             raise ConfigError(f"policy clip_low must be in [0, 1), got {self.clip_low}")
@@ -95,6 +133,15 @@ class PolicyLossConfig:
             raise ConfigError(f"policy clip_ratio_c (dual-clip) must be > 1.0 or None, got {self.clip_ratio_c}")
         if self.entropy_coef < 0.0:
             raise ConfigError(f"policy entropy_coef must be >= 0, got {self.entropy_coef}")
+        if not (self.tau_pos > 0.0 and self.tau_neg > 0.0):
+            raise ConfigError(f"policy tau_pos={self.tau_pos} and tau_neg={self.tau_neg} (SAPO) must be > 0")
+        if not (0.0 < self.clip_cov_ratio <= 1.0 and 0.0 < self.kl_cov_ratio <= 1.0):
+            raise ConfigError(f"policy clip_cov_ratio={self.clip_cov_ratio} and kl_cov_ratio={self.kl_cov_ratio} "
+                              "are token fractions in (0, 1]")
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ConfigError(f"policy clip_cov_lb={self.clip_cov_lb} must be below clip_cov_ub={self.clip_cov_ub}")
+        if self.ppo_kl_coef < 0.0:
+            raise ConfigError(f"policy ppo_kl_coef (KL-Cov) must be >= 0, got {self.ppo_kl_coef}")
 
 
 class KLEstimator(StrEnum):
@@ -169,69 +216,6 @@ class ValueLossConfig:
         self.agg = parse_agg_mode(self.agg, self.agg_norm_length)
         if self.clip_range_value is not None and self.clip_range_value <= 0.0:
             raise ConfigError(f"clip_range_value must be > 0 or None, got {self.clip_range_value}")
-
-
-class CorrectionLevel(StrEnum):
-    TOKEN = "token"
-    SEQUENCE = "sequence"
-    GEOMETRIC = "geometric"
-
-
-@dataclass(kw_only=True)
-class RolloutCorrectionConfig:
-    """`enable`: auto = on exactly when the rollout engine does not generate with the actor's own parameter
-    tensors (a resharded copy, another dtype, vllm/hf), whose numerics differ; there the default is token TIS
-    at 2 (verl's). Both levels null with enable=true: metrics only. `bypass_mode`: the rollout log-probs are the
-    PPO anchor (no old-logprob forward); the clipped ratio pi/pi_rollout is then the correction.
-    `rollout_rs_threshold` defaults to `rollout_is_threshold`, `rollout_rs_threshold_lower` to 1/upper."""
-
-    enable: bool | Literal["auto"] = "auto"  # auto: on when the engine does not sample with the actor's own tensors
-    # importance-weight level (TIS at token level); null: no weights
-    rollout_is: CorrectionLevel | None = CorrectionLevel.TOKEN
-    rollout_is_threshold: float = 2.0  # IS weights are truncated at this value
-    # rejection level: tokens / rows outside the band leave the loss; null: off
-    rollout_rs: CorrectionLevel | None = None
-    rollout_rs_threshold: float | None = None  # upper bound of the rejection band; null: rollout_is_threshold
-    rollout_rs_threshold_lower: float | None = None  # lower bound of the band; null: 1 / upper
-    bypass_mode: bool = False  # the rollout logprobs are the PPO anchor (no old-logprob forward)
-
-    def __post_init__(self) -> None:
-        if self.enable not in (True, False, "auto"):
-            raise ConfigError(f"algo.rollout_correction.enable={self.enable!r} must be auto, true or false")
-        for name in ("rollout_is", "rollout_rs"):
-            if getattr(self, name) is not None:
-                setattr(self, name, parse_kind(CorrectionLevel, getattr(self, name), f"rollout_correction.{name}"))
-        if not self.rollout_is_threshold > 0:
-            raise ConfigError(f"algo.rollout_correction.rollout_is_threshold={self.rollout_is_threshold} must be > 0")
-        upper, lower = self.rs_bounds
-        if not 0 <= lower <= upper:
-            raise ConfigError(f"algo.rollout_correction rejection band [{lower}, {upper}] (rollout_rs_threshold_lower,"
-                              " rollout_rs_threshold) needs 0 <= lower <= upper")
-        if self.bypass_mode and (self.rollout_is or self.rollout_rs):
-            raise ConfigError("algo.rollout_correction.bypass_mode=true anchors PPO at the rollout log-probs (the "
-                              "clipped ratio is the correction); set rollout_is and rollout_rs to null, or bypass "
-                              "off for decoupled weights")
-
-    @property
-    def rs_bounds(self) -> tuple[float, float]:
-        """(upper, lower) ratio band of the rejection mask."""
-        upper = self.rollout_rs_threshold if self.rollout_rs_threshold is not None else self.rollout_is_threshold
-        lower = self.rollout_rs_threshold_lower if self.rollout_rs_threshold_lower is not None else 1.0 / upper
-        return upper, lower
-
-    def resolved(self, *, weights_shared: bool) -> RolloutCorrectionConfig:
-        """`auto` decided for this run: off when the engine samples with the actor's own weights."""
-        return self if self.enable != "auto" else replace(self, enable=not weights_shared)
-
-    @property
-    def active(self) -> bool:
-        assert self.enable != "auto", "resolve `auto` with resolved() before training"
-        return bool(self.enable)
-
-    @property
-    def needs_old_logprobs(self) -> bool:
-        """Decoupled correction compares pi_old with pi_rollout, so it needs the old-logprob forward."""
-        return self.active and not self.bypass_mode
 
 
 @dataclass(kw_only=True)

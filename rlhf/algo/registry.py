@@ -55,8 +55,9 @@ class Registry(Generic[KindT, FnT]):
         member = parse_kind(self.enum_cls, kind, self.what)
         if member not in self._fns:
             raise ConfigError(f"{self.what} {member.value!r} has no implementation registered; "
-                              f"available: {', '.join(k.value for k in self._fns)}")
+                              f"available: {', '.join(k.value for k in self.kinds())}")
         return self._fns[member]
 
     def kinds(self) -> list[KindT]:
-        return list(self._fns)
+        """The implemented kinds, in the enum's order."""
+        return [kind for kind in self.enum_cls if kind in self._fns]

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from rlhf.algo.config import (AdvantageConfig, AdvantageKind, FilterGroupsConfig, KLConfig, OverlongBufferConfig,
-                              PolicyLossConfig, RolloutCorrectionConfig, ValueLossConfig)
+                              PolicyLossConfig, ValueLossConfig)
+from rlhf.algo.correction_config import RolloutCorrectionConfig
 from rlhf.errors import ConfigError
 from rlhf.models.config import MoeConfig, check_replay_mode
 from rlhf.rollout.sampling_params import SamplingParams

@@ -25,7 +25,13 @@ def test_unknown_estimator_name_is_a_config_error_with_a_hint():
         AdvantageConfig(kind="grop")
     assert str(err.value) == (
         "unknown advantage estimator 'grop' (did you mean 'grpo'?); choose one of: gae, grpo, rloo, "
-        "reinforce_plus_plus, reinforce_plus_plus_baseline, remax, ppo")
+        "reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo, gpg, grpo_passk, gdpo, "
+        "optimal_token_baseline, ppo")
+    with pytest.raises(ConfigError, match=r"unknown advantage estimator 'grpo_pass_k' \(did you mean 'grpo_passk'\?\)"):
+        AdvantageConfig(kind="grpo_pass_k")
+    with pytest.raises(ConfigError, match=r"unknown advantage estimator 'optimal_token_baselin' \(did you mean "
+                                          r"'optimal_token_baseline'\?\)"):
+        AdvantageConfig(kind="optimal_token_baselin")
     with pytest.raises(ConfigError, match="unknown advantage estimator 'ppo2'"):
         ADVANTAGE_ESTIMATORS.get("ppo2")
 

@@ -7,7 +7,8 @@ from rlhf.algo.aggregation import GlobalCounts
 from rlhf.algo.config import PolicyLossConfig
 from rlhf.algo.actor_loss import ActorLossInputs, actor_loss
 from rlhf.algo.kl import KLConfig
-from rlhf.algo.rollout_correction import RolloutCorrectionConfig, rollout_correction
+from rlhf.algo.correction_config import RejectionOption, RejectionRule, RolloutCorrectionConfig
+from rlhf.algo.rollout_correction import rollout_correction
 from rlhf.errors import ConfigError
 
 T = torch.tensor
@@ -118,13 +119,123 @@ def test_auto_is_on_exactly_when_the_engine_has_its_own_weights():
 
 def test_bad_config_values():
     with pytest.raises(ConfigError, match=r"^algo.rollout_correction.bypass_mode=true anchors PPO at the rollout "
-                                          r"log-probs .*set rollout_is and rollout_rs to null"):
+                                          r"log-probs .*rollout_is has no effect with loss_type=ppo_clip; set "
+                                          r"rollout_is null, or loss_type=reinforce"):
         RolloutCorrectionConfig(enable=True, bypass_mode=True)
     with pytest.raises(ConfigError, match=r"rejection band \[3.0, 2.0\] .* needs 0 <= lower <= upper"):
         RolloutCorrectionConfig(rollout_rs="token", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=3.0)
     with pytest.raises(ConfigError, match=r"unknown rollout_correction.rollout_is 'tokn' \(did you mean 'token'\?\)"):
         RolloutCorrectionConfig(rollout_is="tokn")
-    with pytest.raises(ConfigError, match=r"rollout_is_threshold=0.0 must be > 0"):
+    with pytest.raises(ConfigError, match=r"rollout_is_threshold=0.0 needs 0 < lower <= upper"):
         RolloutCorrectionConfig(rollout_is_threshold=0.0)
     with pytest.raises(ConfigError, match=r"enable='yes' must be auto, true or false"):
         RolloutCorrectionConfig(enable="yes")
+
+
+# verl 0.9.1's API. With RATIOS rho = pi_old / pi_rollout, the inverse pi_rollout / pi_old is [.5, 2, .25], [1, 1/3].
+def test_k1_bands_bound_pi_rollout_over_pi_old_and_legacy_levels_translate():
+    symmetric = _correct(rollout_is=None, rollout_rs="token_k1", rollout_rs_threshold="0.4_2.5")
+    assert symmetric.keep_mask_bt.tolist() == [[True, True, False], [True, False, False]]
+    asymmetric = _correct(rollout_is=None, rollout_rs="token_k1", rollout_rs_threshold="0.3_1.5")
+    assert asymmetric.keep_mask_bt.tolist() == [[True, False, False], [True, True, False]]
+    # the old spelling bounded rho itself: [1/1.5, 1/0.3] on rho is the same band
+    legacy = RolloutCorrectionConfig(rollout_is=None, rollout_rs="token", rollout_rs_threshold=1 / 0.3,
+                                     rollout_rs_threshold_lower=1 / 1.5)
+    assert legacy.rejection_rules() == [RejectionRule(option=RejectionOption.TOKEN_K1, upper=pytest.approx(1.5),
+                                                      lower=pytest.approx(0.3))]
+    assert _correct(rollout_is=None, rollout_rs="token", rollout_rs_threshold=1 / 0.3,
+                    rollout_rs_threshold_lower=1 / 1.5).keep_mask_bt.tolist() == asymmetric.keep_mask_bt.tolist()
+    upper_only = RolloutCorrectionConfig(rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold=2.0)
+    assert upper_only.rejection_rules()[0].lower == 0.5  # a single number: lower = 1/upper, as verl
+    # rows: prod pi_rollout/pi_old = 1/4 and 1/3
+    product = _correct(rollout_is=None, rollout_rs="seq_sum_k1", rollout_rs_threshold="0.3_1.0")
+    assert product.keep_mask_bt.tolist() == [[False, False, False], [True, True, False]]
+
+
+def test_k2_k3_levels_and_chained_options():
+    # token k2 = ln^2 rho / 2: .240 .240 .961 | 0 .603
+    k2 = _correct(rollout_is=None, rollout_rs="token_k2", rollout_rs_threshold=0.3)
+    assert k2.keep_mask_bt.tolist() == [[True, True, False], [True, False, False]]
+    # token k3 = rho - 1 - ln rho: .307 .193 1.614 | 0 .901; row max 1.614 | .901; row mean .705 | .450
+    seq_max = _correct(rollout_is=None, rollout_rs="seq_max_k3", rollout_rs_threshold=1.0)
+    assert seq_max.keep_mask_bt.tolist() == [[False, False, False], [True, True, False]]
+    chained = _correct(rollout_is="token", rollout_is_threshold=1.8, rollout_rs="token_k1,seq_mean_k3",
+                       rollout_rs_threshold="0.4_2.5,0.7")
+    assert chained.keep_mask_bt.tolist() == [[False, False, False], [True, False, False]]
+    metrics = chained.metrics
+    assert metrics["rollout_corr/rs_token_k1_masked_fraction"] == pytest.approx(2 / 5)
+    assert metrics["rollout_corr/rs_seq_mean_k3_masked_fraction"] == pytest.approx(3 / 5)
+    assert metrics["rollout_corr/rs_masked_fraction"] == pytest.approx(4 / 5)
+    assert chained.weights_bt is not None  # weights and rejection together
+
+
+def test_icepop_band_zeroes_weights_and_batch_normalisation():
+    icepop = _correct(rollout_is="token", rollout_is_threshold="0.6_3.5")
+    torch.testing.assert_close(icepop.weights_bt, T([[2.0, 0.0, 0.0], [1.0, 3.0, 0.0]], dtype=torch.float64))
+    assert torch.equal(icepop.keep_mask_bt, _case()[2])  # IcePop keeps the tokens in the loss and its counts
+    assert icepop.metrics["rollout_corr/is_oob_fraction"] == pytest.approx(2 / 5)
+    token = _correct(rollout_is="token", rollout_is_threshold=1.8, rollout_is_batch_normalize=True)
+    torch.testing.assert_close(token.weights_bt, T([[1.8, 0.5, 1.8], [1.0, 1.8, 0.0]], dtype=torch.float64) / 1.38)
+    assert token.metrics["rollout_corr/is_batch_norm_factor"] == pytest.approx(1.38)
+    assert token.metrics["rollout_corr/is_weight_mean"] == pytest.approx(1.38)  # before normalisation, as verl
+    rows = _correct(rollout_is="sequence", rollout_is_threshold=3.5, rollout_is_batch_normalize=True)
+    torch.testing.assert_close(rows.weights_bt, T([[3.5, 3.5, 3.5], [3.0, 3.0, 0.0]], dtype=torch.float64) / 3.25)
+
+
+def test_bypass_reinforce_weights_log_pi_by_pi_theta_over_pi_rollout():
+    """Bypass: old = rollout; w = min(pi_theta / pi_rollout, 1.8) per token, -A w log pi, no clip."""
+    rollout = T([[-1.0, -2.0, -0.5], [-0.3, -1.5, 0.0]], dtype=torch.float64)
+    current = (rollout + T([[LN(r) for r in row] for row in RATIOS], dtype=torch.float64)).requires_grad_()
+    advantages = T([[1.0, 1.0, -1.0], [-2.0, 1.0, 0.0]], dtype=torch.float64)
+    mask = _case()[2]
+    inputs = ActorLossInputs(logprobs_bt=current, old_logprobs_bt=rollout, advantages_bt=advantages,
+                             response_mask_bt=mask)
+    correction = RolloutCorrectionConfig(enable=True, bypass_mode=True, loss_type="reinforce", rollout_is="token",
+                                         rollout_is_threshold=1.8, rollout_rs="token_k1",
+                                         rollout_rs_threshold="0.3_3.0")  # rejects rho = 4 (1/rho = .25)
+    loss, metrics = actor_loss(inputs, PolicyLossConfig(), KLConfig(), GlobalCounts(num_tokens=5, num_seqs=2),
+                               correction)
+    logp = current.detach()
+    weights = [[1.8, 0.5, 0.0], [1.0, 1.8, 0.0]]
+    expected = sum(-advantages[i, j].item() * weights[i][j] * logp[i, j].item() for i in range(2) for j in range(3))
+    assert loss.item() == pytest.approx(expected / 5)  # the rejected token still counts in the 5 tokens, as verl
+    (grad,) = torch.autograd.grad(loss, current)
+    torch.testing.assert_close(grad, -advantages * T(weights, dtype=torch.float64) / 5)
+    assert metrics.as_dict()["rollout_corr/rs_masked_fraction"].item() == pytest.approx(1 / 5)
+    ppo = RolloutCorrectionConfig(enable=True, bypass_mode=True, rollout_is=None, rollout_rs="token_k1",
+                                  rollout_rs_threshold="0.3_3.0")
+    clipped, _ = actor_loss(inputs, PolicyLossConfig(clip_ratio_c=None), KLConfig(),
+                            GlobalCounts(num_tokens=5, num_seqs=2), ppo)
+    # PPO at pi_rollout: ratios 2 -> 1.2 (A > 0), .5 (A > 0), [4 rejected], 1 (A < 0), 3 -> 1.2 (A > 0)
+    assert clipped.item() == pytest.approx((-1.2 - 0.5 + 2.0 - 1.2) / 5)
+
+
+def test_verl_api_config_errors():
+    with pytest.raises(ConfigError, match=r"rollout_rs='token_k1' needs rollout_rs_threshold"):
+        RolloutCorrectionConfig(rollout_rs="token_k1")
+    with pytest.raises(ConfigError, match=r"threshold='0.1_0.5' for token_k3 must be a single upper bound"):
+        RolloutCorrectionConfig(rollout_rs="token_k3", rollout_rs_threshold="0.1_0.5")
+    with pytest.raises(ConfigError, match=r"rollout_rs_threshold_lower belongs to the legacy levels"):
+        RolloutCorrectionConfig(rollout_rs="token_k1", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=0.5)
+    with pytest.raises(ConfigError, match=r"unknown rollout_correction.rollout_rs option 'seq_mena_k1' \(did you "
+                                          r"mean 'seq_mean_k1'\?\)"):
+        RolloutCorrectionConfig(rollout_rs="seq_mena_k1", rollout_rs_threshold=2.0)
+    with pytest.raises(ConfigError, match=r"gives 2 thresholds for 3 options"):
+        RolloutCorrectionConfig(rollout_rs="token_k1,token_k2,seq_max_k3", rollout_rs_threshold="2.0,0.1")
+    with pytest.raises(ConfigError, match=r"rollout_rs='sequence' \(legacy level, band on pi_old/pi_rollout\) with "
+                                          r"the band '0.5_5.0' is ambiguous: write rollout_rs=seq_sum_k1"):
+        RolloutCorrectionConfig(rollout_rs="sequence", rollout_rs_threshold="0.5_5.0")
+    with pytest.raises(ConfigError, match=r"mixes the legacy level 'token' with other options"):
+        RolloutCorrectionConfig(rollout_rs="token,seq_max_k2", rollout_rs_threshold=2.0)
+    with pytest.raises(ConfigError, match=r"rollout_is_threshold='5.0_0.5' needs 0 < lower <= upper"):
+        RolloutCorrectionConfig(rollout_is_threshold="5.0_0.5")
+    with pytest.raises(ConfigError, match=r"rollout_is_threshold='two' must be a number or a 'lower_upper' band"):
+        RolloutCorrectionConfig(rollout_is_threshold="two")
+    with pytest.raises(ConfigError, match=r"rollout_is_batch_normalize needs the whole batch's weights"):
+        RolloutCorrectionConfig(bypass_mode=True, rollout_is="token", loss_type="reinforce",
+                                rollout_is_batch_normalize=True)
+    with pytest.raises(ConfigError, match=r"loss_type=reinforce applies in bypass mode only"):
+        RolloutCorrectionConfig(loss_type="reinforce")
+    with pytest.raises(ConfigError, match=r"unknown rollout_correction.loss_type 'reinforc' \(did you mean "
+                                          r"'reinforce'\?\)"):
+        RolloutCorrectionConfig(loss_type="reinforc")

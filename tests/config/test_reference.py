@@ -23,7 +23,8 @@ def test_every_key_is_described_with_type_default_and_choices():
     assert len(keys) > 140
     assert [path for path, key in keys.items() if not key.meaning] == []
     assert keys["algo.advantage.kind"].choices == ("`gae`, `grpo`, `rloo`, `reinforce_plus_plus`, "
-                                                   "`reinforce_plus_plus_baseline`, `remax`")
+                                                   "`reinforce_plus_plus_baseline`, `remax`, `opo`, `gpg`, "
+                                                   "`grpo_passk`, `gdpo`, `optimal_token_baseline`")
     assert keys["dist.backend"].choices == "`auto`, `gloo`, `nccl`"  # from the tuple __post_init__ checks
     assert keys["model.dtype"].choices == "`float32`, `bfloat16`"
     assert keys["mesh.roles"].choices == "`actor`, `critic`, `ref`, `reward`, `rollout`"  # checked per item
