@@ -14,39 +14,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rlhf.agents.render import ChatRenderer, HistoryPolicy, Messages
+from rlhf.agents.config import TurnLimits
+from rlhf.agents.render import ChatRenderer, Messages
 from rlhf.agents.scheduler import Generation, TurnBatcher
 from rlhf.agents.tool_calls import ToolCall, ToolCallParser
 from rlhf.agents.tools import ToolBox, ToolError, ToolTimeout
 from rlhf.agents.trajectory import Termination, Trajectory, TrajectoryBuilder
 from rlhf.data.records import PromptRecord
-from rlhf.errors import ConfigError
 from rlhf.rollout.types import FinishReason
-
-
-@dataclass(frozen=True, kw_only=True)
-class TurnLimits:
-    """Per-trajectory limits (the `multiturn.*` config section)."""
-
-    max_turns: int = 4  # assistant turns
-    max_tool_calls_per_turn: int = 1
-    max_tool_response_tokens: int = 256
-    tool_response_truncation: str = "right"  # keep the start ("right": cut the end) or the end ("left")
-    token_budget: int = 1024  # prompt + responses + observations of a row
-    tool_timeout_s: float = 10.0  # one tool call
-    trajectory_timeout_s: float = 120.0  # all tool calls of one trajectory together
-    tool_retries: int = 1  # retries of a tool/environment failure (not a ToolError) with a fresh instance
-    history: HistoryPolicy = HistoryPolicy.APPEND
-
-    def __post_init__(self) -> None:
-        for name in ("max_turns", "max_tool_calls_per_turn", "max_tool_response_tokens", "token_budget"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"multiturn.{name}={getattr(self, name)} must be >= 1")
-        if self.tool_retries < 0:
-            raise ConfigError(f"multiturn.tool_retries={self.tool_retries} must be >= 0")
-        if self.tool_response_truncation not in ("left", "right"):
-            raise ConfigError(f"multiturn.tool_response_truncation={self.tool_response_truncation!r}: use "
-                              "'right' (keep the start) or 'left' (keep the end)")
 
 
 class InfrastructureFailure(RuntimeError):

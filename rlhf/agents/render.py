@@ -13,18 +13,13 @@ the tokens the model has read so far (the trajectory's current row):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
+from rlhf.agents.config import HistoryPolicy
 from rlhf.errors import ConfigError
 
 Messages = list[dict[str, Any]]
 _PROBE_USER, _PROBE_ASSISTANT = "rlhf-probe-user", "rlhf-probe-assistant"
-
-
-class HistoryPolicy(str, Enum):
-    APPEND = "append"
-    FORK = "fork"
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf.agents.agent import AgentContext, AgentFunction, InfrastructureFailure, TurnLimits, tool_agent
+from rlhf.agents.agent import AgentContext, AgentFunction, InfrastructureFailure, tool_agent
+from rlhf.agents.config import TurnLimits
 from rlhf.agents.render import ChatRenderer
 from rlhf.agents.scheduler import TurnBatcher, TurnStats
 from rlhf.agents.tool_calls import ToolCallParser

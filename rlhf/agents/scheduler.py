@@ -84,11 +84,13 @@ class TurnBatcher:
 
         def work() -> None:
             try:
-                result = fn(*args)
+                outcome = (fn(*args), None)
             except BaseException as error:  # handed to the awaiting coroutine
-                loop.call_soon_threadsafe(_settle, future, None, error)
-            else:
-                loop.call_soon_threadsafe(_settle, future, result, None)
+                outcome = (None, error)
+            try:
+                loop.call_soon_threadsafe(_settle, future, *outcome)
+            except RuntimeError:  # an abandoned call outlived the rollout's event loop: nobody waits for it
+                pass
 
         async with self._slots:
             threading.Thread(target=work, name="rlhf-tool", daemon=True).start()

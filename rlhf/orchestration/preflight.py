@@ -190,10 +190,23 @@ def check_moe_settings(cfg: RlhfConfig) -> None:
                           "model (no experts): they would do nothing; unset them")
 
 
+# registered (and verl-parity tested) but fed by inputs the RL step does not compute yet: refused before anything
+# starts, not at the first update. (key, kind, what it needs)
+UNWIRED = (("algo.policy_loss.kind", "clip_cov", "the step's global covariance token selection"),
+           ("algo.policy_loss.kind", "kl_cov", "the step's global covariance token selection"),
+           ("algo.advantage.kind", "gdpo", "per-component rewards from the scorer"),
+           ("algo.advantage.kind", "optimal_token_baseline", "the old-logprob forward's sum of squared probabilities"))
+
+
 def check_algo_settings(cfg: RlhfConfig) -> None:
     """Settings that run but cannot mean anything: dynamic sampling without groups, an overlong buffer longer than
-    any response."""
+    any response; algorithms whose inputs the step does not produce yet."""
     algo, sampling = cfg.algo, cfg.sampling
+    chosen = {"algo.policy_loss.kind": str(algo.policy_loss.kind), "algo.advantage.kind": str(algo.advantage.kind)}
+    for key, kind, needs in UNWIRED:
+        if chosen[key] == kind:
+            raise ConfigError(f"{key}={kind} is not usable in the RL step yet: it needs {needs}, which the step does "
+                              "not compute; choose another kind")
     if algo.filter_groups.enable and sampling.n < 2:
         raise ConfigError(f"algo.filter_groups.enable=true keeps only groups whose rewards differ, but sampling.n="
                           f"{sampling.n} makes every group a single sample: no group is ever kept; set sampling.n >= 2 "

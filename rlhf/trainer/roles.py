@@ -286,7 +286,7 @@ class PolicyRole(ModelRole):
                                      advantages_bt=mb.advantages_bt, response_mask_bt=mb.response_mask_bt,
                                      ref_logprobs_bt=mb.ref_logprobs_bt if use_kl_loss else None,
                                      entropy_bt=entropy_bt, is_weights_bt=mb.is_weights_bt)
-            loss, metrics = actor_loss(inputs, algo.policy_loss, algo.kl, counts)
+            loss, metrics = actor_loss(inputs, algo.policy_loss, algo.kl, counts, algo.rollout_correction)
             return loss, {k: float(v) for k, v in metrics.as_dict("actor/").items()}
 
         # rejected tokens / filtered rows leave the loss and its counts

@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from rlhf.agents.agent import TurnLimits
+from rlhf.agents.config import TurnLimits
 from rlhf.agents.rollout import MultiTurnRollout
 from rlhf.agents.tools import Calculator, ToolBox, ToolSpec
 from rlhf.data.records import PromptRecord

@@ -4,8 +4,8 @@ check logprob alignment.)"""
 
 import pytest
 
-from rlhf.agents.agent import TurnLimits, environment_agent
-from rlhf.agents.render import HistoryPolicy
+from rlhf.agents.agent import environment_agent
+from rlhf.agents.config import HistoryPolicy, TurnLimits
 from rlhf.agents.rollout import MultiTurnRollout
 from rlhf.agents.tools import Calculator
 from rlhf.agents.trajectory import Termination

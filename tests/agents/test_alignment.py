@@ -3,7 +3,7 @@ trainer-side recompute over the final multi-turn row, observation tokens in betw
 
 import torch
 
-from rlhf.agents.agent import TurnLimits
+from rlhf.agents.config import TurnLimits
 from rlhf.agents.rollout import MultiTurnRollout
 from rlhf.agents.trajectory import Termination, TrajectoryBuilder
 from rlhf.data.records import PromptRecord

@@ -2,9 +2,8 @@
 
 import torch
 
-from rlhf.agents.agent import TurnLimits
 from rlhf.agents.batch import TERMINATIONS, multiturn_metrics, to_rows
-from rlhf.agents.render import HistoryPolicy
+from rlhf.agents.config import HistoryPolicy, TurnLimits
 from rlhf.agents.rollout import MultiTurnRollout
 from rlhf.agents.tools import Calculator
 from rlhf.agents.trajectory import Termination

@@ -2,7 +2,8 @@
 
 import pytest
 
-from rlhf.agents.render import ChatRenderer, HistoryPolicy
+from rlhf.agents.config import HistoryPolicy
+from rlhf.agents.render import ChatRenderer
 from rlhf.data.char_tokenizer import build_char_tokenizer
 from rlhf.errors import ConfigError
 
@@ -78,3 +79,15 @@ def test_tokenizer_without_template():
     tokenizer.chat_template = None
     with pytest.raises(ConfigError, match="multi-turn rollouts need a tokenizer with a chat template"):
         ChatRenderer(tokenizer)
+
+
+def test_multiturn_config_errors():
+    from rlhf.agents.config import MultiTurnConfig, TurnLimits
+
+    with pytest.raises(ConfigError, match="^multiturn.agent=tools needs multiturn.tool_config"):
+        MultiTurnConfig(enable=True)
+    with pytest.raises(ConfigError, match=r"^multiturn.agent='calc': use 'tools' or path/to/file.py:function$"):
+        MultiTurnConfig(enable=True, agent="calc")
+    with pytest.raises(ConfigError, match=r"^multiturn.limits.max_turns=0 must be >= 1$"):
+        TurnLimits(max_turns=0)
+    assert not MultiTurnConfig().enable  # off needs nothing
