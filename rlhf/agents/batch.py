@@ -8,14 +8,12 @@ trajectory's rows share both, so its reward and advantage are one.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from rlhf.agents.rollout import MultiTurnResult
-from rlhf.agents.trajectory import Termination, Trajectory
-from rlhf.data.records import PromptRecord
+from rlhf.agents.trajectory import Row, Termination, Trajectory
 
 TERMINATIONS = tuple(Termination)
 
@@ -29,11 +27,15 @@ class AgentRows:
     loss_mask_bt: torch.Tensor  # bool [B, T] policy-sampled tokens
     rollout_logprobs_bt: torch.Tensor  # fp32 [B, T], 0 where not sampled
     policy_version_bt: torch.Tensor  # int32 [B, T], 0 where not sampled
-    group_index_b: torch.Tensor  # int64 [B] the prompt (kept groups renumbered 0..G-1)
-    rollout_index_b: torch.Tensor  # int64 [B] the trajectory (shared by its forked rows)
-    termination_b: torch.Tensor  # int64 [B] index into TERMINATIONS
-    records: tuple[PromptRecord, ...]  # per kept group
-    trajectories: tuple[Trajectory, ...]  # per rollout index
+    group_index_b: torch.Tensor  # int64 [B] the prompt's position in the rollout call
+    rollout_index_b: torch.Tensor  # int64 [B] the trajectory (shared by its forked rows; -1: dropped group)
+    termination_b: torch.Tensor  # int64 [B] index into TERMINATIONS (-1: a dropped group's row)
+    kept_b: torch.Tensor  # bool [B] False on the rows standing in for a dropped group (nothing to train on)
+    trajectories: tuple[Trajectory, ...]  # the kept ones, indexed by rollout_index_b
+
+    @property
+    def size(self) -> int:
+        return self.tokens_bs.shape[0]
 
     @property
     def truncated_b(self) -> torch.Tensor:
@@ -42,17 +44,26 @@ class AgentRows:
         return torch.isin(self.termination_b, cut)
 
 
-def to_rows(result: MultiTurnResult, pad_token_id: int) -> AgentRows:
-    """The kept groups' trajectories as rows, in group order (dropped groups leave no row)."""
-    rows, groups, rollouts, trajectories, records = [], [], [], [], []
-    for group in result.kept:
+def to_rows(result: MultiTurnResult, pad_token_id: int, num_samples: int) -> AgentRows:
+    """Every group's trajectories as rows, in group order; a dropped group becomes `num_samples` one-token rows
+    with an empty loss mask, so a step's row count never depends on which tools broke."""
+    placeholder = Row(tokens=(pad_token_id, pad_token_id), prompt_length=1, loss_mask=(0,), logprobs=(0.0,),
+                      versions=(0,))
+    rows, groups, rollouts, ends, trajectories = [], [], [], [], []
+    for group_index, group in enumerate(result.groups):
+        if group.dropped is not None:
+            rows += [placeholder] * num_samples
+            groups += [group_index] * num_samples
+            rollouts += [-1] * num_samples
+            ends += [-1] * num_samples
+            continue
         for trajectory in group.trajectories:
             for row in trajectory.rows:
                 rows.append(row)
-                groups.append(len(records))
+                groups.append(group_index)
                 rollouts.append(len(trajectories))
+                ends.append(TERMINATIONS.index(trajectory.termination))
             trajectories.append(trajectory)
-        records.append(group.record)
     width = max([len(row.tokens) for row in rows] + [2])
     response_width = max([len(row.response) for row in rows] + [1])
     tokens = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
@@ -66,35 +77,9 @@ def to_rows(result: MultiTurnResult, pad_token_id: int) -> AgentRows:
         loss_mask[index, :length] = torch.tensor(row.loss_mask, dtype=torch.bool)
         logprobs[index, :length] = torch.tensor(row.logprobs)
         versions[index, :length] = torch.tensor(row.versions, dtype=torch.int32)
-    terminations = [TERMINATIONS.index(trajectories[r].termination) for r in rollouts]
-    return AgentRows(tokens_bs=tokens, prompt_lengths_b=torch.tensor([r.prompt_length for r in rows],
-                                                                      dtype=torch.long).reshape(-1),
-                     response_lengths_b=torch.tensor([len(r.response) for r in rows], dtype=torch.long).reshape(-1),
-                     response_mask_bt=response_mask, loss_mask_bt=loss_mask, rollout_logprobs_bt=logprobs,
-                     policy_version_bt=versions, group_index_b=torch.tensor(groups, dtype=torch.long).reshape(-1),
-                     rollout_index_b=torch.tensor(rollouts, dtype=torch.long).reshape(-1),
-                     termination_b=torch.tensor(terminations, dtype=torch.long).reshape(-1),
-                     records=tuple(records), trajectories=tuple(trajectories))
-
-
-def multiturn_metrics(result: MultiTurnResult) -> dict[str, float]:
-    """`multiturn/*`: turns, tool calls and errors, forks, prefix mismatches, terminations, dropped groups,
-    and the share of the phase the engine sat idle (tools, rendering)."""
-    trajectories = [t for group in result.kept for t in group.trajectories]
-    count = max(len(trajectories), 1)
-    calls = sum(t.num_tool_calls for t in trajectories)
-    metrics = {
-        "multiturn/turns_mean": sum(t.num_turns for t in trajectories) / count,
-        "multiturn/tool_calls_mean": calls / count,
-        "multiturn/tool_errors_mean": sum(t.num_tool_errors for t in trajectories) / count,
-        "multiturn/forks_mean": sum(t.num_forks for t in trajectories) / count,
-        "multiturn/prefix_mismatch": float(sum(t.prefix_mismatches for t in trajectories)),
-        "multiturn/dropped_groups": float(sum(group.dropped is not None for group in result.groups)),
-        "multiturn/tool_latency_s_mean": sum(t.tool_latency_s for t in trajectories) / count,
-        "multiturn/engine_idle_share": result.stats.engine_idle_share,
-        "multiturn/generate_calls": float(result.stats.generate_calls),
-    }
-    ends = Counter(t.termination for t in trajectories)
-    for termination in Termination:
-        metrics[f"multiturn/termination/{termination.value}"] = ends[termination] / count
-    return metrics
+    as_long = lambda values: torch.tensor(values, dtype=torch.long).reshape(-1)  # noqa: E731
+    return AgentRows(tokens_bs=tokens, prompt_lengths_b=as_long([r.prompt_length for r in rows]),
+                     response_lengths_b=as_long([len(r.response) for r in rows]), response_mask_bt=response_mask,
+                     loss_mask_bt=loss_mask, rollout_logprobs_bt=logprobs, policy_version_bt=versions,
+                     group_index_b=as_long(groups), rollout_index_b=as_long(rollouts), termination_b=as_long(ends),
+                     kept_b=as_long(rollouts) >= 0, trajectories=tuple(trajectories))

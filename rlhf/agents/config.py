@@ -40,6 +40,11 @@ class TurnLimits:
                 raise ConfigError(f"multiturn.limits.{name}={getattr(self, name)} must be > 0")
         if self.tool_retries < 0:
             raise ConfigError(f"multiturn.limits.tool_retries={self.tool_retries} must be >= 0")
+        try:  # the config loader hands the enum's value over as its string
+            object.__setattr__(self, "history", HistoryPolicy(self.history))
+        except ValueError:
+            raise ConfigError(f"multiturn.limits.history={self.history!r}: use "
+                              f"{' or '.join(p.value for p in HistoryPolicy)}") from None
         if self.tool_response_truncation not in ("left", "right"):
             raise ConfigError(f"multiturn.limits.tool_response_truncation={self.tool_response_truncation!r}: use "
                               "'right' (keep the start) or 'left' (keep the end)")

@@ -4,16 +4,17 @@ turn-batched generation; a group whose tool or environment broke past its retry 
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from rlhf.agents.agent import AgentContext, AgentFunction, InfrastructureFailure, tool_agent
-from rlhf.agents.config import TurnLimits
+from rlhf.agents.config import MultiTurnConfig, TurnLimits
 from rlhf.agents.render import ChatRenderer
 from rlhf.agents.scheduler import TurnBatcher, TurnStats
 from rlhf.agents.tool_calls import ToolCallParser
-from rlhf.agents.tools import ToolBox
-from rlhf.agents.trajectory import Trajectory
+from rlhf.agents.tools import ToolBox, load_toolbox
+from rlhf.agents.trajectory import Termination, Trajectory
 from rlhf.data.records import PromptRecord
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.sampling_params import SamplingParams
@@ -37,6 +38,28 @@ class MultiTurnResult:
     def kept(self) -> list[GroupResult]:
         return [group for group in self.groups if group.dropped is None]
 
+    def metrics(self) -> dict[str, float]:
+        """`multiturn/*`: turns, tool calls and errors, forks, prefix mismatches, terminations, dropped groups,
+        and the share of the phase the engine sat idle (tools, rendering)."""
+        trajectories = [t for group in self.kept for t in group.trajectories]
+        count = max(len(trajectories), 1)
+        calls = sum(t.num_tool_calls for t in trajectories)
+        metrics = {
+            "multiturn/turns_mean": sum(t.num_turns for t in trajectories) / count,
+            "multiturn/tool_calls_mean": calls / count,
+            "multiturn/tool_errors_mean": sum(t.num_tool_errors for t in trajectories) / count,
+            "multiturn/forks_mean": sum(t.num_forks for t in trajectories) / count,
+            "multiturn/prefix_mismatch": float(sum(t.prefix_mismatches for t in trajectories)),
+            "multiturn/dropped_groups": float(sum(group.dropped is not None for group in self.groups)),
+            "multiturn/tool_latency_s_mean": sum(t.tool_latency_s for t in trajectories) / count,
+            "multiturn/engine_idle_share": self.stats.engine_idle_share,
+            "multiturn/generate_calls": float(self.stats.generate_calls),
+        }
+        ends = Counter(t.termination for t in trajectories)
+        for termination in Termination:
+            metrics[f"multiturn/termination/{termination.value}"] = ends[termination] / count
+        return metrics
+
 
 class MultiTurnRollout:
     """Everything a rollout rank needs to run agents: tokenizer, tools, limits, the agent function."""
@@ -48,6 +71,21 @@ class MultiTurnRollout:
         self.renderer = ChatRenderer(tokenizer, tools=toolbox.schemas if toolbox and list_tools else None)
         self.parser = ToolCallParser(tokenizer) if toolbox else None
         self.tool_threads = tool_threads
+
+    @classmethod
+    def from_config(cls, config: MultiTurnConfig, tokenizer: Any) -> "MultiTurnRollout":
+        from rlhf.rewards.user_fn import load_user_function
+
+        toolbox = load_toolbox(config.tool_config) if config.tool_config else None
+        agent = tool_agent if config.agent == "tools" else load_user_function(config.agent, "multiturn.agent")
+        return cls(tokenizer, config.limits, toolbox, agent, tool_threads=config.tool_threads,
+                   list_tools=config.list_tools)
+
+    def final_texts(self, result: MultiTurnResult) -> list[tuple[PromptRecord, str]]:
+        """(record, the last turn's text) of every kept trajectory, in row-group order (what a rule reward
+        scores)."""
+        return [(group.record, self.tokenizer.decode(list(t.final_turn), skip_special_tokens=True))
+                for group in result.kept for t in group.trajectories]
 
     def collect(self, engine: RolloutEngine, records: list[PromptRecord], params: SamplingParams,
                 pad_token_id: int) -> MultiTurnResult:

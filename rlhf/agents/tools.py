@@ -151,8 +151,8 @@ def load_toolbox(path: str | Path) -> ToolBox:
     """Read a verl-style tool config; every problem is a ConfigError naming the file and the entry."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise ConfigError(f"tool config {str(path)!r} does not exist; point the tool config key at a YAML file "
-                          "with a `tools:` list")
+        raise ConfigError(f"tool config {path} does not exist; point multiturn.tool_config at a YAML file with a "
+                          "`tools:` list")
     try:
         document = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:

@@ -188,7 +188,7 @@ class Trainer:
         with rollout.memory.rollout(sync_follows=False):
             result = run_validation(rollout.engine, rollout.layout, self.val, self.scorer,
                                     self.cfg.sampling.val_params(step), chunk, self.pad_token_id,
-                                    num_samples=self.cfg.trainer.val_samples)
+                                    num_samples=self.cfg.trainer.val_samples, multiturn=rollout.multiturn)
         if self.sink is not None:
             self.sink.write_samples(step, result.samples)
         return result.metrics

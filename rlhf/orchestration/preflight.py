@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from rlhf import platform
+from rlhf.agents.config import HistoryPolicy
+from rlhf.agents.rollout import MultiTurnRollout
 from rlhf.algo.advantages import AdvantageKind, check_group_size
 from rlhf.orchestration.schema import RlhfConfig
 from rlhf.data.loader import load_prompts
@@ -217,6 +219,26 @@ def check_algo_settings(cfg: RlhfConfig) -> None:
                           f"response; set algo.overlong_buffer.len <= {sampling.max_new_tokens}")
 
 
+def check_multiturn(cfg: RlhfConfig, layouts: dict) -> None:
+    """Multi-turn rollouts run where they are tested: native engine at rollout tp=1, synchronous, one row per
+    trajectory (the `append` history policy), no rollout dumps yet."""
+    if not cfg.multiturn.enable:
+        return
+    not_yet = [(cfg.rollout.engine != "native", f"rollout.engine={cfg.rollout.engine}", "rollout.engine=native"),
+               (layouts["rollout"].tp > 1, f"mesh.rollout.tp={layouts['rollout'].tp} (every tp rank would run the "
+                                           "tools)", "mesh.rollout.tp=1"),
+               (cfg.trainer.is_async, f"trainer.async_mode={cfg.trainer.async_mode}", "trainer.async_mode=off"),
+               (cfg.algo.advantage.kind == AdvantageKind.REMAX, "algo.advantage.kind=remax (its greedy baseline is "
+                                                                "one response)", "another estimator"),
+               (cfg.multiturn.limits.history is HistoryPolicy.FORK, "multiturn.limits.history=fork (a trajectory of "
+                                                              "several rows)", "multiturn.limits.history=append"),
+               (cfg.trainer.dump_rollouts, "trainer.dump_rollouts=true (dumps hold no loss mask yet)",
+                "trainer.dump_rollouts=false")]
+    for refused, setting, fix in not_yet:
+        if refused:
+            raise ConfigError(f"multiturn.enable=true does not run with {setting} yet; use {fix}")
+
+
 def check_metrics_endpoint(cfg: RlhfConfig) -> None:
     """Rank 0 binds metrics.prometheus_host:port and lets go (a taken port used to fail after the run folder and
     a resumed run's config.yaml were written); every rank raises rank 0's error."""
@@ -251,6 +273,7 @@ def check_layouts(cfg: RlhfConfig, world_size: int, problems: Problems | None = 
         problems.check(check_async, cfg, layouts, dataclasses.replace(cfg.algo, rollout_correction=correction))
         problems.check(check_routing_replay, cfg, layouts)
         problems.check(check_moe_settings, cfg)
+        problems.check(check_multiturn, cfg, layouts)
         problems.check(check_algo_settings, cfg)
     return layouts
 
@@ -309,6 +332,8 @@ def _check_data(cfg: RlhfConfig, problems: Problems) -> list[str]:
     if tokenizer is None:
         return []
     problems.check(check_reward_tokenizer, cfg, tokenizer)
+    if cfg.multiturn.enable:  # tool config, agent file, the template and the tool-call tokens
+        problems.check(MultiTurnRollout.from_config, cfg.multiturn, tokenizer)
     train = problems.check(load_prompts, cfg.data.train_files, tokenizer, cfg.data)
     if train is not None:  # enough prompts for one step (the dp split is check_batch_sizes')
         problems.check(PromptSampler, num_samples=len(train.records), global_batch_size=cfg.data.prompts_per_step,

@@ -1,6 +1,7 @@
 """The rollout side of an RL step (DESIGN.md §2): `generate(k)` turns batch k's prompts into its `RolloutBatch`.
 
   prompts (loader) ──► engine.generate (batch k's own seed) ──► rule rewards (+ overlong shaping) ──► RolloutBatch
+                   multi-turn (`multiturn.enable`): agent loops, turn-batched on the engine, one row per trajectory
                    DAPO dynamic sampling: rounds of prompts, gathered over `round_group`, until the groups fill it
                    partial rollouts (async): `start(k+1)` samples its first tokens, `generate(k+1)` finishes them
 
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlhf.agents.batch import to_rows
+from rlhf.agents.rollout import MultiTurnResult, MultiTurnRollout
 from rlhf.algo.advantages import AdvantageKind
 from rlhf.algo.config import OverlongBufferConfig
 from rlhf.algo.dapo import overlong_penalty
@@ -62,6 +65,7 @@ class RolloutSide:
     active: bool
     round_group: dist.ProcessGroup | None  # dynamic sampling's rounds are gathered over it (None: the world)
     partial_tokens: int  # trainer.partial_rollout_tokens
+    multiturn: MultiTurnRollout | None = None  # multiturn.enable: agent loops instead of one response per sample
     started: StartedBatch | None = None  # partial rollouts: the next batch, begun
     held_metrics: deque[dict[str, float]] = field(default_factory=deque)  # dynamic_sampling/* of untrained batches
 
@@ -73,7 +77,9 @@ class RolloutSide:
                    algo=algo, memory=memory, pad_token_id=pad_token_id, scored_by_model=bool(cfg.reward.model_path),
                    active=mesh.is_member or not is_async,
                    round_group=mesh.pgs.layout_all if is_async and mesh.is_member else None,
-                   partial_tokens=cfg.trainer.partial_rollout_tokens)
+                   partial_tokens=cfg.trainer.partial_rollout_tokens,
+                   multiturn=(MultiTurnRollout.from_config(cfg.multiturn, scorer.tokenizer)
+                              if cfg.multiturn.enable and mesh.is_member else None))
 
     def generate(self, index: int, metrics: StepMetrics) -> RolloutShare:
         """Batch `index` (sampled with its own seed), this rank's share of it; a started batch is finished."""
@@ -117,8 +123,14 @@ class RolloutSide:
         with metrics.timer("gen"):
             if self.engine is None:
                 return None
-            prompt_batch = self._prompt_batch(prompts)
             params = self.sampling.train_params(index, gen_round)
+            if self.multiturn is not None:
+                result = self.multiturn.collect(self.engine, prompts.records, params, self.pad_token_id)
+                metrics.update(result.metrics())
+                if not is_contributor(self.layout, dist.get_rank()):
+                    return None
+                return self._agent_batch(prompts, result)
+            prompt_batch = self._prompt_batch(prompts)
             rollouts = self.engine.generate(prompt_batch, params)
             greedy = None
             if self.algo.advantage.kind == AdvantageKind.REMAX:  # every TP rank generates: it is collective
@@ -149,6 +161,31 @@ class RolloutSide:
                 baseline_b = self.scorer.score(prompts.records, greedy)[rollouts.prompt_index_r]
         return build_rollout_batch(prompt_batch, rollouts, sample_index_b=sample_indices(prompts, rollouts),
                                    scores_b=scores_b, baseline_scores_b=baseline_b, policy_version_rt=versions_rt)
+
+    def _agent_batch(self, prompts: PromptStep, result: MultiTurnResult) -> RolloutBatch:
+        """Trajectories as rows (loss, KL and advantages on sampled tokens only), scored on their last turn (or
+        by their environment); a dropped group keeps its rows with nothing to train on."""
+        rows = to_rows(result, self.pad_token_id, num_samples=self.sampling.n)
+        scores_b = None
+        if not self.scored_by_model:
+            texts = self.multiturn.final_texts(result)
+            rule = self.scorer.score_texts([record for record, _ in texts], [text for _, text in texts])
+            own = [t.reward for group in result.kept for t in group.trajectories]
+            kept_b = torch.tensor([own_reward if own_reward is not None else float(score)
+                                   for own_reward, score in zip(own, rule.tolist())], dtype=torch.float32)
+            scores_b = torch.zeros(rows.size, dtype=torch.float32)
+            scores_b[rows.kept_b] = kept_b[rows.rollout_index_b[rows.kept_b]]
+            scores_b = shaped_scores(scores_b, rows.response_lengths_b, self.sampling.max_new_tokens,
+                                     self.algo.overlong_buffer)
+        sample_index_b = torch.tensor([record.index for record in prompts.records],
+                                      dtype=torch.long)[rows.group_index_b]
+        return RolloutBatch(tokens_bs=rows.tokens_bs, prompt_lengths_b=rows.prompt_lengths_b,
+                            response_lengths_b=rows.response_lengths_b, response_mask_bt=rows.loss_mask_bt,
+                            pad_token_id=self.pad_token_id, group_index_b=rows.group_index_b,
+                            sample_index_b=sample_index_b, loss_mask_bt=rows.loss_mask_bt,
+                            rollout_logprobs_bt=rows.rollout_logprobs_bt, policy_version_bt=rows.policy_version_bt,
+                            truncated_b=rows.truncated_b, scores_b=scores_b, baseline_scores_b=None,
+                            routed_experts_bslk=None)
 
     def _fill(self, first: RolloutShare, index: int, first_extra_round: int, metrics: StepMetrics) -> RolloutShare:
         """DAPO dynamic sampling: rounds of prompts (gathered over `round_group`, so its ranks agree on them) until

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rlhf.agents.config import MultiTurnConfig
 from rlhf.data.config import DataConfig
 from rlhf.ops.config import AlertsConfig, MetricsConfig
 from rlhf.parallel.config import CommConfig, DistConfig, MeshConfig
@@ -24,6 +25,7 @@ class RlhfConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    multiturn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     actor: UpdateConfig = field(default_factory=UpdateConfig)
     critic: UpdateConfig = field(default_factory=UpdateConfig)

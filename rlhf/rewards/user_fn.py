@@ -16,14 +16,15 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {' '.join(str(error).split())}"[:300]
 
 
-def load_user_function(spec: str) -> Callable:
-    """Import the file under a private module name and return the named callable; any problem is a ConfigError."""
+def load_user_function(spec: str, what: str = "reward function") -> Callable:
+    """Import the file under a private module name and return the named callable; any problem is a ConfigError
+    naming `what` it was meant to be."""
     path_text, _, name = spec.rpartition(":")
     if not path_text.endswith(".py") or not name.isidentifier():
-        raise ConfigError(f"reward function {spec!r} must be written 'path/to/file.py:function_name'")
+        raise ConfigError(f"{what} {spec!r} must be written 'path/to/file.py:function_name'")
     path = Path(path_text).expanduser().resolve()
     if not path.is_file():
-        raise ConfigError(f"reward function file {path_text!r} not found")
+        raise ConfigError(f"{what} file {path_text!r} not found")
     module_name = "rlhf_user_reward_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
@@ -32,8 +33,8 @@ def load_user_function(spec: str) -> Callable:
         module_spec.loader.exec_module(module)
     except Exception as error:
         del sys.modules[module_name]
-        raise ConfigError(f"importing reward function file {path_text!r} failed: {_one_line(error)}") from error
+        raise ConfigError(f"importing {what} file {path_text!r} failed: {_one_line(error)}") from error
     function = getattr(module, name, None)
     if not callable(function):
-        raise ConfigError(f"reward function file {path_text!r} has no function {name!r}")
+        raise ConfigError(f"{what} file {path_text!r} has no function {name!r}")
     return function

@@ -31,3 +31,7 @@ class Scorer:
     def score(self, records: Sequence[PromptRecord], rollouts: Rollouts) -> torch.Tensor:
         samples = [records[int(i)] for i in rollouts.prompt_index_r]
         return self.reward.score(samples, self.decode(rollouts))
+
+    def score_texts(self, samples: Sequence[PromptRecord], texts: list[str]) -> torch.Tensor:
+        """One reward per (sample, decoded response) pair (multi-turn: each trajectory's final turn)."""
+        return self.reward.score(list(samples), texts)

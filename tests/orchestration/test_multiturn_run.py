@@ -1,0 +1,122 @@
+"""Multi-turn GRPO end to end on 2 gloo ranks (native engine, colocated, dp2): an agent function of the user's
+(three turns, a user observation after each) and the built-in tool loop with a calculator; the trainer sees
+only the sampled tokens (interior zeros), and its recompute of their logprobs matches the rollout's."""
+
+import json
+
+import pytest
+import torch
+
+from rlhf.data.char_tokenizer import build_chat_char_tokenizer
+from rlhf.errors import ConfigError
+from rlhf.models.init import InitModelConfig, init_hf_model
+from rlhf.testing.distributed import run_distributed
+
+AGENT = '''
+from rlhf.agents.trajectory import Termination, TrajectoryBuilder
+
+
+async def three_turns(ctx, sample):
+    messages = list(sample.prompt)
+    builder = TrajectoryBuilder(prompt=ctx.renderer.prompt(messages), token_budget=ctx.limits.token_budget)
+    for turn in range(3):
+        generation = await ctx.generate(builder.tokens, 4)
+        builder.add_sampled(generation.token_ids, generation.logprobs, generation.policy_version)
+        messages.append({"role": "assistant", "content": ctx.renderer.tokenizer.decode(generation.token_ids)})
+        if turn < 2:
+            ctx.advance(builder, messages, [{"role": "user", "content": f"again {turn}"}])
+    return ctx.finish(builder, Termination.MAX_TURNS, 3)
+'''
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multiturn")
+    model = init_hf_model(InitModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                          intermediate_size=64, max_position_embeddings=256),
+                          build_chat_char_tokenizer(), root / "model")
+    for name, count in (("train", 16), ("val", 4)):
+        with open(root / f"{name}.jsonl", "w") as f:
+            for i in range(count):
+                row = {"prompt": [{"role": "user", "content": f"{i}+{i}"}], "data_source": "tool/sum",
+                       "reward_model": {"ground_truth": str(2 * i)}}
+                f.write(json.dumps(row) + "\n")
+    (root / "agent.py").write_text(AGENT)
+    (root / "tools.yaml").write_text("tools:\n  - class_name: calculator\n")
+    return {"model": str(model), "train": str(root / "train.jsonl"), "val": str(root / "val.jsonl"),
+            "agent": str(root / "agent.py"), "tools": str(root / "tools.yaml")}
+
+
+def _config(setup, root, overrides):
+    from rlhf.config import from_dict
+    from rlhf.config.loader import apply_overrides
+    from rlhf.orchestration.schema import RlhfConfig
+
+    data = {"dist": {"backend": "gloo", "timeout_s": 120}, "run": {"output_dir": root, "name": "m"},
+            "model": {"path": setup["model"]},
+            "data": {"train_files": [setup["train"]], "val_files": [setup["val"]], "prompts_per_step": 4,
+                     "max_prompt_length": 64},
+            "sampling": {"n": 2, "max_new_tokens": 8}, "reward": {"by_source": {"tool/*": "reasoning_gym_exact"}},
+            "actor": {"optim": {"lr": 1e-3}, "micro_batch_size": 4, "recompute_old_logprobs": True},
+            "rollout": {"native": {"max_batch_size": 16, "max_seq_len": 256}},
+            "multiturn": {"enable": True, "limits": {"token_budget": 200}},
+            "trainer": {"total_steps": 2, "tensorboard": False, "plot": False}}
+    return from_dict(RlhfConfig, apply_overrides(data, overrides))
+
+
+def _runs(setup, root):
+    import torch.distributed as dist
+
+    from rlhf.orchestration.loop import Trainer
+    from rlhf.orchestration.preflight import preflight
+    from rlhf.run_dir import close_run, setup_run
+
+    out = {}
+    for name, overrides in (("agent", [f"multiturn.agent={setup['agent']}:three_turns"]),
+                            ("tools", ["multiturn.agent=tools", f"multiturn.tool_config={setup['tools']}",
+                                       "multiturn.list_tools=false"])):
+        cfg = _config(setup, f"{root}/{name}", overrides)
+        preflight(cfg, dist.get_world_size())
+        run_dir = setup_run(cfg.run, cfg)
+        try:
+            trainer = Trainer(cfg, run_dir)
+            batches = []
+            trainer.scored_hooks.append(lambda batch, step: batches.append(batch))
+            out[name] = {"history": trainer.fit(), "batches": batches}
+        finally:
+            close_run()
+    return out
+
+
+def test_multiturn_grpo_trains_on_sampled_tokens_only(setup, tmp_path):
+    world = run_distributed(_runs, 2, setup, str(tmp_path), timeout_s=600)
+    agent, tools = world[0]["agent"], world[0]["tools"]
+    for row in agent["history"][1:]:  # (row 0: validation before training)
+        assert row["multiturn/turns_mean"] == 3.0 and row["multiturn/generate_calls"] == 3.0
+        assert row["multiturn/prefix_mismatch"] == 0.0 and row["multiturn/termination/max_turns"] == 1.0
+        assert row["rollout/logprob_diff_max"] <= 1e-5  # the trainer's recompute across interior zeros
+    for batch in agent["batches"]:
+        assert batch.size == 8  # 4 prompts x 2 samples: one row per trajectory
+        sampled_b = batch.loss_mask_bt.sum(-1)
+        assert (sampled_b <= 12).all() and (sampled_b < batch.response_lengths_b).all()  # user turns are zeros
+        assert torch.equal(batch.response_mask_bt, batch.loss_mask_bt)
+        assert torch.equal(batch.rollout_logprobs_bt != 0, batch.loss_mask_bt)
+        assert ((batch.advantages_bt != 0) <= batch.loss_mask_bt).all()
+    assert "val/score/mean@1" in agent["history"][0]
+    for row in tools["history"][1:]:
+        assert row["multiturn/dropped_groups"] == 0.0 and "multiturn/engine_idle_share" in row
+
+
+def test_multiturn_refusals(setup, tmp_path):
+    from rlhf.orchestration.preflight import preflight
+
+    cfg = _config(setup, str(tmp_path), ["multiturn.agent=tools", f"multiturn.tool_config={setup['tools']}",
+                                         "multiturn.limits.history=fork"])
+    with pytest.raises(ConfigError, match=r"^multiturn\.enable=true does not run with multiturn\.limits\.history="
+                                          r"fork \(a trajectory of several rows\) yet; use multiturn\.limits\."
+                                          r"history=append$"):
+        preflight(cfg, world_size=1)
+    cfg = _config(setup, str(tmp_path), ["multiturn.agent=tools", f"multiturn.tool_config={tmp_path}/none.yaml"])
+    with pytest.raises(ConfigError, match=rf"^tool config {tmp_path}/none\.yaml does not exist; point multiturn\.tool_config "
+                                          r"at a YAML file with a `tools:` list$"):
+        preflight(cfg, world_size=1)
