@@ -30,7 +30,7 @@ from rlhf.rollout.sampling_params import SamplingParams
 from rlhf.rollout.types import FinishReason, PromptBatch, Rollouts
 
 
-@dataclass
+@dataclass(frozen=True)
 class StartedBatch:
     """A batch whose first tokens are sampled: its prompts, the loader state before them, its seed index."""
 

@@ -4,6 +4,7 @@ losses), ref and critic give the same logprobs, losses, grads and values at ep=2
 routing replay: the native engine's recorded experts equal the training forward's (R2 record) on a permuted
 batch, and a replayed (R3) routing follows each row through DP balancing, length sorting, trimming and pp=2."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -129,8 +130,6 @@ def _replay(paths: dict, cache) -> dict:
     """Rollouts with recorded routing from the native engine; then, on a row-permuted batch: R2's recorded
     routing (dp=2), R3 logprobs with the rollout's routing and with random routing at dp=2 (permuted, micro 2)
     and at pp=2 (unpermuted, micro 4)."""
-    import dataclasses
-
     import torch.distributed as dist
 
     from rlhf.parallel.groups import build_layout_groups
