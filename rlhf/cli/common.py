@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -33,11 +32,6 @@ def diagnostic_config(cfg: RlhfConfig, command: str) -> RlhfConfig:
     checkpoint = dataclasses.replace(cfg.checkpoint, resume="none", every=0, save_at_end=False)
     return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=name), checkpoint=checkpoint,
                                metrics=dataclasses.replace(cfg.metrics, prometheus_port=0))
-
-
-def is_launch_rank0() -> bool:
-    """Rank 0 of the launch (torchrun's RANK, Slurm's SLURM_PROCID; a lone process), read before the world exists."""
-    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
 
 def run_in_world(cfg: RlhfConfig, prefix: str, body: Callable[[RlhfConfig, Any], Any],

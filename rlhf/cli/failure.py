@@ -30,7 +30,9 @@ def exit_code(error: BaseException) -> int:
     return next((code for kind, code in EXIT_CODES if isinstance(error, kind)), 1)
 
 
-def _rank() -> int:
+def launch_rank() -> int:
+    """This process's rank as the launcher set it (torchrun's RANK, Slurm's SLURM_PROCID; 0 alone), before any
+    process group exists."""
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
@@ -40,7 +42,7 @@ def report(line: str, code: int) -> None:
     if not folder:
         print(line, file=sys.stderr, flush=True)
         return
-    path = Path(folder) / f"rank{_rank()}"
+    path = Path(folder) / f"rank{launch_rank()}"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(f"{code}\n{line}\n")
     os.replace(tmp, path)

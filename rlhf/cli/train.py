@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from rlhf.cli.common import add_config_args, config_from_args, is_launch_rank0, run_in_world
+from rlhf.cli.common import add_config_args, config_from_args, run_in_world
+from rlhf.cli.failure import launch_rank
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -23,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
 
     notice = previous_run_notice(cfg)
     if notice is not None:
-        if is_launch_rank0():
+        if launch_rank() == 0:
             print(notice, flush=True)
         return 0
     from rlhf.orchestration.loop import Trainer

@@ -28,17 +28,23 @@ class PromptStep:
     token_ids: list[list[int]]
 
 
-def read_dataset(paths: Sequence[str], require_ground_truth: bool = True, label: str = "data.train_files") \
-        -> list[PromptRecord]:
-    """Concatenate the files in order; a record's `index` becomes its position in the concatenation."""
+def check_dataset_files(paths: Sequence[str], label: str) -> None:
+    """`label` lists at least one file and every file exists (a ConfigError naming the key)."""
     if not paths:
         raise ConfigError(f"{label} is empty; list the .jsonl/.parquet prompt files (e.g. made by `rlhf data make`)")
-    records: list[PromptRecord] = []
     for path in paths:
         if not Path(path).is_file():
             where = "" if Path(path).is_absolute() else f" (relative to {os.getcwd()})"
             raise ConfigError(f"{label}: {path!r} is not a file{where}; point {label} at a .jsonl or .parquet "
                               "prompt file (e.g. one made by `rlhf data make`)")
+
+
+def read_dataset(paths: Sequence[str], require_ground_truth: bool = True, label: str = "data.train_files") \
+        -> list[PromptRecord]:
+    """Concatenate the files in order; a record's `index` becomes its position in the concatenation."""
+    check_dataset_files(paths, label)
+    records: list[PromptRecord] = []
+    for path in paths:
         offset = len(records)
         records.extend(dataclasses.replace(record, index=offset + record.index)
                        for record in read_records(path, require_ground_truth))

@@ -21,7 +21,7 @@ from rlhf.agents.config import HistoryPolicy
 from rlhf.agents.rollout import MultiTurnRollout
 from rlhf.algo.advantages import AdvantageKind, check_group_size
 from rlhf.orchestration.schema import RlhfConfig
-from rlhf.data.loader import load_prompts
+from rlhf.data.loader import check_dataset_files, load_prompts
 from rlhf.data.sampler import PromptSampler
 from rlhf.errors import CheckpointError, ConfigError, DataError
 from rlhf.loggers import check_loggers
@@ -326,6 +326,9 @@ def length_policy_note(prompts: TokenizedPrompts, cfg: RlhfConfig, label: str) -
 
 def _check_data(cfg: RlhfConfig, problems: Problems) -> list[str]:
     """Tokenizer, prompt files, their lengths against the models and the KV cache, reward sources; the notes."""
+    problems.check(check_dataset_files, cfg.data.train_files, "data.train_files")
+    if cfg.data.val_files:
+        problems.check(check_dataset_files, cfg.data.val_files, "data.val_files")
     if problems.check(read_hf_config, cfg.model.path) is None:
         return []  # the data checks read the policy's tokenizer and positions
     tokenizer = problems.check(load_tokenizer, cfg.model.path)

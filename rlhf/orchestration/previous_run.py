@@ -130,7 +130,12 @@ def previous_run_notice(cfg: RlhfConfig) -> str | None:
     folder, manifest = found
     saved_config = run_path(cfg) / "config.yaml" if run_path(cfg) else None
     if cfg.checkpoint.resume == "auto" and saved_config is not None and saved_config.is_file():
-        check_same_experiment(cfg, yaml.safe_load(saved_config.read_text()) or {})
+        try:
+            saved = yaml.safe_load(saved_config.read_text())
+        except (OSError, yaml.YAMLError):
+            saved = None  # unreadable: the resume's own checks decide
+        if isinstance(saved, dict):
+            check_same_experiment(cfg, saved)
     step = int(manifest.get("step", 0))
     if step >= cfg.trainer.total_steps:
         return finished_notice(cfg, run_path(cfg) or folder.parent.parent, step)

@@ -1,5 +1,5 @@
 """`rlhf convert` at tp=2 on two gloo ranks: a bf16 HF folder -> fp32 sharded checkpoint -> HF (bf16 again) is
-bitwise identical; a bad HF folder is a one-line error (exit 2) that leaves nothing behind."""
+bitwise identical; a bad HF folder is a one-line error (exit 3) that leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_convert_round_trip_under_two_ranks(tmp_path, capfd):
 
     codes = run_distributed(_convert_world, 2, hf, bad_hf, odd_hf, str(tmp_path), timeout_s=300)
 
-    assert codes == [[0, 0, 2, 2], [0, 0, 2, 2]]
+    assert codes == [[0, 0, 3, 2], [0, 0, 3, 2]]  # a folder that does not match its config: the checkpoint class
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["model_tp0_pp0.safetensors", "model_tp1_pp0.safetensors",
                                                      "rlhf_model.json"]
     source, result = _tensors(hf), _tensors(str(tmp_path / "hf"))

@@ -163,9 +163,9 @@ def test_resume_bookkeeping_corruption_divergence_and_planted_pickle(tiny, tmp_p
     refused = f"{ckpt}/step_4/rank0.safetensors is not an rlhf state file"
     assert out["resume_error"].startswith(f"CorruptCheckpointError: {refused}")
     unreadable = f"{ckpt}/step_4/actor_model_r0.safetensors is not a readable safetensors file"
-    for code, stderr in (r["export"] for r in results):  # `rlhf export --run`: one line on every rank, exit 2
+    for code, stderr in (r["export"] for r in results):  # `rlhf export --run`: one line per rank, exit 3 (checkpoint)
         errors = [line for line in stderr.splitlines() if line.startswith("rlhf export: error: ")]
-        assert code == 2 and len(errors) == 1 and errors[0].startswith(f"rlhf export: error: {unreadable}"), stderr
+        assert code == 3 and len(errors) == 1 and errors[0].startswith(f"rlhf export: error: {unreadable}"), stderr
     assert not (tmp_path / "exported").exists()
     assert not marker.exists()
     pickle.loads((ckpt / "step_4" / "rank0.safetensors").read_bytes())  # the control: the payload does run code
