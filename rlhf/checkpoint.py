@@ -31,7 +31,7 @@ from rlhf.checkpoint_verify import (agree, all_gather_json, entry_problem, file_
                                     tensor_file_problem)
 from rlhf.checkpoint_write import Writer, fsync_dir, write_durable
 from rlhf.errors import CheckpointError
-from rlhf.models.hf_load import HfFolder, open_safetensors
+from rlhf.models.hf_load import HfFolder
 from rlhf.run_dir import get_logger
 from rlhf.state_file import decode_state, encode_state
 
