@@ -14,7 +14,7 @@ from rlhf.config import from_dict
 from rlhf.orchestration.schema import RlhfConfig
 from rlhf.errors import ConfigError, NonFiniteError
 from rlhf.ops.alerts import Alert, AlertDetectors, AlertMonitor, AlertsConfig, alert_metrics
-from rlhf.state_file import decode_state, encode_state
+from rlhf.checkpoint.state_file import decode_state, encode_state
 from rlhf.trainer.batch import TrainBatch
 
 
