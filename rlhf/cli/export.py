@@ -55,7 +55,7 @@ def _tokenizer_dir(model_path: str, config: str) -> str | None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from rlhf.checkpoint_verify import agree
+    from rlhf.checkpoint.verify import agree
     from rlhf.config import load_config
     from rlhf.orchestration.schema import RlhfConfig
     from rlhf.errors import CheckpointError, RlhfError

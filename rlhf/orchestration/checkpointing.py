@@ -18,8 +18,10 @@ from transformers import AutoConfig
 
 from rlhf import platform
 from rlhf.checkpoint import CheckpointManager, check_root, tensor_folders
-from rlhf.checkpoint_verify import agree, check_replicas
+from rlhf.checkpoint.state_file import COUNT, tree_problem
+from rlhf.checkpoint.verify import agree, check_replicas, checkpoint_problem
 from rlhf.data.loader import PromptLoader
+from rlhf.errors import CheckpointError
 from rlhf.models.hf_export import export_hf
 from rlhf.ops.alerts import AlertMonitor
 from rlhf.orchestration.async_schedule import AsyncSchedule
@@ -30,9 +32,6 @@ from rlhf.orchestration.train_side import TrainSide
 from rlhf.parallel.meshes import RoleMeshes
 from rlhf.parallel.watchdog import Watchdog
 from rlhf.run_dir import RunDir, check_inside, get_logger
-from rlhf.errors import CheckpointError
-from rlhf.state_file import COUNT, tree_problem
-from rlhf.train.state import checkpoint_problem
 
 log = get_logger("trainer")
 _ENGINE = {"scheduler": dict, "num_steps": COUNT, "optimizer_steps": COUNT}  # a trained role's, on its mesh

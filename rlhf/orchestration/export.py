@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig
 
 from rlhf.checkpoint import STEP_DIR, CorruptCheckpointError, read_manifest, tensor_folders
-from rlhf.checkpoint_verify import file_problem, tensor_file_problem
+from rlhf.checkpoint.verify import file_problem, tensor_file_problem
 from rlhf.errors import CheckpointError, ConfigError
 from rlhf.models.hf_export import export_config, write_metadata
 from rlhf.models.hf_load import HfFolder, check_folder, folder_head

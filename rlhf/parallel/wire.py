@@ -38,7 +38,9 @@ def all_gather_bytes(payload: bytes, *, group: dist.ProcessGroup | None = None) 
 
 
 def all_gather_json(value: Any, *, group: dist.ProcessGroup | None = None) -> list[Any]:
-    """Every rank's JSON-serialisable `value` in group-rank order."""
+    """Every rank's JSON-serialisable `value` in group-rank order (without a process group: this process's)."""
+    if not dist.is_initialized():
+        return [json.loads(json.dumps(value))]
     return [json.loads(part) for part in all_gather_bytes(json.dumps(value).encode(), group=group)]
 
 

@@ -162,6 +162,11 @@ def set_async_error_handling_env() -> None:
 
 
 def prepare_backend_env(backend: str) -> None:
-    """Before init: the NCCL error-handling switches (nothing for gloo)."""
+    """Before init: the NCCL error-handling switches, and torch's compiler imported while no group exists.
+
+    torch 2.13: `import torch._dynamo` (transformers and megatron import it lazily, e.g. `AutoConfig`) while a
+    process group is live keeps that group and its gloo threads alive past `destroy_process_group`; they are then
+    torn down during interpreter exit, which aborts the process now and then (SIGABRT after a finished export)."""
+    import torch._dynamo  # noqa: F401
     if backend == "nccl":
         set_async_error_handling_env()

@@ -1,8 +1,8 @@
 """Verify a sync: every slice the engine now holds is bit-for-bit the trainer's slice (cast like the wire).
 
 Each source rank checksums the slices it sent, each destination rank checksums the same regions of the
-engine's live weights; one all_reduce of an int64 vector (one entry per transfer) brings the source sums to
-the destinations. Vocab padding rows must be zeros.
+engine's live weights (`checkpoint.verify.bits_checksum`); one all_reduce of the int64 sums (a row per transfer)
+brings the source sums to the destinations. Vocab padding rows must be zeros.
 """
 
 from __future__ import annotations
@@ -12,19 +12,12 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from rlhf.checkpoint.verify import bits_checksum
 from rlhf.errors import WeightSyncError
 from rlhf.reshard.apply import dst_view, src_view
 from rlhf.reshard.planner import ReshardPlan
 
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_PRIME = 65521
 
-
-def checksum(tensor: torch.Tensor) -> int:
-    """Position-weighted sum of the raw bits (int64, wrapping): any flipped bit or moved element changes it."""
-    bits = tensor.contiguous().view(_INT_OF_SIZE[tensor.element_size()]).reshape(-1).to(torch.int64)
-    weights = torch.arange(bits.numel(), dtype=torch.int64, device=bits.device) % _PRIME + 1
-    return int((bits * weights).sum())
 
 
 def verify_sync(plan: ReshardPlan, sources: Mapping[str, torch.Tensor], engine_weights: Mapping[str, torch.Tensor],
@@ -34,17 +27,18 @@ def verify_sync(plan: ReshardPlan, sources: Mapping[str, torch.Tensor], engine_w
     Collective over `group`: every rank of the plan calls it (ranks outside pass empty mappings).
     """
     rank = dist.get_rank()
-    sums = torch.zeros(len(plan.transfers), dtype=torch.int64, device=device)
+    sums = torch.zeros(len(plan.transfers), 2, dtype=torch.int64, device=device)
     for index, transfer in enumerate(plan.transfers):
         if transfer.src_rank == rank:
-            sums[index] = checksum(src_view(sources[transfer.src_name], transfer).to(dtype))
+            sums[index] = bits_checksum(src_view(sources[transfer.src_name], transfer).to(dtype))
     dist.all_reduce(sums, group=group)
     bad, checked = [], 0
     for index, transfer in enumerate(plan.transfers):
         if transfer.dst_rank != rank:
             continue
         checked += 1
-        if checksum(dst_view(engine_weights[transfer.dst_name], transfer).to(dtype)) != int(sums[index]):
+        if not torch.equal(bits_checksum(dst_view(engine_weights[transfer.dst_name], transfer).to(dtype)).to(device),
+                           sums[index]):
             bad.append(f"{transfer.dst_name}[dim {transfer.dim}: {transfer.dst_start}:"
                        f"{transfer.dst_start + transfer.length}] (from rank {transfer.src_rank})")
     for shard in plan.shards_of(rank):

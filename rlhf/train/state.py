@@ -19,13 +19,12 @@ import torch.distributed as dist
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, MegatronOptimizer
 
-from rlhf.errors import CheckpointError
-from rlhf.models.hf_load import HfFolder, check_folder, param_specs_for, stage_params
+from rlhf.checkpoint.verify import state_kinds
+from rlhf.models.hf_load import HfFolder, param_specs_for, stage_params
 from rlhf.models.shard_rules import merge_shards, read_shard
 from rlhf.platform import current_device
 from rlhf.platform.compat import megatron as megatron_compat
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 Tensors = dict[str, dict[str, torch.Tensor]]  # kind -> HF name -> full tensor
 
 
@@ -60,11 +59,6 @@ def _slots(optimizer: MegatronOptimizer) -> dict[int, _Slot]:
             for group in inner.param_groups:
                 slots.update({id(p): _Slot(inner, p, None) for p in group["params"]})
     return slots
-
-
-def state_kinds(model: torch.nn.Module) -> tuple[str, ...]:
-    """The optimizer kinds stored for `model`: the moments, plus fp32 masters unless the weights are fp32."""
-    return MOMENTS if model.config.params_dtype == torch.float32 else (*MOMENTS, "master")
 
 
 def _local_state(slot: _Slot, kinds: tuple[str, ...]) -> torch.Tensor:
@@ -139,17 +133,6 @@ def checkpoint_tensors(model: torch.nn.Module, optimizer: MegatronOptimizer) -> 
                 out[kind].update({name: t.contiguous() for name, t in
                                   merge_shards(spec, shards, model.rlhf_spec).items()})
     return out
-
-
-def checkpoint_problem(model: torch.nn.Module, folder_of: Callable[[str], HfFolder]) -> str | None:
-    """Why a checkpoint's full tensors do not fit `model`: a kind it lacks, or a missing, unexpected or wrongly
-    shaped tensor of any kind (the bytes were checked against the manifest; the shapes against the model here)."""
-    for kind in ("model", *state_kinds(model)):
-        try:
-            check_folder(folder_of(kind), model.rlhf_spec, value_head=model.rlhf_value_head)
-        except CheckpointError as error:
-            return f"{error} ({kind} tensors)"
-    return None
 
 
 def adam_step(optimizer: MegatronOptimizer) -> int:

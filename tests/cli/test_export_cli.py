@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
 from fixtures import make_tiny_setup, trainer_config  # noqa: E402
 
 from rlhf.checkpoint import MANIFEST, CheckpointManager  # noqa: E402
-from rlhf.checkpoint_verify import file_entry  # noqa: E402
+from rlhf.checkpoint.verify import file_entry  # noqa: E402
 from rlhf.cli.main import main  # noqa: E402
 from rlhf.config.loader import save_config  # noqa: E402
 

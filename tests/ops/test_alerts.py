@@ -23,7 +23,7 @@ from rlhf.http_post import DeadlineExceeded  # noqa: E402
 from rlhf.ops import alerts as alerts_module  # noqa: E402
 from rlhf.ops.alerts import (Alert, AlertDetectors, AlertMonitor, AlertsConfig, WebhookSender,  # noqa: E402
                              alert_metrics, post_webhook)
-from rlhf.state_file import decode_state, encode_state  # noqa: E402
+from rlhf.checkpoint.state_file import decode_state, encode_state  # noqa: E402
 
 
 def _steady(step: int) -> dict[str, float]:

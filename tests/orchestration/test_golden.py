@@ -116,7 +116,7 @@ def _checkpoint(folder: Path) -> dict:
     Not the async in-flight batches, whose schema the redesign declares (test_async_schedule: their round trip)."""
     from safetensors.torch import load_file
 
-    from rlhf.state_file import decode_state
+    from rlhf.checkpoint.state_file import decode_state
 
     step = max((folder / "checkpoints").glob("step_*"), key=lambda p: int(p.name.removeprefix("step_")))
     out = {}

@@ -73,3 +73,34 @@ def test_a_missing_rank_is_one_line_naming_the_address():
         with distributed("gloo", timeout_s=2, env=env):
             pass
     assert not dist.is_initialized()
+
+
+_TEARDOWN_PROBE = """
+import os, sys
+from rlhf.parallel.runtime import distributed
+from transformers import AutoConfig
+with distributed("gloo", timeout_s=60):
+    AutoConfig.from_pretrained(sys.argv[1])  # imports torch._dynamo lazily, as `rlhf export` does
+print(sorted(open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the process's threads from /proc")
+def test_teardown_leaves_no_gloo_thread_to_abort_at_exit(tmp_path):
+    """After `distributed()` no gloo thread is left for interpreter exit to tear down (that aborted `rlhf export`
+    now and then with SIGABRT), even when transformers imported torch's compiler while the group was live."""
+    import subprocess
+    import sys
+
+    from rlhf.data.char_tokenizer import build_char_tokenizer
+    from rlhf.models.init import InitModelConfig, init_hf_model
+
+    model = init_hf_model(InitModelConfig(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                                          intermediate_size=64, max_position_embeddings=64),
+                          build_char_tokenizer(), tmp_path / "model")
+    env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "SLURM_PROCID")}
+    result = subprocess.run([sys.executable, "-c", _TEARDOWN_PROBE, str(model)], capture_output=True, text=True,
+                            env={**env, "PYTHONPATH": os.getcwd(), "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    threads = result.stdout.strip().splitlines()[-1]
+    assert "gloo" not in threads, threads  # gloo_tcp_loop, pt_gloo_runloop: the group outlived its teardown

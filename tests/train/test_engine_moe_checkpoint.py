@@ -24,7 +24,7 @@ def _tensors(folder_of, kinds: tuple[str, ...]) -> dict:
 
 def check_resave(path: str, pg: dict, source: str, target: str) -> dict:
     """Train 2 steps at `source` and save; load at `target` and save again: the same tensors, bitwise."""
-    from rlhf.train.state import state_kinds
+    from rlhf.checkpoint.verify import state_kinds
 
     original = _engine(path, pg[source], use_distributed_optimizer=True, warmup_steps=1, total_steps=4)
     for i in range(2):

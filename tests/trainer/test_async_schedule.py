@@ -270,7 +270,7 @@ def test_an_in_flight_batch_round_trips_bitwise_and_a_foreign_one_is_refused():
     import torch
 
     from rlhf.errors import CheckpointError
-    from rlhf.state_file import decode_state, encode_state
+    from rlhf.checkpoint.state_file import decode_state, encode_state
     from rlhf.trainer.batch import RolloutBatch, rollout_from_state, rollout_state
 
     mask_bt = torch.tensor([[True, True, False], [True, False, False]])

@@ -26,7 +26,7 @@ def _fail_mid_write(step_name: str, rank: int):
     """A `write_tensor_file` that, on `rank` while writing `step_name`, writes half a file and then fails."""
     import torch.distributed as dist
 
-    from rlhf import checkpoint_write
+    from rlhf.checkpoint import write as checkpoint_write
 
     real = checkpoint_write.write_tensor_file
 
@@ -48,7 +48,7 @@ def _tensors(step: Path) -> dict:
 
 
 def _runs(paths, root):
-    from rlhf import checkpoint_write
+    from rlhf.checkpoint import write as checkpoint_write
     from rlhf.errors import CheckpointError
 
     reward = Path(root) / "length_reward.py"

@@ -13,8 +13,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from fixtures import make_tiny_setup, run_trainer  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from test_checkpoint import WritesMarker, _flip, resign  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoint"))
+from test_manager import WritesMarker, _flip, resign  # noqa: E402
 
 from rlhf.testing.distributed import run_distributed  # noqa: E402
 
@@ -68,7 +68,7 @@ def _replica_divergence() -> str | None:
     import torch
     import torch.distributed as dist
 
-    from rlhf.checkpoint_verify import replica_problem
+    from rlhf.checkpoint.verify import replica_problem
 
     model = torch.nn.Linear(3, 2)
     with torch.no_grad():

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from rlhf.checkpoint_verify import disk_entry, file_entry
+from rlhf.checkpoint.verify import disk_entry, file_entry
 
 
 def fsync_dir(path: Path) -> None:

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from rlhf.checkpoint import MANIFEST, CheckpointManager, CorruptCheckpointError, Replicated, find_latest
-from rlhf.checkpoint_verify import file_entry
+from rlhf.checkpoint.verify import file_entry
 from rlhf.errors import CheckpointError
-from rlhf.state_file import decode_state, encode_state
+from rlhf.checkpoint.state_file import decode_state, encode_state
 from rlhf.testing.distributed import run_distributed
 
 

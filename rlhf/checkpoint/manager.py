@@ -1,7 +1,7 @@
 """Crash-safe, verified, reshardable checkpoints: `<run>/checkpoints/step_<N>/` with state files and a manifest.
 
 Write protocol (DESIGN.md §10): every rank writes `rank<k>.safetensors` (its small state: tensors + a JSON tree,
-never a pickle: `rlhf.state_file`) into `step_<N>.tmp/`; a role's weights and optimizer state arrive as full
+never a pickle: `state_file`) into `step_<N>.tmp/`; a role's weights and optimizer state arrive as full
 tensors under HF names (`rlhf.train.state`), each kept by one rank and written to `<role>_<kind>_r<k>.safetensors`,
 so bytes do not grow with DP and any layout can read them back. State identical across a group can also be cut
 out and written once (`Replicated`). When every rank has written (at once, or with `async_save` at the next
@@ -27,13 +27,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from rlhf.checkpoint_verify import (agree, all_gather_json, entry_problem, file_problem, manifest_problem,
-                                    tensor_file_problem)
-from rlhf.checkpoint_write import Writer, fsync_dir, write_durable
+from rlhf.checkpoint.verify import agree, entry_problem, file_problem, manifest_problem, tensor_file_problem
+from rlhf.checkpoint.write import Writer, fsync_dir, write_durable
 from rlhf.errors import CheckpointError
-from rlhf.models.hf_load import HfFolder, open_safetensors
+from rlhf.models.hf_load import HfFolder
+from rlhf.parallel.wire import all_gather_json
 from rlhf.run_dir import get_logger
-from rlhf.state_file import decode_state, encode_state
+from rlhf.checkpoint.state_file import decode_state, encode_state
 
 STEP_DIR = re.compile(r"^step_(\d{1,18})$")  # bounded: int() of a crafted 5000-digit name is refused
 MANIFEST = "manifest.json"

@@ -14,7 +14,7 @@ import torch
 from rlhf.checkpoint import CheckpointManager, find_latest
 from rlhf.errors import CheckpointError, ConfigError
 
-sys.path.insert(0, str(Path(__file__).parent / "trainer"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
 from fixtures import trainer_config  # noqa: E402
 
 

@@ -1,24 +1,25 @@
-"""Checkpoint integrity: per-file size + sha256 for the manifest, rank-agreed verdicts, and the replica check
-(dense parameters over DP, experts over expert-DP).
+"""Checkpoint integrity: per-file size + sha256, the manifest schema, tensor kinds, dtypes and values, the fit of a
+checkpoint's tensors to the model, rank-agreed verdicts, and the replica check (dense parameters over DP, experts
+over expert-DP) with rlhf's one raw-bit checksum.
 
-Verdicts travel as JSON in uint8 tensors (never pickled objects), and every rank takes the same decision,
-so a corrupt shard on one rank stops every rank with the same one-line error instead of a partial resume.
+Verdicts travel as JSON in uint8 tensors (`parallel.wire`, never pickled objects), and every rank takes the same
+decision, so a corrupt shard on one rank stops every rank with the same one-line error instead of a partial resume.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rlhf import platform
 from rlhf.errors import CheckpointError
-from rlhf.models.hf_load import open_safetensors
+from rlhf.models.hf_load import HfFolder, check_folder, open_safetensors
+from rlhf.parallel.wire import all_gather_json
 
 # Bits of a parameter as integers of the same width: a checksum that any flipped bit changes.
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -130,21 +131,23 @@ def tensor_file_problem(path: Path, kind: str) -> str | None:
     return None
 
 
-def all_gather_json(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
-    """`value` from every rank of `group` (JSON-encoded into tensors: nothing is unpickled from peers)."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return [value]
-    device = platform.current_device()
-    payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
-    size = dist.get_world_size(group)
-    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
-    dist.all_gather(lengths, torch.tensor([payload.numel()], dtype=torch.int64, device=device), group=group)
-    longest = int(max(length.item() for length in lengths))
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[:payload.numel()] = payload
-    gathered = [torch.empty_like(padded) for _ in range(size)]
-    dist.all_gather(gathered, padded, group=group)
-    return [json.loads(bytes(buf[:int(n.item())].cpu().tolist()).decode()) for buf, n in zip(gathered, lengths)]
+MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's, stored beside the weights
+
+
+def state_kinds(model: torch.nn.Module) -> tuple[str, ...]:
+    """The optimizer kinds stored for `model`: the moments, plus fp32 masters unless the weights are fp32."""
+    return MOMENTS if model.config.params_dtype == torch.float32 else (*MOMENTS, "master")
+
+
+def checkpoint_problem(model: torch.nn.Module, folder_of: Callable[[str], HfFolder]) -> str | None:
+    """Why a checkpoint's full tensors do not fit `model`: a kind it lacks, or a missing, unexpected or wrongly
+    shaped tensor of any kind (the bytes were checked against the manifest; the shapes against the model here)."""
+    for kind in ("model", *state_kinds(model)):
+        try:
+            check_folder(folder_of(kind), model.rlhf_spec, value_head=model.rlhf_value_head)
+        except CheckpointError as error:
+            return f"{error} ({kind} tensors)"
+    return None
 
 
 def agree(problem: str | None) -> str | None:
@@ -156,8 +159,9 @@ _CHUNK = 1 << 24  # elements per checksum chunk: bounds the int64 temporaries
 
 
 @torch.no_grad()
-def _bits_checksum(param: torch.Tensor) -> torch.Tensor:
-    """Sum and position-weighted sum of a tensor's raw bits as int64 (wrapping): any flipped bit changes them."""
+def bits_checksum(param: torch.Tensor) -> torch.Tensor:
+    """Sum and position-weighted sum of a tensor's raw bits as int64 (wrapping): any flipped bit or moved element
+    changes them. rlhf's one raw-bit checksum (replica checks, weight-sync verification)."""
     bits = param.detach().contiguous().view(_INT_OF_WIDTH[param.element_size()]).flatten()
     total = torch.zeros(2, dtype=torch.int64, device=bits.device)
     for start in range(0, bits.numel(), _CHUNK):
@@ -170,7 +174,7 @@ def _bits_checksum(param: torch.Tensor) -> torch.Tensor:
 def param_checksums(params: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor]:
     """Names and a `[num_params, 2]` int64 bit checksum per parameter."""
     names = [name.removeprefix("module.") for name, _ in params]
-    rows = [_bits_checksum(param) for _, param in params]
+    rows = [bits_checksum(param) for _, param in params]
     return names, torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.int64)
 
 

@@ -2,10 +2,11 @@
 load with one line naming the tensor or the field, and `resume: auto` falls back past them as past a checksum
 failure: an I32 tensor over a weight's bytes, a NaN weight, a negative Adam second moment; a manifest nested 10^5
 deep, holding a 5000-digit int, of the wrong types or with a negative or mismatched step; a state tree that
-breaks its schema."""
+breaks its schema; a tensor whose shape does not fit the model, or that the checkpoint lacks."""
 
 import json
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,15 +15,19 @@ from safetensors.torch import load_file, save_file
 from safetensors.torch import save as save_tensors
 
 from rlhf.checkpoint import MANIFEST, CheckpointManager, CorruptCheckpointError, find_latest
+from rlhf.checkpoint.state_file import COUNT, STATE_KEY, decode_state, encode_state, tree_problem
 from rlhf.errors import CheckpointError
-from rlhf.state_file import COUNT, STATE_KEY, decode_state, encode_state, tree_problem
+from rlhf.testing.distributed import run_distributed
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+from fixtures import make_tiny_setup  # noqa: E402
 
 WEIGHTS = "actor_model_r0.safetensors"
 SQUARES = "actor_exp_avg_sq_r0.safetensors"
 
 
 def _resign(step: Path, name: str) -> None:
-    from rlhf.checkpoint_verify import file_entry
+    from rlhf.checkpoint.verify import file_entry
 
     manifest = json.loads((step / MANIFEST).read_text())
     manifest["files"][name] = file_entry((step / name).read_bytes())
@@ -143,3 +148,40 @@ def test_a_state_tree_is_checked_against_its_schema(tmp_path, caplog):
     assert tree_problem({"kl": {"value": 1.0}, "rng": [], "n": 0}, schema, "state") == "state.rng is list, expected a dict"
     assert tree_problem({"kl": {"value": 1.0}, "rng": {"python": (1,)}, "n": -3}, schema, "state") == (
         "state.n is '-3', expected count")
+
+
+def _problems(model_path: str, root: str) -> list:
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from rlhf.models.builder import build_gpt
+    from rlhf.models.hf_load import HfFolder
+    from rlhf.parallel.groups import build_layout_groups
+    from rlhf.parallel.layout import ParallelLayout
+    from rlhf.checkpoint.verify import checkpoint_problem
+
+    model = build_gpt(AutoConfig.from_pretrained(model_path), build_layout_groups(ParallelLayout()))
+    weights = load_file(Path(model_path) / "model.safetensors")
+    files = {}
+    for kind in ("model", "exp_avg", "exp_avg_sq"):
+        tensors = dict(weights)
+        if kind == "exp_avg_sq":
+            tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].flatten()
+        save_file(tensors, f"{root}/{kind}.safetensors")
+        files[kind] = {name: f"{kind}.safetensors" for name in tensors}
+
+    def folder_of(kind):
+        return HfFolder.of_files(root, files[kind])
+
+    whole = checkpoint_problem(model, folder_of)
+    del files["exp_avg_sq"]["model.layers.0.mlp.up_proj.weight"]
+    return [whole, checkpoint_problem(model, folder_of)]
+
+
+def test_checkpoint_tensors_are_checked_against_the_model(tmp_path):
+    paths = make_tiny_setup(tmp_path, num_train=8, num_val=4)
+    wrong_shape, missing = run_distributed(_problems, 1, paths["model"], str(tmp_path), timeout_s=300)[0]
+    assert wrong_shape == (f"tensor 'model.layers.0.mlp.up_proj.weight' in {tmp_path} has shape [2048], config "
+                           "expects [64, 32] (exp_avg_sq tensors)")
+    assert missing == (f"{tmp_path} is missing tensor 'model.layers.0.mlp.up_proj.weight' (config expects shape "
+                       "[64, 32]) (exp_avg_sq tensors)")
