@@ -47,13 +47,13 @@ class RunCheckpoints:
     def __init__(self, cfg: RlhfConfig, run_dir: RunDir, meshes: RoleMeshes, train: TrainSide, rollout: RolloutSide,
                  loader: PromptLoader, alerts: AlertMonitor, async_schedule: AsyncSchedule | None,
                  watchdog: Watchdog) -> None:
+        self.manager = CheckpointManager(run_dir.path / "checkpoints", cfg.checkpoint.keep_last)
+        check_root(self.manager.root)  # the run folder's links are checked before anything else is taken in
+        if cfg.checkpoint.save_hf_every:
+            check_inside(run_dir.path / "hf", run_dir.path, "checkpoint.save_hf_every folder")
         self.cfg, self.run_dir, self.meshes, self.loader = cfg, run_dir, meshes, loader
         self.train, self.engine = train, rollout.engine
         self.alerts, self.async_schedule, self.watchdog = alerts, async_schedule, watchdog
-        self.manager = CheckpointManager(run_dir.path / "checkpoints", cfg.checkpoint.keep_last)
-        check_root(self.manager.root)
-        if cfg.checkpoint.save_hf_every:
-            check_inside(run_dir.path / "hf", run_dir.path, "checkpoint.save_hf_every folder")
 
     def state(self, step: int) -> dict:
         """The plain-data state tree (JSON-able and tensors, never pickled)."""

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -113,11 +114,11 @@ def test_symlinked_hf_and_rollouts_folders_are_refused_before_any_write(tmp_path
     with pytest.raises(ConfigError, match=rf"^checkpoint\.save_hf_every folder {run}/hf is a symlink to {outside}, "
                                           r"outside the run folder; rlhf never writes or deletes through one: "
                                           r"remove the link or make it a real folder$"):
-        RunCheckpoints(cfg, RunDir(run, 0), None, None, None, None, None, None)
+        RunCheckpoints(cfg, RunDir(run, 0), None, None, None, None, None, None, None)
     with pytest.raises(ConfigError, match=rf"^trainer\.dump_rollouts folder {run}/rollouts is a symlink to {outside}"):
         RolloutDumper(run / "rollouts", every=1, records=[], tokenizer=None, enabled=True)
     os.remove(run / "hf")
     (run / "hf").mkdir()
     os.symlink(run / "hf", run / "hf_link")  # a link that stays inside the run folder is fine
-    RunCheckpoints(cfg, RunDir(run, 0), None, None, None, None, None, None)
+    RunCheckpoints(cfg, RunDir(run, 0), None, None, SimpleNamespace(engine=None), None, None, None, None)
     assert _snapshot(outside) == before

@@ -70,7 +70,7 @@ def test_a_pruned_step_a_malformed_newest_manifest_and_nan_weights(tiny, tmp_pat
     run = _run(tmp_path, tiny, tiny["model"], keep_last=2)
     ckpt = run / "checkpoints"
     code, lines = _export(run, tmp_path / "out", "--checkpoint", "step_1")
-    assert code == 2 and lines == [
+    assert code == 3 and lines == [
         f"rlhf export: error: --checkpoint step_1: no such checkpoint under {ckpt} (it holds step_2, step_3; the "
         "run keeps the newest 2: checkpoint.keep_last); pass one of those or latest"]
     manifest = json.loads((ckpt / "step_3" / MANIFEST).read_text())
@@ -88,5 +88,5 @@ def test_a_pruned_step_a_malformed_newest_manifest_and_nan_weights(tiny, tmp_pat
     manifest["files"][shard.name] = file_entry(shard.read_bytes())  # the checksum matches
     (ckpt / "step_2" / MANIFEST).write_text(json.dumps(manifest))
     code, lines = _export(run, tmp_path / "out_nan", "--checkpoint", "step_2")
-    assert code == 2 and lines == [f"rlhf export: error: {shard}: tensor 'model.norm.weight' (model) holds NaN or inf"]
+    assert code == 3 and lines == [f"rlhf export: error: {shard}: tensor 'model.norm.weight' (model) holds NaN or inf"]
     assert not (tmp_path / "out_nan").exists() and torch.isinf(load_file(shard)["model.norm.weight"]).any()

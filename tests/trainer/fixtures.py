@@ -24,6 +24,17 @@ def make_tiny_setup(root: Path, num_train: int = 64, num_val: int = 16, **model_
     return {"model": str(model), "train": str(root / "train.jsonl"), "val": str(root / "val.jsonl")}
 
 
+def shared_engine_algo(**fields):
+    """An `AlgoConfig` resolved as the trainer resolves it for an engine on the actor's own weights (rollout
+    correction `auto` -> off): roles are only ever handed resolved configs."""
+    import dataclasses
+
+    from rlhf.trainer.config import AlgoConfig
+
+    algo = AlgoConfig(**fields)
+    return dataclasses.replace(algo, rollout_correction=algo.rollout_correction.resolved(weights_shared=True))
+
+
 def trainer_config(paths: dict[str, str], run_root: str, overrides: list[str] | None = None):
     """A small GRPO config over the tiny setup; `overrides` are dotted CLI-style settings."""
     from rlhf.config import from_dict

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fixtures import make_tiny_setup  # noqa: E402
+from fixtures import make_tiny_setup, shared_engine_algo  # noqa: E402
 
 from rlhf.parallel.groups import GroupCache, build_layout_groups  # noqa: E402
 from rlhf.parallel.layout import ParallelLayout  # noqa: E402
@@ -16,7 +16,7 @@ from rlhf.parallel.meshes import RoleMesh  # noqa: E402
 from rlhf.testing.distributed import run_distributed  # noqa: E402
 from rlhf.train.config import OptimConfig  # noqa: E402
 from rlhf.trainer.batch import ScoredBatch  # noqa: E402
-from rlhf.trainer.config import AlgoConfig, UpdateConfig  # noqa: E402
+from rlhf.trainer.config import UpdateConfig  # noqa: E402
 from rlhf.trainer.roles import PolicyRole  # noqa: E402
 
 
@@ -51,7 +51,7 @@ def _update_at(paths, layouts_and_micro):
         mesh = RoleMesh("actor", layout, build_layout_groups(layout, cache))
         role = PolicyRole("actor", mesh, paths["model"], total_steps=4,
                           update=UpdateConfig(micro_batch_size=micro, optim=OptimConfig(lr=1e-3)))
-        out.append(role.update(fixed_batch(), AlgoConfig()))
+        out.append(role.update(fixed_batch(), shared_engine_algo()))
     # Skipping the old-logprob forward (on-policy) must give the update the recomputed path gives.
     layout = ParallelLayout(dp=2)
     on_policy = []
@@ -62,7 +62,7 @@ def _update_at(paths, layouts_and_micro):
                                               recompute_old_logprobs=recompute))
         batch = fixed_batch()
         batch = dataclasses.replace(batch, old_logprobs_bt=role.logprobs(batch) if recompute else None)
-        on_policy.append(role.update(batch, AlgoConfig()))
+        on_policy.append(role.update(batch, shared_engine_algo()))
     return out, on_policy
 
 
@@ -119,7 +119,7 @@ def _fused_vs_full_logits(paths):
     from rlhf.algo.policy_loss import PolicyLossConfig
 
     cache = GroupCache()
-    algo = AlgoConfig(policy_loss=PolicyLossConfig(entropy_coef=0.05))  # the entropy gradient is exercised too
+    algo = shared_engine_algo(policy_loss=PolicyLossConfig(entropy_coef=0.05))  # the entropy gradient is exercised too
     out = {}
     for name, layout in (("tp1", ParallelLayout()), ("tp2", ParallelLayout(tp=2)), ("pp2", ParallelLayout(pp=2))):
         for fused in (False, True):
