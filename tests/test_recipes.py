@@ -113,7 +113,8 @@ def test_recipes_run_one_step_on_two_ranks(tmp_path):
     run = tmp_path / "grpo-smollm2-gsm8k"
     console = [line.split(": ", 1)[1] for line in (run / "rank0.log").read_text().splitlines()]
     assert f"checkpoint: {run}/checkpoints/step_1" in console  # the end summary
-    assert f"next, the actor as an HF folder: launch/torchrun.sh 2 export --run-dir {run} --out {run}/hf" in console
+    assert (f"next, the actor as an HF folder (one process, whatever the world size): rlhf export --run-dir {run} "
+            f"--out {run}/hf") in console
     assert runs["relaunched"] == [] and console[-1] == (
         f"{run} already finished: its checkpoint is at step 1 and trainer.total_steps=1; raise trainer.total_steps "
         "to train on, or start afresh with another run.name (or checkpoint.resume=none)")

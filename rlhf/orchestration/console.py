@@ -57,8 +57,8 @@ def start_banner(cfg: RlhfConfig, *, world_size: int, backend: str, mesh_rows: l
     return lines
 
 
-def end_summary(cfg: RlhfConfig, *, run_path: Path, last_step: int, elapsed_s: float, checkpoint: Path | None,
-                world_size: int) -> list[str]:
+def end_summary(cfg: RlhfConfig, *, run_path: Path, last_step: int, elapsed_s: float,
+                checkpoint: Path | None) -> list[str]:
     """Where the results are and the command that comes next (the HF export)."""
     lines = [f"done: step {last_step} of {cfg.trainer.total_steps} in {elapsed_s:.1f} s; metrics in "
              f"{run_path / 'metrics.jsonl'}, logs in {run_path}/rank<k>.log"]
@@ -66,6 +66,6 @@ def end_summary(cfg: RlhfConfig, *, run_path: Path, last_step: int, elapsed_s: f
         lines.append("no checkpoint was saved (checkpoint.every=0 and checkpoint.save_at_end=false)")
         return lines
     lines.append(f"checkpoint: {checkpoint}")
-    lines.append(f"next, the actor as an HF folder: launch/torchrun.sh {world_size} export --run-dir {run_path} "
-                 f"--out {run_path / 'hf'}")
+    lines.append(f"next, the actor as an HF folder (one process, whatever the world size): rlhf export --run-dir "
+                 f"{run_path} --out {run_path / 'hf'}")
     return lines

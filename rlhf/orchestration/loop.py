@@ -235,7 +235,6 @@ class Trainer:
         self._write_curve()
         self._announce(lambda: end_summary(self.cfg, run_path=self.run_dir.path, last_step=cfg.total_steps,
                                            elapsed_s=time.perf_counter() - started,
-                                           world_size=dist.get_world_size(),
                                            checkpoint=find_latest(self.checkpoints.manager.root)))
         return history
 

@@ -162,11 +162,10 @@ def set_async_error_handling_env() -> None:
 
 
 def prepare_backend_env(backend: str) -> None:
-    """Before init: the NCCL error-handling switches, and torch's compiler imported while no group exists.
+    """Before init: the NCCL error-handling switches, and torch's compiler imported while no group exists (else a
+    finished run can abort at exit: `compat.torch.preload_compiler`)."""
+    from rlhf.platform.compat import torch as torch_compat
 
-    torch 2.13: `import torch._dynamo` (transformers and megatron import it lazily, e.g. `AutoConfig`) while a
-    process group is live keeps that group and its gloo threads alive past `destroy_process_group`; they are then
-    torn down during interpreter exit, which aborts the process now and then (SIGABRT after a finished export)."""
-    import torch._dynamo  # noqa: F401
+    torch_compat.preload_compiler()
     if backend == "nccl":
         set_async_error_handling_env()

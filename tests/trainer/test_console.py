@@ -42,10 +42,11 @@ def test_banner_and_summary(tmp_path):
         "  rollout  tp1 pp1 dp2  ranks 0..1  native engine",
         "data: 64 training prompts, 16 validation prompts; a step samples 8 prompts x 4 = 32 responses",
         "steps 3..5 (resuming after step 2)"]
-    summary = end_summary(cfg, run_path=run, last_step=5, elapsed_s=12.34, world_size=2,
+    summary = end_summary(cfg, run_path=run, last_step=5, elapsed_s=12.34,
                           checkpoint=run / "checkpoints/step_5")
     assert summary == [f"done: step 5 of 5 in 12.3 s; metrics in {run}/metrics.jsonl, logs in {run}/rank<k>.log",
                        f"checkpoint: {run}/checkpoints/step_5",
-                       f"next, the actor as an HF folder: launch/torchrun.sh 2 export --run-dir {run} --out {run}/hf"]
-    assert end_summary(cfg, run_path=run, last_step=5, elapsed_s=1, world_size=2, checkpoint=None)[1] == (
+                       f"next, the actor as an HF folder (one process, whatever the world size): rlhf export "
+                       f"--run-dir {run} --out {run}/hf"]
+    assert end_summary(cfg, run_path=run, last_step=5, elapsed_s=1, checkpoint=None)[1] == (
         "no checkpoint was saved (checkpoint.every=0 and checkpoint.save_at_end=false)")

@@ -14,6 +14,9 @@ Touch-points (name: what it does; why):
   made the default group while vLLM runs (`rlhf.rollout.vllm_engine.rollout_world`).
 - `group_count` / `set_group_count`: `distributed_c10d._world.group_count`, the per-process counter torch names
   new groups by; after vLLM created groups on the rollout ranks alone, every rank continues from the largest.
+- `preload_compiler`: `import torch._dynamo` before any process group exists: imported lazily while a group is live
+  (transformers' `AutoConfig` does), it keeps that group and its gloo threads alive past `destroy_process_group`,
+  and their teardown at interpreter exit aborts the process now and then (SIGABRT after a finished export).
 - `ONEDNN_REORDER_LINEAR_WEIGHT` / `ONEDNN_LINEAR_POINTWISE`: `torch.ops.mkldnn._reorder_linear_weight` and
   `_linear_pointwise` (inductor's CPU ops; None when this build lacks them): a weight packed once into oneDNN's
   blocked layout runs decode-sized GEMMs 1.3-1.7x faster, with residual add, SiLU and product fused
@@ -29,6 +32,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+
+def preload_compiler() -> None:
+    """torch's compiler imported while no process group exists (see the header)."""
+    import torch._dynamo  # noqa: F401
 
 
 def default_store() -> dist.Store:
