@@ -55,8 +55,8 @@ class MultiTurnConfig:
     """Multi-turn rollouts (`enable`): each trajectory runs `agent` — `tools`, the built-in tool loop over the
     tools of `tool_config` (verl's YAML format), or `file.py:function`, an `async def run(ctx, sample)` agent
     function — token-in/token-out, turn-batched on the rollout engine. `list_tools=false` keeps the tool schemas
-    out of the prompt (a policy trained to call them without). Loss, KL and advantages see only the tokens the
-    policy sampled."""
+    out of the prompt (a policy trained to call them without). `sampling.max_new_tokens` caps each turn,
+    `limits.token_budget` the whole row. Loss, KL and advantages see only the tokens the policy sampled."""
 
     enable: bool = False  # multi-turn rollouts instead of one response per sample
     agent: str = "tools"  # tools: the built-in tool loop; or path/to/file.py:function
