@@ -25,8 +25,8 @@ import torch.distributed as dist
 from rlhf.parallel.layout import ParallelLayout
 from rlhf.metrics import MetricReducer, StepMetrics
 from rlhf.testing.distributed import run_distributed
-from rlhf.trainer.batch import RolloutBatch
-from rlhf.trainer.exchange import concat_batches, gather_global_batch, is_contributor
+from rlhf.stages.batch import RolloutBatch
+from rlhf.stages.exchange import concat_batches, gather_global_batch, is_contributor
 
 WORLD, LAYOUT = 4, ParallelLayout(tp=2, dp=2)
 ROWS, SEQ, RESP, NUM_METRICS = 32, 512, 256, 120  # rows per contributor

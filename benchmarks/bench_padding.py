@@ -31,7 +31,7 @@ ROWS, PROMPT, MAX_RESPONSE = 32, 6, 128
 
 
 def variable_length_batch(vocab: int):
-    from rlhf.trainer.batch import ScoredBatch
+    from rlhf.stages.batch import ScoredBatch
 
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, MAX_RESPONSE + 1, (ROWS,), generator=gen)
@@ -58,13 +58,13 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoConfig
 
-    import rlhf.trainer.roles as roles
+    import rlhf.stages.roles as roles
     from rlhf.parallel.groups import build_layout_groups
     from rlhf.parallel.layout import ParallelLayout
     from rlhf.parallel.meshes import RoleMesh
     from rlhf.testing.distributed import free_port
     from rlhf.train.config import OptimConfig
-    from rlhf.trainer.config import AlgoConfig, UpdateConfig
+    from rlhf.stages.config import AlgoConfig, UpdateConfig
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     with tempfile.TemporaryDirectory() as workdir:

@@ -42,4 +42,4 @@ read -r SFT_MORE_STEPS VAL_EVERY <<< "$RL_STEPS"
 echo "== SFT continued from the SFT policy for the same $SFT_MORE_STEPS optimizer steps ($NPROC ranks)"
 PYTHON=$PYTHON bash "$HERE/launch/torchrun.sh" "$NPROC" sft --config "$HERE/configs/demo_cpu.yaml" "${COMMON[@]}" \
   run.name=sft_more "model.path=$OUT/sft_model" "sft.steps=$SFT_MORE_STEPS" "sft.val_every=$VAL_EVERY" "${SFT_ARGS[@]}"
-"$PYTHON" -m rlhf.trainer.plot --sft "$OUT/sft" --rl "$OUT/grpo" --sft-more "$OUT/sft_more" --out "$OUT"
+"$PYTHON" -m rlhf.orchestration.plot --sft "$OUT/sft" --rl "$OUT/grpo" --sft-more "$OUT/sft_more" --out "$OUT"

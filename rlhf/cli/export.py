@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from rlhf.orchestration.schema import RlhfConfig
     from rlhf.errors import CheckpointError, RlhfError
     from rlhf.parallel.runtime import distributed
-    from rlhf.trainer.checks import check_writable_folder
+    from rlhf.orchestration.checks import check_writable_folder
     from rlhf.orchestration.export import export_checkpoint
 
     check_writable_folder(args.out, "--out")

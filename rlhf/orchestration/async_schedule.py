@@ -21,7 +21,7 @@ reweights each token by pi_old / pi_rollout, which now carries the staleness as 
 
 The step is `StepDriver.one_step_off` (`rlhf.orchestration.step`); this module keeps the pipeline's bookkeeping.
 In-flight work is part of the checkpoint: the training ranks hold the s batches already received (written once
-for the group in `RolloutBatch`'s declared schema, `trainer.batch.ROLLOUT_SCHEMA`), the rollout ranks their loader
+for the group in `RolloutBatch`'s declared schema, `stages.batch.ROLLOUT_SCHEMA`), the rollout ranks their loader
 position, RNG, started batch and held metrics (`RolloutSide.state_dict`), and every rank the count of batches
 generated; a resumed run continues the same schedule, so its metrics equal the uninterrupted run's.
 With partial rollouts (`trainer.partial_rollout_tokens` = P, needs s >= 2; `rlhf.orchestration.partial_rollout`) the
@@ -50,8 +50,8 @@ from rlhf.errors import ConfigError
 from rlhf.parallel.layout import ParallelLayout
 from rlhf.parallel.meshes import RoleMeshes
 from rlhf.orchestration.rollout_side import RolloutSide
-from rlhf.trainer.batch import RolloutBatch, rollout_from_state, rollout_state
-from rlhf.trainer.config import AlgoConfig
+from rlhf.stages.batch import RolloutBatch, rollout_from_state, rollout_state
+from rlhf.stages.config import AlgoConfig
 
 
 def check_async(cfg: RlhfConfig, layouts: dict[str, ParallelLayout], algo: AlgoConfig) -> None:

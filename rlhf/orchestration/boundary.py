@@ -14,10 +14,10 @@ from rlhf.orchestration.rollout_side import RolloutShare
 from rlhf.orchestration.schema import RlhfConfig
 from rlhf.parallel.layout import ParallelLayout
 from rlhf.rollout.engine import RolloutEngine
-from rlhf.trainer.batch import RolloutBatch
-from rlhf.trainer.exchange import gather_global_batch
-from rlhf.trainer.memory import MemoryPhases
-from rlhf.trainer.sync import EngineSync, SharedWeights
+from rlhf.stages.batch import RolloutBatch
+from rlhf.stages.exchange import gather_global_batch
+from rlhf.stages.memory import MemoryPhases
+from rlhf.stages.sync import EngineSync, SharedWeights
 
 
 @dataclass(kw_only=True, eq=False)

@@ -38,19 +38,19 @@ from rlhf.orchestration.boundary import Boundary
 from rlhf.orchestration.rollout_side import RolloutSide
 from rlhf.orchestration.step import StepDriver
 from rlhf.orchestration.train_side import TrainRoles, TrainSide
-from rlhf.trainer.checks import input_warnings, load_tokenizer
+from rlhf.orchestration.checks import input_warnings, load_tokenizer
 from rlhf.orchestration.console import end_summary, finished_notice, start_banner
-from rlhf.trainer.memory import plan_memory_phases
-from rlhf.trainer.plot import plot_run
+from rlhf.stages.memory import plan_memory_phases
+from rlhf.orchestration.plot import plot_run
 from rlhf.orchestration.checkpointing import RunCheckpoints
 from rlhf.orchestration.preflight import (build_meshes, check_batches, resolved_algo, resolved_sleep, rollout_dtype,
                                           shares_weights)
-from rlhf.trainer.batch import ScoredBatch
-from rlhf.trainer.roles import PolicyRole
-from rlhf.trainer.scoring import Scorer
-from rlhf.trainer.sync import SharedWeights
-from rlhf.trainer.rollout_dump import RolloutDumper
-from rlhf.trainer.validate import run_validation
+from rlhf.stages.batch import ScoredBatch
+from rlhf.stages.roles import PolicyRole
+from rlhf.stages.scoring import Scorer
+from rlhf.stages.sync import SharedWeights
+from rlhf.orchestration.rollout_dump import RolloutDumper
+from rlhf.stages.validate import run_validation
 
 log = get_logger("trainer")
 CONSOLE_KEYS = {"critic/score/mean": "reward", "val/score/mean@1": "val", "actor/pg_loss": "pg_loss",

@@ -29,12 +29,12 @@ from rlhf.run_dir import get_logger
 from rlhf.orchestration.async_schedule import check_async
 from rlhf.orchestration.setting_checks import check_algo_settings, check_metrics_endpoint, check_multiturn
 from rlhf.rollout.vllm_engine import INSTALL_HINT as VLLM_INSTALL_HINT
-from rlhf.trainer.checks import (check_kv_cache, check_model_folders, check_resume_path, check_reward_tokenizer,
+from rlhf.orchestration.checks import (check_kv_cache, check_model_folders, check_resume_path, check_reward_tokenizer,
                                  check_writable_folder, load_tokenizer, read_hf_config)
-from rlhf.trainer.config import check_batch_sizes
+from rlhf.stages.config import check_batch_sizes
 from rlhf.data.tokenize import TokenizedPrompts
-from rlhf.trainer.memory import check_sleep
-from rlhf.trainer.scoring import Scorer
+from rlhf.stages.memory import check_sleep
+from rlhf.stages.scoring import Scorer
 
 log = get_logger("trainer")
 

@@ -21,12 +21,12 @@ from rlhf.orchestration.schema import RlhfConfig
 from rlhf.errors import ConfigError
 from rlhf.metrics import StepMetrics
 from rlhf.run_dir import RunDir, get_logger
-from rlhf.trainer.batch import RolloutBatch
-from rlhf.trainer.checks import read_hf_config
+from rlhf.stages.batch import RolloutBatch
+from rlhf.orchestration.checks import read_hf_config
 from rlhf.orchestration.loop import Trainer
 from rlhf.orchestration.preflight import preflight
-from rlhf.trainer.rollout_dump import check_dumps, read_dump, read_scores
-from rlhf.trainer.sync import SharedWeights
+from rlhf.orchestration.rollout_dump import check_dumps, read_dump, read_scores
+from rlhf.stages.sync import SharedWeights
 
 log = get_logger("replay")
 

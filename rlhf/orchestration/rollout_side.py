@@ -32,12 +32,12 @@ from rlhf.parallel.meshes import RoleMeshes
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.sampling_params import SamplingParams
 from rlhf.rollout.types import PromptBatch, Rollouts
-from rlhf.trainer.batch import RolloutBatch, build_rollout_batch
-from rlhf.trainer.config import AlgoConfig, SamplingConfig
-from rlhf.trainer.dynamic_sampling import count_groups, fill_batch, informative_groups
-from rlhf.trainer.exchange import gather_global_batch, group_shard, is_contributor
-from rlhf.trainer.memory import MemoryPhases
-from rlhf.trainer.scoring import Scorer
+from rlhf.stages.batch import RolloutBatch, build_rollout_batch
+from rlhf.stages.config import AlgoConfig, SamplingConfig
+from rlhf.stages.dynamic_sampling import count_groups, fill_batch, informative_groups
+from rlhf.stages.exchange import gather_global_batch, group_shard, is_contributor
+from rlhf.stages.memory import MemoryPhases
+from rlhf.stages.scoring import Scorer
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from rlhf.rewards.config import RewardConfig
 from rlhf.rollout.config import RolloutConfig
 from rlhf.run_config import CheckpointConfig, RunConfig
 from rlhf.orchestration.config import ReplayConfig, SftConfig, TrainerConfig
-from rlhf.trainer.config import AlgoConfig, ModelConfig, RefConfig, SamplingConfig, UpdateConfig
+from rlhf.stages.config import AlgoConfig, ModelConfig, RefConfig, SamplingConfig, UpdateConfig
 
 
 @dataclass(kw_only=True)

@@ -21,11 +21,11 @@ from rlhf.metrics import MetricReducer, MetricsSink, StepMetrics
 from rlhf.models.hf_export import export_hf
 from rlhf.rollout.factory import engine_layout, eos_token_ids
 from rlhf.run_dir import RunDir, get_logger, progress
-from rlhf.trainer.batch import SequenceBatch
-from rlhf.trainer.roles import PolicyRole
+from rlhf.stages.batch import SequenceBatch
+from rlhf.stages.roles import PolicyRole
 from rlhf.orchestration.config import SftConfig
-from rlhf.trainer.scoring import Scorer
-from rlhf.trainer.validate import validate
+from rlhf.stages.scoring import Scorer
+from rlhf.stages.validate import validate
 
 log = get_logger("sft")
 

@@ -25,7 +25,7 @@ from rlhf.orchestration.async_schedule import AsyncSchedule
 from rlhf.orchestration.boundary import Boundary
 from rlhf.orchestration.rollout_side import RolloutSide
 from rlhf.orchestration.train_side import TrainSide
-from rlhf.trainer.batch import RolloutBatch, ScoredBatch
+from rlhf.stages.batch import RolloutBatch, ScoredBatch
 
 
 @dataclass(kw_only=True, eq=False)

@@ -27,10 +27,10 @@ from rlhf.metrics import StepMetrics
 from rlhf.orchestration.rollout_side import shaped_scores
 from rlhf.orchestration.schema import RlhfConfig
 from rlhf.parallel.meshes import RoleMeshes
-from rlhf.trainer.batch import RolloutBatch, ScoredBatch
-from rlhf.trainer.config import AlgoConfig, UpdateConfig
-from rlhf.trainer.memory import MemoryPhases
-from rlhf.trainer.roles import CriticRole, PolicyRole, RewardModelRole
+from rlhf.stages.batch import RolloutBatch, ScoredBatch
+from rlhf.stages.config import AlgoConfig, UpdateConfig
+from rlhf.stages.memory import MemoryPhases
+from rlhf.stages.roles import CriticRole, PolicyRole, RewardModelRole
 
 
 @dataclass(frozen=True, kw_only=True)

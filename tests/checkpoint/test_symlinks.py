@@ -15,7 +15,7 @@ import torch
 from rlhf.checkpoint import CheckpointManager, find_latest
 from rlhf.errors import CheckpointError, ConfigError
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "orchestration"))
 from fixtures import trainer_config  # noqa: E402
 
 
@@ -97,7 +97,7 @@ def test_a_symlinked_checkpoints_folder_is_refused(tmp_path, other):
 def test_symlinked_hf_and_rollouts_folders_are_refused_before_any_write(tmp_path):
     from rlhf.orchestration.checkpointing import RunCheckpoints
     from rlhf.run_dir import RunDir
-    from rlhf.trainer.rollout_dump import RolloutDumper
+    from rlhf.orchestration.rollout_dump import RolloutDumper
 
     outside = tmp_path / "outside"
     outside.mkdir()

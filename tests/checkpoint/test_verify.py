@@ -19,7 +19,7 @@ from rlhf.checkpoint.state_file import COUNT, STATE_KEY, decode_state, encode_st
 from rlhf.errors import CheckpointError
 from rlhf.testing.distributed import run_distributed
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "orchestration"))
 from fixtures import make_tiny_setup  # noqa: E402
 
 WEIGHTS = "actor_model_r0.safetensors"

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "orchestration"))
 from fixtures import make_tiny_setup, trainer_config  # noqa: E402
 
 from rlhf.checkpoint import MANIFEST, CheckpointManager  # noqa: E402

@@ -184,7 +184,7 @@ def test_moe_config_errors_name_the_value():
 
 def test_moe_config_is_a_model_config_section():
     from rlhf.config.loader import from_dict
-    from rlhf.trainer.config import ModelConfig
+    from rlhf.stages.config import ModelConfig
 
     config = from_dict(ModelConfig, {"moe": {"aux_loss_coeff": 0.01, "token_dispatcher": "alltoall"}}, "model")
     assert config.moe.build_kwargs() == dict(aux_loss_coeff=0.01, z_loss_coeff=0.0, token_dispatcher="alltoall")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "orchestration"))
 from fixtures import scored_batch  # noqa: E402
 
 from rlhf.config import from_dict  # noqa: E402

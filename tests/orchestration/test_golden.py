@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "trainer"))
-from fixtures import make_tiny_setup, run_trainer, trainer_config  # noqa: E402
-from test_moe_roles import make_moe_setup  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))
+from fixtures import make_moe_setup, make_tiny_setup, run_trainer, trainer_config  # noqa: E402
 
 from rlhf.testing.distributed import run_distributed  # noqa: E402
 

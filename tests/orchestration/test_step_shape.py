@@ -12,7 +12,7 @@ import torch
 
 from rlhf.orchestration.loop import Trainer
 from rlhf.orchestration.step import StepDriver
-from rlhf.trainer.batch import RolloutBatch, ScoredBatch, SequenceBatch
+from rlhf.stages.batch import RolloutBatch, ScoredBatch, SequenceBatch
 
 ROOT = Path(__file__).parents[2] / "rlhf"
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from rlhf.testing.distributed import run_distributed
-from tests.trainer.fixtures import make_tiny_setup
+from tests.orchestration.fixtures import make_tiny_setup
 
 
 def _config_file(paths: dict[str, str], root: Path, kl_coef: float, split_async: bool = False) -> str:

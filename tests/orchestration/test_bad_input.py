@@ -17,7 +17,7 @@ from fixtures import make_tiny_setup, trainer_config  # noqa: E402
 
 from rlhf.data.loader import load_prompts  # noqa: E402
 from rlhf.errors import CheckpointError, ConfigError, DataError  # noqa: E402
-from rlhf.trainer.checks import input_warnings, load_tokenizer  # noqa: E402
+from rlhf.orchestration.checks import input_warnings, load_tokenizer  # noqa: E402
 from rlhf.orchestration.preflight import preflight  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

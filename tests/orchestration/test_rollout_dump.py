@@ -16,8 +16,8 @@ from fixtures import scored_batch  # noqa: E402
 from rlhf.data.char_tokenizer import build_char_tokenizer  # noqa: E402
 from rlhf.data.records import PromptRecord  # noqa: E402
 from rlhf.errors import ConfigError  # noqa: E402
-from rlhf.trainer.batch import RolloutBatch  # noqa: E402
-from rlhf.trainer.rollout_dump import RolloutDumper, check_dumps, dump_path, read_dump, read_scores  # noqa: E402
+from rlhf.stages.batch import RolloutBatch  # noqa: E402
+from rlhf.orchestration.rollout_dump import RolloutDumper, check_dumps, dump_path, read_dump, read_scores  # noqa: E402
 
 VOCAB = 18  # the char tokenizer: 4 special tokens + "0123456789+-= "
 POSITIONS = 64  # the model's max_position_embeddings

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from rlhf.parallel.layout import ParallelLayout
 from rlhf.parallel.wire import all_gather_json, collective_device
-from rlhf.trainer.batch import RolloutBatch
+from rlhf.stages.batch import RolloutBatch
 
 
 def is_contributor(layout: ParallelLayout, rank: int) -> bool:

@@ -13,8 +13,8 @@ import torch
 
 from rlhf.algo.dapo import informative_rows
 from rlhf.algo.groups import Groups
-from rlhf.trainer.batch import RolloutBatch
-from rlhf.trainer.exchange import concat_batches
+from rlhf.stages.batch import RolloutBatch
+from rlhf.stages.exchange import concat_batches
 
 
 @dataclass(kw_only=True)

@@ -2,7 +2,7 @@
 
 import json
 
-from rlhf.trainer.plot import RUN_PANELS, _series, main, plot_run
+from rlhf.orchestration.plot import RUN_PANELS, _series, main, plot_run
 
 
 def _write(path, rows):

@@ -26,7 +26,7 @@ def tiny(tmp_path_factory):
 
 def _engine_matches_actor(trainer) -> int:
     """Slices verified bit for bit after a sync (collective); the shared engine holds the actor's own tensors."""
-    from rlhf.trainer.sync import SharedWeights
+    from rlhf.stages.sync import SharedWeights
 
     weight_sync = trainer.boundary.weight_sync
     if isinstance(weight_sync, SharedWeights):

@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 from rlhf.parallel.layout import ParallelLayout
 from rlhf.testing.distributed import run_distributed
-from rlhf.trainer.batch import RolloutBatch
-from rlhf.trainer.exchange import concat_batches, gather_global_batch, gather_rows, group_shard, is_contributor
+from rlhf.stages.batch import RolloutBatch
+from rlhf.stages.exchange import concat_batches, gather_global_batch, gather_rows, group_shard, is_contributor
 
 
 def _batch(replica: int) -> RolloutBatch:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "orchestration"))
 from fixtures import make_tiny_setup, shared_engine_algo  # noqa: E402
 
 from rlhf.parallel.groups import GroupCache, build_layout_groups  # noqa: E402
@@ -15,9 +15,9 @@ from rlhf.parallel.layout import ParallelLayout  # noqa: E402
 from rlhf.parallel.meshes import RoleMesh  # noqa: E402
 from rlhf.testing.distributed import run_distributed  # noqa: E402
 from rlhf.train.config import OptimConfig  # noqa: E402
-from rlhf.trainer.batch import ScoredBatch  # noqa: E402
-from rlhf.trainer.config import UpdateConfig  # noqa: E402
-from rlhf.trainer.roles import PolicyRole  # noqa: E402
+from rlhf.stages.batch import ScoredBatch  # noqa: E402
+from rlhf.stages.config import UpdateConfig  # noqa: E402
+from rlhf.stages.roles import PolicyRole  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_loss_is_the_same_for_dp1_dp2_and_micro_batching(tiny):
 
 
 def _reward_scores(paths, reward_path):
-    from rlhf.trainer.roles import RewardModelRole
+    from rlhf.stages.roles import RewardModelRole
 
     cache = GroupCache()
     out = []
@@ -181,7 +181,7 @@ def test_trimmed_micro_batch_drops_only_shared_padding():
 
 
 def test_balanced_order_evens_out_dp_shards():
-    from rlhf.trainer.micro_batches import balanced_order
+    from rlhf.stages.micro_batches import balanced_order
 
     lengths = torch.tensor([100, 90, 80, 70, 5, 4, 3, 2])  # contiguous halves: 340 vs 14 tokens
     order = balanced_order(lengths, 2)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from rlhf.platform import current_device
-from rlhf.trainer.batch import SequenceBatch
+from rlhf.stages.batch import SequenceBatch
 
 
 def balanced_order(lengths_b: torch.Tensor, parts: int) -> torch.Tensor:

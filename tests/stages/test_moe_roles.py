@@ -12,32 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fixtures import make_tiny_setup  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parents[1] / "orchestration"))
+from fixtures import NUM_EXPERTS, make_moe_setup, make_tiny_setup  # noqa: E402
 from test_roles import fixed_batch  # noqa: E402
 
 from rlhf.models.config import MoeConfig  # noqa: E402
 from rlhf.testing.distributed import run_distributed  # noqa: E402
 
 ROUTER_LOSSES = MoeConfig(aux_loss_coeff=0.1, z_loss_coeff=0.01)
-NUM_EXPERTS = 4
-
-
-def make_moe_setup(root: Path) -> dict[str, str]:
-    """The tiny char-level setup as a Qwen3-MoE (4 experts, top-2) with decisive routers (no near-ties, so
-    every layout routes each token alike)."""
-    from safetensors.torch import load_file, save_file
-
-    paths = make_tiny_setup(root, num_train=8, num_val=4, arch="qwen3_moe", num_experts=NUM_EXPERTS,
-                            num_experts_per_token=2, expert_intermediate_size=32)
-    weights_path = Path(paths["model"]) / "model.safetensors"
-    weights = load_file(weights_path)
-    gen = torch.Generator().manual_seed(3)
-    for name, tensor in weights.items():
-        if name.endswith("mlp.gate.weight"):
-            weights[name] = torch.randn(tensor.shape, generator=gen) * 0.5
-    save_file(weights, weights_path, metadata={"format": "pt"})
-    return paths
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +85,8 @@ def _roles_at(paths: dict, cache, layout) -> dict:
     from rlhf.parallel.groups import build_layout_groups
     from rlhf.parallel.meshes import RoleMesh
     from rlhf.train.config import OptimConfig
-    from rlhf.trainer.config import UpdateConfig
-    from rlhf.trainer.roles import CriticRole, PolicyRole
+    from rlhf.stages.config import UpdateConfig
+    from rlhf.stages.roles import CriticRole, PolicyRole
 
 
     def mesh(role: str) -> RoleMesh:
@@ -141,10 +123,10 @@ def _replay(paths: dict, cache) -> dict:
     from rlhf.rollout.sampling_params import SamplingParams
     from rlhf.rollout.types import PromptBatch
     from rlhf.train.config import OptimConfig
-    from rlhf.trainer.batch import build_rollout_batch
-    from rlhf.trainer.config import UpdateConfig
-    from rlhf.trainer.exchange import gather_global_batch
-    from rlhf.trainer.roles import PolicyRole
+    from rlhf.stages.batch import build_rollout_batch
+    from rlhf.stages.config import UpdateConfig
+    from rlhf.stages.exchange import gather_global_batch
+    from rlhf.stages.roles import PolicyRole
 
     def role(layout: ParallelLayout, mode: str, update: bool = False) -> PolicyRole:
         mesh = RoleMesh("actor", layout, build_layout_groups(layout, cache))

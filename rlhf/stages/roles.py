@@ -1,6 +1,6 @@
 """The model roles of an RL step on their meshes: actor (trained policy), ref (frozen policy), critic (values).
 
-Each role's members run its DP shard of the global batch (`trainer.batch`); per-sample outputs are gathered back so
+Each role's members run its DP shard of the global batch (`stages.batch`); per-sample outputs are gathered back so
 every rank sees the whole batch (`exchange.gather_rows`). Non-members only take part in that gather.
 """
 
@@ -28,10 +28,10 @@ from rlhf.models.routing_replay import UNKNOWN, RoutingReplay
 from rlhf.platform import current_device
 from rlhf.train import offload as offload_lib
 from rlhf.train.engine import StepResult, TrainEngine
-from rlhf.trainer.batch import RolloutBatch, ScoredBatch, SequenceBatch, gather_response, scatter_response
-from rlhf.trainer.config import AlgoConfig, UpdateConfig
-from rlhf.trainer.exchange import gather_rows, is_contributor
-from rlhf.trainer.micro_batches import balanced_order, by_length, micro_batches, row_lengths
+from rlhf.stages.batch import RolloutBatch, ScoredBatch, SequenceBatch, gather_response, scatter_response
+from rlhf.stages.config import AlgoConfig, UpdateConfig
+from rlhf.stages.exchange import gather_rows, is_contributor
+from rlhf.stages.micro_batches import balanced_order, by_length, micro_batches, row_lengths
 
 
 def _labels_bs(batch: SequenceBatch) -> torch.Tensor:

@@ -156,7 +156,7 @@ def _dumps(folder):
 
 
 def test_async_dumps_every_trained_batch_once_under_the_step_that_trains_it(world):
-    from rlhf.trainer.rollout_dump import dump_path, read_dump
+    from rlhf.orchestration.rollout_dump import dump_path, read_dump
 
     root, ranks = world
     full = ranks[0]["full"]
@@ -271,7 +271,7 @@ def test_an_in_flight_batch_round_trips_bitwise_and_a_foreign_one_is_refused():
 
     from rlhf.errors import CheckpointError
     from rlhf.checkpoint.state_file import decode_state, encode_state
-    from rlhf.trainer.batch import RolloutBatch, rollout_from_state, rollout_state
+    from rlhf.stages.batch import RolloutBatch, rollout_from_state, rollout_state
 
     mask_bt = torch.tensor([[True, True, False], [True, False, False]])
     batch = rollout_batch(tokens_bs=torch.randint(0, 50, (2, 7)), prompt_lengths_b=torch.tensor([4, 4]),

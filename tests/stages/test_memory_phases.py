@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "orchestration"))
 from fixtures import make_tiny_setup, trainer_config  # noqa: E402
 
 from rlhf.testing.distributed import run_distributed  # noqa: E402

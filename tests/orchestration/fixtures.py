@@ -8,6 +8,8 @@ from rlhf.data.char_tokenizer import build_char_tokenizer
 from rlhf.data.make import MakeConfig, make_dataset
 from rlhf.models.init import InitModelConfig, init_hf_model
 
+NUM_EXPERTS = 4
+
 
 def make_tiny_setup(root: Path, num_train: int = 64, num_val: int = 16, **model_dims) -> dict[str, str]:
     """`model_dims` override the tiny model's InitModelConfig (vLLM's CPU attention needs head_dim >= 32)."""
@@ -29,7 +31,7 @@ def shared_engine_algo(**fields):
     correction `auto` -> off): roles are only ever handed resolved configs."""
     import dataclasses
 
-    from rlhf.trainer.config import AlgoConfig
+    from rlhf.stages.config import AlgoConfig
 
     algo = AlgoConfig(**fields)
     return dataclasses.replace(algo, rollout_correction=algo.rollout_correction.resolved(weights_shared=True))
@@ -79,7 +81,7 @@ def rollout_batch(**fields):
     given, the rest defaulted from them (lengths from the mask, zero logprobs and versions, no scores)."""
     import torch
 
-    from rlhf.trainer.batch import RolloutBatch
+    from rlhf.stages.batch import RolloutBatch
 
     mask_bt, size = fields["response_mask_bt"], fields["tokens_bs"].shape[0]
     defaults = dict(response_lengths_b=mask_bt.sum(-1), loss_mask_bt=mask_bt, sample_index_b=fields["group_index_b"],
@@ -96,7 +98,7 @@ def scored_batch(**fields):
 
     import torch
 
-    from rlhf.trainer.batch import RolloutBatch, ScoredBatch
+    from rlhf.stages.batch import RolloutBatch, ScoredBatch
 
     names = {field.name for field in dataclasses.fields(RolloutBatch)}
     batch = rollout_batch(**{k: v for k, v in fields.items() if k in names})
@@ -104,3 +106,21 @@ def scored_batch(**fields):
     scored = dict(old_logprobs_bt=None, ref_logprobs_bt=None, values_bt=None, token_rewards_bt=zeros_bt,
                   advantages_bt=zeros_bt, returns_bt=None, is_weights_bt=None)
     return ScoredBatch.of(batch, **(scored | {k: v for k, v in fields.items() if k not in names}))
+
+
+def make_moe_setup(root: Path) -> dict[str, str]:
+    """The tiny char-level setup as a Qwen3-MoE (4 experts, top-2) with decisive routers (no near-ties, so
+    every layout routes each token alike)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    paths = make_tiny_setup(root, num_train=8, num_val=4, arch="qwen3_moe", num_experts=NUM_EXPERTS,
+                            num_experts_per_token=2, expert_intermediate_size=32)
+    weights_path = Path(paths["model"]) / "model.safetensors"
+    weights = load_file(weights_path)
+    gen = torch.Generator().manual_seed(3)
+    for name, tensor in weights.items():
+        if name.endswith("mlp.gate.weight"):
+            weights[name] = torch.randn(tensor.shape, generator=gen) * 0.5
+    save_file(weights, weights_path, metadata={"format": "pt"})
+    return paths

@@ -1,4 +1,4 @@
-"""What a rollout dump (`rlhf.trainer.rollout_dump`) must hold before replay trains on it: the footer (format,
+"""What a rollout dump (`rlhf.orchestration.rollout_dump`) must hold before replay trains on it: the footer (format,
 metadata, each column's type) checked for every file up front, each row's values when its step is read. A dump
 is input from disk like a dataset: every failure is one ConfigError line naming the file, row and column."""
 

@@ -10,7 +10,7 @@ import pytest
 from rlhf.config import load_config
 from rlhf.orchestration.schema import RlhfConfig
 from rlhf.errors import ConfigError
-from rlhf.trainer.config import UpdateConfig
+from rlhf.stages.config import UpdateConfig
 
 
 def test_a_single_file_and_home_paths(monkeypatch, tmp_path):

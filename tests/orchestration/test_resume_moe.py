@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fixtures import run_trainer  # noqa: E402
-from test_moe_roles import make_moe_setup  # noqa: E402
+from fixtures import make_moe_setup, run_trainer  # noqa: E402
 
 from rlhf.testing.distributed import run_distributed  # noqa: E402
 

@@ -5,10 +5,10 @@ import torch
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "orchestration"))
 from fixtures import rollout_batch  # noqa: E402
 
-from rlhf.trainer.dynamic_sampling import fill_batch, informative_groups
+from rlhf.stages.dynamic_sampling import fill_batch, informative_groups
 
 
 def _round(scores, tag, n=2):

@@ -1,7 +1,7 @@
 """Learning-curve figures from runs' metrics.jsonl: `curve.png` of every RL run (`trainer.plot`), and the demo's
 before/after summary (SFT then RL, beside SFT continued for as many optimizer steps as RL: the equal-compute arm).
 
-    python -m rlhf.trainer.plot --rl runs/demo/grpo --out runs/demo [--sft runs/demo/sft] [--sft-more runs/demo/sft_more]
+    python -m rlhf.orchestration.plot --rl runs/demo/grpo --out runs/demo [--sft runs/demo/sft] [--sft-more runs/demo/sft_more]
 """
 
 from __future__ import annotations

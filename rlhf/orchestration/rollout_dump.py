@@ -22,8 +22,8 @@ import torch
 from rlhf.data.records import PromptRecord
 from rlhf.errors import ConfigError
 from rlhf.run_dir import check_inside
-from rlhf.trainer.batch import RolloutBatch, ScoredBatch
-from rlhf.trainer.dump_schema import FIX, FORMAT, check_footer, check_rows, check_score
+from rlhf.stages.batch import RolloutBatch, ScoredBatch
+from rlhf.orchestration.dump_schema import FIX, FORMAT, check_footer, check_rows, check_score
 
 
 

@@ -13,7 +13,7 @@ from rlhf.config import from_dict  # noqa: E402
 from rlhf.orchestration.schema import RlhfConfig
 from rlhf.data.loader import load_prompts  # noqa: E402
 from rlhf.errors import ConfigError  # noqa: E402
-from rlhf.trainer.checks import input_warnings, load_tokenizer, score_head_warning  # noqa: E402
+from rlhf.orchestration.checks import input_warnings, load_tokenizer, score_head_warning  # noqa: E402
 from rlhf.orchestration.preflight import preflight  # noqa: E402
 
 

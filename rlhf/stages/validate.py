@@ -14,8 +14,8 @@ from rlhf.parallel.wire import all_gather_json
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.sampling_params import SamplingParams
 from rlhf.rollout.types import PromptBatch, Rollouts
-from rlhf.trainer.exchange import is_contributor
-from rlhf.trainer.scoring import Scorer
+from rlhf.stages.exchange import is_contributor
+from rlhf.stages.scoring import Scorer
 
 
 @dataclass

@@ -11,7 +11,7 @@ from rlhf.errors import ConfigError
 from rlhf.metrics import StepMetrics
 from rlhf.rewards.registry import RewardConfig
 from rlhf.rollout.factory import RolloutConfig
-from rlhf.trainer.memory import MemoryPhases, ParkedRole, check_sleep, plan_memory_phases
+from rlhf.stages.memory import MemoryPhases, ParkedRole, check_sleep, plan_memory_phases
 
 
 class RecordingEngine:
@@ -115,7 +115,7 @@ def test_an_engine_that_cannot_sleep_is_left_alone_and_says_so(caplog):
     calls = []
     engine = RecordingEngine(calls)
     engine.can_sleep = False
-    with caplog.at_level("INFO", logger="rlhf.trainer.memory"):
+    with caplog.at_level("INFO", logger="rlhf.stages.memory"):
         phases = MemoryPhases(engine, [ParkedRole("actor", RecordingRole("actor", calls))],
                               sleep=RolloutConfig(engine="vllm").resolved_sleep(accelerator=False))
     assert caplog.messages == ["rollout.sleep=kv_cache_and_weights: the engine cannot sleep on this platform, "
