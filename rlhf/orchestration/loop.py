@@ -54,10 +54,14 @@ from rlhf.stages.validate import run_validation
 
 log = get_logger("trainer")
 CONSOLE_KEYS = {"critic/score/mean": "reward", "val/score/mean@1": "val", "actor/pg_loss": "pg_loss",
-                "actor/entropy": "entropy", "response_length/mean": "resp_len", "timing_s/step": "step_s"}
+                "actor/entropy": "entropy", "sft/loss": "sft_loss", "response_length/mean": "resp_len",
+                "timing_s/step": "step_s"}
 
 
 class Trainer:
+    train_side_type: type[TrainSide] = TrainSide  # what `train(batch)` does (`rlhf sft`: the supervised update)
+    step_name = "rl"  # the progress bar's and the step's watchdog phase's name
+
     def __init__(self, cfg: RlhfConfig, run_dir: RunDir) -> None:
         self.cfg, self.run_dir = cfg, run_dir
         self.watchdog = self._watchdog()
@@ -87,7 +91,7 @@ class Trainer:
                                     weights_shared=shares_weights(cfg, layouts))
         self.rollout_side = RolloutSide.from_config(cfg, algo, self.meshes, engine=engine, loader=self.loader,
                                                     scorer=self.scorer, memory=memory, pad_token_id=self.pad_token_id)
-        self.train_side = TrainSide.from_config(cfg, algo, roles, memory)
+        self.train_side = self.train_side_type.from_config(cfg, algo, roles, memory)
         self.boundary = Boundary.from_config(cfg, self.meshes["rollout"].layout, engine=engine,
                                              weight_sync=weight_sync, memory=memory)
         pipeline = (AsyncSchedule(self.meshes, cfg.trainer.max_staleness, train_group,
@@ -129,12 +133,16 @@ class Trainer:
             hook(batch, step)
 
     def _build_data(self) -> PromptLoader:
-        rollout = self.meshes["rollout"]
-        dp_rank = rollout.pgs.dp.rank() if rollout.is_member else 0
-        loader = PromptLoader(self.cfg.data, self.tokenizer, dp_rank=dp_rank, dp_size=rollout.layout.dp)
+        dp_rank, dp_size = self._loader_shard()
+        loader = PromptLoader(self.cfg.data, self.tokenizer, dp_rank=dp_rank, dp_size=dp_size)
         self.val = (load_prompts(self.cfg.data.val_files, self.tokenizer, self.cfg.data, label="data.val_files")
                     if self.cfg.data.val_files else None)
         return loader
+
+    def _loader_shard(self) -> tuple[int, int]:
+        """(dp rank, dp size) of the prompts this rank takes each step: its rollout replica's share."""
+        rollout = self.meshes["rollout"]
+        return (rollout.pgs.dp.rank() if rollout.is_member else 0), rollout.layout.dp
 
     def _build_rollout(self, actor: PolicyRole):
         """The rollout engine on its mesh and how the actor's weights reach it after each update.
@@ -222,9 +230,10 @@ class Trainer:
                     self.sink.write(0, values)
                     history.append(values)
                     log.info("before training: val/score/mean@1 = %.4f", values["val/score/mean@1"])
-                bar = progress(range(start + 1, cfg.total_steps + 1), desc="rl", total=cfg.total_steps - start)
+                bar = progress(range(start + 1, cfg.total_steps + 1), desc=self.step_name,
+                               total=cfg.total_steps - start)
                 for step in bar:
-                    with watchdog.phase(f"rl_step {step}"):
+                    with watchdog.phase(f"{self.step_name}_step {step}"):
                         history.append(self._step(step))
         finally:
             close_engine(self.rollout_side.engine)  # vLLM's teardown needs the process groups still alive

@@ -189,7 +189,8 @@ def check_moe_settings(cfg: RlhfConfig) -> None:
                           "model (no experts): they would do nothing; unset them")
 
 
-def _plan(cfg: RlhfConfig, world_size: int) -> dict:
+def plan_layouts(cfg: RlhfConfig, world_size: int) -> dict:
+    """Every role's layout for `world_size` ranks (pure; a ConfigError when they cannot be planned)."""
     return plan_meshes(mesh_config(cfg), world_size, model_dims(cfg.model.path), role_dims(cfg))
 
 
@@ -197,7 +198,7 @@ def check_layouts(cfg: RlhfConfig, world_size: int, problems: Problems | None = 
     """Every role's layout for `world_size` ranks, with the batch-split and memory-phase rules checked (pure);
     None (with the problem recorded) when the layouts cannot be planned."""
     with collecting(problems) as problems:
-        layouts = problems.check(_plan, cfg, world_size)
+        layouts = problems.check(plan_layouts, cfg, world_size)
         if layouts is None:
             return None
         check_batches(cfg, layouts, problems)

@@ -119,9 +119,3 @@ def run_validation(engine: RolloutEngine | None, layout, prompts: TokenizedPromp
         metrics.update(score_metrics(scores_pn[rows_p], prefix=f"val/{source}"))
     all_samples = [sample for part in everyone if part is not None for sample in part["samples"]]
     return Validation(metrics=metrics, samples=all_samples)
-
-
-def validate(engine: RolloutEngine | None, layout, prompts: TokenizedPrompts, scorer: Scorer,
-             params: SamplingParams, chunk_prompts: int, pad_token_id: int) -> dict[str, float]:
-    """The metrics of `run_validation` (collective)."""
-    return run_validation(engine, layout, prompts, scorer, params, chunk_prompts, pad_token_id).metrics
