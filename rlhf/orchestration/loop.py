@@ -9,7 +9,8 @@ Layouts, groups and every input check come from `rlhf.orchestration.preflight`; 
 is the driver's one-step-off ordering (`rlhf.orchestration.async_schedule`: rollout ranks a batch ahead) and the
 in-flight batches are checkpointed. Every scored batch reaches `scored_hooks` (rollout dumps; tests add theirs).
 Every stage after process-group init (build, resume, first push, validation, each step, each save) is a
-watchdog phase: a stall anywhere ends every rank with stacks in its log.
+watchdog phase: a stall anywhere ends every rank with stacks in its log. `rlhf replay` and `rlhf sft` are this
+trainer with another step: a dumped batch (`replay.py`), the supervised update on labelled records (`sft.py`).
 """
 
 from __future__ import annotations
