@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,6 +23,10 @@ def tiny(tmp_path_factory):
 
 
 def _sft_runs(paths, root):
+    """Both runs' last validation and folder, and this rank's python and numpy RNG states in the last checkpoint."""
+    import torch.distributed as dist
+
+    from rlhf.checkpoint.state_file import decode_state
     from rlhf.run_dir import close_run, setup_run
     from rlhf.orchestration.sft import run_sft
 
@@ -35,7 +40,9 @@ def _sft_runs(paths, root):
             out[fused] = (run_sft(cfg, cfg.sft, run_dir), str(run_dir.path))
         finally:
             close_run()
-    return out
+    state = decode_state((Path(out[True][1]) / f"checkpoints/step_4/rank{dist.get_rank()}.safetensors").read_bytes(),
+                         "rank file")
+    return out, state["rng"]["python"], state["rng"]["numpy"]
 
 
 def _hf_first_step_loss(paths, root) -> float:
@@ -66,7 +73,13 @@ def _hf_first_step_loss(paths, root) -> float:
 def test_sft_fused_head_matches_full_logits_at_tp2(tiny, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    runs = run_distributed(_sft_runs, 2, tiny, str(tmp_path), timeout_s=300)[0]
+    ranks = run_distributed(_sft_runs, 2, tiny, str(tmp_path), timeout_s=300)
+    runs = ranks[0][0]
+    # no process seeded them before the trainer did (run_distributed does not): every rank's are the run seed's
+    assert ranks[0][1] == ranks[1][1] and len(ranks[0][1][1]) == 625  # python's (a library may draw at import)
+    seeded = np.random.RandomState(trainer_config(tiny, str(tmp_path)).dist.seed).get_state()
+    for rank in ranks:
+        assert rank[2][0] == seeded[0] and np.array_equal(rank[2][1], seeded[1]) and rank[2][2:] == seeded[2:]
     losses = {}
     for fused, (val, path) in runs.items():
         rows = [json.loads(line) for line in (Path(path) / "metrics.jsonl").read_text().splitlines()]
