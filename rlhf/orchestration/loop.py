@@ -62,6 +62,7 @@ CONSOLE_KEYS = {"critic/score/mean": "reward", "val/score/mean@1": "val", "actor
 class Trainer:
     train_side_type: type[TrainSide] = TrainSide  # what `train(batch)` does (`rlhf sft`: the supervised update)
     step_name = "rl"  # the progress bar's and the step's watchdog phase's name
+    steps_key = "trainer.total_steps"  # the setting the number of steps comes from (named when a run is done)
 
     def __init__(self, cfg: RlhfConfig, run_dir: RunDir) -> None:
         self.cfg, self.run_dir = cfg, run_dir
@@ -209,7 +210,7 @@ class Trainer:
                 with watchdog.phase("resume", self.cfg.comm.setup_timeout_s):
                     start = self.checkpoints.resume()
                 if start >= cfg.total_steps:
-                    self._announce(lambda: [finished_notice(self.cfg, self.run_dir.path, start)])
+                    self._announce(lambda: [finished_notice(self.cfg, self.run_dir.path, start, self.steps_key)])
                     return []
                 self._announce(lambda: start_banner(
                     self.cfg, world_size=dist.get_world_size(), backend=str(dist.get_backend()),

@@ -12,6 +12,7 @@ Trainer's. The loss is normalised by the global token count, so it is the same f
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -48,13 +49,17 @@ def sft_run_config(cfg: RlhfConfig) -> RlhfConfig:
 
 
 def sft_preflight(cfg: RlhfConfig, world_size: int) -> list[str]:
-    """The SFT batch split (named by its `sft.` keys), then every check of `rlhf train` on the SFT run's config."""
+    """The SFT batch split (named by its `sft.` keys) and a new export folder, then every check of `rlhf train` on
+    the SFT run's config."""
     run = sft_run_config(cfg)
     actor = cfg.actor
     dp = plan_layouts(run, world_size)["actor"].dp
     if cfg.sft.batch_size % (actor.mini_batches * dp * actor.micro_batch_size):
         raise ConfigError(f"sft.batch_size={cfg.sft.batch_size} must be a multiple of actor.mini_batches="
                           f"{actor.mini_batches} x dp={dp} x actor.micro_batch_size={actor.micro_batch_size}")
+    if cfg.sft.out_dir and os.path.lexists(cfg.sft.out_dir):
+        raise ConfigError(f"sft.out_dir={cfg.sft.out_dir} already exists; the SFT policy is exported to a new "
+                          "folder: choose another or remove it")
     return preflight(run, world_size)
 
 
@@ -104,6 +109,7 @@ class SftTrainer(Trainer):
 
     train_side_type = SftSide
     step_name = "sft"
+    steps_key = "sft.steps"
 
     def _loader_shard(self) -> tuple[int, int]:
         """Every rank holds the whole global batch (the actor's update takes its DP shard of it)."""

@@ -30,17 +30,23 @@ def _sft_runs(paths, root):
     from rlhf.run_dir import close_run, setup_run
     from rlhf.orchestration.sft import run_sft
 
-    out = {}
-    for fused in (True, False):
+    def sft(fused: bool, export: str) -> tuple[dict, Path]:
         cfg = trainer_config(paths, root, ["mesh.actor.tp=2", "sft.steps=4", "sft.batch_size=8",
                                            "actor.micro_batch_size=4", f"model.fused_head={fused}",
-                                           f"run.name=sft_{fused}", f"sft.out_dir={root}/export_{fused}"])
+                                           f"run.name=sft_{fused}", f"sft.out_dir={root}/{export}"])
         run_dir = setup_run(cfg.run, cfg, prefix="sft")
         try:
-            out[fused] = (run_sft(cfg, cfg.sft, run_dir), str(run_dir.path))
+            return run_sft(cfg, cfg.sft, run_dir), run_dir.path
         finally:
             close_run()
-    state = decode_state((Path(out[True][1]) / f"checkpoints/step_4/rank{dist.get_rank()}.safetensors").read_bytes(),
+
+    out = {fused: sft(fused, f"export_{fused}") for fused in (True, False)}
+    relaunched, run_path = sft(False, "export_resumed")  # finished: says so, exports what it resumed
+    assert relaunched == {}
+    if dist.get_rank() == 0:
+        assert ("already finished: its checkpoint is at step 4 and sft.steps=4; raise sft.steps to train on"
+                in (run_path / "rank0.log").read_text())
+    state = decode_state((out[True][1] / f"checkpoints/step_4/rank{dist.get_rank()}.safetensors").read_bytes(),
                          "rank file")
     return out, state["rng"]["python"], state["rng"]["numpy"]
 
@@ -95,6 +101,8 @@ def test_sft_fused_head_matches_full_logits_at_tp2(tiny, tmp_path):
         # Adam (lr 1e-3) turns fp32-rounding gradient differences into ~1e-5 steps; a wrong path moves ~1e-3
         torch.testing.assert_close(param, dict(exported[1].named_parameters())[name], atol=1e-4, rtol=0)
     assert any(not torch.equal(p, q) for p, q in zip(exported[0].parameters(), initial.parameters()))
+    resumed = AutoModelForCausalLM.from_pretrained(tmp_path / "export_resumed")
+    assert all(torch.equal(p, q) for p, q in zip(resumed.parameters(), exported[1].parameters()))
 
 
 NOISY_FN = '''
@@ -199,4 +207,8 @@ def test_sft_bad_input_is_one_line_before_anything_is_written(tiny, tmp_path):
     with pytest.raises(ConfigError, match=r"^mesh\.roles=\['actor', 'rollout', 'ref'\], but this run uses \['actor', "
                                           r"'rollout'\] \(no ref, critic or reward\)"):  # refused, not overwritten
         sft_preflight(trainer_config(tiny, str(tmp_path / "runs"), ["mesh.roles=[actor,rollout,ref]"]), world_size=2)
+    (tmp_path / "exported").mkdir()
+    with pytest.raises(ConfigError, match=rf"^sft\.out_dir={tmp_path / 'exported'} already exists; the SFT policy is "
+                                          r"exported to a new folder: choose another or remove it$"):
+        sft_preflight(trainer_config(tiny, str(tmp_path / "runs"), [f"sft.out_dir={tmp_path / 'exported'}"]), 2)
     assert not (tmp_path / "runs").exists()
