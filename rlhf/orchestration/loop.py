@@ -63,6 +63,7 @@ class Trainer:
     train_side_type: type[TrainSide] = TrainSide  # what `train(batch)` does (`rlhf sft`: the supervised update)
     step_name = "rl"  # the progress bar's and the step's watchdog phase's name
     steps_key = "trainer.total_steps"  # the setting the number of steps comes from (named when a run is done)
+    batch_key = "data.prompts_per_step"  # the setting the prompts per step come from (named in errors)
 
     def __init__(self, cfg: RlhfConfig, run_dir: RunDir) -> None:
         self.cfg, self.run_dir = cfg, run_dir
@@ -136,7 +137,8 @@ class Trainer:
 
     def _build_data(self) -> PromptLoader:
         dp_rank, dp_size = self._loader_shard()
-        loader = PromptLoader(self.cfg.data, self.tokenizer, dp_rank=dp_rank, dp_size=dp_size)
+        loader = PromptLoader(self.cfg.data, self.tokenizer, dp_rank=dp_rank, dp_size=dp_size,
+                              batch_key=self.batch_key)
         self.val = (load_prompts(self.cfg.data.val_files, self.tokenizer, self.cfg.data, label="data.val_files")
                     if self.cfg.data.val_files else None)
         return loader

@@ -258,8 +258,9 @@ def length_policy_note(prompts: TokenizedPrompts, cfg: RlhfConfig, label: str) -
             f"tokens (data.truncation={cfg.data.truncation})")
 
 
-def _check_data(cfg: RlhfConfig, problems: Problems) -> list[str]:
-    """Tokenizer, prompt files, their lengths against the models and the KV cache, reward sources; the notes."""
+def _check_data(cfg: RlhfConfig, problems: Problems, batch_key: str) -> list[str]:
+    """Tokenizer, prompt files, their lengths against the models and the KV cache, reward sources; the notes.
+    `batch_key` names the setting the prompts per step come from."""
     problems.check(check_dataset_files, cfg.data.train_files, "data.train_files")
     if cfg.data.val_files:
         problems.check(check_dataset_files, cfg.data.val_files, "data.val_files")
@@ -274,7 +275,7 @@ def _check_data(cfg: RlhfConfig, problems: Problems) -> list[str]:
     train = problems.check(load_prompts, cfg.data.train_files, tokenizer, cfg.data)
     if train is not None:  # enough prompts for one step (the dp split is check_batch_sizes')
         problems.check(PromptSampler, num_samples=len(train.records), global_batch_size=cfg.data.prompts_per_step,
-                       dp_rank=0, dp_size=1, seed=cfg.data.seed)
+                       dp_rank=0, dp_size=1, seed=cfg.data.seed, batch_key=batch_key)
     val = (problems.check(load_prompts, cfg.data.val_files, tokenizer, cfg.data, label="data.val_files")
            if cfg.data.val_files else None)
     sets = [(prompts, label) for prompts, label in ((train, "data.train_files"), (val, "data.val_files")) if prompts]
@@ -289,10 +290,10 @@ def _check_data(cfg: RlhfConfig, problems: Problems) -> list[str]:
     return [note for prompts, label in sets if (note := length_policy_note(prompts, cfg, label))]
 
 
-def preflight(cfg: RlhfConfig, world_size: int) -> list[str]:
+def preflight(cfg: RlhfConfig, world_size: int, batch_key: str = "data.prompts_per_step") -> list[str]:
     """Every input check that needs no process group, run before the run folder exists: bad input writes nothing.
     All problems are raised at once (see `Problems.raise_all`); returns the notes worth a line (prompts the
-    length policy dropped or cut)."""
+    length policy dropped or cut). `batch_key`: the setting the prompts per step come from (`rlhf sft`'s own)."""
     problems = Problems()
     problems.check(check_metrics_endpoint, cfg)
     problems.check(check_writable_folder, cfg.run.output_dir, "run.output_dir")
@@ -301,7 +302,7 @@ def preflight(cfg: RlhfConfig, world_size: int) -> list[str]:
     problems.check(check_engine_installed, cfg)
     check_layouts(cfg, world_size, problems)
     problems.check(check_model_folders, cfg)
-    notes = _check_data(cfg, problems)
+    notes = _check_data(cfg, problems, batch_key)
     problems.raise_all()
     return notes
 

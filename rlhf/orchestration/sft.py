@@ -35,11 +35,12 @@ log = get_logger("sft")
 
 
 def sft_run_config(cfg: RlhfConfig) -> RlhfConfig:
-    """The trainer config of an SFT run: actor and a colocated rollout engine in the actor's layout (validation),
-    no reference, critic or reward model, `sft.batch_size` records per step, `sft.steps` steps, one sample a row."""
+    """The trainer config of an SFT run: the actor on `mesh.actor` and a colocated rollout engine in its layout
+    (validation), no reference, critic or reward model (an RL config's placement, roles, rollout layout and algo
+    do not apply), `sft.batch_size` records per step, `sft.steps` steps, one sample a row."""
     sft = cfg.sft
     return dataclasses.replace(
-        cfg, mesh=dataclasses.replace(cfg.mesh, placement="colocated", rollout=cfg.mesh.actor),
+        cfg, mesh=dataclasses.replace(cfg.mesh, placement="colocated", roles=None, rollout=cfg.mesh.actor),
         algo=AlgoConfig(advantage=AdvantageConfig(kind=AdvantageKind.REINFORCE_PP)),
         reward=dataclasses.replace(cfg.reward, model_path=""),
         data=dataclasses.replace(cfg.data, prompts_per_step=sft.batch_size),
@@ -60,7 +61,7 @@ def sft_preflight(cfg: RlhfConfig, world_size: int) -> list[str]:
     if cfg.sft.out_dir and os.path.lexists(cfg.sft.out_dir):
         raise ConfigError(f"sft.out_dir={cfg.sft.out_dir} already exists; the SFT policy is exported to a new "
                           "folder: choose another or remove it")
-    return preflight(run, world_size)
+    return preflight(run, world_size, batch_key=SftTrainer.batch_key)
 
 
 def sft_batch(prompts: TokenizedPrompts, rows: list[int], tokenizer: Any, pad_token_id: int) -> RolloutBatch:
@@ -110,6 +111,7 @@ class SftTrainer(Trainer):
     train_side_type = SftSide
     step_name = "sft"
     steps_key = "sft.steps"
+    batch_key = "sft.batch_size"
 
     def _loader_shard(self) -> tuple[int, int]:
         """Every rank holds the whole global batch (the actor's update takes its DP shard of it)."""

@@ -204,9 +204,11 @@ def test_sft_bad_input_is_one_line_before_anything_is_written(tiny, tmp_path):
         sft_preflight(cfg, world_size=2)
     with pytest.raises(ConfigError, match=r"^model\.path='/nope' is not a folder"):  # `rlhf train`'s checks too
         sft_preflight(trainer_config(tiny, str(tmp_path / "runs"), ["model.path=/nope"]), world_size=2)
-    with pytest.raises(ConfigError, match=r"^mesh\.roles=\['actor', 'rollout', 'ref'\], but this run uses \['actor', "
-                                          r"'rollout'\] \(no ref, critic or reward\)"):  # refused, not overwritten
-        sft_preflight(trainer_config(tiny, str(tmp_path / "runs"), ["mesh.roles=[actor,rollout,ref]"]), world_size=2)
+    with pytest.raises(ConfigError, match=r"^the dataset has 32 prompts, fewer than sft\.batch_size=64; "):
+        sft_preflight(trainer_config(tiny, str(tmp_path / "runs"), ["sft.batch_size=64"]), world_size=2)
+    shared = trainer_config(tiny, str(tmp_path / "runs"), ["mesh.roles=[actor,ref,rollout]", "algo.kl.coef=0.01",
+                                                           "sft.batch_size=8"])
+    assert sft_preflight(shared, world_size=2) == []  # an RL config's roles and algo do not apply to SFT
     (tmp_path / "exported").mkdir()
     with pytest.raises(ConfigError, match=rf"^sft\.out_dir={tmp_path / 'exported'} already exists; the SFT policy is "
                                           r"exported to a new folder: choose another or remove it$"):
