@@ -132,7 +132,7 @@ def _fused_vs_full_logits(paths):
     return out
 
 
-@pytest.mark.parametrize("tied", [False, True])  # tied: the head weight is the embedding (a copy on the last stage)
+@pytest.mark.parametrize("tied", [False, pytest.param(True, marks=pytest.mark.slow)])  # tied: the head weight is the embedding (a copy on the last stage)
 def test_fused_head_matches_full_logits_and_transformers_at_tp1_tp2_pp2(tiny, tmp_path, tied):
     """Both paths score at the sampling temperature (0.7 here): log_softmax(logits / 0.7) of transformers."""
     from transformers import AutoModelForCausalLM
