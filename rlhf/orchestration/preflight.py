@@ -27,7 +27,8 @@ from rlhf.models.config import MoeConfig
 from rlhf.parallel.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes, plan_meshes
 from rlhf.run_dir import get_logger
 from rlhf.orchestration.async_schedule import check_async
-from rlhf.orchestration.setting_checks import check_algo_settings, check_metrics_endpoint, check_multiturn
+from rlhf.orchestration.setting_checks import (check_algo_settings, check_context_parallel, check_metrics_endpoint,
+                                               check_multiturn)
 from rlhf.rollout.vllm_engine import INSTALL_HINT as VLLM_INSTALL_HINT
 from rlhf.orchestration.checks import (check_kv_cache, check_model_folders, check_resume_path, check_reward_tokenizer,
                                  check_writable_folder, load_tokenizer, read_hf_config)
@@ -298,6 +299,7 @@ def preflight(cfg: RlhfConfig, world_size: int) -> list[str]:
     problems.check(check_resume_path, cfg.checkpoint.resume)
     problems.check(check_loggers, cfg.trainer.loggers)
     problems.check(check_engine_installed, cfg)
+    problems.check(check_context_parallel, cfg)
     check_layouts(cfg, world_size, problems)
     problems.check(check_model_folders, cfg)
     notes = _check_data(cfg, problems)

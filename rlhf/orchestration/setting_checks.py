@@ -1,5 +1,6 @@
 """Preflight checks of settings that run but cannot mean anything, or do not run where a run asks for them yet:
-algorithms the step does not feed, multi-turn beyond what is tested, a metrics endpoint that cannot bind. Each
+algorithms the step does not feed, multi-turn beyond what is tested, context parallelism (laid out, not yet in
+the forwards), a metrics endpoint that cannot bind. Each
 raises one ConfigError naming the setting and the fix (`preflight` collects them)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from rlhf.algo.advantages import AdvantageKind
 from rlhf.errors import ConfigError
 from rlhf.ops.prometheus import check_listen
 from rlhf.orchestration.schema import RlhfConfig
+from rlhf.parallel.config import ROLES
 from rlhf.parallel.wire import broadcast_json
 
 # registered (and verl-parity tested) but fed by inputs the RL step does not compute yet: refused before anything
@@ -38,6 +40,15 @@ def check_algo_settings(cfg: RlhfConfig) -> None:
         raise ConfigError(f"algo.overlong_buffer.len={algo.overlong_buffer.len} > sampling.max_new_tokens="
                           f"{sampling.max_new_tokens}: the penalty would start before the first token and hit every "
                           f"response; set algo.overlong_buffer.len <= {sampling.max_new_tokens}")
+
+
+def check_context_parallel(cfg: RlhfConfig) -> None:
+    """cp > 1 plans (process groups, `rlhf plan`'s memory table) but no forward splits sequences yet."""
+    for role in ROLES:
+        cp = getattr(cfg.mesh, role).cp
+        if cp > 1:
+            raise ConfigError(f"mesh.{role}.cp={cp}: context parallelism is laid out (process groups, rlhf plan) but "
+                              f"no forward splits sequences yet; set mesh.{role}.cp=1")
 
 
 def check_multiturn(cfg: RlhfConfig, layouts: dict) -> None:
