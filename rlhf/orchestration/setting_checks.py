@@ -40,6 +40,13 @@ def check_algo_settings(cfg: RlhfConfig) -> None:
                           f"response; set algo.overlong_buffer.len <= {sampling.max_new_tokens}")
 
 
+def check_lora(cfg: RlhfConfig) -> None:
+    """LoRA adapters are built, trained and exported by rlhf.models.lora; the RL step does not drive them yet."""
+    if cfg.lora.enabled:
+        raise ConfigError("lora.enabled=true does not run in the RL trainer yet (adapters exist on the model, the "
+                          "step does not train them); set lora.enabled=false")
+
+
 def check_multiturn(cfg: RlhfConfig, layouts: dict) -> None:
     """Multi-turn rollouts run where they are tested: native engine at rollout tp=1, synchronous, one row per
     trajectory (the `append` history policy), no rollout dumps yet."""

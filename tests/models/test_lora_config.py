@@ -1,0 +1,41 @@
+"""`lora` config section: defaults off, one-line ConfigErrors for bad input, reachable from the root config."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf.errors import ConfigError
+from rlhf.models.config import LoraConfig
+from rlhf.orchestration.schema import RlhfConfig
+
+
+def test_lora_is_off_by_default_in_the_root_config():
+    lora = RlhfConfig().lora
+    assert not lora.enabled and lora.rank == 8 and lora.scaling == 2.0 and lora.sync == "merged"
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(rank=0), "lora.rank=0 must be > 0 (lora.enabled=false switches LoRA off)"),
+    (dict(rank=-4), "lora.rank=-4 must be > 0 (lora.enabled=false switches LoRA off)"),
+    (dict(alpha=0.0), "lora.alpha=0.0 must be > 0 (the adapter is scaled by alpha / rank)"),
+    (dict(dropout=1.0), "lora.dropout=1.0 must be in [0, 1)"),
+    (dict(sync="full"), "lora.sync='full' is not one of merged, adapter"),
+    (dict(targets=()), "lora.targets is empty; name at least one of q, k, v, o, gate, up, down"),
+    (dict(targets=("q", "gaet")), "lora.targets has unknown target 'gaet' (did you mean 'gate'?); choose from "
+                                  "q, k, v, o, gate, up, down, experts, router"),
+    (dict(targets=("lm_head",)), "lora.targets has unknown target 'lm_head'; choose from q, k, v, o, gate, up, "
+                                 "down, experts, router"),
+])
+def test_bad_lora_settings_are_one_line_errors(kwargs, message):
+    with pytest.raises(ConfigError) as error:
+        LoraConfig(**kwargs)
+    assert str(error.value) == message
+
+
+def test_the_rl_trainer_refuses_lora_until_its_step_trains_adapters():
+    from rlhf.orchestration.setting_checks import check_lora
+
+    check_lora(RlhfConfig())
+    with pytest.raises(ConfigError) as error:
+        check_lora(RlhfConfig(lora=LoraConfig(enabled=True)))
+    assert str(error.value).startswith("lora.enabled=true does not run in the RL trainer yet")
