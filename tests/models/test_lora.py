@@ -1,0 +1,185 @@
+"""LoRA adapters on the megatron model = PEFT's on the HF model: forward, adapter grads, merged weights, the base
+with adapters off, and the PEFT init, at tp1 / tp2 / pp2 (one 2-rank world for every layout)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from rlhf.testing.distributed import run_distributed
+from tests.models.tiny import VOCAB, hf_rl_loss_backward, llama_config, sample_tokens, save_hf_model
+
+peft = pytest.importorskip("peft")
+
+LAYOUTS = ((1, 1), (2, 1), (1, 2))
+RANK, ALPHA = 4, 8.0
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _gather(tensor, dim, group):
+    import torch.distributed as dist
+
+    if dim is None:
+        return tensor.detach().clone()
+    shards = [torch.empty_like(tensor) for _ in range(group.size())]
+    dist.all_gather(shards, tensor.detach().contiguous(), group=group)
+    return torch.cat(shards, dim=dim)
+
+
+def _merged_hf(model, groups) -> dict[str, np.ndarray]:
+    """Every base weight with its adapter merged in, gathered over tp and named like HF."""
+    from rlhf.models.hf_load import param_specs_for, stage_params
+    from rlhf.models.lora import merged_weight
+    from rlhf.models.shard_rules import merge_shards
+
+    per_stage = model.rlhf_spec.num_layers // groups.pp.size()
+    out = {}
+    for spec, param in stage_params(model, param_specs_for(model)):
+        merged = merged_weight(model, spec.local_name(per_stage), param)
+        shards = [torch.empty_like(merged) for _ in range(groups.tp.size())]
+        torch.distributed.all_gather(shards, merged.detach().contiguous(), group=groups.tp)
+        out.update({name: t.numpy() for name, t in merge_shards(spec, shards, model.rlhf_spec).items()})
+    return out
+
+
+def _layout(path: str, adapter_file: str, cache, tp: int, pp: int) -> dict:
+    from rlhf.models.config import LoraConfig
+    from rlhf.models.forward import forward_backward
+    from rlhf.models.lora import adapter_params, adapters_disabled, apply_lora, load_adapter_tensors
+    from tests.models import world
+
+    model, groups = world.layout_model(path, tp, pp, cache)
+    apply_lora(model, LoraConfig(enabled=True, rank=RANK, alpha=ALPHA, seed=3))
+    entry = {"init": {name: _gather(p, dim, g).numpy() for name, p, dim, g in adapter_params(model)}}
+    load_adapter_tensors(model, load_file(adapter_file))
+    tokens = sample_tokens(2, 12)
+    loss_fn = world.rl_loss(groups, VOCAB)
+    reports = forward_backward(model, [world.MicroBatch(tokens)], loss_fn, groups)
+    entry["grads"] = {name: _gather(p.grad, dim, g).numpy() for name, p, dim, g in adapter_params(model)}
+    entry["frozen"] = all(p.grad is None and not p.requires_grad for name, p in model.named_parameters()
+                          if ".lora." not in name)
+    entry["merged"] = _merged_hf(model, groups)
+    with adapters_disabled(model):
+        base = forward_backward(model, [world.MicroBatch(tokens)], loss_fn, groups, forward_only=True)
+    if world.is_reporter(groups):
+        entry.update(logits=reports[0]["logits"].numpy(), base_logits=base[0]["logits"].numpy())
+    return entry if groups.tp.rank() == 0 and groups.dp.rank() == 0 else {}
+
+
+def _world(path: str, adapter_file: str) -> dict:
+    from rlhf.parallel.groups import GroupCache
+
+    cache = GroupCache()
+    results = {(tp, pp): _layout(path, adapter_file, cache, tp, pp) for tp, pp in LAYOUTS}
+    results["errors"] = {"errors": _load_errors(path, load_file(adapter_file), cache)}
+    return results
+
+
+def _load_errors(path: str, tensors: dict, cache) -> list[str]:
+    """The ConfigErrors of loading an adapter of another rank, and one missing a tensor."""
+    from rlhf.errors import ConfigError
+    from rlhf.models.config import LoraConfig
+    from rlhf.models.lora import apply_lora, load_adapter_tensors
+    from tests.models import world
+
+    missing = {name: t for name, t in tensors.items() if "layers.1.mlp.up_proj.lora_B" not in name}
+    errors = []
+    for rank, bad in ((2 * RANK, tensors), (RANK, missing)):
+        model, _ = world.layout_model(path, 1, 1, cache)
+        apply_lora(model, LoraConfig(enabled=True, rank=rank, alpha=ALPHA))
+        try:
+            load_adapter_tensors(model, bad)
+        except ConfigError as error:
+            errors.append(str(error))
+    return errors
+
+
+def _peft_model(path: str):
+    """The HF model with PEFT adapters on every target, A and B random (B zero would hide every mistake)."""
+    base = AutoModelForCausalLM.from_pretrained(path)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                                                      target_modules=list(TARGETS)))
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    path, adapter_dir = str(root / "llama"), str(root / "adapter")
+    save_hf_model(llama_config(), path, seed=2)
+    model = _peft_model(path)
+    model.save_pretrained(adapter_dir)
+    results: dict = {}
+    for rank_result in run_distributed(_world, 2, path, os.path.join(adapter_dir, "adapter_model.safetensors"),
+                                       timeout_s=900):
+        for key, entry in rank_result.items():
+            target = results.setdefault(key, {})
+            for field, value in entry.items():
+                target[field] = {**target.get(field, {}), **value} if isinstance(value, dict) else value
+    return path, model, results
+
+
+@pytest.mark.parametrize("tp,pp", LAYOUTS)
+def test_forward_and_adapter_grads_match_peft(lora_runs, tp, pp):
+    path, model, results = lora_runs
+    got = results[(tp, pp)]
+    tokens = sample_tokens(2, 12)
+    model.zero_grad()
+    logits = model(tokens).logits
+    hf_rl_loss_backward(logits, tokens)
+    assert np.abs(got["logits"] - logits.detach().numpy()).max() <= 1e-5
+    peft_grads = {name.replace(".default", ""): p.grad.numpy() for name, p in model.named_parameters()
+                  if p.requires_grad}
+    assert sorted(got["grads"]) == sorted(peft_grads) and len(peft_grads) == 4 * 7 * 2
+    for name, grad in peft_grads.items():
+        assert np.abs(got["grads"][name] - grad).max() <= 1e-5, name
+    assert got["frozen"]
+
+
+@pytest.mark.parametrize("tp,pp", LAYOUTS)
+def test_adapters_off_is_the_base_model_and_merged_weights_are_peft_merge(lora_runs, tp, pp):
+    path, model, results = lora_runs
+    got = results[(tp, pp)]
+    tokens = sample_tokens(2, 12)
+    with torch.no_grad():
+        base_logits = AutoModelForCausalLM.from_pretrained(path)(tokens).logits
+        merged = {name: t.numpy() for name, t in _peft_model(path).merge_and_unload().state_dict().items()}
+    assert np.abs(got["base_logits"] - base_logits.numpy()).max() <= 1e-5
+    assert sorted(got["merged"]) == sorted(merged)
+    for name, weight in merged.items():
+        assert np.abs(got["merged"][name] - weight).max() <= 1e-6, name
+
+
+def test_init_is_peft_kaiming_uniform_a_and_zero_b_on_every_layout(lora_runs):
+    _, _, results = lora_runs
+    reference = results[(1, 1)]["init"]
+    for tp, pp in LAYOUTS:
+        init = results[(tp, pp)]["init"]
+        assert sorted(init) == sorted(reference)
+        for name, tensor in init.items():
+            assert np.array_equal(tensor, reference[name]), (tp, pp, name)
+    for name, tensor in reference.items():
+        if "lora_B" in name:
+            assert not tensor.any(), name
+        else:
+            bound = 1.0 / np.sqrt(tensor.shape[1])
+            assert np.abs(tensor).max() <= bound and np.abs(tensor).max() > 0.9 * bound and tensor.std() > 0.5 * bound, name
+
+
+def test_an_adapter_of_another_rank_or_base_is_a_one_line_error(lora_runs):
+    _, _, results = lora_runs
+    assert results["errors"]["errors"] == [
+        "adapter tensor 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' has shape [4, 64], this "
+        "model's lora.rank and base need [8, 64] per tp rank",
+        "the adapter has no tensor 'base_model.model.model.layers.1.mlp.up_proj.lora_B.weight'; was it "
+        "trained for another base model or other lora.targets?"]
