@@ -13,7 +13,9 @@ all-reduce of the r-wide activations A x (their gradient for column-parallel, th
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
+import os
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,8 +27,11 @@ from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                     reduce_from_tensor_model_parallel_region)
 
-from rlhf.errors import ConfigError
+from rlhf.errors import CheckpointError, ConfigError
 from rlhf.models.config import LORA_MOE_TARGETS, LoraConfig
+from rlhf.models.param_specs import ParamSpec
+from rlhf.models.shard_rules import merge_shards, read_shard
+from rlhf.parallel.wire import broadcast_json
 
 # megatron linear -> (HF module under model.layers.{i}., its targets in output order, base is column-parallel)
 LINEARS = {"self_attention.linear_qkv": ("self_attn", ("q", "k", "v"), True),
@@ -186,14 +191,21 @@ def adapters(model: Any) -> Iterator[tuple[str, int, LoraAdapter]]:
             yield linear_name, layer, linear.lora
 
 
-def adapter_params(model: Any) -> Iterator[tuple[str, torch.nn.Parameter, int | None, dist.ProcessGroup]]:
-    """(PEFT tensor name, this rank's parameter, tp split dim or None, tp group) of every adapter tensor."""
+def adapter_pairs(model: Any) -> list[tuple[ParamSpec, torch.nn.Parameter]]:
+    """(spec, this rank's parameter) of every adapter tensor on this stage; a spec's one HF name is PEFT's
+    (`base_model.model.<module>.lora_A.weight`) and its kind says how tp splits it (rows / row / replicated)."""
+    pp_stage, pairs = model.pg_collection.pp.rank(), []
     for linear_name, layer, adapter in adapters(model):
         for target in adapter.targets:
             module = hf_module(layer, linear_name, target)
-            for which, params in (("A", adapter.lora_a), ("B", adapter.lora_b)):
-                yield (f"base_model.model.{module}.lora_{which}.weight", params[target],
-                       adapter.split_dim(which.lower()), adapter.tp_group)
+            in_features, out_features = adapter.geometry.in_features, adapter.geometry.out_features[target]
+            for which, params, shape in (("A", adapter.lora_a, (adapter.rank, in_features)),
+                                         ("B", adapter.lora_b, (out_features, adapter.rank))):
+                dim = adapter.split_dim(which.lower())
+                kind = {None: "replicated", 0: "rows", 1: "row"}[dim]
+                name = f"base_model.model.{module}.lora_{which}.weight"
+                pairs.append((ParamSpec(name, (name,), shape, dim, kind, pp_stage, layer), params[target]))
+    return pairs
 
 
 def is_adapter_param(name: str) -> bool:
@@ -204,27 +216,27 @@ def is_adapter_param(name: str) -> bool:
 @torch.no_grad()
 def load_adapter_tensors(model: Any, tensors: dict[str, torch.Tensor]) -> None:
     """Copy full PEFT-named adapter tensors into this rank's shards; a missing or misshapen one is a ConfigError."""
-    for name, param, dim, tp_group in adapter_params(model):
+    tp_group = model.pg_collection.tp
+    for spec, param in adapter_pairs(model):
+        name = spec.hf_names[0]
         if name not in tensors:
             raise ConfigError(f"the adapter has no tensor {name!r}; was it trained for another base model or "
                               "other lora.targets?")
-        local = _local(tensors[name], dim, tp_group)
-        if tuple(local.shape) != tuple(param.shape):
+        if tuple(tensors[name].shape) != spec.full_shape:
             raise ConfigError(f"adapter tensor {name!r} has shape {list(tensors[name].shape)}, this model's "
-                              f"lora.rank and base need {list(param.shape)} per tp rank")
-        param.copy_(local)
+                              f"lora.rank and base need {list(spec.full_shape)}")
+        param.copy_(read_shard(spec, tensors.__getitem__, model.rlhf_spec, tp_group.rank(), tp_group.size()))
 
 
 def gathered_adapter_tensors(model: Any) -> dict[str, torch.Tensor]:
     """Collective over tp: every adapter tensor of this stage, full and PEFT-named (host copies)."""
-    out = {}
-    for name, param, dim, tp_group in adapter_params(model):
-        if dim is None:
-            out[name] = param.detach().cpu().clone()
-            continue
-        shards = [torch.empty_like(param) for _ in range(tp_group.size())]
-        dist.all_gather(shards, param.detach().contiguous(), group=tp_group)
-        out[name] = torch.cat(shards, dim=dim).cpu()
+    tp_group, out = model.pg_collection.tp, {}
+    for spec, param in adapter_pairs(model):
+        shards = [param.detach().cpu().clone()]
+        if spec.partition_dim is not None:
+            shards = [torch.empty_like(param) for _ in range(tp_group.size())]
+            dist.all_gather(shards, param.detach().contiguous(), group=tp_group)
+        out.update({name: t.cpu() for name, t in merge_shards(spec, shards, model.rlhf_spec).items()})
     return out
 
 
@@ -243,8 +255,37 @@ def adapters_disabled(model: Any) -> Iterator[None]:
 
 def merged_weight(model: Any, local_name: str, param: torch.Tensor) -> torch.Tensor:
     """`param` (named `local_name` in `model`) with its adapter merged in, W + (alpha / r) B A; others as they are."""
+    if getattr(model, "rlhf_lora", None) is None:
+        return param
     module_name, _, leaf = local_name.rpartition(".")
     adapter = getattr(model.get_submodule(module_name), "lora", None) if leaf == "weight" else None
     if adapter is None:
         return param
     return param + adapter.delta_weight().to(param.dtype)
+
+
+def base_identity(path: str) -> dict[str, str]:
+    """Collective over the world: the base model a LoRA checkpoint belongs to, its folder and the sha256 of its
+    safetensors files' bytes (read once, on rank 0)."""
+    digest = None
+    if dist.get_rank() == 0:
+        sha = hashlib.sha256()
+        for file in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+            with open(os.path.join(path, file), "rb") as handle:
+                for chunk in iter(lambda: handle.read(1 << 24), b""):
+                    sha.update(chunk)
+        digest = sha.hexdigest()
+    return {"path": path, "sha256": broadcast_json(digest, src=0)}
+
+
+def check_same_base(saved: dict[str, str] | None, current: dict[str, str] | None, role: str) -> None:
+    """CheckpointError when a checkpoint's LoRA-ness or base model differs from this run's."""
+    if saved == current or (saved and current and saved["sha256"] == current["sha256"]):
+        return
+    if saved is None or current is None:
+        what = "full fine-tuning" if saved is None else "LoRA adapters"
+        raise CheckpointError(f"the {role} checkpoint holds {what} but this run has lora.enabled="
+                              f"{current is not None}; resume with the run's own lora setting")
+    raise CheckpointError(f"the {role} checkpoint's LoRA adapters were trained on {saved['path']} (sha256 "
+                          f"{saved['sha256'][:12]}), not on this run's model.path {current['path']} (sha256 "
+                          f"{current['sha256'][:12]}); resume with the base model it was trained on")

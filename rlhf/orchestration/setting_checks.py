@@ -41,10 +41,18 @@ def check_algo_settings(cfg: RlhfConfig) -> None:
 
 
 def check_lora(cfg: RlhfConfig) -> None:
-    """LoRA adapters are built, trained and exported by rlhf.models.lora; the RL step does not drive them yet."""
-    if cfg.lora.enabled:
-        raise ConfigError("lora.enabled=true does not run in the RL trainer yet (adapters exist on the model, the "
-                          "step does not train them); set lora.enabled=false")
+    """LoRA runs where it is built and tested: adapter weights synced merged, the ref as the actor's base (so no
+    routing replay, whose recorder the two would share), the actor's params resident for the ref's forward."""
+    if not cfg.lora.enabled:
+        return
+    not_yet = [(cfg.lora.sync == "adapter", "lora.sync=adapter (adapter-only weight sync)", "lora.sync=merged"),
+               (cfg.algo.routing_replay != "none", f"algo.routing_replay={cfg.algo.routing_replay}",
+                "algo.routing_replay=none"),
+               (cfg.actor.optim.offload, "actor.optim.offload=true (the ref runs on the actor's parameters)",
+                "actor.optim.offload=false")]
+    for refused, setting, fix in not_yet:
+        if refused:
+            raise ConfigError(f"lora.enabled=true does not run with {setting} yet; use {fix}")
 
 
 def check_multiturn(cfg: RlhfConfig, layouts: dict) -> None:

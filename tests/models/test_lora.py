@@ -50,17 +50,19 @@ def _merged_hf(model, groups) -> dict[str, np.ndarray]:
 def _layout(path: str, adapter_file: str, cache, tp: int, pp: int) -> dict:
     from rlhf.models.config import LoraConfig
     from rlhf.models.forward import forward_backward
-    from rlhf.models.lora import adapter_params, adapters_disabled, apply_lora, load_adapter_tensors
+    from rlhf.models.lora import adapter_pairs, adapters_disabled, apply_lora, load_adapter_tensors
     from tests.models import world
 
     model, groups = world.layout_model(path, tp, pp, cache)
     apply_lora(model, LoraConfig(enabled=True, rank=RANK, alpha=ALPHA, seed=3))
-    entry = {"init": {name: _gather(p, dim, g).numpy() for name, p, dim, g in adapter_params(model)}}
+    entry = {"init": {spec.hf_names[0]: _gather(p, spec.partition_dim, groups.tp).numpy()
+                     for spec, p in adapter_pairs(model)}}
     load_adapter_tensors(model, load_file(adapter_file))
     tokens = sample_tokens(2, 12)
     loss_fn = world.rl_loss(groups, VOCAB)
     reports = forward_backward(model, [world.MicroBatch(tokens)], loss_fn, groups)
-    entry["grads"] = {name: _gather(p.grad, dim, g).numpy() for name, p, dim, g in adapter_params(model)}
+    entry["grads"] = {spec.hf_names[0]: _gather(p.grad, spec.partition_dim, groups.tp).numpy()
+                      for spec, p in adapter_pairs(model)}
     entry["frozen"] = all(p.grad is None and not p.requires_grad for name, p in model.named_parameters()
                           if ".lora." not in name)
     entry["merged"] = _merged_hf(model, groups)
@@ -180,6 +182,6 @@ def test_an_adapter_of_another_rank_or_base_is_a_one_line_error(lora_runs):
     _, _, results = lora_runs
     assert results["errors"]["errors"] == [
         "adapter tensor 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' has shape [4, 64], this "
-        "model's lora.rank and base need [8, 64] per tp rank",
+        "model's lora.rank and base need [8, 64]",
         "the adapter has no tensor 'base_model.model.model.layers.1.mlp.up_proj.lora_B.weight'; was it "
         "trained for another base model or other lora.targets?"]

@@ -32,10 +32,14 @@ def test_bad_lora_settings_are_one_line_errors(kwargs, message):
     assert str(error.value) == message
 
 
-def test_the_rl_trainer_refuses_lora_until_its_step_trains_adapters():
+@pytest.mark.parametrize("override,message", [
+    (dict(lora=LoraConfig(enabled=True, sync="adapter")),
+     "lora.enabled=true does not run with lora.sync=adapter (adapter-only weight sync) yet; use lora.sync=merged"),
+])
+def test_lora_settings_the_trainer_does_not_run_yet_are_refused(override, message):
     from rlhf.orchestration.setting_checks import check_lora
 
-    check_lora(RlhfConfig())
+    check_lora(RlhfConfig(lora=LoraConfig(enabled=True)))
     with pytest.raises(ConfigError) as error:
-        check_lora(RlhfConfig(lora=LoraConfig(enabled=True)))
-    assert str(error.value).startswith("lora.enabled=true does not run in the RL trainer yet")
+        check_lora(RlhfConfig(**override))
+    assert str(error.value) == message

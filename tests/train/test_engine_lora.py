@@ -26,7 +26,7 @@ def _train(path: str, adapter_file: str, cache, tp: int) -> dict:
     import torch.distributed as dist
 
     from rlhf.models.config import LoraConfig
-    from rlhf.models.lora import adapter_params, apply_lora, gathered_adapter_tensors, load_adapter_tensors
+    from rlhf.models.lora import adapter_pairs, apply_lora, gathered_adapter_tensors, load_adapter_tensors
     from rlhf.train.config import OptimConfig
     from rlhf.train.engine import TrainEngine
     from tests.models import world
@@ -42,7 +42,7 @@ def _train(path: str, adapter_file: str, cache, tp: int) -> dict:
     loss_fn = world.rl_loss(groups, VOCAB)
     norms = [engine.train_step(micro, loss_fn).grad_norm for _ in range(STEPS)]
     trained = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
-    adapters = {id(p) for _, p, _, _ in adapter_params(model)}
+    adapters = {id(p) for _, p in adapter_pairs(model)}
     unchanged = all(torch.equal(p, base[name]) for name, p in model.named_parameters() if ".lora." not in name)
     entry = {"unchanged": unchanged, "optimizes_adapters_only": trained == adapters, "norms": norms,
              "adapter": {name: t.numpy() for name, t in gathered_adapter_tensors(model).items()}}
