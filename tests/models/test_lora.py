@@ -1,8 +1,10 @@
 """LoRA adapters on the megatron model = PEFT's on the HF model: forward, adapter grads, merged weights, the base
-with adapters off, and the PEFT init, at tp1 / tp2 / pp2 (one 2-rank world for every layout)."""
+with adapters off, and the PEFT init, at tp1 / tp2 / pp2; under TrainEngine only the adapters train, as PEFT with
+torch's AdamW, the base bitwise unchanged, at tp1 x dp2 and tp2. One 2-rank world for everything."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import numpy as np
@@ -17,7 +19,9 @@ from tests.models.tiny import VOCAB, hf_rl_loss_backward, llama_config, sample_t
 peft = pytest.importorskip("peft")
 
 LAYOUTS = ((1, 1), (2, 1), (1, 2))
-RANK, ALPHA = 4, 8.0
+RANK, ALPHA, STEPS = 4, 8.0, 3
+OPTIM = dict(lr=5e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-4, clip_grad=0.05)
+TOKENS = dict(batch=4, seq=10)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -79,7 +83,35 @@ def _world(path: str, adapter_file: str) -> dict:
     cache = GroupCache()
     results = {(tp, pp): _layout(path, adapter_file, cache, tp, pp) for tp, pp in LAYOUTS}
     results["errors"] = {"errors": _load_errors(path, load_file(adapter_file), cache)}
+    results.update({("trained", tp): _train(path, adapter_file, cache, tp) for tp in (1, 2)})
     return results
+
+
+def _train(path: str, adapter_file: str, cache, tp: int) -> dict:
+    import torch.distributed as dist
+
+    from rlhf.models.config import LoraConfig
+    from rlhf.models.lora import adapter_pairs, apply_lora, gathered_adapter_tensors, load_adapter_tensors
+    from rlhf.train.config import OptimConfig
+    from rlhf.train.engine import TrainEngine
+    from tests.models import world
+
+    model, groups = world.layout_model(path, tp, 1, cache)
+    apply_lora(model, LoraConfig(enabled=True, rank=RANK, alpha=ALPHA))
+    load_adapter_tensors(model, load_file(adapter_file))
+    base = {name: p.detach().clone() for name, p in model.named_parameters() if ".lora." not in name}
+    engine = TrainEngine(model, groups, OptimConfig(total_steps=STEPS, **OPTIM))
+    tokens = sample_tokens(**TOKENS)
+    # the two halves of the batch: one per DP rank at dp2, two micro-batches at dp1 (the losses sum either way)
+    micro = [world.MicroBatch(tokens[k::2]) for k in range(2) if k % groups.dp.size() == groups.dp.rank()]
+    loss_fn = world.rl_loss(groups, VOCAB)
+    norms = [engine.train_step(micro, loss_fn).grad_norm for _ in range(STEPS)]
+    trained = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
+    adapters = {id(p) for _, p in adapter_pairs(model)}
+    unchanged = all(torch.equal(p, base[name]) for name, p in model.named_parameters() if ".lora." not in name)
+    entry = {"unchanged": unchanged, "optimizes_adapters_only": trained == adapters, "norms": norms,
+             "adapter": {name: t.numpy() for name, t in gathered_adapter_tensors(model).items()}}
+    return entry if dist.get_rank() == 0 else {}
 
 
 def _load_errors(path: str, tensors: dict, cache) -> list[str]:
@@ -185,3 +217,31 @@ def test_an_adapter_of_another_rank_or_base_is_a_one_line_error(lora_runs):
         "model's lora.rank and base need [8, 64]",
         "the adapter has no tensor 'base_model.model.model.layers.1.mlp.up_proj.lora_B.weight'; was it "
         "trained for another base model or other lora.targets?"]
+
+
+def _peft_steps(model) -> tuple[list[float], dict[str, np.ndarray]]:
+    """STEPS AdamW steps on the PEFT model, the loss summed over the two DP halves (rlhf's loss contract)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"],
+                                  weight_decay=OPTIM["weight_decay"])
+    tokens, norms = sample_tokens(**TOKENS), []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        for half in (tokens[0::2], tokens[1::2]):
+            hf_rl_loss_backward(model(half).logits, half)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, OPTIM["clip_grad"])))
+        optimizer.step()
+    return norms, {name.replace(".default", ""): p.detach().numpy() for name, p in model.named_parameters()
+                   if p.requires_grad}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_lora_steps_train_adapters_only_as_peft_with_adamw(lora_runs, tp):
+    _, model, results = lora_runs
+    got = results[("trained", tp)]
+    assert got["unchanged"] and got["optimizes_adapters_only"]
+    norms, adapter = _peft_steps(copy.deepcopy(model))
+    assert np.allclose(got["norms"], norms, rtol=1e-4, atol=0)  # fp32 rounding grows over the steps
+    assert sorted(got["adapter"]) == sorted(adapter)
+    for name, tensor in adapter.items():
+        assert np.abs(got["adapter"][name] - tensor).max() <= 1e-5, name  # Adam divides fp32 rounding by sqrt(v)

@@ -19,13 +19,11 @@ def _runs(paths, root):
     length_reward = Path(root) / "length_reward.py"  # a dense signal, so the update really moves the adapters
     length_reward.write_text("def score(data_source, solution, ground_truth, extra_info):\n"
                              "    return float(len(solution) % 2)\n")
-    common = LORA + ["reward.by_source={}", f"reward.function={length_reward}:score", "checkpoint.every=2"]
-    full = run_trainer(paths, f"{root}/full", common + ["trainer.total_steps=4", "run.name=r", "mesh.actor.tp=2",
-                                                        "mesh.rollout.tp=1"])
-    run_trainer(paths, f"{root}/split", common + ["trainer.total_steps=2", "run.name=r", "mesh.actor.tp=2",
-                                                  "mesh.rollout.tp=1"])
-    resumed = run_trainer(paths, f"{root}/split", common + ["trainer.total_steps=4", "run.name=r",
-                                                            "mesh.actor.tp=2", "mesh.rollout.tp=1"])
+    common = LORA + ["reward.by_source={}", f"reward.function={length_reward}:score", "checkpoint.every=1",
+                     "run.name=r", "mesh.actor.tp=2", "mesh.rollout.tp=1"]
+    full = run_trainer(paths, f"{root}/full", common + ["trainer.total_steps=2"])
+    run_trainer(paths, f"{root}/split", common + ["trainer.total_steps=1"])
+    resumed = run_trainer(paths, f"{root}/split", common + ["trainer.total_steps=2"])
     return full, resumed
 
 
@@ -43,20 +41,20 @@ def _comparable(row):
 
 def test_grpo_with_lora_trains_and_resumes_exactly(lora_run):
     root, _, full, resumed = lora_run
-    assert [row["step"] for row in full] == [1, 2, 3, 4]
+    assert [row["step"] for row in full] == [1, 2]
     for row in full:
         assert row["rollout/logprob_diff_max"] < 1e-4, "the engine's merged weights = the training forward"
     assert full[0]["actor/kl_loss"] == 0.0, "B starts at zero: the actor is its base (the ref) before any update"
     assert full[-1]["actor/kl_loss"] > 0.0, "the ref stays the base while the adapters move"
-    assert [row["step"] for row in resumed] == [3, 4]
-    assert [_comparable(r) for r in full[2:]] == [_comparable(r) for r in resumed]
+    assert [row["step"] for row in resumed] == [2]
+    assert [_comparable(r) for r in full[1:]] == [_comparable(r) for r in resumed]
 
 
 def test_the_checkpoint_holds_the_adapters_and_their_adam_state_only(lora_run):
     from safetensors import safe_open
 
     root, _, _, _ = lora_run
-    step = root / "full/r/checkpoints/step_4"
+    step = root / "full/r/checkpoints/step_2"
     files = sorted(step.rglob("*.safetensors"))
     names = set()
     for path in files:
