@@ -64,3 +64,29 @@ def test_the_checkpoint_holds_the_adapters_and_their_adam_state_only(lora_run):
             names |= set(handle.keys())
     assert names and all(".lora_A." in name or ".lora_B." in name for name in names), sorted(names)[:5]
     assert len({n for n in names}) == 2 * 2 * 7, "A and B of q/k/v/o/gate/up/down in 2 layers"
+
+
+def test_export_writes_a_peft_folder_peft_loads_and_a_merged_model_equal_to_peft_merge(lora_run, tmp_path):
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.cli.main import main
+
+    root, paths, _, _ = lora_run
+    run_dir = root / "full/r"
+    assert main(["export", "--run-dir", str(run_dir), "--out", str(tmp_path / "peft")]) == 0
+    assert main(["export", "--run-dir", str(run_dir), "--out", str(tmp_path / "merged"), "--lora", "merged"]) == 0
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(paths["model"]), tmp_path / "peft")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    tokens = torch.randint(0, merged.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        peft_logits, merged_logits = peft_model(tokens).logits, merged(tokens).logits
+        base_logits = AutoModelForCausalLM.from_pretrained(paths["model"])(tokens).logits
+    assert (peft_logits - merged_logits).abs().max() <= 1e-5
+    assert (peft_logits - base_logits).abs().max() > 1e-3, "the trained adapters moved the model"
+    reference = peft_model.merge_and_unload().state_dict()
+    exported = {k: v for f in sorted((tmp_path / "merged").glob("*.safetensors")) for k, v in load_file(f).items()}
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, reference[name]), name
