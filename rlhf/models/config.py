@@ -61,6 +61,7 @@ class LoraConfig:
     targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")  # which linears get an adapter
     sync: Literal["merged", "adapter"] = "merged"  # what the rollout engine receives each weight sync
     seed: int = 0  # seeds every A's PEFT (kaiming-uniform) init, the same on every layout
+    adapter_path: str = ""  # a PEFT adapter folder to start from (its r, alpha and targets must match); empty: init
 
     def __post_init__(self) -> None:
         self.targets = tuple(self.targets)

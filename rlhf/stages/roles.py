@@ -23,7 +23,7 @@ from rlhf.models.builder import build_gpt
 from rlhf.models.forward import forward_backward, token_entropy, token_logprobs
 from rlhf.models.hf_load import load_hf_weights
 from rlhf.models.config import LoraConfig
-from rlhf.models.lora import adapters_disabled, apply_lora, base_identity, check_same_base
+from rlhf.models.lora import adapters_disabled, apply_lora, base_identity, check_same_base, load_peft_folder
 from rlhf.models.lm_head import LMHead, head_logprobs, hidden_output
 from rlhf.models.routing import RoutingRecorder
 from rlhf.models.routing_replay import UNKNOWN, RoutingReplay
@@ -76,6 +76,8 @@ class ModelRole:
         load_hf_weights(model, hf_path)
         if lora is not None:
             apply_lora(model, lora)
+            if lora.adapter_path:
+                load_peft_folder(model, lora.adapter_path)
         if update is not None:
             self.engine = TrainEngine(model, mesh.pgs, update.optim, name=name, total_steps=total_steps)
             self.model = self.engine.module

@@ -54,14 +54,14 @@ def _merged_hf(model, groups) -> dict[str, np.ndarray]:
 def _layout(path: str, adapter_file: str, cache, tp: int, pp: int) -> dict:
     from rlhf.models.config import LoraConfig
     from rlhf.models.forward import forward_backward
-    from rlhf.models.lora import adapter_pairs, adapters_disabled, apply_lora, load_adapter_tensors
+    from rlhf.models.lora import adapter_pairs, adapters_disabled, apply_lora, load_peft_folder
     from tests.models import world
 
     model, groups = world.layout_model(path, tp, pp, cache)
     apply_lora(model, LoraConfig(enabled=True, rank=RANK, alpha=ALPHA, seed=3))
     entry = {"init": {spec.hf_names[0]: _gather(p, spec.partition_dim, groups.tp).numpy()
                      for spec, p in adapter_pairs(model)}}
-    load_adapter_tensors(model, load_file(adapter_file))
+    load_peft_folder(model, os.path.dirname(adapter_file))
     tokens = sample_tokens(2, 12)
     loss_fn = world.rl_loss(groups, VOCAB)
     reports = forward_backward(model, [world.MicroBatch(tokens)], loss_fn, groups)
@@ -82,7 +82,7 @@ def _world(path: str, adapter_file: str) -> dict:
 
     cache = GroupCache()
     results = {(tp, pp): _layout(path, adapter_file, cache, tp, pp) for tp, pp in LAYOUTS}
-    results["errors"] = {"errors": _load_errors(path, load_file(adapter_file), cache)}
+    results["errors"] = {"errors": _load_errors(path, os.path.dirname(adapter_file), cache)}
     results.update({("trained", tp): _train(path, adapter_file, cache, tp) for tp in (1, 2)})
     return results
 
@@ -114,20 +114,22 @@ def _train(path: str, adapter_file: str, cache, tp: int) -> dict:
     return entry if dist.get_rank() == 0 else {}
 
 
-def _load_errors(path: str, tensors: dict, cache) -> list[str]:
-    """The ConfigErrors of loading an adapter of another rank, and one missing a tensor."""
+def _load_errors(path: str, folder: str, cache) -> list[str]:
+    """The ConfigErrors of loading an adapter of another rank, one missing a tensor, a PEFT folder of another
+    rank."""
     from rlhf.errors import ConfigError
     from rlhf.models.config import LoraConfig
-    from rlhf.models.lora import apply_lora, load_adapter_tensors
+    from rlhf.models.lora import apply_lora, load_adapter_tensors, load_peft_folder
     from tests.models import world
 
+    tensors = load_file(os.path.join(folder, "adapter_model.safetensors"))
     missing = {name: t for name, t in tensors.items() if "layers.1.mlp.up_proj.lora_B" not in name}
     errors = []
-    for rank, bad in ((2 * RANK, tensors), (RANK, missing)):
+    for rank, bad in ((2 * RANK, tensors), (RANK, missing), (2 * RANK, None)):
         model, _ = world.layout_model(path, 1, 1, cache)
         apply_lora(model, LoraConfig(enabled=True, rank=rank, alpha=ALPHA))
         try:
-            load_adapter_tensors(model, bad)
+            load_adapter_tensors(model, bad) if bad is not None else load_peft_folder(model, folder)
         except ConfigError as error:
             errors.append(str(error))
     return errors
@@ -211,12 +213,16 @@ def test_init_is_peft_kaiming_uniform_a_and_zero_b_on_every_layout(lora_runs):
 
 
 def test_an_adapter_of_another_rank_or_base_is_a_one_line_error(lora_runs):
-    _, _, results = lora_runs
+    path, _, results = lora_runs
+    folder = os.path.join(os.path.dirname(path), "adapter")
     assert results["errors"]["errors"] == [
         "adapter tensor 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' has shape [4, 64], this "
         "model's lora.rank and base need [8, 64]",
         "the adapter has no tensor 'base_model.model.model.layers.1.mlp.up_proj.lora_B.weight'; was it "
-        "trained for another base model or other lora.targets?"]
+        "trained for another base model or other lora.targets?",
+        f"lora.adapter_path={folder} holds an adapter with {{'r': 4, 'lora_alpha': 8.0, 'target_modules': "
+        f"{sorted(TARGETS)}}}, the lora section asks for {{'r': 8, 'lora_alpha': 8.0, 'target_modules': "
+        f"{sorted(TARGETS)}}}; set lora.rank, lora.alpha and lora.targets to the adapter's"]
 
 
 def _peft_steps(model) -> tuple[list[float], dict[str, np.ndarray]]:
