@@ -305,7 +305,7 @@ def check_same_base(saved: dict[str, str] | None, current: dict[str, str] | None
     if saved is None or current is None:
         what = "full fine-tuning" if saved is None else "LoRA adapters"
         raise CheckpointError(f"the {role} checkpoint holds {what} but this run has lora.enabled="
-                              f"{current is not None}; resume with the run's own lora setting")
+                              f"{str(current is not None).lower()}; resume with the run's own lora setting")
     raise CheckpointError(f"the {role} checkpoint's LoRA adapters were trained on {saved['path']} (sha256 "
                           f"{saved['sha256'][:12]}), not on this run's model.path {current['path']} (sha256 "
                           f"{current['sha256'][:12]}); resume with the base model it was trained on")

@@ -72,7 +72,7 @@ class ModelRole:
             self.model = base_of.model
             return
         model = build_gpt(hf_config, mesh.pgs, value_head=value_head, recompute=recompute, seed=seed,
-                          params_dtype=params_dtype, moe_kwargs=moe_kwargs)
+                          params_dtype=params_dtype, moe_kwargs=moe_kwargs, transformer_engine=lora is None)
         load_hf_weights(model, hf_path)
         if lora is not None:
             apply_lora(model, lora)

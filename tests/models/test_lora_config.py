@@ -43,3 +43,21 @@ def test_lora_settings_the_trainer_does_not_run_yet_are_refused(override, messag
     with pytest.raises(ConfigError) as error:
         check_lora(RlhfConfig(**override))
     assert str(error.value) == message
+
+
+def test_a_checkpoint_of_another_base_or_without_lora_is_a_one_line_error():
+    from rlhf.errors import CheckpointError
+    from rlhf.models.lora import check_same_base
+
+    base = {"path": "/models/a", "sha256": "a" * 64}
+    check_same_base(base, {"path": "/moved/a", "sha256": "a" * 64}, "actor")  # the same bytes elsewhere
+    check_same_base(None, None, "actor")
+    cases = [(base, {"path": "/models/b", "sha256": "b" * 64},
+              "the actor checkpoint's LoRA adapters were trained on /models/a (sha256 aaaaaaaaaaaa), not on this "
+              "run's model.path /models/b (sha256 bbbbbbbbbbbb); resume with the base model it was trained on"),
+             (None, base, "the actor checkpoint holds full fine-tuning but this run has lora.enabled=true; resume "
+                          "with the run's own lora setting")]
+    for saved, current, message in cases:
+        with pytest.raises(CheckpointError) as error:
+            check_same_base(saved, current, "actor")
+        assert str(error.value) == message
