@@ -32,16 +32,25 @@ def test_bad_lora_settings_are_one_line_errors(kwargs, message):
     assert str(error.value) == message
 
 
-@pytest.mark.parametrize("override,message", [
-    (dict(lora=LoraConfig(enabled=True, sync="adapter")),
+@pytest.mark.parametrize("overrides,message", [
+    (["lora.sync=adapter"],
      "lora.enabled=true does not run with lora.sync=adapter (adapter-only weight sync) yet; use lora.sync=merged"),
+    (["algo.routing_replay=r3"],
+     "lora.enabled=true does not run with algo.routing_replay=r3 yet; use algo.routing_replay=none"),
+    (["actor.optim.offload=true"], "lora.enabled=true does not run with actor.optim.offload=true (the ref runs on "
+                                   "the actor's parameters) yet; use actor.optim.offload=false"),
 ])
-def test_lora_settings_the_trainer_does_not_run_yet_are_refused(override, message):
+def test_lora_settings_the_trainer_does_not_run_yet_are_refused(overrides, message):
+    from rlhf.config import from_dict
+    from rlhf.config.loader import apply_overrides
     from rlhf.orchestration.setting_checks import check_lora
 
-    check_lora(RlhfConfig(lora=LoraConfig(enabled=True)))
+    def config(extra):
+        return from_dict(RlhfConfig, apply_overrides({}, ["lora.enabled=true", *extra]))
+
+    check_lora(config([]))
     with pytest.raises(ConfigError) as error:
-        check_lora(RlhfConfig(**override))
+        check_lora(config(overrides))
     assert str(error.value) == message
 
 
