@@ -210,6 +210,11 @@ def adapter_pairs(model: Any) -> list[tuple[ParamSpec, torch.nn.Parameter]]:
     return pairs
 
 
+def has_adapters(model: Any) -> bool:
+    """Whether `apply_lora` gave `model` adapters."""
+    return getattr(model, "rlhf_lora", None) is not None
+
+
 def is_adapter_param(name: str) -> bool:
     """Whether a `named_parameters()` name is a LoRA adapter tensor (not a base weight)."""
     return ".lora.lora_" in name
@@ -275,13 +280,18 @@ def adapters_disabled(model: Any) -> Iterator[None]:
 
 def merged_weight(model: Any, local_name: str, param: torch.Tensor) -> torch.Tensor:
     """`param` (named `local_name` in `model`) with its adapter merged in, W + (alpha / r) B A; others as they are."""
-    if getattr(model, "rlhf_lora", None) is None:
+    if not has_adapters(model):
         return param
     module_name, _, leaf = local_name.rpartition(".")
-    adapter = getattr(model.get_submodule(module_name), "lora", None) if leaf == "weight" else None
-    if adapter is None:
-        return param
-    return param + adapter.delta_weight().to(param.dtype)
+    return merged_linear_weight(model.get_submodule(module_name)) if leaf == "weight" else param
+
+
+def merged_linear_weight(linear: torch.nn.Module) -> torch.Tensor:
+    """A megatron linear's weight with its adapter (if any, and enabled) merged in."""
+    adapter = getattr(linear, "lora", None)
+    if adapter is None or not adapter.enabled:
+        return linear.weight
+    return linear.weight + adapter.delta_weight().to(linear.weight.dtype)
 
 
 def base_identity(path: str) -> dict[str, str]:

@@ -147,9 +147,9 @@ def rollout_dtype(cfg: RlhfConfig) -> torch.dtype:
 
 def shares_weights(cfg: RlhfConfig, layouts: dict) -> bool:
     """The colocated native engine in the actor's own layout and dtype generates with the actor's parameter
-    tensors (not under LoRA: the engine then holds the merged weights, W + (alpha / r) B A, of each sync)."""
+    tensors (a LoRA actor's adapters merged into its packed weights at each new policy version)."""
     return (cfg.rollout.engine == "native" and layouts["rollout"] == layouts["actor"]
-            and rollout_dtype(cfg) == cfg.model.torch_dtype and not cfg.lora.enabled)
+            and rollout_dtype(cfg) == cfg.model.torch_dtype)
 
 
 def resolved_sleep(cfg: RlhfConfig) -> str:

@@ -1,5 +1,6 @@
-"""GRPO with a LoRA actor end to end on 2 gloo ranks (native engine fed merged weights, the ref as the actor's base),
-and exact resume from an adapter-only checkpoint. One launched world."""
+"""GRPO with a LoRA actor end to end on 2 gloo ranks (the ref as the actor's base; the native engine on the actor's
+weights, and fed merged weights through the resharding path), exact resume from an adapter-only checkpoint, and
+its PEFT / merged exports. One launched world."""
 
 import sys
 from pathlib import Path
@@ -12,27 +13,30 @@ from fixtures import make_tiny_setup, run_trainer  # noqa: E402
 from rlhf.testing.distributed import run_distributed  # noqa: E402
 
 LORA = ["lora.enabled=true", "lora.rank=4", "lora.alpha=8", "actor.optim.lr=0.05", "algo.kl.coef=0.01",
-        "comm.verify=true", "trainer.val_before_train=false", "data.val_files=[]"]
+        "trainer.val_before_train=false", "data.val_files=[]", "run.name=r"]
 
 
 def _runs(paths, root):
     length_reward = Path(root) / "length_reward.py"  # a dense signal, so the update really moves the adapters
     length_reward.write_text("def score(data_source, solution, ground_truth, extra_info):\n"
                              "    return float(len(solution) % 2)\n")
-    common = LORA + ["reward.by_source={}", f"reward.function={length_reward}:score", "checkpoint.every=1",
-                     "run.name=r", "mesh.actor.tp=2", "mesh.rollout.tp=1"]
+    common = LORA + ["reward.by_source={}", f"reward.function={length_reward}:score", "checkpoint.every=1"]
+    # the colocated native engine on the actor's own weights (merging the adapters into its packed weights)
     full = run_trainer(paths, f"{root}/full", common + ["trainer.total_steps=2"])
     run_trainer(paths, f"{root}/split", common + ["trainer.total_steps=1"])
     resumed = run_trainer(paths, f"{root}/split", common + ["trainer.total_steps=2"])
-    return full, resumed
+    # actor tp2 -> rollout tp1: the merged weights through the resharding path, checked bitwise on every sync
+    resharded = run_trainer(paths, f"{root}/reshard", common + ["trainer.total_steps=2", "mesh.actor.tp=2",
+                                                                "mesh.rollout.tp=1", "comm.verify=true"])
+    return full, resumed, resharded
 
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_run")
     paths = make_tiny_setup(root / "tiny")
-    full, resumed = run_distributed(_runs, 2, paths, str(root), timeout_s=600)[0]
-    return root, paths, full, resumed
+    full, resumed, resharded = run_distributed(_runs, 2, paths, str(root), timeout_s=600)[0]
+    return root, paths, full, resumed, resharded
 
 
 def _comparable(row):
@@ -40,12 +44,13 @@ def _comparable(row):
 
 
 def test_grpo_with_lora_trains_and_resumes_exactly(lora_run):
-    root, _, full, resumed = lora_run
-    assert [row["step"] for row in full] == [1, 2]
-    for row in full:
-        assert row["rollout/logprob_diff_max"] < 1e-4, "the engine's merged weights = the training forward"
-    assert full[0]["actor/kl_loss"] == 0.0, "B starts at zero: the actor is its base (the ref) before any update"
-    assert full[-1]["actor/kl_loss"] > 0.0, "the ref stays the base while the adapters move"
+    _, _, full, resumed, resharded = lora_run
+    for run in (full, resharded):
+        assert [row["step"] for row in run] == [1, 2]
+        for row in run:
+            assert row["rollout/logprob_diff_max"] < 1e-4, "the engine generates with base + adapters"
+        assert run[0]["actor/kl_loss"] == 0.0, "B starts at zero: the actor is its base (the ref) before any update"
+        assert run[-1]["actor/kl_loss"] > 0.0, "the ref stays the base while the adapters move"
     assert [row["step"] for row in resumed] == [2]
     assert [_comparable(r) for r in full[1:]] == [_comparable(r) for r in resumed]
 
@@ -53,7 +58,7 @@ def test_grpo_with_lora_trains_and_resumes_exactly(lora_run):
 def test_the_checkpoint_holds_the_adapters_and_their_adam_state_only(lora_run):
     from safetensors import safe_open
 
-    root, _, _, _ = lora_run
+    root = lora_run[0]
     step = root / "full/r/checkpoints/step_2"
     files = sorted(step.rglob("*.safetensors"))
     names = set()
@@ -74,7 +79,7 @@ def test_export_writes_a_peft_folder_peft_loads_and_a_merged_model_equal_to_peft
 
     from rlhf.cli.main import main
 
-    root, paths, _, _ = lora_run
+    root, paths = lora_run[:2]
     run_dir = root / "full/r"
     assert main(["export", "--run-dir", str(run_dir), "--out", str(tmp_path / "peft")]) == 0
     assert main(["export", "--run-dir", str(run_dir), "--out", str(tmp_path / "merged"), "--lora", "merged"]) == 0
