@@ -51,6 +51,21 @@ def check_context_parallel(cfg: RlhfConfig) -> None:
                               f"no forward splits sequences yet; set mesh.{role}.cp=1")
 
 
+def check_lora(cfg: RlhfConfig) -> None:
+    """LoRA runs where it is built and tested: adapter weights synced merged, the ref as the actor's base (so no
+    routing replay, whose recorder the two would share), the actor's params resident for the ref's forward."""
+    if not cfg.lora.enabled:
+        return
+    not_yet = [(cfg.lora.sync == "adapter", "lora.sync=adapter (adapter-only weight sync)", "lora.sync=merged"),
+               (cfg.algo.routing_replay != "none", f"algo.routing_replay={cfg.algo.routing_replay}",
+                "algo.routing_replay=none"),
+               (cfg.actor.optim.offload, "actor.optim.offload=true (the ref runs on the actor's parameters)",
+                "actor.optim.offload=false")]
+    for refused, setting, fix in not_yet:
+        if refused:
+            raise ConfigError(f"lora.enabled=true does not run with {setting} yet; use {fix}")
+
+
 def check_multiturn(cfg: RlhfConfig, layouts: dict) -> None:
     """Multi-turn rollouts run where they are tested: native engine at rollout tp=1, synchronous, one row per
     trajectory (the `append` history policy), no rollout dumps yet."""

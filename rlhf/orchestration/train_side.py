@@ -50,10 +50,14 @@ class TrainRoles:
         policy = dict(fused_head=model.fused_head, temperature=cfg.sampling.logprob_temperature,
                       params_dtype=model.torch_dtype, moe_kwargs=moe, gather_group=gather_group,
                       routing_replay=algo.routing_replay, seed=cfg.dist.seed)
+        lora = cfg.lora if cfg.lora.enabled else None
         actor = PolicyRole("actor", meshes["actor"], model.path, update=cfg.actor, recompute=model.recompute,
-                           total_steps=cfg.trainer.total_steps * cfg.actor.epochs * cfg.actor.mini_batches, **policy)
-        ref = (PolicyRole("ref", meshes["ref"], model.path, update=None, total_steps=0,
-                          micro_batch_size=cfg.ref.micro_batch_size, offload_frozen=cfg.ref.offload, **policy)
+                           total_steps=cfg.trainer.total_steps * cfg.actor.epochs * cfg.actor.mini_batches,
+                           lora=lora, **policy)
+        # with LoRA the reference policy is the actor's base: its own model with the adapters off
+        ref = (PolicyRole("ref", meshes["actor" if lora else "ref"], model.path, update=None, total_steps=0,
+                          micro_batch_size=cfg.ref.micro_batch_size, offload_frozen=cfg.ref.offload,
+                          base_of=actor if lora else None, **policy)
                if algo.uses_ref else None)
         critic = (CriticRole("critic", meshes["critic"], model.critic_path or model.path, update=cfg.critic,
                              value_head=True, seed=cfg.dist.seed + 1, params_dtype=model.torch_dtype,
