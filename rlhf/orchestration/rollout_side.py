@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from rlhf.agents.batch import to_rows
 from rlhf.agents.rollout import MultiTurnResult, MultiTurnRollout
+from rlhf.agents.scheduler import TpRelay
 from rlhf.algo.advantages import AdvantageKind
 from rlhf.algo.config import OverlongBufferConfig
 from rlhf.algo.dapo import overlong_penalty
@@ -78,7 +79,7 @@ class RolloutSide:
                    active=mesh.is_member or not is_async,
                    round_group=mesh.pgs.layout_all if is_async and mesh.is_member else None,
                    partial_tokens=cfg.trainer.partial_rollout_tokens,
-                   multiturn=(MultiTurnRollout.from_config(cfg.multiturn, scorer.tokenizer)
+                   multiturn=(MultiTurnRollout.from_config(cfg.multiturn, scorer.tokenizer, TpRelay.over(mesh.pgs.tp))
                               if cfg.multiturn.enable and mesh.is_member else None))
 
     def generate(self, index: int, metrics: StepMetrics) -> RolloutShare:
@@ -126,9 +127,9 @@ class RolloutSide:
             params = self.sampling.train_params(index, gen_round)
             if self.multiturn is not None:
                 result = self.multiturn.collect(self.engine, prompts.records, params, self.pad_token_id)
-                metrics.update(result.metrics())
-                if not is_contributor(self.layout, dist.get_rank()):
+                if result is None:  # a TP rank that followed its leader's engine calls
                     return None
+                metrics.update(result.metrics())
                 return self._agent_batch(prompts, result)
             prompt_batch = self._prompt_batch(prompts)
             rollouts = self.engine.generate(prompt_batch, params)

@@ -40,14 +40,12 @@ def check_algo_settings(cfg: RlhfConfig) -> None:
                           f"response; set algo.overlong_buffer.len <= {sampling.max_new_tokens}")
 
 
-def check_multiturn(cfg: RlhfConfig, layouts: dict) -> None:
-    """Multi-turn rollouts run where they are tested: native engine at rollout tp=1, synchronous, one row per
+def check_multiturn(cfg: RlhfConfig) -> None:
+    """Multi-turn rollouts run where they are tested: native engine (any rollout tp), synchronous, one row per
     trajectory (the `append` history policy), no rollout dumps yet."""
     if not cfg.multiturn.enable:
         return
     not_yet = [(cfg.rollout.engine != "native", f"rollout.engine={cfg.rollout.engine}", "rollout.engine=native"),
-               (layouts["rollout"].tp > 1, f"mesh.rollout.tp={layouts['rollout'].tp} (every tp rank would run the "
-                                           "tools)", "mesh.rollout.tp=1"),
                (cfg.trainer.is_async, f"trainer.async_mode={cfg.trainer.async_mode}", "trainer.async_mode=off"),
                (cfg.algo.advantage.kind == AdvantageKind.REMAX, "algo.advantage.kind=remax (its greedy baseline is "
                                                                 "one response)", "another estimator"),

@@ -1,6 +1,7 @@
 """Multi-turn GRPO end to end on 2 gloo ranks (native engine, colocated, dp2): an agent function of the user's
 (three turns, a user observation after each) and the built-in tool loop with a calculator; the trainer sees
-only the sampled tokens (interior zeros), and its recompute of their logprobs matches the rollout's."""
+only the sampled tokens (interior zeros), and its recompute of their logprobs matches the rollout's. At tp2 the
+agent's observations name the rank that rendered them: only TP rank 0 runs agents, the other follows."""
 
 import json
 
@@ -13,6 +14,8 @@ from rlhf.models.init import InitModelConfig, init_hf_model
 from rlhf.testing.distributed import run_distributed
 
 AGENT = '''
+import torch.distributed as dist
+
 from rlhf.agents.trajectory import Termination, TrajectoryBuilder
 
 
@@ -24,7 +27,7 @@ async def three_turns(ctx, sample):
         builder.add_sampled(generation.token_ids, generation.logprobs, generation.policy_version)
         messages.append({"role": "assistant", "content": ctx.renderer.tokenizer.decode(generation.token_ids)})
         if turn < 2:
-            ctx.advance(builder, messages, [{"role": "user", "content": f"again {turn}"}])
+            ctx.advance(builder, messages, [{"role": "user", "content": f"again {turn} r{dist.get_rank()}"}])
     return ctx.finish(builder, Termination.MAX_TURNS, 3)
 '''
 
@@ -72,7 +75,9 @@ def _runs(setup, root):
     from rlhf.run_dir import close_run, setup_run
 
     out = {}
-    for name, overrides in (("agent", [f"multiturn.agent={setup['agent']}:three_turns"]),
+    agent = f"multiturn.agent={setup['agent']}:three_turns"
+    for name, overrides in (("agent", [agent]),
+                            ("tp2", [agent, "mesh.actor.tp=2", "mesh.rollout.tp=2", "trainer.total_steps=1"]),
                             ("tools", ["multiturn.agent=tools", f"multiturn.tool_config={setup['tools']}",
                                        "multiturn.list_tools=false"])):
         cfg = _config(setup, f"{root}/{name}", overrides)
@@ -90,12 +95,17 @@ def _runs(setup, root):
 
 def test_multiturn_grpo_trains_on_sampled_tokens_only(setup, tmp_path):
     world = run_distributed(_runs, 2, setup, str(tmp_path), timeout_s=600)
-    agent, tools = world[0]["agent"], world[0]["tools"]
-    for row in agent["history"][1:]:  # (row 0: validation before training)
+    agent, tools, tp2 = world[0]["agent"], world[0]["tools"], world[0]["tp2"]
+    for row in agent["history"][1:] + tp2["history"][1:]:  # (row 0: validation before training)
         assert row["multiturn/turns_mean"] == 3.0 and row["multiturn/generate_calls"] == 3.0
         assert row["multiturn/prefix_mismatch"] == 0.0 and row["multiturn/termination/max_turns"] == 1.0
         assert row["rollout/logprob_diff_max"] <= 1e-5  # the trainer's recompute across interior zeros
-    for batch in agent["batches"]:
+    assert len(tp2["history"]) == 2 and "val/score/mean@1" in tp2["history"][0]
+    tokenizer = build_chat_char_tokenizer()
+    (tp2_batch,) = tp2["batches"]
+    texts = [tokenizer.decode(row.tolist()) for row in tp2_batch.tokens_bs]
+    assert all("again 0 r0" in text and "again 1 r0" in text and " r1" not in text for text in texts)
+    for batch in agent["batches"] + tp2["batches"]:
         assert batch.size == 8  # 4 prompts x 2 samples: one row per trajectory
         sampled_b = batch.loss_mask_bt.sum(-1)
         assert (sampled_b <= 12).all() and (sampled_b < batch.response_lengths_b).all()  # user turns are zeros
