@@ -21,6 +21,9 @@ from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.sampling_params import SamplingParams
 
 
+TOTALS = ("multiturn/prefix_mismatch", "multiturn/dropped_groups")  # counts of the batch: summed over replicas
+
+
 @dataclass(frozen=True)
 class GroupResult:
     """One prompt's n trajectories, or why the group was dropped."""

@@ -168,7 +168,7 @@ def read_dump(path: Path, vocab_size: int, max_positions: int) -> RolloutBatch:
         rollout_logprobs_bt=_padded(table["rollout_logprobs"], width, torch.float32),
         truncated_b=torch.tensor(table["truncated"], dtype=torch.bool),
         scores_b=torch.tensor(table["score"], dtype=torch.float32),
-        sample_index_b=torch.tensor(table["uid"], dtype=torch.long),
+        sample_index_b=torch.tensor(table["uid"], dtype=torch.long), trajectory_index_b=None,
         policy_version_bt=_padded(table["policy_version"], width, torch.int32),
         baseline_scores_b=None, routed_experts_bslk=None, pad_token_id=pad)
 

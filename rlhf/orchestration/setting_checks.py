@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from rlhf.agents.config import HistoryPolicy
-from rlhf.algo.advantages import AdvantageKind
+from rlhf.algo.advantages import TRAJECTORY_KINDS, AdvantageKind
 from rlhf.errors import ConfigError
 from rlhf.ops.prometheus import check_listen
 from rlhf.orchestration.schema import RlhfConfig
@@ -41,21 +41,29 @@ def check_algo_settings(cfg: RlhfConfig) -> None:
 
 
 def check_multiturn(cfg: RlhfConfig) -> None:
-    """Multi-turn rollouts run where they are tested: native engine (any rollout tp), synchronous, one row per
-    trajectory (the `append` history policy), no rollout dumps yet."""
+    """Multi-turn rollouts run where they are tested: native engine (any rollout tp), synchronous, no rollout
+    dumps yet; the `fork` history policy with an outcome estimator and no KL in the reward."""
     if not cfg.multiturn.enable:
         return
     not_yet = [(cfg.rollout.engine != "native", f"rollout.engine={cfg.rollout.engine}", "rollout.engine=native"),
                (cfg.trainer.is_async, f"trainer.async_mode={cfg.trainer.async_mode}", "trainer.async_mode=off"),
                (cfg.algo.advantage.kind == AdvantageKind.REMAX, "algo.advantage.kind=remax (its greedy baseline is "
                                                                 "one response)", "another estimator"),
-               (cfg.multiturn.limits.history is HistoryPolicy.FORK, "multiturn.limits.history=fork (a trajectory of "
-                                                              "several rows)", "multiturn.limits.history=append"),
                (cfg.trainer.dump_rollouts, "trainer.dump_rollouts=true (dumps hold no loss mask yet)",
                 "trainer.dump_rollouts=false")]
     for refused, setting, fix in not_yet:
         if refused:
             raise ConfigError(f"multiturn.enable=true does not run with {setting} yet; use {fix}")
+    if cfg.multiturn.limits.history is HistoryPolicy.FORK:  # one advantage for all rows of a trajectory
+        kind = cfg.algo.advantage.kind
+        if kind not in TRAJECTORY_KINDS:
+            raise ConfigError(f"multiturn.limits.history=fork gives a trajectory several rows, which "
+                              f"algo.advantage.kind={kind.value} cannot score as one; use one of "
+                              f"{', '.join(k.value for k in TRAJECTORY_KINDS)} or multiturn.limits.history=append")
+        if cfg.algo.kl.use_in_reward:
+            raise ConfigError("multiturn.limits.history=fork with algo.kl.use_in_reward=true would give the rows "
+                              "of one trajectory different rewards; use the KL loss (algo.kl.use_in_reward=false) "
+                              "or multiturn.limits.history=append")
 
 
 def check_metrics_endpoint(cfg: RlhfConfig) -> None:

@@ -29,6 +29,19 @@ async def three_turns(ctx, sample):
         if turn < 2:
             ctx.advance(builder, messages, [{"role": "user", "content": f"again {turn} r{dist.get_rank()}"}])
     return ctx.finish(builder, Termination.MAX_TURNS, 3)
+
+
+async def forking(ctx, sample):
+    messages = list(sample.prompt)
+    builder = TrajectoryBuilder(prompt=ctx.renderer.prompt(messages), token_budget=ctx.limits.token_budget)
+    for turn in range(2):
+        generation = await ctx.generate(builder.tokens, 4)
+        builder.add_sampled(generation.token_ids, generation.logprobs, generation.policy_version)
+        if turn == 0:  # prompt 0 rewrites its history (as a template dropping old reasoning does): a fork
+            text = ctx.renderer.tokenizer.decode(generation.token_ids)
+            messages.append({"role": "assistant", "content": "[summary]" if sample.index == 0 else text})
+            ctx.advance(builder, messages, [{"role": "user", "content": "again"}])
+    return ctx.finish(builder, Termination.MAX_TURNS, 2, reward=float(sum(builder.tokens) % 3))
 '''
 
 
@@ -78,6 +91,8 @@ def _runs(setup, root):
     agent = f"multiturn.agent={setup['agent']}:three_turns"
     for name, overrides in (("agent", [agent]),
                             ("tp2", [agent, "mesh.actor.tp=2", "mesh.rollout.tp=2", "trainer.total_steps=1"]),
+                            ("fork", [f"multiturn.agent={setup['agent']}:forking", "multiturn.limits.history=fork",
+                                      "data.shuffle=false", "trainer.total_steps=1"]),
                             ("tools", ["multiturn.agent=tools", f"multiturn.tool_config={setup['tools']}",
                                        "multiturn.list_tools=false"])):
         cfg = _config(setup, f"{root}/{name}", overrides)
@@ -113,18 +128,46 @@ def test_multiturn_grpo_trains_on_sampled_tokens_only(setup, tmp_path):
         assert torch.equal(batch.rollout_logprobs_bt != 0, batch.loss_mask_bt)
         assert ((batch.advantages_bt != 0) <= batch.loss_mask_bt).all()
     assert "val/score/mean@1" in agent["history"][0]
+    _check_forks(world[0]["fork"])
     for row in tools["history"][1:]:
         assert row["multiturn/dropped_groups"] == 0.0 and "multiturn/engine_idle_share" in row
+
+
+def _check_forks(fork):
+    """Prompt 0's two trajectories forked into two rows each (10 rows, padded to 16 with empty rows); each
+    trajectory's rows share one GRPO advantage, computed over the group's trajectories, not its rows."""
+    from rlhf.algo.advantages import AdvantageInputs, compute_advantages, scores_to_token_rewards
+    from rlhf.algo.config import AdvantageConfig
+    from rlhf.algo.groups import Groups
+
+    row = fork["history"][1]
+    assert row["multiturn/forks_mean"] == 0.25 and row["multiturn/prefix_mismatch"] == 2.0
+    assert row["rollout/logprob_diff_max"] <= 1e-5
+    (batch,) = fork["batches"]
+    real_b = batch.loss_mask_bt.any(-1)
+    assert batch.size == 16 and int(real_b.sum()) == 10 and not batch.response_mask_bt[~real_b].any()
+    assert batch.group_index_b[:4].tolist() == [0, 0, 0, 0] and batch.trajectory_index_b[:4].tolist() == [0, 0, 1, 1]
+    first_b = batch.loss_mask_bt.int().argmax(-1, keepdim=True)
+    advantage_b = batch.advantages_bt.gather(1, first_b).squeeze(1)
+    assert advantage_b[0] == advantage_b[1] and advantage_b[2] == advantage_b[3]
+    assert batch.scores_b[0] == batch.scores_b[1] and batch.scores_b[2] == batch.scores_b[3]
+    own = [0, 2] + list(range(4, 10))  # one row per trajectory, as GRPO sees them
+    mask = batch.response_mask_bt[own]
+    expected = compute_advantages(AdvantageConfig(kind="grpo"), AdvantageInputs(
+        token_rewards_bt=scores_to_token_rewards(batch.scores_b[own], mask), response_mask_bt=mask,
+        groups=Groups.from_index(batch.group_index_b[own]))).advantages_bt[:, 0]
+    assert torch.equal(advantage_b[[0, 2] + list(range(4, 10))], expected) and expected.abs().sum() > 0
+    assert not batch.advantages_bt[~real_b].any()
 
 
 def test_multiturn_refusals(setup, tmp_path):
     from rlhf.orchestration.preflight import preflight
 
     cfg = _config(setup, str(tmp_path), ["multiturn.agent=tools", f"multiturn.tool_config={setup['tools']}",
-                                         "multiturn.limits.history=fork"])
-    with pytest.raises(ConfigError, match=r"^multiturn\.enable=true does not run with multiturn\.limits\.history="
-                                          r"fork \(a trajectory of several rows\) yet; use multiturn\.limits\."
-                                          r"history=append$"):
+                                         "multiturn.limits.history=fork", "algo.advantage.kind=reinforce_plus_plus"])
+    with pytest.raises(ConfigError, match=r"^multiturn\.limits\.history=fork gives a trajectory several rows, which "
+                                          r"algo\.advantage\.kind=reinforce_plus_plus cannot score as one; use one "
+                                          r"of grpo, rloo, gpg, grpo_passk or multiturn\.limits\.history=append$"):
         preflight(cfg, world_size=1)
     cfg = _config(setup, str(tmp_path), ["multiturn.agent=tools", f"multiturn.tool_config={tmp_path}/none.yaml"])
     with pytest.raises(ConfigError, match=rf"^tool config {tmp_path}/none\.yaml does not exist; point multiturn\.tool_config "
