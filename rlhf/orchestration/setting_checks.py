@@ -41,16 +41,14 @@ def check_algo_settings(cfg: RlhfConfig) -> None:
 
 
 def check_multiturn(cfg: RlhfConfig) -> None:
-    """Multi-turn rollouts run where they are tested: native engine (any rollout tp), synchronous, no rollout
-    dumps yet; the `fork` history policy with an outcome estimator and no KL in the reward."""
+    """Multi-turn rollouts run where they are tested: native engine (any rollout tp), synchronous; the `fork`
+    history policy with an outcome estimator and no KL in the reward."""
     if not cfg.multiturn.enable:
         return
     not_yet = [(cfg.rollout.engine != "native", f"rollout.engine={cfg.rollout.engine}", "rollout.engine=native"),
                (cfg.trainer.is_async, f"trainer.async_mode={cfg.trainer.async_mode}", "trainer.async_mode=off"),
                (cfg.algo.advantage.kind == AdvantageKind.REMAX, "algo.advantage.kind=remax (its greedy baseline is "
-                                                                "one response)", "another estimator"),
-               (cfg.trainer.dump_rollouts, "trainer.dump_rollouts=true (dumps hold no loss mask yet)",
-                "trainer.dump_rollouts=false")]
+                                                                "one response)", "another estimator")]
     for refused, setting, fix in not_yet:
         if refused:
             raise ConfigError(f"multiturn.enable=true does not run with {setting} yet; use {fix}")

@@ -1,7 +1,8 @@
 """Multi-turn GRPO end to end on 2 gloo ranks (native engine, colocated, dp2): an agent function of the user's
 (three turns, a user observation after each) and the built-in tool loop with a calculator; the trainer sees
 only the sampled tokens (interior zeros), and its recompute of their logprobs matches the rollout's. At tp2 the
-agent's observations name the rank that rendered them: only TP rank 0 runs agents, the other follows."""
+agent's observations name the rank that rendered them: only TP rank 0 runs agents, the other follows; split
+placement (actor on rank 0, rollout on rank 1) runs the same loop; the fork history and a replay of its dump."""
 
 import json
 
@@ -80,38 +81,53 @@ def _config(setup, root, overrides):
     return from_dict(RlhfConfig, apply_overrides(data, overrides))
 
 
+def _fit(cfg, trainer_class, **setup_kwargs):
+    """One run on this world: its history and the scored batches it trained on."""
+    from rlhf.run_dir import close_run, setup_run
+
+    run_dir = setup_run(cfg.run, cfg, **setup_kwargs)
+    try:
+        trainer = trainer_class(cfg, run_dir)
+        batches = []
+        trainer.scored_hooks.append(lambda batch, step: batches.append(batch))
+        return {"history": trainer.fit(), "batches": batches}
+    finally:
+        close_run()
+
+
 def _runs(setup, root):
     import torch.distributed as dist
 
     from rlhf.orchestration.loop import Trainer
     from rlhf.orchestration.preflight import preflight
-    from rlhf.run_dir import close_run, setup_run
+    from rlhf.orchestration.replay import Replayer, replay_config, replay_preflight
 
     out = {}
     agent = f"multiturn.agent={setup['agent']}:three_turns"
+    fork = [f"multiturn.agent={setup['agent']}:forking", "multiturn.limits.history=fork", "data.shuffle=false",
+            "trainer.total_steps=1", "algo.rollout_correction.enable=true"]
     for name, overrides in (("agent", [agent]),
                             ("tp2", [agent, "mesh.actor.tp=2", "mesh.rollout.tp=2", "trainer.total_steps=1"]),
-                            ("fork", [f"multiturn.agent={setup['agent']}:forking", "multiturn.limits.history=fork",
-                                      "data.shuffle=false", "trainer.total_steps=1"]),
+                            ("split", [agent, "mesh.placement=split", "mesh.actor={ranks: [0, 1]}",
+                                       "mesh.rollout={ranks: [1, 2]}", "trainer.total_steps=1"]),
+                            ("fork", fork + ["trainer.dump_rollouts=true"]),
                             ("tools", ["multiturn.agent=tools", f"multiturn.tool_config={setup['tools']}",
                                        "multiturn.list_tools=false"])):
         cfg = _config(setup, f"{root}/{name}", overrides)
         preflight(cfg, dist.get_world_size())
-        run_dir = setup_run(cfg.run, cfg)
-        try:
-            trainer = Trainer(cfg, run_dir)
-            batches = []
-            trainer.scored_hooks.append(lambda batch, step: batches.append(batch))
-            out[name] = {"history": trainer.fit(), "batches": batches}
-        finally:
-            close_run()
+        out[name] = _fit(cfg, Trainer)
+    # the fork run's dump replayed (no validation, so no engine): the same update on the same rows
+    cfg = replay_config(_config(setup, f"{root}/replay", fork + [f"replay.rollouts={root}/fork/m/rollouts",
+                                                                 "data.val_files=[]"]))
+    replay_preflight(cfg, dist.get_world_size())
+    out["replay"] = _fit(cfg, Replayer, prefix="replay", defer_config=True)
     return out
 
 
 def test_multiturn_grpo_trains_on_sampled_tokens_only(setup, tmp_path):
     world = run_distributed(_runs, 2, setup, str(tmp_path), timeout_s=600)
-    agent, tools, tp2 = world[0]["agent"], world[0]["tools"], world[0]["tp2"]
-    for row in agent["history"][1:] + tp2["history"][1:]:  # (row 0: validation before training)
+    agent, tools, tp2, split = world[0]["agent"], world[0]["tools"], world[0]["tp2"], world[0]["split"]
+    for row in agent["history"][1:] + tp2["history"][1:] + split["history"][1:]:  # (row 0: validation first)
         assert row["multiturn/turns_mean"] == 3.0 and row["multiturn/generate_calls"] == 3.0
         assert row["multiturn/prefix_mismatch"] == 0.0 and row["multiturn/termination/max_turns"] == 1.0
         assert row["rollout/logprob_diff_max"] <= 1e-5  # the trainer's recompute across interior zeros
@@ -120,7 +136,7 @@ def test_multiturn_grpo_trains_on_sampled_tokens_only(setup, tmp_path):
     (tp2_batch,) = tp2["batches"]
     texts = [tokenizer.decode(row.tolist()) for row in tp2_batch.tokens_bs]
     assert all("again 0 r0" in text and "again 1 r0" in text and " r1" not in text for text in texts)
-    for batch in agent["batches"] + tp2["batches"]:
+    for batch in agent["batches"] + tp2["batches"] + split["batches"]:
         assert batch.size == 8  # 4 prompts x 2 samples: one row per trajectory
         sampled_b = batch.loss_mask_bt.sum(-1)
         assert (sampled_b <= 12).all() and (sampled_b < batch.response_lengths_b).all()  # user turns are zeros
@@ -129,6 +145,7 @@ def test_multiturn_grpo_trains_on_sampled_tokens_only(setup, tmp_path):
         assert ((batch.advantages_bt != 0) <= batch.loss_mask_bt).all()
     assert "val/score/mean@1" in agent["history"][0]
     _check_forks(world[0]["fork"])
+    _check_replay(world[0]["fork"], world[0]["replay"], f"{tmp_path}/fork/m/rollouts/step_000001.parquet")
     for row in tools["history"][1:]:
         assert row["multiturn/dropped_groups"] == 0.0 and "multiturn/engine_idle_share" in row
 
@@ -158,6 +175,24 @@ def _check_forks(fork):
         groups=Groups.from_index(batch.group_index_b[own]))).advantages_bt[:, 0]
     assert torch.equal(advantage_b[[0, 2] + list(range(4, 10))], expected) and expected.abs().sum() > 0
     assert not batch.advantages_bt[~real_b].any()
+
+
+def _check_replay(fork, replay, dump):
+    """The dump holds the loss mask with its interior zeros and the trajectories; replay trains on it exactly."""
+    import pyarrow.parquet as pq
+
+    (batch,), (replayed,) = fork["batches"], replay["batches"]
+    table = pq.read_table(dump).to_pydict()
+    assert len(table["loss_mask"]) == 16 and table["trajectory"][:4] == [0, 0, 1, 1]
+    for row, mask in enumerate(table["loss_mask"]):
+        assert mask == batch.response_mask_bt[row, :int(batch.response_lengths_b[row])].tolist()
+    assert any(False in mask[mask.index(True):] for mask in table["loss_mask"] if True in mask)  # interior zeros
+    for name in ("tokens_bs", "response_mask_bt", "loss_mask_bt", "trajectory_index_b", "group_index_b",
+                 "scores_b", "advantages_bt", "rollout_logprobs_bt", "policy_version_bt"):
+        assert torch.equal(getattr(batch, name), getattr(replayed, name)), name
+    ours, theirs = fork["history"][1], replay["history"][-1]
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "rollout_corr/is_weight_mean"):
+        assert abs(ours[key] - theirs[key]) <= 1e-6 * max(1.0, abs(ours[key])), (key, ours[key], theirs[key])
 
 
 def test_multiturn_refusals(setup, tmp_path):

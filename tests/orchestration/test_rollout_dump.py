@@ -143,6 +143,8 @@ def _crafted(folder, name, column, row, value, arrow_type=None):
     ("score", None, None, "a null value"),
     ("truncated", None, None, "a null value"),
     ("uid", -1, None, "uid -1 is not a dataset index in [0, 9223372036854775807]"),
+    ("loss_mask", [True, True], None, "2 values for a response of 3 tokens"),
+    ("loss_mask", [True, None, True], None, "a null value"),
 ])
 def test_a_bad_value_is_one_line_naming_the_file_row_and_column(tmp_path, column, value, arrow_type, what):
     """They were raw tracebacks (torch's int32 overflow, a None in torch.tensor) or trained (+50 log-probs)."""
