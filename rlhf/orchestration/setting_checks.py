@@ -41,12 +41,14 @@ def check_algo_settings(cfg: RlhfConfig) -> None:
 
 
 def check_multiturn(cfg: RlhfConfig) -> None:
-    """Multi-turn rollouts run where they are tested: native engine (any rollout tp), synchronous; the `fork`
-    history policy with an outcome estimator and no KL in the reward."""
+    """Multi-turn rollouts run where they are tested: native engine (any rollout tp, colocated or split, sync or
+    one step off without partial rollouts); the `fork` history with an outcome estimator and no KL in reward."""
     if not cfg.multiturn.enable:
         return
     not_yet = [(cfg.rollout.engine != "native", f"rollout.engine={cfg.rollout.engine}", "rollout.engine=native"),
-               (cfg.trainer.is_async, f"trainer.async_mode={cfg.trainer.async_mode}", "trainer.async_mode=off"),
+               (cfg.trainer.partial_rollout_tokens > 0, f"trainer.partial_rollout_tokens="
+                f"{cfg.trainer.partial_rollout_tokens} (a turn is not continued across a weight push)",
+                "trainer.partial_rollout_tokens=0"),
                (cfg.algo.advantage.kind == AdvantageKind.REMAX, "algo.advantage.kind=remax (its greedy baseline is "
                                                                 "one response)", "another estimator")]
     for refused, setting, fix in not_yet:

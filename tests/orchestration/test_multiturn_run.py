@@ -2,7 +2,8 @@
 (three turns, a user observation after each) and the built-in tool loop with a calculator; the trainer sees
 only the sampled tokens (interior zeros), and its recompute of their logprobs matches the rollout's. At tp2 the
 agent's observations name the rank that rendered them: only TP rank 0 runs agents, the other follows; split
-placement (actor on rank 0, rollout on rank 1) runs the same loop; the fork history and a replay of its dump."""
+placement (actor on rank 0, rollout on rank 1) runs the same loop, synchronous and one step off; the fork
+history, and a replay of its dump."""
 
 import json
 
@@ -104,12 +105,13 @@ def _runs(setup, root):
 
     out = {}
     agent = f"multiturn.agent={setup['agent']}:three_turns"
+    split = ["mesh.placement=split", "mesh.actor={ranks: [0, 1]}", "mesh.rollout={ranks: [1, 2]}"]
     fork = [f"multiturn.agent={setup['agent']}:forking", "multiturn.limits.history=fork", "data.shuffle=false",
             "trainer.total_steps=1", "algo.rollout_correction.enable=true"]
     for name, overrides in (("agent", [agent]),
                             ("tp2", [agent, "mesh.actor.tp=2", "mesh.rollout.tp=2", "trainer.total_steps=1"]),
-                            ("split", [agent, "mesh.placement=split", "mesh.actor={ranks: [0, 1]}",
-                                       "mesh.rollout={ranks: [1, 2]}", "trainer.total_steps=1"]),
+                            ("split", [agent, *split, "trainer.total_steps=1"]),
+                            ("async", [agent, *split, "trainer.async_mode=one_step_off", "comm.verify=true"]),
                             ("fork", fork + ["trainer.dump_rollouts=true"]),
                             ("tools", ["multiturn.agent=tools", f"multiturn.tool_config={setup['tools']}",
                                        "multiturn.list_tools=false"])):
@@ -132,11 +134,17 @@ def test_multiturn_grpo_trains_on_sampled_tokens_only(setup, tmp_path):
         assert row["multiturn/prefix_mismatch"] == 0.0 and row["multiturn/termination/max_turns"] == 1.0
         assert row["rollout/logprob_diff_max"] <= 1e-5  # the trainer's recompute across interior zeros
     assert len(tp2["history"]) == 2 and "val/score/mean@1" in tp2["history"][0]
+    one_off = world[0]["async"]
+    assert [row["step"] for row in one_off["history"]] == [0, 1, 2]
+    for row in one_off["history"][1:]:
+        assert row["multiturn/turns_mean"] == 3.0 and row["multiturn/prefix_mismatch"] == 0.0
+    for batch in one_off["batches"]:  # both batches sampled before the first update landed (one step off)
+        assert set(batch.policy_version_bt[batch.loss_mask_bt].tolist()) == {0}
     tokenizer = build_chat_char_tokenizer()
     (tp2_batch,) = tp2["batches"]
     texts = [tokenizer.decode(row.tolist()) for row in tp2_batch.tokens_bs]
     assert all("again 0 r0" in text and "again 1 r0" in text and " r1" not in text for text in texts)
-    for batch in agent["batches"] + tp2["batches"] + split["batches"]:
+    for batch in agent["batches"] + tp2["batches"] + split["batches"] + one_off["batches"]:
         assert batch.size == 8  # 4 prompts x 2 samples: one row per trajectory
         sampled_b = batch.loss_mask_bt.sum(-1)
         assert (sampled_b <= 12).all() and (sampled_b < batch.response_lengths_b).all()  # user turns are zeros
@@ -204,6 +212,14 @@ def test_multiturn_refusals(setup, tmp_path):
                                           r"algo\.advantage\.kind=reinforce_plus_plus cannot score as one; use one "
                                           r"of grpo, rloo, gpg, grpo_passk or multiturn\.limits\.history=append$"):
         preflight(cfg, world_size=1)
+    cfg = _config(setup, str(tmp_path), ["multiturn.agent=tools", f"multiturn.tool_config={setup['tools']}",
+                                         "mesh.placement=split", "mesh.actor={ranks: [0, 1]}",
+                                         "mesh.rollout={ranks: [1, 2]}", "trainer.async_mode=one_step_off",
+                                         "trainer.max_staleness=2", "trainer.partial_rollout_tokens=2"])
+    with pytest.raises(ConfigError, match=r"^multiturn\.enable=true does not run with trainer\."
+                                          r"partial_rollout_tokens=2 \(a turn is not continued across a weight "
+                                          r"push\) yet; use trainer\.partial_rollout_tokens=0$"):
+        preflight(cfg, world_size=2)
     cfg = _config(setup, str(tmp_path), ["multiturn.agent=tools", f"multiturn.tool_config={tmp_path}/none.yaml"])
     with pytest.raises(ConfigError, match=rf"^tool config {tmp_path}/none\.yaml does not exist; point multiturn\.tool_config "
                                           r"at a YAML file with a `tools:` list$"):
