@@ -41,12 +41,11 @@ def check_algo_settings(cfg: RlhfConfig) -> None:
 
 
 def check_multiturn(cfg: RlhfConfig) -> None:
-    """Multi-turn rollouts run where they are tested: native engine (any rollout tp, colocated or split, sync or
-    one step off without partial rollouts); the `fork` history with an outcome estimator and no KL in reward."""
+    """Multi-turn rollouts run where they are tested: native or vLLM engine (any rollout tp, colocated or split,
+    sync or one step off without partial rollouts); the `fork` history with an outcome estimator, no KL in reward."""
     if not cfg.multiturn.enable:
         return
-    not_yet = [(cfg.rollout.engine != "native", f"rollout.engine={cfg.rollout.engine}", "rollout.engine=native"),
-               (cfg.trainer.partial_rollout_tokens > 0, f"trainer.partial_rollout_tokens="
+    not_yet = [(cfg.trainer.partial_rollout_tokens > 0, f"trainer.partial_rollout_tokens="
                 f"{cfg.trainer.partial_rollout_tokens} (a turn is not continued across a weight push)",
                 "trainer.partial_rollout_tokens=0"),
                (cfg.algo.advantage.kind == AdvantageKind.REMAX, "algo.advantage.kind=remax (its greedy baseline is "

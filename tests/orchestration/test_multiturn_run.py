@@ -47,12 +47,11 @@ async def forking(ctx, sample):
 '''
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("multiturn")
-    model = init_hf_model(InitModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                                          intermediate_size=64, max_position_embeddings=256),
-                          build_chat_char_tokenizer(), root / "model")
+def make_multiturn_setup(root, **dims):
+    """A tiny chat model (char tokenizer with a chat template), sum prompts, the agents above, a calculator."""
+    shape = dict(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64) | dims
+    model = init_hf_model(InitModelConfig(max_position_embeddings=256, **shape), build_chat_char_tokenizer(),
+                          root / "model")
     for name, count in (("train", 16), ("val", 4)):
         with open(root / f"{name}.jsonl", "w") as f:
             for i in range(count):
@@ -65,7 +64,12 @@ def setup(tmp_path_factory):
             "agent": str(root / "agent.py"), "tools": str(root / "tools.yaml")}
 
 
-def _config(setup, root, overrides):
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return make_multiturn_setup(tmp_path_factory.mktemp("multiturn"))
+
+
+def multiturn_config(setup, root, overrides):
     from rlhf.config import from_dict
     from rlhf.config.loader import apply_overrides
     from rlhf.orchestration.schema import RlhfConfig
@@ -82,7 +86,7 @@ def _config(setup, root, overrides):
     return from_dict(RlhfConfig, apply_overrides(data, overrides))
 
 
-def _fit(cfg, trainer_class, **setup_kwargs):
+def fit_run(cfg, trainer_class, **setup_kwargs):
     """One run on this world: its history and the scored batches it trained on."""
     from rlhf.run_dir import close_run, setup_run
 
@@ -115,14 +119,14 @@ def _runs(setup, root):
                             ("fork", fork + ["trainer.dump_rollouts=true"]),
                             ("tools", ["multiturn.agent=tools", f"multiturn.tool_config={setup['tools']}",
                                        "multiturn.list_tools=false"])):
-        cfg = _config(setup, f"{root}/{name}", overrides)
+        cfg = multiturn_config(setup, f"{root}/{name}", overrides)
         preflight(cfg, dist.get_world_size())
-        out[name] = _fit(cfg, Trainer)
+        out[name] = fit_run(cfg, Trainer)
     # the fork run's dump replayed (no validation, so no engine): the same update on the same rows
-    cfg = replay_config(_config(setup, f"{root}/replay", fork + [f"replay.rollouts={root}/fork/m/rollouts",
-                                                                 "data.val_files=[]"]))
+    replay = fork + [f"replay.rollouts={root}/fork/m/rollouts", "data.val_files=[]"]
+    cfg = replay_config(multiturn_config(setup, f"{root}/replay", replay))
     replay_preflight(cfg, dist.get_world_size())
-    out["replay"] = _fit(cfg, Replayer, prefix="replay", defer_config=True)
+    out["replay"] = fit_run(cfg, Replayer, prefix="replay", defer_config=True)
     return out
 
 
@@ -206,21 +210,22 @@ def _check_replay(fork, replay, dump):
 def test_multiturn_refusals(setup, tmp_path):
     from rlhf.orchestration.preflight import preflight
 
-    cfg = _config(setup, str(tmp_path), ["multiturn.agent=tools", f"multiturn.tool_config={setup['tools']}",
-                                         "multiturn.limits.history=fork", "algo.advantage.kind=reinforce_plus_plus"])
+    tools = ["multiturn.agent=tools", f"multiturn.tool_config={setup['tools']}"]
+    cfg = multiturn_config(setup, str(tmp_path), tools + ["multiturn.limits.history=fork",
+                                                          "algo.advantage.kind=reinforce_plus_plus"])
     with pytest.raises(ConfigError, match=r"^multiturn\.limits\.history=fork gives a trajectory several rows, which "
                                           r"algo\.advantage\.kind=reinforce_plus_plus cannot score as one; use one "
                                           r"of grpo, rloo, gpg, grpo_passk or multiturn\.limits\.history=append$"):
         preflight(cfg, world_size=1)
-    cfg = _config(setup, str(tmp_path), ["multiturn.agent=tools", f"multiturn.tool_config={setup['tools']}",
-                                         "mesh.placement=split", "mesh.actor={ranks: [0, 1]}",
-                                         "mesh.rollout={ranks: [1, 2]}", "trainer.async_mode=one_step_off",
-                                         "trainer.max_staleness=2", "trainer.partial_rollout_tokens=2"])
+    cfg = multiturn_config(setup, str(tmp_path), tools + [
+        "mesh.placement=split", "mesh.actor={ranks: [0, 1]}", "mesh.rollout={ranks: [1, 2]}",
+        "trainer.async_mode=one_step_off", "trainer.max_staleness=2", "trainer.partial_rollout_tokens=2"])
     with pytest.raises(ConfigError, match=r"^multiturn\.enable=true does not run with trainer\."
                                           r"partial_rollout_tokens=2 \(a turn is not continued across a weight "
                                           r"push\) yet; use trainer\.partial_rollout_tokens=0$"):
         preflight(cfg, world_size=2)
-    cfg = _config(setup, str(tmp_path), ["multiturn.agent=tools", f"multiturn.tool_config={tmp_path}/none.yaml"])
-    with pytest.raises(ConfigError, match=rf"^tool config {tmp_path}/none\.yaml does not exist; point multiturn\.tool_config "
-                                          r"at a YAML file with a `tools:` list$"):
+    cfg = multiturn_config(setup, str(tmp_path), ["multiturn.agent=tools",
+                                                  f"multiturn.tool_config={tmp_path}/none.yaml"])
+    with pytest.raises(ConfigError, match=rf"^tool config {tmp_path}/none\.yaml does not exist; point "
+                                          r"multiturn\.tool_config at a YAML file with a `tools:` list$"):
         preflight(cfg, world_size=1)
