@@ -21,28 +21,26 @@ import torch.distributed as dist
 from rlhf.agents.trajectory import Termination, TrajectoryBuilder
 
 
-async def three_turns(ctx, sample):
+async def _turns(ctx, sample, num_turns, kept):
+    """`num_turns` turns with a user observation between them; the conversation keeps `kept(text)` of each."""
     messages = list(sample.prompt)
     builder = TrajectoryBuilder(prompt=ctx.renderer.prompt(messages), token_budget=ctx.limits.token_budget)
-    for turn in range(3):
+    for turn in range(num_turns):
         generation = await ctx.generate(builder.tokens, 4)
         builder.add_sampled(generation.token_ids, generation.logprobs, generation.policy_version)
-        messages.append({"role": "assistant", "content": ctx.renderer.tokenizer.decode(generation.token_ids)})
-        if turn < 2:
+        if turn < num_turns - 1:
+            messages.append({"role": "assistant", "content": kept(ctx.renderer.tokenizer.decode(generation.token_ids))})
             ctx.advance(builder, messages, [{"role": "user", "content": f"again {turn} r{dist.get_rank()}"}])
-    return ctx.finish(builder, Termination.MAX_TURNS, 3)
+    return builder
+
+
+async def three_turns(ctx, sample):
+    return ctx.finish(await _turns(ctx, sample, 3, lambda text: text), Termination.MAX_TURNS, 3)
 
 
 async def forking(ctx, sample):
-    messages = list(sample.prompt)
-    builder = TrajectoryBuilder(prompt=ctx.renderer.prompt(messages), token_budget=ctx.limits.token_budget)
-    for turn in range(2):
-        generation = await ctx.generate(builder.tokens, 4)
-        builder.add_sampled(generation.token_ids, generation.logprobs, generation.policy_version)
-        if turn == 0:  # prompt 0 rewrites its history (as a template dropping old reasoning does): a fork
-            text = ctx.renderer.tokenizer.decode(generation.token_ids)
-            messages.append({"role": "assistant", "content": "[summary]" if sample.index == 0 else text})
-            ctx.advance(builder, messages, [{"role": "user", "content": "again"}])
+    # prompt 0 rewrites its history (as a template dropping old reasoning does): a fork
+    builder = await _turns(ctx, sample, 2, lambda text: "[summary]" if sample.index == 0 else text)
     return ctx.finish(builder, Termination.MAX_TURNS, 2, reward=float(sum(builder.tokens) % 3))
 '''
 
