@@ -140,8 +140,8 @@ class ScoredBatch(RolloutBatch):
 ROLLOUT_SCHEMA = {"tokens_bs": torch.int64, "prompt_lengths_b": torch.int64, "response_lengths_b": torch.int64,
                   "response_mask_bt": torch.bool, "group_index_b": torch.int64, "sample_index_b": torch.int64,
                   "trajectory_index_b": torch.int64, "loss_mask_bt": torch.bool, "rollout_logprobs_bt": torch.float32,
-                  "policy_version_bt": torch.int32, "truncated_b": torch.bool, "scores_b": torch.float32, "baseline_scores_b": torch.float32,
-                  "routed_experts_bslk": torch.int16}
+                  "policy_version_bt": torch.int32, "truncated_b": torch.bool, "scores_b": torch.float32,
+                  "baseline_scores_b": torch.float32, "routed_experts_bslk": torch.int16}
 
 
 def rollout_state(batch: RolloutBatch) -> dict[str, Any]:
