@@ -19,7 +19,7 @@ COLUMNS = {"step": ("integers", False), "policy_version": ("integers", True), "u
            "group": ("integers", False), "data_source": ("strings", False), "prompt_ids": ("integers", True),
            "response_ids": ("integers", True), "rollout_logprobs": ("floats", True), "score": ("floats", False),
            "truncated": ("booleans", False)}
-# written since multi-turn rollouts (checked where present): the loss mask per response token (older dumps: every
+# multi-turn columns (checked where present): the loss mask per response token (absent: no interior zeros, every
 # response token), the trajectory of a row in its group (the `fork` history only)
 OPTIONAL_COLUMNS = {"loss_mask": ("booleans", True), "trajectory": ("integers", False)}
 INT32_MAX = 2 ** 31 - 1  # policy versions are int32 in the batch

@@ -2,10 +2,10 @@
 (`trainer.dump_rollouts`), and read back as `RolloutBatch`es by `rlhf replay`.
 
 One row per rollout: prompt and response ids and text, the rollout's token logprobs, the sequence score, the
-advantages, each token's policy version and staleness (versions behind the actor at step N, N - 1), the loss mask
-(1 on the tokens the policy sampled: multi-turn rows hold 0 on tool output and template tokens), data_source, uid
-(the prompt's dataset index) and group; with the multi-turn `fork` history also each row's trajectory in its
-group (a forked trajectory's rows share it). The step's batch is already gathered on every rank that trains
+advantages, each token's policy version and staleness (versions behind the actor at step N, N - 1), data_source,
+uid (the prompt's dataset index) and group; where responses have interior zeros (multi-turn: tool output and
+template tokens) the loss mask (1 on the tokens the policy sampled); with the multi-turn `fork` history each row's
+trajectory in its group (a forked trajectory's rows share it). The step's batch is already gathered on every rank that trains
 (`gather_global_batch`), so one of them (rank 0; async: the first training rank) writes it, no collective.
 Plain parquet columns only (never pickle); the file's metadata holds the format name, the pad token and the
 response width.
@@ -39,6 +39,11 @@ def _rows(values_bt: torch.Tensor, lengths_b: torch.Tensor, start_b: torch.Tenso
             for row, (start, length) in enumerate(zip(starts, lengths_b.tolist()))]
 
 
+def _length_mask(lengths_b: torch.Tensor, width: int) -> torch.Tensor:
+    """bool [B, width]: the first `lengths_b` tokens of each response."""
+    return torch.arange(width)[None, :] < lengths_b[:, None]
+
+
 def batch_table(batch: ScoredBatch, step: int, records: dict[int, PromptRecord], tokenizer: Any):
     """The batch as a pyarrow table (one row per rollout) with the dump's metadata."""
     import pyarrow as pa
@@ -63,8 +68,10 @@ def batch_table(batch: ScoredBatch, step: int, records: dict[int, PromptRecord],
         "response_ids": pa.array(response_ids, pa.list_(pa.int64())),
         "score": pa.array(batch.scores_b.tolist(), pa.float32()),
         "truncated": pa.array(batch.truncated_b.tolist(), pa.bool_()),
-        "loss_mask": pa.array(_rows(batch.response_mask_bt, batch.response_lengths_b), pa.list_(pa.bool_())),
     }
+    if not torch.equal(batch.response_mask_bt, _length_mask(batch.response_lengths_b, batch.response_width)):
+        # interior zeros (multi-turn); without them the lengths say it all (single-turn dumps stay as they were)
+        columns["loss_mask"] = pa.array(_rows(batch.response_mask_bt, batch.response_lengths_b), pa.list_(pa.bool_()))
     if batch.trajectory_index_b is not None:
         columns["trajectory"] = pa.array(batch.trajectory_index_b.tolist(), pa.int64())
     for name, field in (("rollout_logprobs", "rollout_logprobs_bt"), ("old_logprobs", "old_logprobs_bt"),
@@ -165,8 +172,8 @@ def read_dump(path: Path, vocab_size: int, max_positions: int) -> RolloutBatch:
     sequences = [p + r for p, r in zip(prompt_ids, response_ids)]
     lengths_b = torch.tensor([len(r) for r in response_ids], dtype=torch.long)
     width = max(int(meta["response_width"]), int(lengths_b.max()) if len(lengths_b) else 1)
-    mask_bt = (_padded(table["loss_mask"], width, torch.bool) if "loss_mask" in table  # absent: dumped before it
-               else torch.arange(width)[None, :] < lengths_b[:, None])
+    mask_bt = (_padded(table["loss_mask"], width, torch.bool) if "loss_mask" in table  # absent: no interior zeros
+               else _length_mask(lengths_b, width))
     trajectory_b = torch.tensor(table["trajectory"], dtype=torch.long) if "trajectory" in table else None
     pad = int(meta["pad_token_id"])
     return RolloutBatch(
