@@ -207,7 +207,7 @@ def check_layouts(cfg: RlhfConfig, world_size: int, problems: Problems | None = 
         problems.check(check_async, cfg, layouts, dataclasses.replace(cfg.algo, rollout_correction=correction))
         problems.check(check_routing_replay, cfg, layouts)
         problems.check(check_moe_settings, cfg)
-        problems.check(check_multiturn, cfg, layouts)
+        problems.check(check_multiturn, cfg)
         problems.check(check_algo_settings, cfg)
         problems.check(check_lora, cfg)
     return layouts

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from rlhf.agents.config import HistoryPolicy
-from rlhf.algo.advantages import AdvantageKind
+from rlhf.algo.advantages import TRAJECTORY_KINDS, AdvantageKind
 from rlhf.errors import ConfigError
 from rlhf.ops.prometheus import check_listen
 from rlhf.orchestration.schema import RlhfConfig
@@ -66,24 +66,29 @@ def check_lora(cfg: RlhfConfig) -> None:
             raise ConfigError(f"lora.enabled=true does not run with {setting} yet; use {fix}")
 
 
-def check_multiturn(cfg: RlhfConfig, layouts: dict) -> None:
-    """Multi-turn rollouts run where they are tested: native engine at rollout tp=1, synchronous, one row per
-    trajectory (the `append` history policy), no rollout dumps yet."""
+def check_multiturn(cfg: RlhfConfig) -> None:
+    """Multi-turn rollouts run where they are tested: native or vLLM engine (any rollout tp, colocated or split,
+    sync or one step off without partial rollouts); the `fork` history with an outcome estimator, no KL in reward."""
     if not cfg.multiturn.enable:
         return
-    not_yet = [(cfg.rollout.engine != "native", f"rollout.engine={cfg.rollout.engine}", "rollout.engine=native"),
-               (layouts["rollout"].tp > 1, f"mesh.rollout.tp={layouts['rollout'].tp} (every tp rank would run the "
-                                           "tools)", "mesh.rollout.tp=1"),
-               (cfg.trainer.is_async, f"trainer.async_mode={cfg.trainer.async_mode}", "trainer.async_mode=off"),
+    not_yet = [(cfg.trainer.partial_rollout_tokens > 0, f"trainer.partial_rollout_tokens="
+                f"{cfg.trainer.partial_rollout_tokens} (a turn is not continued across a weight push)",
+                "trainer.partial_rollout_tokens=0"),
                (cfg.algo.advantage.kind == AdvantageKind.REMAX, "algo.advantage.kind=remax (its greedy baseline is "
-                                                                "one response)", "another estimator"),
-               (cfg.multiturn.limits.history is HistoryPolicy.FORK, "multiturn.limits.history=fork (a trajectory of "
-                                                              "several rows)", "multiturn.limits.history=append"),
-               (cfg.trainer.dump_rollouts, "trainer.dump_rollouts=true (dumps hold no loss mask yet)",
-                "trainer.dump_rollouts=false")]
+                                                                "one response)", "another estimator")]
     for refused, setting, fix in not_yet:
         if refused:
             raise ConfigError(f"multiturn.enable=true does not run with {setting} yet; use {fix}")
+    if cfg.multiturn.limits.history is HistoryPolicy.FORK:  # one advantage for all rows of a trajectory
+        kind = cfg.algo.advantage.kind
+        if kind not in TRAJECTORY_KINDS:
+            raise ConfigError(f"multiturn.limits.history=fork gives a trajectory several rows, which "
+                              f"algo.advantage.kind={kind.value} cannot score as one; use one of "
+                              f"{', '.join(k.value for k in TRAJECTORY_KINDS)} or multiturn.limits.history=append")
+        if cfg.algo.kl.use_in_reward:
+            raise ConfigError("multiturn.limits.history=fork with algo.kl.use_in_reward=true would give the rows "
+                              "of one trajectory different rewards; use the KL loss (algo.kl.use_in_reward=false) "
+                              "or multiturn.limits.history=append")
 
 
 def check_metrics_endpoint(cfg: RlhfConfig) -> None:
