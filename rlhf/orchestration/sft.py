@@ -80,7 +80,7 @@ def sft_batch(prompts: TokenizedPrompts, rows: list[int], tokenizer: Any, pad_to
     return RolloutBatch(tokens_bs=tokens_bs, prompt_lengths_b=torch.tensor([len(prompts.token_ids[i]) for i in rows]),
                         response_lengths_b=lengths_b, response_mask_bt=mask_bt, pad_token_id=pad_token_id,
                         group_index_b=torch.arange(num_rows),
-                        sample_index_b=torch.tensor([prompts.records[i].index for i in rows]),
+                        sample_index_b=torch.tensor([prompts.records[i].index for i in rows]), trajectory_index_b=None,
                         loss_mask_bt=mask_bt, rollout_logprobs_bt=torch.zeros(mask_bt.shape),
                         policy_version_bt=torch.zeros(mask_bt.shape, dtype=torch.int32),
                         truncated_b=torch.zeros(num_rows, dtype=torch.bool), scores_b=None, baseline_scores_b=None,
