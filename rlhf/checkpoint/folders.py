@@ -44,7 +44,8 @@ def read_manifest(step_dir: Path) -> dict[str, Any]:
     """The manifest of a published checkpoint; CorruptCheckpointError saying why it is not one."""
     path = step_dir / MANIFEST
     if not path.is_file():
-        raise CorruptCheckpointError(f"{step_dir} has no {MANIFEST}: not a complete checkpoint{old_format_note(step_dir)}")
+        raise CorruptCheckpointError(f"{step_dir} has no {MANIFEST}: not a complete checkpoint"
+                                     f"{old_format_note(step_dir)}")
     if path.is_symlink():
         raise CorruptCheckpointError(f"{path} is a symlink; a checkpoint's files are never read through one")
     try:
