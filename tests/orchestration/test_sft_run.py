@@ -157,6 +157,7 @@ def _metrics(run: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/", "memory/"))} for row in rows]
 
 
+@pytest.mark.slow  # three 2-rank launches and a watchdog deadline; the RL stall is in the default suite
 def test_a_stalled_sft_rank_ends_the_run_with_stacks_and_auto_resume_gives_the_uninterrupted_metrics(tiny, tmp_path):
     """Rank 1 stalls in step 3's validation: the watchdog ends both ranks (exit 124, stacks in each log). The
     relaunch resumes step 2's checkpoint and its whole metrics.jsonl equals an uninterrupted run's bitwise, the
