@@ -3,6 +3,7 @@
   RolloutBatch ──► reward model (on its mesh, when configured)
                ──► actor old logprobs (or the rollout's, bypass) · ref logprobs · critic values
                ──► advantages (GAE | GRPO | RLOO | REINFORCE++ | ReMax), KL in reward
+               ──► distillation: teacher logprobs, + coef x (teacher - student) per sampled token
                ──► rollout correction weights / rejection, overlong filtering (the actor's final loss mask)
                ──► ScoredBatch ──► actor.update · critic.update
 
@@ -12,6 +13,7 @@ Every rank runs it on the global batch (roles this rank is not in only take part
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,12 +25,14 @@ from rlhf.algo.groups import Groups
 from rlhf.algo.kl import KLController, apply_kl_in_reward
 from rlhf.algo.rollout_correction import rollout_correction
 from rlhf.algo.value_loss import explained_variance
+from rlhf.data.records import PromptRecord
 from rlhf.metrics import StepMetrics
 from rlhf.orchestration.rollout_side import shaped_scores
 from rlhf.orchestration.schema import RlhfConfig
 from rlhf.parallel.meshes import RoleMeshes
 from rlhf.stages.batch import RolloutBatch, ScoredBatch
 from rlhf.stages.config import AlgoConfig, UpdateConfig
+from rlhf.stages.distill import DistillStage
 from rlhf.stages.memory import MemoryPhases
 from rlhf.stages.roles import CriticRole, PolicyRole, RewardModelRole
 
@@ -41,11 +45,13 @@ class TrainRoles:
     ref: PolicyRole | None
     critic: CriticRole | None
     reward_model: RewardModelRole | None
+    distill: DistillStage | None  # the distillation teachers (algo.distill)
 
     @classmethod
     def from_config(cls, cfg: RlhfConfig, algo: AlgoConfig, meshes: RoleMeshes,
-                    gather_group: dist.ProcessGroup | None) -> TrainRoles:
-        """Every role on its mesh (collective); `gather_group`: the ranks that gather their outputs (async)."""
+                    gather_group: dist.ProcessGroup | None, records: Sequence[PromptRecord]) -> TrainRoles:
+        """Every role on its mesh (collective); `gather_group`: the ranks that gather their outputs (async);
+        `records`: the training prompts (the teachers' routes)."""
         model, moe = cfg.model, cfg.model.moe.build_kwargs()
         policy = dict(fused_head=model.fused_head, temperature=cfg.sampling.logprob_temperature,
                       params_dtype=model.torch_dtype, moe_kwargs=moe, gather_group=gather_group,
@@ -65,10 +71,14 @@ class TrainRoles:
                                         value_head=True, offload_frozen=cfg.reward.model_offload,
                                         params_dtype=model.torch_dtype, gather_group=gather_group)
                         if cfg.reward.model_path else None)
-        return cls(actor=actor, ref=ref, critic=critic, reward_model=reward_model)
+        distill = (DistillStage(algo.distill, meshes["teacher"], records, **policy)
+                   if algo.distill.enable else None)
+        return cls(actor=actor, ref=ref, critic=critic, reward_model=reward_model, distill=distill)
 
     def by_name(self) -> dict[str, PolicyRole | CriticRole | RewardModelRole | None]:
-        return {"actor": self.actor, "critic": self.critic, "ref": self.ref, "reward": self.reward_model}
+        teachers = {f"teacher{number}": teacher
+                    for number, teacher in enumerate(self.distill.teachers if self.distill else [])}
+        return {"actor": self.actor, "critic": self.critic, "ref": self.ref, "reward": self.reward_model} | teachers
 
 
 @dataclass(kw_only=True, eq=False)
@@ -79,6 +89,7 @@ class TrainSide:
     ref: PolicyRole | None
     critic: CriticRole | None
     reward_model: RewardModelRole | None
+    distill: DistillStage | None
     algo: AlgoConfig
     actor_update: UpdateConfig
     kl_controller: KLController  # adaptive KL in reward: part of the checkpoint
@@ -88,7 +99,7 @@ class TrainSide:
     @classmethod
     def from_config(cls, cfg: RlhfConfig, algo: AlgoConfig, roles: TrainRoles, memory: MemoryPhases) -> TrainSide:
         return cls(actor=roles.actor, ref=roles.ref, critic=roles.critic, reward_model=roles.reward_model,
-                   algo=algo, actor_update=cfg.actor, kl_controller=KLController.from_config(algo.kl),
+                   distill=roles.distill, algo=algo, actor_update=cfg.actor, kl_controller=KLController.from_config(algo.kl),
                    max_new_tokens=cfg.sampling.max_new_tokens, memory=memory)
 
     def train(self, batch: RolloutBatch, metrics: StepMetrics) -> ScoredBatch:
@@ -133,9 +144,13 @@ class TrainSide:
                 token_rewards_bt=token_rewards_bt, response_mask_bt=batch.response_mask_bt, values_bt=values_bt,
                 baseline_scores_b=batch.baseline_scores_b, groups=Groups.from_index(batch.group_index_b)))
             is_weights_bt, loss_mask_bt = loss_filters(batch, old_bt, algo, metrics)
+        teacher_bt, advantages_bt = None, result.advantages_bt
+        if self.distill is not None:
+            teacher_bt, advantages_bt = self.distill.advantages(batch, old_bt, advantages_bt, metrics)
         return ScoredBatch.of(batch, old_logprobs_bt=old_bt, ref_logprobs_bt=ref_bt, values_bt=values_bt,
-                              token_rewards_bt=token_rewards_bt, advantages_bt=result.advantages_bt,
-                              returns_bt=result.returns_bt, is_weights_bt=is_weights_bt, loss_mask_bt=loss_mask_bt)
+                              token_rewards_bt=token_rewards_bt, advantages_bt=advantages_bt,
+                              returns_bt=result.returns_bt, is_weights_bt=is_weights_bt, loss_mask_bt=loss_mask_bt,
+                              teacher_logprobs_bt=teacher_bt)
 
     def _token_rewards(self, batch: RolloutBatch, old_bt: torch.Tensor | None, ref_bt: torch.Tensor | None,
                        metrics: StepMetrics) -> torch.Tensor:
@@ -166,10 +181,11 @@ def bypasses_old_logprobs(algo: AlgoConfig) -> bool:
 
 def needs_old_logprobs(algo: AlgoConfig, update: UpdateConfig) -> bool:
     """Skipped when bypassed, or when the update is strictly on-policy and nothing else (KL in reward,
-    decoupled rollout correction) reads them."""
+    decoupled rollout correction, distillation's student logprobs) reads them."""
     if bypasses_old_logprobs(algo):
         return False
-    return update.old_logprobs_forward or algo.kl.use_in_reward or algo.rollout_correction.needs_old_logprobs
+    return (update.old_logprobs_forward or algo.kl.use_in_reward or algo.rollout_correction.needs_old_logprobs
+            or algo.distill.enable)
 
 
 def loss_filters(batch: RolloutBatch, old_bt: torch.Tensor | None, algo: AlgoConfig,

@@ -125,6 +125,7 @@ class ScoredBatch(RolloutBatch):
     advantages_bt: torch.Tensor  # fp32 [B, T]
     returns_bt: torch.Tensor | None  # fp32 [B, T] critic targets (GAE)
     is_weights_bt: torch.Tensor | None  # fp32 [B, T] rollout-correction weights on the policy loss
+    teacher_logprobs_bt: torch.Tensor | None  # fp32 [B, T] distillation teachers' logprobs of the sampled tokens
 
     @classmethod
     def of(cls, batch: RolloutBatch, **scored: torch.Tensor | None) -> "ScoredBatch":

@@ -59,8 +59,9 @@ def trainer_config(paths: dict[str, str], run_root: str, overrides: list[str] | 
     return from_dict(RlhfConfig, apply_overrides(data, list(overrides or [])))
 
 
-def run_trainer(paths: dict[str, str], run_root: str, overrides: list[str]) -> list[dict]:
-    """Build and fit a Trainer on this (already initialised) world; returns the metrics history."""
+def run_trainer(paths: dict[str, str], run_root: str, overrides: list[str], on_scored=None) -> list[dict]:
+    """Build and fit a Trainer on this (already initialised) world; returns the metrics history. `on_scored`:
+    a hook given every trained `ScoredBatch` and its step."""
     from rlhf.run_dir import close_run, setup_run
     from rlhf.orchestration.loop import Trainer
     from rlhf.orchestration.preflight import preflight
@@ -71,7 +72,10 @@ def run_trainer(paths: dict[str, str], run_root: str, overrides: list[str]) -> l
     preflight(cfg, dist.get_world_size())
     run_dir = setup_run(cfg.run, cfg, defer_config=True)
     try:
-        return Trainer(cfg, run_dir).fit()
+        trainer = Trainer(cfg, run_dir)
+        if on_scored is not None:
+            trainer.scored_hooks.append(on_scored)
+        return trainer.fit()
     finally:
         close_run()
 
@@ -93,7 +97,7 @@ def rollout_batch(**fields):
 
 def scored_batch(**fields):
     """A `ScoredBatch` for unit tests: `rollout_batch`'s fields, zero token rewards and advantages unless given,
-    no old / ref logprobs, values, returns or weights."""
+    no old / ref / teacher logprobs, values, returns or weights."""
     import dataclasses
 
     import torch
@@ -104,7 +108,8 @@ def scored_batch(**fields):
     batch = rollout_batch(**{k: v for k, v in fields.items() if k in names})
     zeros_bt = torch.zeros(batch.response_mask_bt.shape)
     scored = dict(old_logprobs_bt=None, ref_logprobs_bt=None, values_bt=None, token_rewards_bt=zeros_bt,
-                  advantages_bt=zeros_bt, returns_bt=None, is_weights_bt=None)
+                  advantages_bt=zeros_bt, returns_bt=None, is_weights_bt=None,
+                  teacher_logprobs_bt=None)
     return ScoredBatch.of(batch, **(scored | {k: v for k, v in fields.items() if k not in names}))
 
 
