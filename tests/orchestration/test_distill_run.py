@@ -1,6 +1,7 @@
 """On-policy distillation end to end on 2 ranks, in one launched world: a teacher equal to the student gives a zero
 signal (GRPO's advantages bit for bit); two teachers routed by data_source score each row as transformers does,
-and the advantage is coef x clip(teacher - student) on the sampled tokens; a resumed run repeats step 2 exactly."""
+and the advantage is coef x clip(teacher - student) on the sampled tokens; a resumed run repeats step 2 exactly;
+a teacher on a rank of its own (split placement) scores as transformers does."""
 
 import json
 import sys
@@ -83,6 +84,10 @@ def _distill_world(paths: dict, root: str) -> dict:
                           on_scored=lambda batch, step: scored.__setitem__(("resumed", step), batch))
     out["resume_exact"] = (_comparable(resumed[0]) == _comparable(history[1]) and torch.equal(
         scored[("resumed", 2)].advantages_bt, scored[("multi", 2)].advantages_bt))
+    split = ["mesh.placement=split", "mesh.actor={ranks: [0, 1]}", "mesh.rollout={ranks: [0, 1]}",
+             "mesh.teacher={ranks: [1, 2]}", "trainer.total_steps=1", "run.name=split"]
+    run_trainer(paths, root, common + split + [f"algo.distill.teacher_path={paths['teacher_a']}"],
+                on_scored=lambda batch, step: scored.__setitem__(("split", step), batch))
     out["distill_metrics"] = sorted(k for k in history[1] if k.startswith(("distill/", "timing_s/teacher")))
     if dist.get_rank() == 0:
         batch = scored[("multi", 2)]
@@ -90,6 +95,9 @@ def _distill_world(paths: dict, root: str) -> dict:
         hf_bt = torch.where(other_b[:, None], _hf_logprobs(paths["teacher_b"], batch),
                             _hf_logprobs(paths["teacher_a"], batch))
         out["teacher_parity"] = float((batch.teacher_logprobs_bt - hf_bt).abs().max())
+        split_batch = scored[("split", 1)]  # the teacher alone on rank 1, the actor and rollout on rank 0
+        out["split_parity"] = float((split_batch.teacher_logprobs_bt
+                                     - _hf_logprobs(paths["teacher_a"], split_batch)).abs().max())
         out["rows_per_teacher"] = [int((~other_b).sum()), int(other_b.sum())]
         expected_bt = 0.5 * (batch.teacher_logprobs_bt - batch.old_logprobs_bt).clamp(-1.0, 1.0) * batch.loss_mask_bt
         out["advantage_hand_check"] = torch.equal(batch.advantages_bt, expected_bt)
@@ -104,7 +112,7 @@ def test_distill_world(setup, tmp_path):
     out = run_distributed(_distill_world, 2, setup, str(tmp_path), timeout_s=600)[0]
     assert out["zero_reverse_kl"] == 0.0
     assert out["zero_teacher_equals_student"] and out["zero_equals_grpo"]
-    assert out["teacher_parity"] < 1e-4, out["teacher_parity"]
+    assert out["teacher_parity"] < 1e-4 and out["split_parity"] < 1e-4, out
     assert min(out["rows_per_teacher"]) > 0, out["rows_per_teacher"]
     assert out["advantage_hand_check"] and out["advantage_nonzero"]
     assert out["reverse_kl_error"] < 1e-6
