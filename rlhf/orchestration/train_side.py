@@ -2,9 +2,11 @@
 
   RolloutBatch ──► reward model (on its mesh, when configured)
                ──► actor old logprobs (or the rollout's, bypass) · ref logprobs · critic values
-               ──► advantages (GAE | GRPO | RLOO | REINFORCE++ | ReMax), KL in reward
+               ──► KL in reward · rollout correction weights / rejection, overlong filtering (the actor's final
+                   loss mask)
+               ──► advantages (GAE | GRPO | RLOO | REINFORCE++ | ReMax | OPO | GPG | pass@k | optimal token
+                   baseline: old logprobs, sum_v pi^2 and correction weights)
                ──► distillation: teacher logprobs, + coef x (teacher - student) per sampled token
-               ──► rollout correction weights / rejection, overlong filtering (the actor's final loss mask)
                ──► ScoredBatch ──► actor.update · critic.update
 
 Every rank runs it on the global batch (roles this rank is not in only take part in their gathers).
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlhf.algo.advantages import AdvantageInputs, compute_advantages, scores_to_token_rewards
+from rlhf.algo.advantages import AdvantageInputs, AdvantageKind, compute_advantages, scores_to_token_rewards
 from rlhf.algo.dapo import overlong_penalty
 from rlhf.algo.groups import Groups
 from rlhf.algo.kl import KLController, apply_kl_in_reward
@@ -121,10 +123,12 @@ class TrainSide:
                 batch = dataclasses.replace(batch, scores_b=shaped_scores(
                     self.reward_model.scores(batch), batch.response_lengths_b, self.max_new_tokens,
                     algo.overlong_buffer))
-        old_bt = None
+        old_bt = sum_pi_squared_bt = None
         if needs_old_logprobs(algo, self.actor_update):
             with metrics.timer("old_log_prob"):
-                old_bt = self.actor.logprobs(batch)
+                old_bt = self.actor.logprobs(batch, with_sum_pi_squared=needs_sum_pi_squared(algo))
+            if needs_sum_pi_squared(algo):
+                old_bt, sum_pi_squared_bt = old_bt.unbind(-1)
             if self.actor.records_routing:  # R2: the update replays the old-logprob forward's routing
                 batch = dataclasses.replace(batch, routed_experts_bslk=self.actor.recorded_routing_bslk)
             for name, value in self.actor.routing_metrics.items():  # routing replay R3: rollout vs. training
@@ -140,10 +144,11 @@ class TrainSide:
                 values_bt = self.critic.values(batch)
         with metrics.timer("adv"):
             token_rewards_bt = self._token_rewards(batch, old_bt, ref_bt, metrics)
+            is_weights_bt, loss_mask_bt = loss_filters(batch, old_bt, algo, metrics)
             result = compute_advantages(algo.advantage, AdvantageInputs(
                 token_rewards_bt=token_rewards_bt, response_mask_bt=batch.response_mask_bt, values_bt=values_bt,
-                baseline_scores_b=batch.baseline_scores_b, groups=Groups.from_index(batch.group_index_b)))
-            is_weights_bt, loss_mask_bt = loss_filters(batch, old_bt, algo, metrics)
+                baseline_scores_b=batch.baseline_scores_b, groups=Groups.from_index(batch.group_index_b),
+                old_logprobs_bt=old_bt, sum_pi_squared_bt=sum_pi_squared_bt, is_weights_bt=is_weights_bt))
         teacher_bt, advantages_bt = None, result.advantages_bt
         if self.distill is not None:
             teacher_bt, advantages_bt = self.distill.advantages(batch, old_bt, advantages_bt, metrics)
@@ -181,11 +186,16 @@ def bypasses_old_logprobs(algo: AlgoConfig) -> bool:
 
 def needs_old_logprobs(algo: AlgoConfig, update: UpdateConfig) -> bool:
     """Skipped when bypassed, or when the update is strictly on-policy and nothing else (KL in reward,
-    decoupled rollout correction, distillation's student logprobs) reads them."""
+    decoupled rollout correction, distillation's student logprobs, the optimal token baseline) reads them."""
     if bypasses_old_logprobs(algo):
         return False
     return (update.old_logprobs_forward or algo.kl.use_in_reward or algo.rollout_correction.needs_old_logprobs
-            or algo.distill.enable)
+            or algo.distill.enable or needs_sum_pi_squared(algo))
+
+
+def needs_sum_pi_squared(algo: AlgoConfig) -> bool:
+    """The optimal token baseline reads the old-logprob forward's sum_v pi(v)^2 per position."""
+    return algo.advantage.kind is AdvantageKind.OPTIMAL_TOKEN_BASELINE
 
 
 def loss_filters(batch: RolloutBatch, old_bt: torch.Tensor | None, algo: AlgoConfig,

@@ -22,7 +22,7 @@ from rlhf.errors import ConfigError
 from rlhf.models.builder import build_gpt
 from rlhf.models.forward import forward_backward, token_entropy, token_logprobs
 from rlhf.models.hf_load import load_hf_weights
-from rlhf.models.lm_head import LMHead, head_logprobs, hidden_output
+from rlhf.models.lm_head import LMHead, head_logprobs, head_sum_pi_squared, hidden_output
 from rlhf.models.routing import RoutingRecorder
 from rlhf.models.routing_replay import UNKNOWN, RoutingReplay
 from rlhf.platform import current_device
@@ -121,8 +121,9 @@ class ModelRole:
 
             def step(output: torch.Tensor, micro_batch: SequenceBatch) -> tuple[torch.Tensor, dict]:
                 out = fn(output, micro_batch).detach()
-                if out.dim() == 2:  # response-aligned: back to the batch's response width
-                    out = torch.nn.functional.pad(out, (0, batch.response_width - out.shape[1]))
+                if out.dim() >= 2:  # response-aligned [b, T, ...]: back to the batch's response width
+                    out = torch.nn.functional.pad(out, (0, 0) * (out.dim() - 2)
+                                                  + (0, batch.response_width - out.shape[1]))
                 outs = {"out": out}
                 if record_routing:  # this micro-batch's experts, at the batch's sequence width
                     routed = self.routing_replay.last_recorded_bslk()[:, :batch.tokens_bs.shape[1]]
@@ -248,15 +249,24 @@ class PolicyRole(ModelRole):
                                        self.temperature)
         return gather_response(logp_bs, mb), gather_response(entropy_bs, mb)
 
-    def logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        """Token logprobs `[B, T]`. Under routing replay R3 the forward routes as `batch.routed_experts_bslk`
-        says (`routing_metrics`: how often the router's own choice agreed); under R2 the actor routes freely and
-        keeps its routing in `recorded_routing_bslk` for the update to replay."""
+    def logprobs(self, batch: RolloutBatch, *, with_sum_pi_squared: bool = False) -> torch.Tensor:
+        """Token logprobs `[B, T]` (`with_sum_pi_squared`, fused head only: `[B, T, 2]`, the second the position's
+        sum_v pi(v)^2, which the optimal token baseline reads). Under routing replay R3 the forward routes as
+        `batch.routed_experts_bslk` says (`routing_metrics`: how often the router's own choice agreed); under R2
+        the actor routes freely and keeps its routing in `recorded_routing_bslk` for the update to replay."""
+        assert self.fused_head or not with_sum_pi_squared, "sum_pi_squared needs the fused head (preflight)"
+
         def fn(output: torch.Tensor, mb: SequenceBatch) -> torch.Tensor:
-            if self.fused_head:
-                return self._token_stats(output, mb)[0]
-            return gather_response(token_logprobs(output, _labels_bs(mb), self.tp_group, self.vocab_size,
-                                                  self.temperature), mb)
+            if not self.fused_head:
+                return gather_response(token_logprobs(output, _labels_bs(mb), self.tp_group, self.vocab_size,
+                                                      self.temperature), mb)
+            logp_bt = self._token_stats(output, mb)[0]
+            if not with_sum_pi_squared:
+                return logp_bt
+            rows_n, positions_n = mb.response_index()
+            head = LMHead.of(self.model, self.tp_group, self.vocab_size)
+            squared_n = head_sum_pi_squared(output[rows_n, positions_n], head, temperature=self.temperature)
+            return torch.stack([logp_bt, scatter_response(squared_n, mb)], dim=-1)
 
         replay = self.routing_replay
         if replay is not None:
