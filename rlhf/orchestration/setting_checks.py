@@ -15,9 +15,7 @@ from rlhf.parallel.wire import broadcast_json
 
 # registered (and verl-parity tested) but fed by inputs the RL step does not compute yet: refused before anything
 # starts, not at the first update. (key, kind, what it needs)
-UNWIRED = (("algo.policy_loss.kind", "clip_cov", "the step's global covariance token selection"),
-           ("algo.policy_loss.kind", "kl_cov", "the step's global covariance token selection"),
-           ("algo.advantage.kind", "gdpo", "per-component rewards from the scorer"))
+UNWIRED = (("algo.advantage.kind", "gdpo", "per-component rewards from the scorer"),)
 
 
 def check_algo_settings(cfg: RlhfConfig) -> None:

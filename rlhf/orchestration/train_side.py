@@ -7,6 +7,7 @@
                ──► advantages (GAE | GRPO | RLOO | REINFORCE++ | ReMax | OPO | GPG | pass@k | optimal token
                    baseline: old logprobs, sum_v pi^2 and correction weights)
                ──► distillation: teacher logprobs, + coef x (teacher - student) per sampled token
+               ──► Clip-Cov / KL-Cov: the step's high-covariance tokens (global batch, old logprobs)
                ──► ScoredBatch ──► actor.update · critic.update
 
 Every rank runs it on the global batch (roles this rank is not in only take part in their gathers).
@@ -25,6 +26,7 @@ from rlhf.algo.advantages import AdvantageInputs, AdvantageKind, compute_advanta
 from rlhf.algo.dapo import overlong_penalty
 from rlhf.algo.groups import Groups
 from rlhf.algo.kl import KLController, apply_kl_in_reward
+from rlhf.algo.policy_loss_cov import COVARIANCE_KINDS, covariance_selection
 from rlhf.algo.rollout_correction import rollout_correction
 from rlhf.algo.value_loss import explained_variance
 from rlhf.data.records import PromptRecord
@@ -97,17 +99,18 @@ class TrainSide:
     kl_controller: KLController  # adaptive KL in reward: part of the checkpoint
     max_new_tokens: int
     memory: MemoryPhases
+    seed: int  # Clip-Cov's token draw: seeded by (seed, step), so a resumed step draws the same tokens
 
     @classmethod
     def from_config(cls, cfg: RlhfConfig, algo: AlgoConfig, roles: TrainRoles, memory: MemoryPhases) -> TrainSide:
         return cls(actor=roles.actor, ref=roles.ref, critic=roles.critic, reward_model=roles.reward_model,
                    distill=roles.distill, algo=algo, actor_update=cfg.actor, kl_controller=KLController.from_config(algo.kl),
-                   max_new_tokens=cfg.sampling.max_new_tokens, memory=memory)
+                   max_new_tokens=cfg.sampling.max_new_tokens, memory=memory, seed=cfg.dist.seed)
 
-    def train(self, batch: RolloutBatch, metrics: StepMetrics) -> ScoredBatch:
-        """The global batch scored by every model role, then the actor and critic updates on it."""
+    def train(self, batch: RolloutBatch, metrics: StepMetrics, step: int) -> ScoredBatch:
+        """The global batch of step `step` scored by every model role, then the actor and critic updates on it."""
         with self.memory.training(metrics):
-            scored = self.score(batch, metrics)
+            scored = self.score(batch, metrics, step)
             with metrics.timer("update_actor"):
                 metrics.update_from_shards(self.actor.update(scored, self.algo))
             if self.critic is not None:
@@ -115,8 +118,9 @@ class TrainSide:
                     metrics.update_from_shards(self.critic.update(scored, self.algo))
         return scored
 
-    def score(self, batch: RolloutBatch, metrics: StepMetrics) -> ScoredBatch:
-        """Reward model, old / ref logprobs, values, advantages and the actor's loss weights and mask."""
+    def score(self, batch: RolloutBatch, metrics: StepMetrics, step: int) -> ScoredBatch:
+        """Reward model, old / ref logprobs, values, advantages and the actor's loss weights and mask (and
+        Clip-Cov / KL-Cov's tokens, drawn with a generator seeded by the step)."""
         algo = self.algo
         if self.reward_model is not None:
             with metrics.timer("reward"):
@@ -152,10 +156,14 @@ class TrainSide:
         teacher_bt, advantages_bt = None, result.advantages_bt
         if self.distill is not None:
             teacher_bt, advantages_bt = self.distill.advantages(batch, old_bt, advantages_bt, metrics)
+        cov_selected_bt = None
+        if algo.policy_loss.kind in COVARIANCE_KINDS:  # once per step on the global batch: DP / micro-batch free
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+            cov_selected_bt = covariance_selection(algo.policy_loss, advantages_bt, old_bt, loss_mask_bt, generator)
         return ScoredBatch.of(batch, old_logprobs_bt=old_bt, ref_logprobs_bt=ref_bt, values_bt=values_bt,
                               token_rewards_bt=token_rewards_bt, advantages_bt=advantages_bt,
                               returns_bt=result.returns_bt, is_weights_bt=is_weights_bt, loss_mask_bt=loss_mask_bt,
-                              teacher_logprobs_bt=teacher_bt)
+                              teacher_logprobs_bt=teacher_bt, cov_selected_bt=cov_selected_bt)
 
     def _token_rewards(self, batch: RolloutBatch, old_bt: torch.Tensor | None, ref_bt: torch.Tensor | None,
                        metrics: StepMetrics) -> torch.Tensor:
@@ -186,11 +194,12 @@ def bypasses_old_logprobs(algo: AlgoConfig) -> bool:
 
 def needs_old_logprobs(algo: AlgoConfig, update: UpdateConfig) -> bool:
     """Skipped when bypassed, or when the update is strictly on-policy and nothing else (KL in reward,
-    decoupled rollout correction, distillation's student logprobs, the optimal token baseline) reads them."""
+    decoupled rollout correction, distillation's student logprobs, the optimal token baseline, Clip-Cov / KL-Cov's
+    covariance) reads them."""
     if bypasses_old_logprobs(algo):
         return False
     return (update.old_logprobs_forward or algo.kl.use_in_reward or algo.rollout_correction.needs_old_logprobs
-            or algo.distill.enable or needs_sum_pi_squared(algo))
+            or algo.distill.enable or needs_sum_pi_squared(algo) or algo.policy_loss.kind in COVARIANCE_KINDS)
 
 
 def needs_sum_pi_squared(algo: AlgoConfig) -> bool:

@@ -295,7 +295,8 @@ class PolicyRole(ModelRole):
             inputs = ActorLossInputs(logprobs_bt=logp_bt, old_logprobs_bt=old_bt,
                                      advantages_bt=mb.advantages_bt, response_mask_bt=mb.response_mask_bt,
                                      ref_logprobs_bt=mb.ref_logprobs_bt if use_kl_loss else None,
-                                     entropy_bt=entropy_bt, is_weights_bt=mb.is_weights_bt)
+                                     entropy_bt=entropy_bt, is_weights_bt=mb.is_weights_bt,
+                                     cov_selected_bt=mb.cov_selected_bt)
             loss, metrics = actor_loss(inputs, algo.policy_loss, algo.kl, counts, algo.rollout_correction)
             return loss, {k: float(v) for k, v in metrics.as_dict("actor/").items()}
 

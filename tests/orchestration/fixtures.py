@@ -109,7 +109,7 @@ def scored_batch(**fields):
     zeros_bt = torch.zeros(batch.response_mask_bt.shape)
     scored = dict(old_logprobs_bt=None, ref_logprobs_bt=None, values_bt=None, token_rewards_bt=zeros_bt,
                   advantages_bt=zeros_bt, returns_bt=None, is_weights_bt=None,
-                  teacher_logprobs_bt=None)
+                  teacher_logprobs_bt=None, cov_selected_bt=None)
     return ScoredBatch.of(batch, **(scored | {k: v for k, v in fields.items() if k not in names}))
 
 

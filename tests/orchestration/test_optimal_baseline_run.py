@@ -68,6 +68,7 @@ def _otb_world(paths: dict, root: str) -> dict:
     return out
 
 
+@pytest.mark.slow  # three trainer runs: past the default suite's time budget
 def test_optimal_token_baseline_world(setup, tmp_path):
     out = run_distributed(_otb_world, 2, setup, str(tmp_path), timeout_s=600)[0]
     assert out["micro8_same_tokens"] and out["tp2_same_tokens"], out
