@@ -26,6 +26,28 @@ def make_tiny_setup(root: Path, num_train: int = 64, num_val: int = 16, **model_
     return {"model": str(model), "train": str(root / "train.jsonl"), "val": str(root / "val.jsonl")}
 
 
+def length_reward(root: Path, modulo: int = 2) -> str:
+    """The `reward.function` override of a dense reward, len(response) % modulo, that ignores data_source (every
+    update moves the weights; any data_source scores)."""
+    path = root / f"length_reward_{modulo}.py"
+    path.write_text("def score(data_source, solution, ground_truth, extra_info):\n"
+                    f"    return float(len(solution) % {modulo})\n")
+    return f"reward.function={path}:score"
+
+
+def hf_response_logprobs(path: str, batch):
+    """log softmax of transformers' full logits (model at `path`, fp32) at each position predicting a response
+    token of `batch`, `[B, T, vocab]`: the reference the roles' fused head is checked against."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp_bsv = torch.log_softmax(model(batch.tokens_bs).logits.float(), dim=-1)
+    positions_bt = batch.response_positions_bt()
+    return logp_bsv.gather(1, positions_bt[..., None].expand(-1, -1, logp_bsv.shape[-1]))
+
+
 def shared_engine_algo(**fields):
     """An `AlgoConfig` resolved as the trainer resolves it for an engine on the actor's own weights (rollout
     correction `auto` -> off): roles are only ever handed resolved configs."""

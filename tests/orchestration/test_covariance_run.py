@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fixtures import make_tiny_setup, run_trainer  # noqa: E402
+from fixtures import length_reward, make_tiny_setup, run_trainer  # noqa: E402
 
 from rlhf.testing.distributed import run_distributed  # noqa: E402
 
@@ -23,12 +23,7 @@ LAYOUTS = {"dp2": [], "micro8": ["actor.micro_batch_size=8"],
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("cov")
-    paths = make_tiny_setup(root, num_train=16, num_val=4)
-    reward = root / "length_reward.py"
-    reward.write_text("def score(data_source, solution, ground_truth, extra_info):\n"
-                      "    return float(len(solution) % 3)\n")
-    paths["reward"] = f"reward.function={reward}:score"
-    return paths
+    return make_tiny_setup(root, num_train=16, num_val=4) | {"reward": length_reward(root, modulo=3)}
 
 
 def _cov_world(paths: dict, root: str) -> dict:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fixtures import make_tiny_setup, run_trainer  # noqa: E402
+from fixtures import hf_response_logprobs, length_reward, make_tiny_setup, run_trainer  # noqa: E402
 
 from rlhf.testing.distributed import run_distributed  # noqa: E402
 
@@ -34,26 +34,16 @@ def setup(tmp_path_factory):
         paths[name] = str(init_hf_model(InitModelConfig(hidden_size=hidden, num_layers=2, num_heads=4, num_kv_heads=2,
                                                         intermediate_size=64, max_position_embeddings=64, seed=seed),
                                         build_char_tokenizer(), root / name))
-    reward = root / "length_reward.py"
-    reward.write_text("def score(data_source, solution, ground_truth, extra_info):\n"
-                      "    return float(len(solution) % 2)\n")
-    paths["reward"] = f"reward.function={reward}:score"
+    paths["reward"] = length_reward(root)
     return paths
 
 
 def _hf_logprobs(path: str, batch):
     """Each sampled token's logprob under the HF model at `path` (transformers, full logits), `[B, T]`."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits_bsv = model(batch.tokens_bs).logits.float()
-    logp_bsv = torch.log_softmax(logits_bsv, dim=-1)
     positions_bt = batch.response_positions_bt()
     labels_bt = batch.tokens_bs.gather(1, (positions_bt + 1).clamp(max=batch.tokens_bs.shape[1] - 1))
-    picked_bt = logp_bsv.gather(1, positions_bt[..., None].expand(-1, -1, logp_bsv.shape[-1]))
-    return picked_bt.gather(2, labels_bt[..., None]).squeeze(-1) * batch.response_mask_bt
+    picked_bt = hf_response_logprobs(path, batch).gather(2, labels_bt[..., None]).squeeze(-1)
+    return picked_bt * batch.response_mask_bt
 
 
 def _comparable(row: dict) -> dict:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fixtures import make_tiny_setup, run_trainer, trainer_config  # noqa: E402
+from fixtures import hf_response_logprobs, length_reward, make_tiny_setup, run_trainer, trainer_config  # noqa: E402
 
 from rlhf.testing.distributed import run_distributed  # noqa: E402
 
@@ -19,24 +19,12 @@ COMMON = ["trainer.val_before_train=false", "reward.by_source={}", "trainer.tota
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("otb")
-    paths = make_tiny_setup(root, num_train=16, num_val=4)
-    reward = root / "length_reward.py"
-    reward.write_text("def score(data_source, solution, ground_truth, extra_info):\n"
-                      "    return float(len(solution) % 3)\n")
-    paths["reward"] = f"reward.function={reward}:score"
-    return paths
+    return make_tiny_setup(root, num_train=16, num_val=4) | {"reward": length_reward(root, modulo=3)}
 
 
 def _hf_sum_pi_squared(path: str, batch):
     """sum_v pi(v)^2 at each position predicting a response token, from transformers' full logits, `[B, T]`."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        probs_bsv = torch.softmax(model(batch.tokens_bs).logits.float(), dim=-1)
-    squared_bs = probs_bsv.square().sum(-1)
-    return squared_bs.gather(1, batch.response_positions_bt()) * batch.response_mask_bt
+    return hf_response_logprobs(path, batch).exp().square().sum(-1) * batch.response_mask_bt
 
 
 def _otb_world(paths: dict, root: str) -> dict:
