@@ -104,7 +104,8 @@ class TrainSide:
     @classmethod
     def from_config(cls, cfg: RlhfConfig, algo: AlgoConfig, roles: TrainRoles, memory: MemoryPhases) -> TrainSide:
         return cls(actor=roles.actor, ref=roles.ref, critic=roles.critic, reward_model=roles.reward_model,
-                   distill=roles.distill, algo=algo, actor_update=cfg.actor, kl_controller=KLController.from_config(algo.kl),
+                   distill=roles.distill, algo=algo, actor_update=cfg.actor,
+                   kl_controller=KLController.from_config(algo.kl),
                    max_new_tokens=cfg.sampling.max_new_tokens, memory=memory, seed=cfg.dist.seed)
 
     def train(self, batch: RolloutBatch, metrics: StepMetrics, step: int) -> ScoredBatch:

@@ -67,7 +67,8 @@ def _distill_world(paths: dict, root: str) -> dict:
     out["zero_equals_grpo"] = (torch.equal(batch.advantages_bt, scored[("plain", 1)].advantages_bt)
                                and plain[0]["actor/pg_loss"] == zero[0]["actor/pg_loss"])
     multi = common + ["run.name=multi", "trainer.total_steps=2", "checkpoint.every=1", "algo.distill.mode=alone",
-                      "algo.distill.coef=0.5", "algo.distill.clip=1.0", f"algo.distill.teacher_path={paths['teacher_a']}",
+                      "algo.distill.coef=0.5", "algo.distill.clip=1.0",
+                      f"algo.distill.teacher_path={paths['teacher_a']}",
                       f"algo.distill.routes={{other_source: {paths['teacher_b']}}}", "algo.distill.micro_batch_size=3"]
     history = run_trainer(paths, root, multi, on_scored=lambda batch, step: scored.__setitem__(("multi", step), batch))
     resumed = run_trainer(paths, root, multi + [f"checkpoint.resume={root}/multi/checkpoints/step_1"],
