@@ -45,7 +45,8 @@ def start_banner(cfg: RlhfConfig, *, world_size: int, backend: str, mesh_rows: l
     counts: dict[tuple[str, bool], int] = {}
     for row in mesh_rows:
         role = row["role"]
-        layout = f"tp{row['tp']} pp{row['pp']} dp{row['dp']}  ranks {row['ranks']}"
+        context = f" cp{row['cp']}" if row.get("cp", 1) > 1 else ""
+        layout = f"tp{row['tp']}{context} pp{row['pp']} dp{row['dp']}  ranks {row['ranks']}"
         if role == "rollout":
             lines.append(f"  {role:8} {layout}  {cfg.rollout.engine} engine")
             continue

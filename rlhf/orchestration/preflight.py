@@ -28,7 +28,8 @@ from rlhf.models.config import MoeConfig
 from rlhf.parallel.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes, plan_meshes
 from rlhf.run_dir import get_logger
 from rlhf.orchestration.async_schedule import check_async
-from rlhf.orchestration.setting_checks import check_algo_settings, check_metrics_endpoint, check_multiturn
+from rlhf.orchestration.setting_checks import (check_algo_settings, check_context_parallel, check_lora,
+                                               check_metrics_endpoint, check_multiturn)
 from rlhf.rollout.vllm_engine import INSTALL_HINT as VLLM_INSTALL_HINT
 from rlhf.orchestration.checks import (check_kv_cache, check_model_folders, check_resume_path, check_reward_tokenizer,
                                        check_teacher_tokenizers, check_writable_folder, load_tokenizer,
@@ -155,7 +156,7 @@ def rollout_dtype(cfg: RlhfConfig) -> torch.dtype:
 
 def shares_weights(cfg: RlhfConfig, layouts: dict) -> bool:
     """The colocated native engine in the actor's own layout and dtype generates with the actor's parameter
-    tensors."""
+    tensors (a LoRA actor's adapters merged into its packed weights at each new policy version)."""
     return (cfg.rollout.engine == "native" and layouts["rollout"] == layouts["actor"]
             and rollout_dtype(cfg) == cfg.model.torch_dtype)
 
@@ -215,8 +216,9 @@ def check_layouts(cfg: RlhfConfig, world_size: int, problems: Problems | None = 
         problems.check(check_async, cfg, layouts, dataclasses.replace(cfg.algo, rollout_correction=correction))
         problems.check(check_routing_replay, cfg, layouts)
         problems.check(check_moe_settings, cfg)
-        problems.check(check_multiturn, cfg, layouts)
+        problems.check(check_multiturn, cfg)
         problems.check(check_algo_settings, cfg)
+        problems.check(check_lora, cfg)
     return layouts
 
 
@@ -311,6 +313,7 @@ def preflight(cfg: RlhfConfig, world_size: int) -> list[str]:
     problems.check(check_resume_path, cfg.checkpoint.resume)
     problems.check(check_loggers, cfg.trainer.loggers)
     problems.check(check_engine_installed, cfg)
+    problems.check(check_context_parallel, cfg)
     check_layouts(cfg, world_size, problems)
     problems.check(check_model_folders, cfg)
     notes = _check_data(cfg, problems)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlhf.algo.advantages import AdvantageInputs, AdvantageKind, compute_advantages, scores_to_token_rewards
+from rlhf.algo.advantages import (AdvantageInputs, AdvantageKind, compute_advantages, scores_to_token_rewards,
+                                  trajectory_advantages)
 from rlhf.algo.dapo import overlong_penalty
 from rlhf.algo.groups import Groups
 from rlhf.algo.kl import KLController, apply_kl_in_reward
@@ -34,7 +35,7 @@ from rlhf.metrics import StepMetrics
 from rlhf.orchestration.rollout_side import shaped_scores
 from rlhf.orchestration.schema import RlhfConfig
 from rlhf.parallel.meshes import RoleMeshes
-from rlhf.stages.batch import RolloutBatch, ScoredBatch
+from rlhf.stages.batch import RolloutBatch, ScoredBatch, pad_to_multiple
 from rlhf.stages.config import AlgoConfig, UpdateConfig
 from rlhf.stages.distill import DistillStage
 from rlhf.stages.memory import MemoryPhases
@@ -60,10 +61,14 @@ class TrainRoles:
         policy = dict(fused_head=model.fused_head, temperature=cfg.sampling.logprob_temperature,
                       params_dtype=model.torch_dtype, moe_kwargs=moe, gather_group=gather_group,
                       routing_replay=algo.routing_replay, seed=cfg.dist.seed)
+        lora = cfg.lora if cfg.lora.enabled else None
         actor = PolicyRole("actor", meshes["actor"], model.path, update=cfg.actor, recompute=model.recompute,
-                           total_steps=cfg.trainer.total_steps * cfg.actor.epochs * cfg.actor.mini_batches, **policy)
-        ref = (PolicyRole("ref", meshes["ref"], model.path, update=None, total_steps=0,
-                          micro_batch_size=cfg.ref.micro_batch_size, offload_frozen=cfg.ref.offload, **policy)
+                           total_steps=cfg.trainer.total_steps * cfg.actor.epochs * cfg.actor.mini_batches,
+                           lora=lora, **policy)
+        # with LoRA the reference policy is the actor's base: its own model with the adapters off
+        ref = (PolicyRole("ref", meshes["actor" if lora else "ref"], model.path, update=None, total_steps=0,
+                          micro_batch_size=cfg.ref.micro_batch_size, offload_frozen=cfg.ref.offload,
+                          base_of=actor if lora else None, **policy)
                if algo.uses_ref else None)
         critic = (CriticRole("critic", meshes["critic"], model.critic_path or model.path, update=cfg.critic,
                              value_head=True, seed=cfg.dist.seed + 1, params_dtype=model.torch_dtype,
@@ -100,16 +105,19 @@ class TrainSide:
     max_new_tokens: int
     memory: MemoryPhases
     seed: int  # Clip-Cov's token draw: seeded by (seed, step), so a resumed step draws the same tokens
+    step_rows: int  # prompts_per_step x n: a batch of forked multi-turn trajectories is padded to a multiple
 
     @classmethod
     def from_config(cls, cfg: RlhfConfig, algo: AlgoConfig, roles: TrainRoles, memory: MemoryPhases) -> TrainSide:
         return cls(actor=roles.actor, ref=roles.ref, critic=roles.critic, reward_model=roles.reward_model,
                    distill=roles.distill, algo=algo, actor_update=cfg.actor,
-                   kl_controller=KLController.from_config(algo.kl),
-                   max_new_tokens=cfg.sampling.max_new_tokens, memory=memory, seed=cfg.dist.seed)
+                   kl_controller=KLController.from_config(algo.kl), max_new_tokens=cfg.sampling.max_new_tokens,
+                   memory=memory, seed=cfg.dist.seed, step_rows=cfg.data.prompts_per_step * cfg.sampling.n)
 
     def train(self, batch: RolloutBatch, metrics: StepMetrics, step: int) -> ScoredBatch:
         """The global batch of step `step` scored by every model role, then the actor and critic updates on it."""
+        if batch.trajectory_index_b is not None:  # forked trajectories' extra rows: the update still splits evenly
+            batch = pad_to_multiple(batch, self.step_rows)
         with self.memory.training(metrics):
             scored = self.score(batch, metrics, step)
             with metrics.timer("update_actor"):
@@ -150,10 +158,12 @@ class TrainSide:
         with metrics.timer("adv"):
             token_rewards_bt = self._token_rewards(batch, old_bt, ref_bt, metrics)
             is_weights_bt, loss_mask_bt = loss_filters(batch, old_bt, algo, metrics)
-            result = compute_advantages(algo.advantage, AdvantageInputs(
-                token_rewards_bt=token_rewards_bt, response_mask_bt=batch.response_mask_bt, values_bt=values_bt,
-                baseline_scores_b=batch.baseline_scores_b, groups=Groups.from_index(batch.group_index_b),
-                old_logprobs_bt=old_bt, sum_pi_squared_bt=sum_pi_squared_bt, is_weights_bt=is_weights_bt))
+            inputs = AdvantageInputs(token_rewards_bt=token_rewards_bt, response_mask_bt=batch.response_mask_bt,
+                                     values_bt=values_bt, baseline_scores_b=batch.baseline_scores_b,
+                                     groups=Groups.from_index(batch.group_index_b), old_logprobs_bt=old_bt,
+                                     sum_pi_squared_bt=sum_pi_squared_bt, is_weights_bt=is_weights_bt)
+            result = (compute_advantages(algo.advantage, inputs) if batch.trajectory_index_b is None
+                      else trajectory_advantages(algo.advantage, inputs, batch.trajectory_index_b))
         teacher_bt, advantages_bt = None, result.advantages_bt
         if self.distill is not None:
             teacher_bt, advantages_bt = self.distill.advantages(batch, old_bt, advantages_bt, metrics)

@@ -64,11 +64,12 @@ class RoleLayoutConfig:
 
     tp: int = 1  # tensor-parallel size
     pp: int = 1  # pipeline-parallel size (rollout: 1)
-    ep: int = 1  # expert-parallel size of a MoE model, within the role's dp ranks
+    ep: int = 1  # expert-parallel size of a MoE model, within the role's cp x dp ranks
+    cp: int = 1  # context-parallel size: each sequence split over this many ranks (training roles)
     ranks: list[int] | None = None  # split placement only: the role's ranks as [first, end)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "ep"):
+        for name in ("tp", "pp", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.ranks is not None and (len(self.ranks) != 2 or not 0 <= self.ranks[0] < self.ranks[1]):

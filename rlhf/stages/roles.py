@@ -22,6 +22,8 @@ from rlhf.errors import ConfigError
 from rlhf.models.builder import build_gpt
 from rlhf.models.forward import forward_backward, token_entropy, token_logprobs
 from rlhf.models.hf_load import load_hf_weights
+from rlhf.models.config import LoraConfig
+from rlhf.models.lora import adapters_disabled, apply_lora, base_identity, check_same_base, load_peft_folder
 from rlhf.models.lm_head import LMHead, head_logprobs, head_sum_pi_squared, hidden_output
 from rlhf.models.routing import RoutingRecorder
 from rlhf.models.routing_replay import UNKNOWN, RoutingReplay
@@ -46,24 +48,36 @@ class ModelRole:
                  total_steps: int, micro_batch_size: int | None = None, value_head: bool = False,
                  recompute: bool = False, seed: int = 1234, offload_frozen: bool = False,
                  params_dtype: torch.dtype = torch.float32, moe_kwargs: dict | None = None,
-                 gather_group: torch.distributed.ProcessGroup | None = None) -> None:
+                 gather_group: torch.distributed.ProcessGroup | None = None, lora: LoraConfig | None = None,
+                 base_of: ModelRole | None = None) -> None:
         """`micro_batch_size`: sequences per forward-only micro-batch (default: the update's micro-batch size);
-        `gather_group`: the ranks that gather this role's outputs (None: the world)."""
+        `gather_group`: the ranks that gather this role's outputs (None: the world); `lora`: train adapters on
+        the frozen base (`rlhf.models.lora`); `base_of`: a frozen role that is that LoRA role's base model, its
+        adapters switched off (no second copy of the weights)."""
         self.name, self.mesh, self.update_config = name, mesh, update
         self.micro_batch_size = micro_batch_size or (update.micro_batch_size if update is not None else 0)
         assert self.micro_batch_size > 0, f"{name}: a frozen role needs its own micro_batch_size"
         self.gather_group = gather_group
         self.model: torch.nn.Module | None = None
         self.engine: TrainEngine | None = None
-        self.offload_frozen = offload_frozen and update is None
+        self.offload_frozen = offload_frozen and update is None and base_of is None
         self._parked: offload_lib.Offloaded | None = None
+        self.adapters_off = base_of is not None
+        self.base_id = base_identity(hf_path) if lora is not None else None
         if not mesh.is_member:
             return
         hf_config = AutoConfig.from_pretrained(hf_path)
         self.vocab_size = hf_config.vocab_size
+        if base_of is not None:
+            self.model = base_of.model
+            return
         model = build_gpt(hf_config, mesh.pgs, value_head=value_head, recompute=recompute, seed=seed,
-                          params_dtype=params_dtype, moe_kwargs=moe_kwargs)
+                          params_dtype=params_dtype, moe_kwargs=moe_kwargs, transformer_engine=lora is None)
         load_hf_weights(model, hf_path)
+        if lora is not None:
+            apply_lora(model, lora)
+            if lora.adapter_path:
+                load_peft_folder(model, lora.adapter_path)
         if update is not None:
             self.engine = TrainEngine(model, mesh.pgs, update.optim, name=name, total_steps=total_steps)
             self.model = self.engine.module
@@ -131,7 +145,7 @@ class ModelRole:
                         routed, (0, 0, 0, 0, 0, batch.tokens_bs.shape[1] - routed.shape[1]), value=UNKNOWN)
                 return output.new_zeros(()), outs
 
-            with torch.no_grad():
+            with torch.no_grad(), adapters_disabled(self.model) if self.adapters_off else contextlib.nullcontext():
                 if self.engine is not None:
                     outputs = self.engine.forward_only(micro, step)
                 else:
@@ -194,7 +208,9 @@ class ModelRole:
         return self.engine.train_step(micro, lambda out, mb: loss_fn(out, mb, counts))
 
     def state_dict(self) -> dict[str, Any]:
-        return self.engine.state_dict() if self.engine is not None else {}
+        if self.engine is None:
+            return {}
+        return self.engine.state_dict() | ({"lora_base": self.base_id} if self.base_id is not None else {})
 
     def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """Collective over the role's mesh: the full weight and optimizer tensors this rank writes."""
@@ -202,6 +218,7 @@ class ModelRole:
 
     def load_state_dict(self, state: dict[str, Any], folder_of: Callable[[str], Any]) -> None:
         if self.engine is not None:
+            check_same_base(state.get("lora_base"), self.base_id, self.name)
             self.engine.load_state_dict(state, folder_of)
 
 

@@ -52,6 +52,8 @@ def _multiturn_chunk(multiturn: MultiTurnRollout, engine: RolloutEngine, prompts
     group scores 0."""
     records = [prompts.records[i] for i in index]
     result = multiturn.collect(engine, records, params, pad_token_id)
+    if result is None:  # a TP rank that followed its leader's engine calls
+        return _Chunk([], [])
     texts = multiturn.final_texts(result)
     rule = iter(scorer.score_texts([r for r, _ in texts], [t for _, t in texts]).tolist() if texts else [])
     chunk = _Chunk([], [])
