@@ -47,7 +47,8 @@ def variable_length_batch(vocab: int):
                        baseline_scores_b=None, routed_experts_bslk=None, pad_token_id=0, old_logprobs_bt=None,
                        ref_logprobs_bt=None, values_bt=None, token_rewards_bt=zeros_bt,
                        advantages_bt=torch.randn(mask.shape, generator=gen) * mask, returns_bt=None,
-                       is_weights_bt=None)
+                       is_weights_bt=None, teacher_logprobs_bt=None,
+                       cov_selected_bt=None)
 
 
 def main() -> None:

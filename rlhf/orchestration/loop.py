@@ -85,7 +85,7 @@ class Trainer:
         self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         self.loader = self._build_data()
         self.scorer = self._build_scorer()
-        roles = TrainRoles.from_config(cfg, algo, self.meshes, train_group)
+        roles = TrainRoles.from_config(cfg, algo, self.meshes, train_group, self.loader.prompts.records)
         engine, weight_sync = self._build_rollout(roles.actor)
         if engine is not None and algo.routing_replay == "r3":
             engine.record_routing = True  # a native engine (preflight checks): rollouts carry their routing

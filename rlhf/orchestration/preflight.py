@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -31,8 +32,10 @@ from rlhf.orchestration.setting_checks import (check_algo_settings, check_contex
                                                check_metrics_endpoint, check_multiturn)
 from rlhf.rollout.vllm_engine import INSTALL_HINT as VLLM_INSTALL_HINT
 from rlhf.orchestration.checks import (check_kv_cache, check_model_folders, check_resume_path, check_reward_tokenizer,
-                                 check_writable_folder, load_tokenizer, read_hf_config)
+                                       check_teacher_tokenizers, check_writable_folder, load_tokenizer,
+                                       read_hf_config, teacher_folders)
 from rlhf.stages.config import check_batch_sizes
+from rlhf.stages.distill import route_teachers
 from rlhf.data.tokenize import TokenizedPrompts
 from rlhf.stages.memory import check_sleep
 from rlhf.stages.scoring import Scorer
@@ -88,10 +91,12 @@ def mesh_config(cfg: RlhfConfig):
     needed = {"actor", "rollout"} | ({"ref"} if algo.uses_ref else set()) | ({"critic"} if algo.uses_critic else set())
     if cfg.reward.model_path:
         needed.add("reward")
+    if algo.distill.enable:
+        needed.add("teacher")
     roles = [role for role in ROLES if role in needed]
     if cfg.mesh.roles is not None and set(cfg.mesh.roles) != needed:
         why = {"ref": "algo.kl.coef > 0", "critic": "algo.advantage.kind=gae",
-               "reward": "reward.model_path set"}
+               "reward": "reward.model_path set", "teacher": "algo.distill.enable"}
         reasons = "; ".join(f"{role}: {why[role]}" for role in roles if role in why) or "no ref, critic or reward"
         raise ConfigError(f"mesh.roles={cfg.mesh.roles}, but this run uses {roles} ({reasons}): remove mesh.roles "
                           f"(the roles follow from algo and reward) or set mesh.roles={roles}")
@@ -111,7 +116,11 @@ def role_dims(cfg: RlhfConfig) -> dict[str, ModelDims]:
             raise ConfigError("algo.filter_groups.enable=true filters groups on rule rewards before training; it "
                               "cannot be combined with reward.model_path yet")
         dims["reward"] = model_dims(cfg.reward.model_path, "reward.model_path")
+    if cfg.algo.distill.enable:  # one layout for every teacher: it must divide them all
+        teachers = [model_dims(path, key) for key, path in teacher_folders(cfg)]
+        dims["teacher"] = ModelDims(*(math.gcd(*numbers) for numbers in zip(*teachers)))
     return dims
+
 
 
 def check_warmup(cfg: RlhfConfig, role: str) -> None:
@@ -226,13 +235,14 @@ def check_engine_installed(cfg: RlhfConfig) -> None:
 
 
 def position_models(cfg: RlhfConfig) -> list[tuple[str, str]]:
-    """(key, folder) of every model that reads prompt + response: policy (actor, ref, rollout), critic, reward."""
+    """(key, folder) of every model that reads prompt + response: policy (actor, ref, rollout), critic, reward,
+    teachers."""
     models = [("model.path", cfg.model.path)]
     if cfg.algo.uses_critic and cfg.model.critic_path:
         models.append(("model.critic_path", cfg.model.critic_path))
     if cfg.reward.model_path:
         models.append(("reward.model_path", cfg.reward.model_path))
-    return models
+    return models + teacher_folders(cfg)
 
 
 def check_positions(cfg: RlhfConfig, longest_prompt: int, label: str) -> None:
@@ -272,12 +282,15 @@ def _check_data(cfg: RlhfConfig, problems: Problems, batch_key: str) -> list[str
     if tokenizer is None:
         return []
     problems.check(check_reward_tokenizer, cfg, tokenizer)
+    problems.check(check_teacher_tokenizers, cfg, tokenizer)
     if cfg.multiturn.enable:  # tool config, agent file, the template and the tool-call tokens
         problems.check(MultiTurnRollout.from_config, cfg.multiturn, tokenizer)
     train = problems.check(load_prompts, cfg.data.train_files, tokenizer, cfg.data)
     if train is not None:  # enough prompts for one step (the dp split is check_batch_sizes')
         problems.check(PromptSampler, num_samples=len(train.records), global_batch_size=cfg.data.prompts_per_step,
                        dp_rank=0, dp_size=1, seed=cfg.data.seed, batch_key=batch_key)
+        if cfg.algo.distill.enable:
+            problems.check(route_teachers, cfg.algo.distill, train.records)
     val = (problems.check(load_prompts, cfg.data.val_files, tokenizer, cfg.data, label="data.val_files")
            if cfg.data.val_files else None)
     sets = [(prompts, label) for prompts, label in ((train, "data.train_files"), (val, "data.val_files")) if prompts]

@@ -17,10 +17,7 @@ from rlhf.parallel.wire import broadcast_json
 
 # registered (and verl-parity tested) but fed by inputs the RL step does not compute yet: refused before anything
 # starts, not at the first update. (key, kind, what it needs)
-UNWIRED = (("algo.policy_loss.kind", "clip_cov", "the step's global covariance token selection"),
-           ("algo.policy_loss.kind", "kl_cov", "the step's global covariance token selection"),
-           ("algo.advantage.kind", "gdpo", "per-component rewards from the scorer"),
-           ("algo.advantage.kind", "optimal_token_baseline", "the old-logprob forward's sum of squared probabilities"))
+UNWIRED = (("algo.advantage.kind", "gdpo", "per-component rewards from the scorer"),)
 
 
 def check_algo_settings(cfg: RlhfConfig) -> None:
@@ -32,6 +29,8 @@ def check_algo_settings(cfg: RlhfConfig) -> None:
         if chosen[key] == kind:
             raise ConfigError(f"{key}={kind} is not usable in the RL step yet: it needs {needs}, which the step does "
                               "not compute; choose another kind")
+    if algo.advantage.kind is AdvantageKind.OPTIMAL_TOKEN_BASELINE:
+        check_optimal_token_baseline(cfg)
     if algo.filter_groups.enable and sampling.n < 2:
         raise ConfigError(f"algo.filter_groups.enable=true keeps only groups whose rewards differ, but sampling.n="
                           f"{sampling.n} makes every group a single sample: no group is ever kept; set sampling.n >= 2 "
@@ -40,6 +39,19 @@ def check_algo_settings(cfg: RlhfConfig) -> None:
         raise ConfigError(f"algo.overlong_buffer.len={algo.overlong_buffer.len} > sampling.max_new_tokens="
                           f"{sampling.max_new_tokens}: the penalty would start before the first token and hit every "
                           f"response; set algo.overlong_buffer.len <= {sampling.max_new_tokens}")
+
+
+def check_optimal_token_baseline(cfg: RlhfConfig) -> None:
+    """The optimal token baseline reads sum_v pi(v)^2 from the actor's own old-logprob forward, which the fused
+    head computes (rollout correction's bypass mode skips that forward)."""
+    key = "algo.advantage.kind=optimal_token_baseline"
+    if not cfg.model.fused_head:
+        raise ConfigError(f"{key} reads each position's sum of squared probabilities from the fused LM head; set "
+                          "model.fused_head=true")
+    correction = cfg.algo.rollout_correction
+    if correction.bypass_mode and correction.enable is not False:
+        raise ConfigError(f"{key} reads the actor's old-logprob forward, which algo.rollout_correction.bypass_mode="
+                          "true skips; set bypass_mode=false or choose another estimator")
 
 
 def check_context_parallel(cfg: RlhfConfig) -> None:

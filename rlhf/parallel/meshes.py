@@ -23,7 +23,7 @@ from rlhf.errors import ConfigError
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-Role = Literal["actor", "critic", "ref", "reward", "rollout"]
+Role = Literal["actor", "critic", "ref", "reward", "rollout", "teacher"]
 
 
 class ModelDims(NamedTuple):

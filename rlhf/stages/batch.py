@@ -128,6 +128,8 @@ class ScoredBatch(RolloutBatch):
     advantages_bt: torch.Tensor  # fp32 [B, T]
     returns_bt: torch.Tensor | None  # fp32 [B, T] critic targets (GAE)
     is_weights_bt: torch.Tensor | None  # fp32 [B, T] rollout-correction weights on the policy loss
+    teacher_logprobs_bt: torch.Tensor | None  # fp32 [B, T] distillation teachers' logprobs of the sampled tokens
+    cov_selected_bt: torch.Tensor | None  # bool [B, T] Clip-Cov / KL-Cov: the step's tokens (covariance_selection)
 
     @classmethod
     def of(cls, batch: RolloutBatch, **scored: torch.Tensor | None) -> "ScoredBatch":

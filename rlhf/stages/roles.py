@@ -24,7 +24,7 @@ from rlhf.models.forward import forward_backward, token_entropy, token_logprobs
 from rlhf.models.hf_load import load_hf_weights
 from rlhf.models.config import LoraConfig
 from rlhf.models.lora import adapters_disabled, apply_lora, base_identity, check_same_base, load_peft_folder
-from rlhf.models.lm_head import LMHead, head_logprobs, hidden_output
+from rlhf.models.lm_head import LMHead, head_logprobs, head_sum_pi_squared, hidden_output
 from rlhf.models.routing import RoutingRecorder
 from rlhf.models.routing_replay import UNKNOWN, RoutingReplay
 from rlhf.platform import current_device
@@ -135,8 +135,9 @@ class ModelRole:
 
             def step(output: torch.Tensor, micro_batch: SequenceBatch) -> tuple[torch.Tensor, dict]:
                 out = fn(output, micro_batch).detach()
-                if out.dim() == 2:  # response-aligned: back to the batch's response width
-                    out = torch.nn.functional.pad(out, (0, batch.response_width - out.shape[1]))
+                if out.dim() >= 2:  # response-aligned [b, T, ...]: back to the batch's response width
+                    out = torch.nn.functional.pad(out, (0, 0) * (out.dim() - 2)
+                                                  + (0, batch.response_width - out.shape[1]))
                 outs = {"out": out}
                 if record_routing:  # this micro-batch's experts, at the batch's sequence width
                     routed = self.routing_replay.last_recorded_bslk()[:, :batch.tokens_bs.shape[1]]
@@ -265,15 +266,24 @@ class PolicyRole(ModelRole):
                                        self.temperature)
         return gather_response(logp_bs, mb), gather_response(entropy_bs, mb)
 
-    def logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        """Token logprobs `[B, T]`. Under routing replay R3 the forward routes as `batch.routed_experts_bslk`
-        says (`routing_metrics`: how often the router's own choice agreed); under R2 the actor routes freely and
-        keeps its routing in `recorded_routing_bslk` for the update to replay."""
+    def logprobs(self, batch: RolloutBatch, *, with_sum_pi_squared: bool = False) -> torch.Tensor:
+        """Token logprobs `[B, T]` (`with_sum_pi_squared`, fused head only: `[B, T, 2]`, the second the position's
+        sum_v pi(v)^2, which the optimal token baseline reads). Under routing replay R3 the forward routes as
+        `batch.routed_experts_bslk` says (`routing_metrics`: how often the router's own choice agreed); under R2
+        the actor routes freely and keeps its routing in `recorded_routing_bslk` for the update to replay."""
+        assert self.fused_head or not with_sum_pi_squared, "sum_pi_squared needs the fused head (preflight)"
+
         def fn(output: torch.Tensor, mb: SequenceBatch) -> torch.Tensor:
-            if self.fused_head:
-                return self._token_stats(output, mb)[0]
-            return gather_response(token_logprobs(output, _labels_bs(mb), self.tp_group, self.vocab_size,
-                                                  self.temperature), mb)
+            if not self.fused_head:
+                return gather_response(token_logprobs(output, _labels_bs(mb), self.tp_group, self.vocab_size,
+                                                      self.temperature), mb)
+            logp_bt = self._token_stats(output, mb)[0]
+            if not with_sum_pi_squared:
+                return logp_bt
+            rows_n, positions_n = mb.response_index()
+            head = LMHead.of(self.model, self.tp_group, self.vocab_size)
+            squared_n = head_sum_pi_squared(output[rows_n, positions_n], head, temperature=self.temperature)
+            return torch.stack([logp_bt, scatter_response(squared_n, mb)], dim=-1)
 
         replay = self.routing_replay
         if replay is not None:
@@ -302,7 +312,8 @@ class PolicyRole(ModelRole):
             inputs = ActorLossInputs(logprobs_bt=logp_bt, old_logprobs_bt=old_bt,
                                      advantages_bt=mb.advantages_bt, response_mask_bt=mb.response_mask_bt,
                                      ref_logprobs_bt=mb.ref_logprobs_bt if use_kl_loss else None,
-                                     entropy_bt=entropy_bt, is_weights_bt=mb.is_weights_bt)
+                                     entropy_bt=entropy_bt, is_weights_bt=mb.is_weights_bt,
+                                     cov_selected_bt=mb.cov_selected_bt)
             loss, metrics = actor_loss(inputs, algo.policy_loss, algo.kl, counts, algo.rollout_correction)
             return loss, {k: float(v) for k, v in metrics.as_dict("actor/").items()}
 

@@ -42,7 +42,8 @@ def fixed_batch(size: int = 8) -> ScoredBatch:
                        old_logprobs_bt=-torch.rand(mask.shape, generator=gen) * 3 * mask, ref_logprobs_bt=None,
                        values_bt=None, token_rewards_bt=torch.zeros(mask.shape),
                        advantages_bt=torch.randn(mask.shape, generator=gen) * mask, returns_bt=None,
-                       is_weights_bt=None)
+                       is_weights_bt=None, teacher_logprobs_bt=None,
+                       cov_selected_bt=None)
 
 
 def _update_at(paths, layouts_and_micro):
