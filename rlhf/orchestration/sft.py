@@ -90,14 +90,15 @@ def sft_batch(prompts: TokenizedPrompts, rows: list[int], tokenizer: Any, pad_to
 class SftSide(TrainSide):
     """The training side of an SFT step: the actor's supervised update on the batch's response tokens."""
 
-    def train(self, batch: RolloutBatch, metrics: StepMetrics) -> ScoredBatch:
+    def train(self, batch: RolloutBatch, metrics: StepMetrics, step: int) -> ScoredBatch:
         """The update; the batch comes back scored with no reward (zero token rewards and advantages)."""
         with self.memory.training(metrics):
             with metrics.timer("update_actor"):
                 metrics.update_from_shards(self.actor.sft_update(batch))
         zeros_bt = torch.zeros(batch.response_mask_bt.shape)
         return ScoredBatch.of(batch, old_logprobs_bt=None, ref_logprobs_bt=None, values_bt=None,
-                              token_rewards_bt=zeros_bt, advantages_bt=zeros_bt, returns_bt=None, is_weights_bt=None)
+                              token_rewards_bt=zeros_bt, advantages_bt=zeros_bt, returns_bt=None, is_weights_bt=None,
+                              teacher_logprobs_bt=None, cov_selected_bt=None)
 
     def report(self, metrics: StepMetrics, batch: ScoredBatch, actor_version: int) -> None:
         """How many answer tokens the step trained on, and their mean length."""
