@@ -42,8 +42,8 @@ def _instrumented_fit(paths, root, overrides):
     actor = trainer.train_side.actor
     logprobs, step_fn = actor.logprobs, trainer._step
 
-    def crafted_logprobs(batch):
-        logprobs_bt = logprobs(batch)
+    def crafted_logprobs(batch, **options):
+        logprobs_bt = logprobs(batch, **options)
         if current["step"] == NAN_STEP:  # the same global batch on every rank
             logprobs_bt[0, 0] = math.nan
         return logprobs_bt
