@@ -55,6 +55,7 @@ def run_sft(cfg: RlhfConfig, sft: SftConfig, run_dir: RunDir) -> dict[str, float
     meshes = build_role_meshes(type(cfg.mesh)(roles=["actor", "rollout"], actor=cfg.mesh.actor,
                                               rollout=cfg.mesh.actor), dims, timeout_s=cfg.dist.timeout_s)
     dp, micro = meshes["actor"].layout.dp, cfg.actor.micro_batch_size
+    micro = 1 if cfg.actor.max_tokens_per_microbatch else micro  # packed: any rows per rank
     if sft.batch_size % (dp * micro):
         raise ConfigError(f"sft.batch_size={sft.batch_size} must be a multiple of dp={dp} x "
                           f"actor.micro_batch_size={micro}")

@@ -53,7 +53,9 @@ class TrainRoles:
         actor = PolicyRole("actor", meshes["actor"], model.path, update=cfg.actor, recompute=model.recompute,
                            total_steps=cfg.trainer.total_steps * cfg.actor.epochs * cfg.actor.mini_batches, **policy)
         ref = (PolicyRole("ref", meshes["ref"], model.path, update=None, total_steps=0,
-                          micro_batch_size=cfg.ref.micro_batch_size, offload_frozen=cfg.ref.offload, **policy)
+                          micro_batch_size=cfg.ref.micro_batch_size, offload_frozen=cfg.ref.offload,
+                          max_tokens_per_microbatch=(cfg.ref.max_tokens_per_microbatch,
+                                                     "ref.max_tokens_per_microbatch"), **policy)
                if algo.uses_ref else None)
         critic = (CriticRole("critic", meshes["critic"], model.critic_path or model.path, update=cfg.critic,
                              value_head=True, seed=cfg.dist.seed + 1, params_dtype=model.torch_dtype,
@@ -62,6 +64,8 @@ class TrainRoles:
                   if algo.uses_critic else None)
         reward_model = (RewardModelRole("reward", meshes["reward"], cfg.reward.model_path, update=None,
                                         total_steps=0, micro_batch_size=cfg.reward.model_micro_batch_size,
+                                        max_tokens_per_microbatch=(cfg.reward.model_max_tokens_per_microbatch,
+                                                                   "reward.model_max_tokens_per_microbatch"),
                                         value_head=True, offload_frozen=cfg.reward.model_offload,
                                         params_dtype=model.torch_dtype, gather_group=gather_group)
                         if cfg.reward.model_path else None)

@@ -1,0 +1,48 @@
+"""Attention over packed (THD) micro-batches where Transformer Engine is absent: block-diagonal causal attention
+on `cu_seqlens`, so a packed row never attends across a sequence boundary.
+
+megatron's local `DotProductAttention` refuses `packed_seq_params`; `PackedDotProductAttention` takes them and
+runs megatron's own core once per sequence of the pack (its scores, mask and softmax, so a packed sequence is
+computed as the same sequence alone in a padded row). Without `packed_seq_params` it is megatron's core
+unchanged. On CUDA with TE, `TEDotProductAttention` takes the same `PackedSeqParams` natively.
+
+Context parallelism would extend `_forward_packed`: each rank's chunks of a sequence attend to the K/V of all
+ranks' chunks (gathered over `packed_seq_params.cp_group`) with the causal mask at their global positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+
+def packed_seq_params(cu_seqlens_n: torch.Tensor, max_seqlen: int,
+                      cp_group: torch.distributed.ProcessGroup) -> PackedSeqParams:
+    """megatron's THD parameters for one packed micro-batch: sequence `i` is tokens `[cu[i], cu[i+1])`."""
+    cu_seqlens_n = cu_seqlens_n.to(torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens_n, cu_seqlens_kv=cu_seqlens_n,
+                           max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen, cp_group=cp_group)
+
+
+class PackedDotProductAttention(DotProductAttention):
+    """megatron's local attention core, block-diagonal over `cu_seqlens` when given packed sequences."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
+        """Unpacked: `[s, b, np, hn]` in, `[s, b, hp]` out (megatron's). Packed: `[t, np, hn]` in, `[t, hp]` out."""
+        if packed_seq_params is None:
+            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias)
+        assert packed_seq_params.qkv_format == "thd" and attention_bias is None, packed_seq_params
+        assert packed_seq_params.cp_group is None or packed_seq_params.cp_group.size() == 1, "cp: not yet"
+        return self._forward_packed(query, key, value, packed_seq_params.cu_seqlens_q)
+
+    def _forward_packed(self, query_tnd: torch.Tensor, key_tnd: torch.Tensor, value_tnd: torch.Tensor,
+                        cu_seqlens_n: torch.Tensor) -> torch.Tensor:
+        lengths = (cu_seqlens_n[1:] - cu_seqlens_n[:-1]).tolist()
+        outputs = [super(PackedDotProductAttention, self).forward(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1),
+                                                                  None)
+                   for q, k, v in zip(query_tnd.split(lengths), key_tnd.split(lengths), value_tnd.split(lengths))]
+        return torch.cat(outputs).squeeze(1)
