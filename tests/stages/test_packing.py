@@ -1,0 +1,140 @@
+"""Packed (THD) token-budget micro-batches: the plan, the pack, and packed = padded on every role forward
+(logprobs, entropy, values, losses in every aggregation mode, gradients) at tp1/dp2/tp2/pp2, dense and MoE."""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "orchestration"))
+sys.path.insert(0, str(Path(__file__).parent))
+from fixtures import make_moe_setup, make_tiny_setup, shared_engine_algo  # noqa: E402
+from test_roles import fixed_batch  # noqa: E402
+
+from rlhf.algo.config import LossAggMode, PolicyLossConfig, ValueLossConfig  # noqa: E402
+from rlhf.errors import ConfigError  # noqa: E402
+from rlhf.models.packing import PackedMicroBatch, pack  # noqa: E402
+from rlhf.parallel.groups import GroupCache, build_layout_groups  # noqa: E402
+from rlhf.parallel.layout import ParallelLayout  # noqa: E402
+from rlhf.parallel.meshes import RoleMesh  # noqa: E402
+from rlhf.stages.config import RefConfig, UpdateConfig, check_budget_fits  # noqa: E402
+from rlhf.stages.micro_batches import pack_plan, row_lengths  # noqa: E402
+from rlhf.stages.roles import CriticRole, PolicyRole  # noqa: E402
+from rlhf.testing.distributed import run_distributed  # noqa: E402
+from rlhf.train.config import OptimConfig  # noqa: E402
+
+BUDGET = 20  # tokens per packed micro-batch: fixed_batch's rows are 3..10 tokens, so packs hold 2-5 rows
+MODES = (LossAggMode.TOKEN_MEAN, LossAggMode.SEQ_MEAN_TOKEN_SUM, LossAggMode.SEQ_MEAN_TOKEN_MEAN,
+         LossAggMode.TOKEN_SUM)
+
+
+def test_pack_plan_fits_the_budget_balances_and_agrees_across_shards():
+    lengths = torch.tensor([9, 1, 30, 4, 17, 8, 2, 25, 11, 6, 3, 14])
+    plans = pack_plan(lengths, 2, 32, "actor.max_tokens_per_microbatch")
+    assert len(plans[0]) == len(plans[1])  # expert-parallel peers run their micro-batches in step
+    for shard, plan in enumerate(plans):
+        local = lengths[6 * shard:6 * shard + 6].tolist()
+        assert sorted(row for rows in plan for row in rows) == list(range(6))
+        totals = [sum(local[row] for row in rows) for rows in plan]
+        assert max(totals) <= 32 and max(totals) - min(totals) <= max(local)
+    assert pack_plan(lengths, 1, 200, "k") == [[list(range(12))]]
+    with pytest.raises(ConfigError) as error:
+        pack_plan(lengths, 1, 29, "actor.max_tokens_per_microbatch")
+    assert str(error.value) == ("actor.max_tokens_per_microbatch=29 is smaller than the longest row (30 tokens: "
+                                "prompt + response); raise actor.max_tokens_per_microbatch to at least 30")
+
+
+def test_pack_restarts_positions_per_sequence_and_unpacks_to_the_rows():
+    rows = fixed_batch(4).trimmed()
+    lengths = row_lengths(rows).tolist()
+    packed = pack(rows, length=sum(lengths) + 3)
+    assert packed.cu_seqlens_n.tolist() == [0, *torch.tensor(lengths + [3]).cumsum(0).tolist()]
+    assert packed.position_ids_1t[0].tolist() == [p for n in lengths + [3] for p in range(n)]
+    assert packed.padding_mask_1t.sum() == 3 and packed.real_tokens == sum(lengths)
+    unpacked_bs = packed.unpack(packed.tokens_1t.unsqueeze(-1)).squeeze(-1)
+    valid_bs = ~rows.padding_mask_bs
+    assert torch.equal(unpacked_bs[valid_bs], rows.tokens_bs[valid_bs]) and not unpacked_bs[~valid_bs].any()
+
+
+def test_token_budget_config_errors_name_the_numbers():
+    with pytest.raises(ConfigError, match=r"^max_tokens_per_microbatch=-1 must be 0 \(row-count micro-batches\) "
+                                          r"or a token count >= 1$"):
+        UpdateConfig(max_tokens_per_microbatch=-1)
+    with pytest.raises(ConfigError, match=r"^ref.max_tokens_per_microbatch=2.5 must be 0"):
+        RefConfig(max_tokens_per_microbatch=2.5)
+    with pytest.raises(ConfigError) as error:
+        check_budget_fits("critic.max_tokens_per_microbatch", 64, 80, "data.max_prompt_length=16 + "
+                          "sampling.max_new_tokens=64")
+    assert str(error.value) == ("critic.max_tokens_per_microbatch=64 is smaller than the longest row, 80 tokens "
+                                "(data.max_prompt_length=16 + sampling.max_new_tokens=64); raise "
+                                "critic.max_tokens_per_microbatch to at least 80")
+    assert UpdateConfig(max_tokens_per_microbatch=64).forward_tokens_per_microbatch == 64
+    assert UpdateConfig(max_tokens_per_microbatch=64,
+                        forward_max_tokens_per_microbatch=256).forward_tokens_per_microbatch == 256
+
+
+def _grads(role) -> dict[str, torch.Tensor]:
+    return {name: param.main_grad.clone() for name, param in role.engine.module.named_parameters()
+            if getattr(param, "main_grad", None) is not None}
+
+
+def _roles(paths: dict, cache, layout, budget: int, modes) -> dict:
+    """Actor logprobs, entropy, update (losses and grads per aggregation mode); critic values and update; lr ~0,
+    so one role serves every mode."""
+    mesh = RoleMesh("actor", layout, build_layout_groups(layout, cache))
+    update = UpdateConfig(micro_batch_size=2, max_tokens_per_microbatch=budget, optim=OptimConfig(lr=1e-12))
+    actor = PolicyRole("actor", mesh, paths["model"], total_steps=1, update=update)
+    critic = CriticRole("critic", mesh, paths["model"], total_steps=1, update=update, value_head=True)
+    batch = fixed_batch()
+    out = {"logprobs": actor.logprobs(batch), "values": critic.values(batch)}
+    with actor._output_mode():
+        out["entropy"] = actor._forward(batch, lambda output, mb: actor._token_stats(output, mb)[1])
+    if mesh.is_member:
+        out["packed"] = all(isinstance(mb, PackedMicroBatch) == bool(budget)
+                            for mb in actor._split(batch, (budget, "k"), 2)[1])
+    batch = dataclasses.replace(batch, values_bt=out["values"], returns_bt=out["values"] + batch.advantages_bt)
+    for mode in modes:
+        algo = shared_engine_algo(policy_loss=PolicyLossConfig(agg=mode), value_loss=ValueLossConfig(agg=mode))
+        out[f"actor/{mode.value}"] = actor.update(batch, algo)
+        out[f"actor_grads/{mode.value}"] = _grads(actor) if mesh.is_member else {}
+        out[f"critic/{mode.value}"] = critic.update(batch, algo)
+        out[f"critic_grads/{mode.value}"] = _grads(critic) if mesh.is_member else {}
+    return out
+
+
+def _dense_world(paths: dict) -> dict:
+    cache = GroupCache()
+    runs = {"tp1": (ParallelLayout(), MODES), "dp2": (ParallelLayout(dp=2), MODES[:1]),
+            "tp2": (ParallelLayout(tp=2), MODES[:1]), "pp2": (ParallelLayout(pp=2), MODES[:1])}
+    return {name: (_roles(paths, cache, layout, 0, modes), _roles(paths, cache, layout, BUDGET, modes))
+            for name, (layout, modes) in runs.items()}
+
+
+def _assert_packed_equals_padded(padded: dict, packed: dict) -> None:
+    assert padded.keys() == packed.keys()
+    for key, value in padded.items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(packed[key], value, atol=1e-6, rtol=0, msg=key)
+        elif key.endswith(tuple(m.value for m in MODES)) and "grads" in key:
+            assert value.keys() == packed[key].keys()
+            for name, grad in value.items():
+                torch.testing.assert_close(packed[key][name], grad, atol=1e-6, rtol=1e-6, msg=f"{key} {name}")
+        elif isinstance(value, dict):
+            assert value == pytest.approx(packed[key], rel=1e-6, abs=1e-6), key
+
+
+@pytest.fixture(scope="module")
+def dense_world(tmp_path_factory):
+    paths = make_tiny_setup(tmp_path_factory.mktemp("tiny"), num_train=8, num_val=4)
+    return run_distributed(_dense_world, 2, paths, timeout_s=600)
+
+
+@pytest.mark.parametrize("layout", ["tp1", "dp2", "tp2", "pp2"])
+def test_packed_equals_padded_on_every_forward_and_update(dense_world, layout):
+    for rank in dense_world:
+        padded, packed = rank[layout]
+        if "packed" in packed:
+            assert packed["packed"] and padded["packed"]
+        _assert_packed_equals_padded(padded, packed)
