@@ -2,8 +2,8 @@
 on `cu_seqlens`, so a packed row never attends across a sequence boundary.
 
 megatron's local `DotProductAttention` refuses `packed_seq_params`; `PackedDotProductAttention` takes them and
-runs megatron's own core once per sequence of the pack (its scores, mask and softmax, so a packed sequence is
-computed as the same sequence alone in a padded row). Without `packed_seq_params` it is megatron's core
+runs one fused causal attention (torch's scaled_dot_product_attention) per sequence of the pack: compute grows
+with the sum of squared sequence lengths, never the pack's. Without `packed_seq_params` it is megatron's core
 unchanged. On CUDA with TE, `TEDotProductAttention` takes the same `PackedSeqParams` natively.
 
 Context parallelism would extend `_forward_packed`: each rank's chunks of a sequence attend to the K/V of all
@@ -13,6 +13,7 @@ ranks' chunks (gathered over `packed_seq_params.cp_group`) with the causal mask 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -41,8 +42,13 @@ class PackedDotProductAttention(DotProductAttention):
 
     def _forward_packed(self, query_tnd: torch.Tensor, key_tnd: torch.Tensor, value_tnd: torch.Tensor,
                         cu_seqlens_n: torch.Tensor) -> torch.Tensor:
+        """One fused causal attention per sequence (megatron's scale; dropout and q/k layer scaling are off)."""
+        assert not self.config.attention_dropout and not self.config.apply_query_key_layer_scaling
+        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        if groups > 1:  # grouped-query attention: every query head sees its group's key/value head
+            key_tnd, value_tnd = key_tnd.repeat_interleave(groups, dim=1), value_tnd.repeat_interleave(groups, dim=1)
         lengths = (cu_seqlens_n[1:] - cu_seqlens_n[:-1]).tolist()
-        outputs = [super(PackedDotProductAttention, self).forward(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1),
-                                                                  None)
+        outputs = [F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                  is_causal=True, scale=self.softmax_scale).transpose(0, 1)
                    for q, k, v in zip(query_tnd.split(lengths), key_tnd.split(lengths), value_tnd.split(lengths))]
-        return torch.cat(outputs).squeeze(1)
+        return torch.cat(outputs).reshape(query_tnd.shape[0], -1)
