@@ -104,12 +104,19 @@ def _roles(paths: dict, cache, layout, budget: int, modes) -> dict:
     return out
 
 
-def _dense_world(paths: dict) -> dict:
+def _dense_world(paths: dict, run_root: str) -> dict:
+    from fixtures import run_trainer
+
     cache = GroupCache()
     runs = {"tp1": (ParallelLayout(), MODES), "dp2": (ParallelLayout(dp=2), MODES[:1]),
             "tp2": (ParallelLayout(tp=2), MODES[:1]), "pp2": (ParallelLayout(pp=2), MODES[:1])}
-    return {name: (_roles(paths, cache, layout, 0, modes), _roles(paths, cache, layout, BUDGET, modes))
-            for name, (layout, modes) in runs.items()}
+    out = {name: (_roles(paths, cache, layout, 0, modes), _roles(paths, cache, layout, BUDGET, modes))
+           for name, (layout, modes) in runs.items()}
+    # GRPO at dp=2: 16 rows of <= 21 tokens in packs of <= 24 split the groups of 4 across micro-batches
+    common = ["trainer.val_before_train=false"]  # colocated on 2 ranks: every role at dp=2
+    out["grpo"] = tuple(run_trainer(paths, f"{run_root}/{name}", common + extra) for name, extra in
+                        (("padded", []), ("packed", ["actor.max_tokens_per_microbatch=24"])))
+    return out
 
 
 def _assert_packed_equals_padded(padded: dict, packed: dict) -> None:
@@ -128,13 +135,25 @@ def _assert_packed_equals_padded(padded: dict, packed: dict) -> None:
 @pytest.fixture(scope="module")
 def dense_world(tmp_path_factory):
     paths = make_tiny_setup(tmp_path_factory.mktemp("tiny"), num_train=8, num_val=4)
-    return run_distributed(_dense_world, 2, paths, timeout_s=600)
+    return run_distributed(_dense_world, 2, paths, str(tmp_path_factory.mktemp("runs")), timeout_s=900)
+
+
+def test_grpo_with_packing_matches_padded_end_to_end(dense_world):
+    """The first step's rollouts, advantages (per group, before any micro-batching) and update agree."""
+    padded, packed = dense_world[0]["grpo"]
+    assert [row["step"] for row in packed] == [row["step"] for row in padded] and len(packed) >= 2
+    first = next(row for row in padded if row["step"] == 1)
+    first_packed = next(row for row in packed if row["step"] == 1)
+    keys = [k for k in first if k.startswith(("actor/", "critic/advantages", "rollout/reward")) and
+            not k.endswith(("_s", "/lr")) and isinstance(first[k], float)]
+    assert "actor/pg_loss" in keys and "critic/advantages/mean" in keys
+    assert {k: first_packed[k] for k in keys} == pytest.approx({k: first[k] for k in keys}, rel=1e-6, abs=1e-6)
 
 
 @pytest.mark.parametrize("layout", ["tp1", "dp2", "tp2", "pp2"])
 def test_packed_equals_padded_on_every_forward_and_update(dense_world, layout):
     for rank in dense_world:
         padded, packed = rank[layout]
-        if "packed" in packed:
+        if "packed" in packed:  # the budget run packs, the other does not
             assert packed["packed"] and padded["packed"]
         _assert_packed_equals_padded(padded, packed)
