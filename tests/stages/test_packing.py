@@ -76,6 +76,21 @@ def test_token_budget_config_errors_name_the_numbers():
                         forward_max_tokens_per_microbatch=256).forward_tokens_per_microbatch == 256
 
 
+def test_preflight_refuses_a_budget_below_the_longest_row(tmp_path):
+    from fixtures import trainer_config
+
+    from rlhf.orchestration.preflight import preflight
+
+    paths = make_tiny_setup(tmp_path / "tiny", num_train=16, num_val=4)
+    cfg = trainer_config(paths, str(tmp_path), ["actor.max_tokens_per_microbatch=20", "actor.micro_batch_size=3"])
+    with pytest.raises(ConfigError, match=r"^actor.max_tokens_per_microbatch=20 is smaller than the longest row, 21 "
+                                          r"tokens \(data.max_prompt_length=16 \+ sampling.max_new_tokens=5\); "
+                                          r"raise actor.max_tokens_per_microbatch to at least 21$"):
+        preflight(cfg, world_size=2)  # and a packing actor takes any rows per rank (micro_batch_size=3)
+    preflight(trainer_config(paths, str(tmp_path), ["actor.max_tokens_per_microbatch=21", "actor.micro_batch_size=3"]),
+              world_size=2)
+
+
 def _grads(role) -> dict[str, torch.Tensor]:
     return {name: param.main_grad.clone() for name, param in role.engine.module.named_parameters()
             if getattr(param, "main_grad", None) is not None}
