@@ -55,10 +55,10 @@ def run_sft(cfg: RlhfConfig, sft: SftConfig, run_dir: RunDir) -> dict[str, float
     meshes = build_role_meshes(type(cfg.mesh)(roles=["actor", "rollout"], actor=cfg.mesh.actor,
                                               rollout=cfg.mesh.actor), dims, timeout_s=cfg.dist.timeout_s)
     dp, micro = meshes["actor"].layout.dp, cfg.actor.micro_batch_size
-    micro = 1 if cfg.actor.max_tokens_per_microbatch else micro  # packed: any rows per rank
-    if sft.batch_size % (dp * micro):
-        raise ConfigError(f"sft.batch_size={sft.batch_size} must be a multiple of dp={dp} x "
-                          f"actor.micro_batch_size={micro}")
+    packed = bool(cfg.actor.max_tokens_per_microbatch)  # packed micro-batches take any rows per rank
+    if sft.batch_size % (dp * (1 if packed else micro)):
+        split = f"dp={dp}" if packed else f"dp={dp} x actor.micro_batch_size={micro}"
+        raise ConfigError(f"sft.batch_size={sft.batch_size} must be a multiple of {split}")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train = load_prompts(cfg.data.train_files, tokenizer, cfg.data)

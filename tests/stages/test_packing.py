@@ -22,7 +22,7 @@ from rlhf.parallel.layout import ParallelLayout  # noqa: E402
 from rlhf.parallel.meshes import RoleMesh  # noqa: E402
 from rlhf.stages.config import RefConfig, UpdateConfig, check_budget_fits  # noqa: E402
 from rlhf.stages.micro_batches import pack_plan, row_lengths  # noqa: E402
-from rlhf.stages.roles import CriticRole, PolicyRole  # noqa: E402
+from rlhf.stages.roles import CriticRole, PolicyRole, RewardModelRole  # noqa: E402
 from rlhf.testing.distributed import run_distributed  # noqa: E402
 from rlhf.train.config import OptimConfig  # noqa: E402
 
@@ -97,20 +97,24 @@ def _grads(role) -> dict[str, torch.Tensor]:
 
 
 def _roles(paths: dict, cache, layout, budget: int, modes) -> dict:
-    """Actor logprobs, entropy, update (losses and grads per aggregation mode); critic values and update; lr ~0,
-    so one role serves every mode."""
+    """Actor logprobs, entropy, SFT and RL updates (losses and grads per aggregation mode); critic values and
+    update; reward-model scores. lr ~0, so one role serves every update."""
     mesh = RoleMesh("actor", layout, build_layout_groups(layout, cache))
     update = UpdateConfig(micro_batch_size=2, max_tokens_per_microbatch=budget, optim=OptimConfig(lr=1e-12))
     actor = PolicyRole("actor", mesh, paths["model"], total_steps=1, update=update)
     critic = CriticRole("critic", mesh, paths["model"], total_steps=1, update=update, value_head=True)
+    reward = RewardModelRole("reward", mesh, paths["model"], update=None, total_steps=0, micro_batch_size=2,
+                             value_head=True, max_tokens_per_microbatch=(budget, "reward.model_max_tokens"))
     batch = fixed_batch()
-    out = {"logprobs": actor.logprobs(batch), "values": critic.values(batch)}
+    out = {"logprobs": actor.logprobs(batch), "values": critic.values(batch), "scores": reward.scores(batch)}
     with actor._output_mode():
         out["entropy"] = actor._forward(batch, lambda output, mb: actor._token_stats(output, mb)[1])
     if mesh.is_member:
         out["packed"] = all(isinstance(mb, PackedMicroBatch) == bool(budget)
                             for mb in actor._split(batch, (budget, "k"), 2)[1])
     batch = dataclasses.replace(batch, values_bt=out["values"], returns_bt=out["values"] + batch.advantages_bt)
+    out["sft"] = actor.sft_update(batch)
+    out["sft_grads/token-mean"] = _grads(actor) if mesh.is_member else {}
     for mode in modes:
         algo = shared_engine_algo(policy_loss=PolicyLossConfig(agg=mode), value_loss=ValueLossConfig(agg=mode))
         out[f"actor/{mode.value}"] = actor.update(batch, algo)
