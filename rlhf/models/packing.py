@@ -39,10 +39,6 @@ class PackedMicroBatch:
         return self.padding_mask_1t
 
     @property
-    def real_tokens(self) -> int:
-        return int((~self.padding_mask_1t).sum())
-
-    @property
     def routed_experts_bslk(self) -> torch.Tensor | None:
         """The rows' replayed experts in pack order `[1, T, L, k]` (filler: UNKNOWN, the router's own choice)."""
         routed = getattr(self.rows, "routed_experts_bslk", None)

@@ -53,7 +53,7 @@ def test_pack_restarts_positions_per_sequence_and_unpacks_to_the_rows():
     packed = pack(rows, length=sum(lengths) + 3)
     assert packed.cu_seqlens_n.tolist() == [0, *torch.tensor(lengths + [3]).cumsum(0).tolist()]
     assert packed.position_ids_1t[0].tolist() == [p for n in lengths + [3] for p in range(n)]
-    assert packed.padding_mask_1t.sum() == 3 and packed.real_tokens == sum(lengths)
+    assert packed.padding_mask_1t.sum() == 3 and packed.tokens_bs.shape == (1, sum(lengths) + 3)
     unpacked_bs = packed.unpack(packed.tokens_1t.unsqueeze(-1)).squeeze(-1)
     valid_bs = ~rows.padding_mask_bs
     assert torch.equal(unpacked_bs[valid_bs], rows.tokens_bs[valid_bs]) and not unpacked_bs[~valid_bs].any()
