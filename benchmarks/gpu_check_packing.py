@@ -30,14 +30,15 @@ def packed_vs_padded(path: str, groups, dtype: torch.dtype, rows: int = 16, max_
     batch = ScoredBatch(tokens_bs=torch.randint(3, vocab, (rows, prompt + max_response), generator=gen),
                         prompt_lengths_b=torch.full((rows,), prompt), response_lengths_b=lengths,
                         response_mask_bt=mask, loss_mask_bt=mask, group_index_b=torch.arange(rows) // 4,
-                        sample_index_b=torch.arange(rows) // 4, rollout_logprobs_bt=zeros,
+                        sample_index_b=torch.arange(rows) // 4, trajectory_index_b=None,
+                        rollout_logprobs_bt=zeros,
                         policy_version_bt=torch.zeros(mask.shape, dtype=torch.int32),
                         truncated_b=torch.zeros(rows, dtype=torch.bool), scores_b=torch.zeros(rows),
                         baseline_scores_b=None, routed_experts_bslk=None, pad_token_id=0,
                         old_logprobs_bt=-torch.rand(mask.shape, generator=gen) * mask, ref_logprobs_bt=None,
                         values_bt=None, token_rewards_bt=zeros,
                         advantages_bt=torch.randn(mask.shape, generator=gen) * mask, returns_bt=None,
-                        is_weights_bt=None)
+                        is_weights_bt=None, teacher_logprobs_bt=None, cov_selected_bt=None)
     algo = AlgoConfig()
     algo = dataclasses.replace(algo, rollout_correction=algo.rollout_correction.resolved(weights_shared=True))
     out: dict = {"transformer_engine": _use_transformer_engine(), "dtype": str(dtype)}

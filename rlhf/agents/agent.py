@@ -150,16 +150,20 @@ class Environment(Protocol):
 async def environment_agent(ctx: AgentContext, sample: PromptRecord,
                             make_env: Callable[[], Environment]) -> Trajectory:
     """The tool loop with an environment in place of tools: each action is stepped, its observation becomes
-    the next user turn; rewards accumulate per turn (`Trajectory.turn_rewards`)."""
+    the next user turn; the score is the per-turn rewards' sum discounted by `limits.turn_discount`."""
     env = await _with_retries(ctx, lambda fresh: fresh.reset(sample), make_env)
     environment, observation = env
     messages = _messages(sample) + [{"role": "user", "content": observation}] if observation else _messages(sample)
     builder = TrajectoryBuilder(prompt=ctx.renderer.prompt(messages), token_budget=ctx.limits.token_budget)
     rewards: list[float] = []
+
+    def end(reason: Termination, num_turns: int) -> Trajectory:
+        discounted = sum(reward * ctx.limits.turn_discount ** turn for turn, reward in enumerate(rewards))
+        return ctx.finish(builder, reason, num_turns, reward=discounted, turn_rewards=tuple(rewards))
+
     for turn in range(1, ctx.limits.max_turns + 1):
         if builder.budget_left < 1:
-            return ctx.finish(builder, Termination.TOKEN_BUDGET, turn - 1, reward=sum(rewards),
-                              turn_rewards=tuple(rewards))
+            return end(Termination.TOKEN_BUDGET, turn - 1)
         generation = await ctx.generate(builder.tokens, builder.budget_left)
         builder.add_sampled(generation.token_ids, generation.logprobs, generation.policy_version)
         action = _assistant_text(ctx, generation)
@@ -167,15 +171,14 @@ async def environment_agent(ctx: AgentContext, sample: PromptRecord,
             observation, reward, done, _ = await asyncio.wait_for(
                 ctx.batcher.in_thread(environment.step, action), ctx.limits.tool_timeout_s)
         except asyncio.TimeoutError:
-            return ctx.finish(builder, Termination.TOOL_TIMEOUT, turn, reward=sum(rewards),
-                              turn_rewards=tuple(rewards))
+            return end(Termination.TOOL_TIMEOUT, turn)
         except Exception as error:
             raise InfrastructureFailure(f"environment step failed: {type(error).__name__}: {error}") from error
         rewards.append(float(reward))
         if done or generation.finish_reason is FinishReason.LENGTH or turn == ctx.limits.max_turns:
             reason = (Termination.ENV_DONE if done else Termination.LENGTH
                       if generation.finish_reason is FinishReason.LENGTH else Termination.MAX_TURNS)
-            return ctx.finish(builder, reason, turn, reward=sum(rewards), turn_rewards=tuple(rewards))
+            return end(reason, turn)
         messages.append({"role": "assistant", "content": action})
         ctx.advance(builder, messages, [{"role": "user", "content": ctx.truncate(observation)}])
     raise AssertionError("unreachable: the last turn returns")

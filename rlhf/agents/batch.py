@@ -29,6 +29,7 @@ class AgentRows:
     policy_version_bt: torch.Tensor  # int32 [B, T], 0 where not sampled
     group_index_b: torch.Tensor  # int64 [B] the prompt's position in the rollout call
     rollout_index_b: torch.Tensor  # int64 [B] the trajectory (shared by its forked rows; -1: dropped group)
+    trajectory_index_b: torch.Tensor  # int64 [B] the trajectory among its group's (shared by its forked rows)
     termination_b: torch.Tensor  # int64 [B] index into TERMINATIONS (-1: a dropped group's row)
     kept_b: torch.Tensor  # bool [B] False on the rows standing in for a dropped group (nothing to train on)
     trajectories: tuple[Trajectory, ...]  # the kept ones, indexed by rollout_index_b
@@ -49,19 +50,21 @@ def to_rows(result: MultiTurnResult, pad_token_id: int, num_samples: int) -> Age
     with an empty loss mask, so a step's row count never depends on which tools broke."""
     placeholder = Row(tokens=(pad_token_id, pad_token_id), prompt_length=1, loss_mask=(0,), logprobs=(0.0,),
                       versions=(0,))
-    rows, groups, rollouts, ends, trajectories = [], [], [], [], []
+    rows, groups, rollouts, own, ends, trajectories = [], [], [], [], [], []
     for group_index, group in enumerate(result.groups):
         if group.dropped is not None:
             rows += [placeholder] * num_samples
             groups += [group_index] * num_samples
             rollouts += [-1] * num_samples
+            own += list(range(num_samples))
             ends += [-1] * num_samples
             continue
-        for trajectory in group.trajectories:
+        for sample, trajectory in enumerate(group.trajectories):
             for row in trajectory.rows:
                 rows.append(row)
                 groups.append(group_index)
                 rollouts.append(len(trajectories))
+                own.append(sample)
                 ends.append(TERMINATIONS.index(trajectory.termination))
             trajectories.append(trajectory)
     width = max([len(row.tokens) for row in rows] + [2])
@@ -81,5 +84,6 @@ def to_rows(result: MultiTurnResult, pad_token_id: int, num_samples: int) -> Age
     return AgentRows(tokens_bs=tokens, prompt_lengths_b=as_long([r.prompt_length for r in rows]),
                      response_lengths_b=as_long([len(r.response) for r in rows]), response_mask_bt=response_mask,
                      loss_mask_bt=loss_mask, rollout_logprobs_bt=logprobs, policy_version_bt=versions,
-                     group_index_b=as_long(groups), rollout_index_b=as_long(rollouts), termination_b=as_long(ends),
+                     group_index_b=as_long(groups), rollout_index_b=as_long(rollouts),
+                     trajectory_index_b=as_long(own), termination_b=as_long(ends),
                      kept_b=as_long(rollouts) >= 0, trajectories=tuple(trajectories))

@@ -30,6 +30,7 @@ class TurnLimits:
     trajectory_timeout_s: float = 120.0  # all tool calls of one trajectory together
     tool_retries: int = 1  # retries of a broken tool/environment (not a bad call) before its group is dropped
     history: HistoryPolicy = HistoryPolicy.APPEND  # a template that rewrites history: append or fork
+    turn_discount: float = 1.0  # an environment's score: sum over turns t of turn_discount^(t-1) * reward_t
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_tool_calls_per_turn", "max_tool_response_tokens", "token_budget"):
@@ -38,6 +39,9 @@ class TurnLimits:
         for name in ("tool_timeout_s", "trajectory_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"multiturn.limits.{name}={getattr(self, name)} must be > 0")
+        if not 0 < self.turn_discount <= 1:
+            raise ConfigError(f"multiturn.limits.turn_discount={self.turn_discount} must be in (0, 1] (1: the "
+                              "plain sum of the per-turn rewards)")
         if self.tool_retries < 0:
             raise ConfigError(f"multiturn.limits.tool_retries={self.tool_retries} must be >= 0")
         try:  # the config loader hands the enum's value over as its string

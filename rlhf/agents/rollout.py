@@ -1,5 +1,6 @@
 """A multi-turn rollout call: n trajectories per prompt, run by the agent function on one engine replica with
-turn-batched generation; a group whose tool or environment broke past its retry budget is dropped whole."""
+turn-batched generation; a group whose tool or environment broke past its retry budget is dropped whole. At
+rollout tp > 1 only the TP group's first rank runs agents; the others follow its engine calls."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ from typing import Any
 from rlhf.agents.agent import AgentContext, AgentFunction, InfrastructureFailure, tool_agent
 from rlhf.agents.config import MultiTurnConfig, TurnLimits
 from rlhf.agents.render import ChatRenderer
-from rlhf.agents.scheduler import TurnBatcher, TurnStats
+from rlhf.agents.scheduler import TpRelay, TurnBatcher, TurnStats
 from rlhf.agents.tool_calls import ToolCallParser
 from rlhf.agents.tools import ToolBox, load_toolbox
 from rlhf.agents.trajectory import Termination, Trajectory
 from rlhf.data.records import PromptRecord
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.sampling_params import SamplingParams
+
+
+TOTALS = ("multiturn/prefix_mismatch", "multiturn/dropped_groups")  # counts of the batch: summed over replicas
 
 
 @dataclass(frozen=True)
@@ -65,21 +69,24 @@ class MultiTurnRollout:
     """Everything a rollout rank needs to run agents: tokenizer, tools, limits, the agent function."""
 
     def __init__(self, tokenizer: Any, limits: TurnLimits, toolbox: ToolBox | None = None,
-                 agent: AgentFunction = tool_agent, tool_threads: int = 8, list_tools: bool = True) -> None:
-        """`list_tools=False` keeps the tool schemas out of the prompt (a policy trained to call them without)."""
+                 agent: AgentFunction = tool_agent, tool_threads: int = 8, list_tools: bool = True,
+                 relay: TpRelay | None = None) -> None:
+        """`list_tools=False` keeps the tool schemas out of the prompt (a policy trained to call them without);
+        `relay` is the rollout TP group's (None at tp=1)."""
         self.tokenizer, self.limits, self.toolbox, self.agent = tokenizer, limits, toolbox, agent
+        self.relay = relay
         self.renderer = ChatRenderer(tokenizer, tools=toolbox.schemas if toolbox and list_tools else None)
         self.parser = ToolCallParser(tokenizer) if toolbox else None
         self.tool_threads = tool_threads
 
     @classmethod
-    def from_config(cls, config: MultiTurnConfig, tokenizer: Any) -> "MultiTurnRollout":
+    def from_config(cls, config: MultiTurnConfig, tokenizer: Any, relay: TpRelay | None = None) -> "MultiTurnRollout":
         from rlhf.rewards.user_fn import load_user_function
 
         toolbox = load_toolbox(config.tool_config) if config.tool_config else None
         agent = tool_agent if config.agent == "tools" else load_user_function(config.agent, "multiturn.agent")
         return cls(tokenizer, config.limits, toolbox, agent, tool_threads=config.tool_threads,
-                   list_tools=config.list_tools)
+                   list_tools=config.list_tools, relay=relay)
 
     def final_texts(self, result: MultiTurnResult) -> list[tuple[PromptRecord, str]]:
         """(record, the last turn's text) of every kept trajectory, in row-group order (what a rule reward
@@ -88,9 +95,13 @@ class MultiTurnRollout:
                 for group in result.kept for t in group.trajectories]
 
     def collect(self, engine: RolloutEngine, records: list[PromptRecord], params: SamplingParams,
-                pad_token_id: int) -> MultiTurnResult:
-        """`params.n` trajectories per record (consecutive), turn-batched on `engine`."""
-        batcher = TurnBatcher(engine, params, pad_token_id, tool_threads=self.tool_threads)
+                pad_token_id: int) -> MultiTurnResult | None:
+        """`params.n` trajectories per record (consecutive), turn-batched on `engine`; None on a TP rank that
+        follows its leader's engine calls (it holds no trajectories)."""
+        if self.relay is not None and not self.relay.leads:
+            self.relay.follow(engine, params, pad_token_id)
+            return None
+        batcher = TurnBatcher(engine, params, pad_token_id, tool_threads=self.tool_threads, relay=self.relay)
         agents = [functools.partial(self._one, batcher, record) for record in records for _ in range(params.n)]
         outcomes = batcher.run(agents)
         groups = []

@@ -5,7 +5,8 @@ trajectory is parked (the others' tools have returned), all requests go into ONE
 each coroutine resumes with its own tokens. Tools run on threads between turns, concurrently across
 trajectories; while any runs, the engine waits — `TurnStats` measures that share (`multiturn/engine_idle_share`).
 No wall-clock value decides what is generated: batches form only when every trajectory is parked, so the same
-seed gives the same tokens.
+seed gives the same tokens. At rollout tp > 1 the TP group's first rank runs the agents and their tools and relays
+each batched call's prompts to the other TP ranks (`TpRelay`), so all of them generate from identical prompts.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
 
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.sampling_params import SamplingParams
@@ -60,9 +64,9 @@ class TurnBatcher:
     """Runs agent coroutines to completion with batched generation; one per rollout call."""
 
     def __init__(self, engine: RolloutEngine, params: SamplingParams, pad_token_id: int,
-                 tool_threads: int = 8) -> None:
+                 tool_threads: int = 8, relay: TpRelay | None = None) -> None:
         self.engine, self.params, self.pad_token_id = engine, params, pad_token_id
-        self.tool_threads = tool_threads
+        self.tool_threads, self.relay = tool_threads, relay
         self.stats = TurnStats()
         self._pending: list[_Request] = []
         self._active = 0
@@ -99,7 +103,11 @@ class TurnBatcher:
     def run(self, agents: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
         """Each agent's result, in order."""
         started = time.perf_counter()
-        results = asyncio.run(self._drive(agents))
+        try:
+            results = asyncio.run(self._drive(agents))
+        finally:
+            if self.relay is not None:  # the other TP ranks stop following (also when an agent raised)
+                self.relay.stop()
         self.stats.total_s += time.perf_counter() - started
         return results
 
@@ -131,9 +139,9 @@ class TurnBatcher:
         requests, self._pending = self._pending, []
         prompts = PromptBatch.from_token_lists([r.token_ids for r in requests], pad_token_id=self.pad_token_id)
         width = max(r.max_new_tokens for r in requests)
-        params = SamplingParams(max_new_tokens=width, temperature=self.params.temperature, top_p=self.params.top_p,
-                                top_k=self.params.top_k, seed=self.params.seed * 1_000_003 + self.stats.generate_calls,
-                                stop_token_ids=self.params.stop_token_ids, ignore_eos=self.params.ignore_eos)
+        if self.relay is not None:
+            self.relay.send(prompts, width)
+        params = turn_params(self.params, width, self.stats.generate_calls)
         started = time.perf_counter()
         rollouts = self.engine.generate(prompts, params)
         self.stats.generate_s += time.perf_counter() - started
@@ -150,6 +158,60 @@ class TurnBatcher:
                 token_ids=rollouts.response_tokens_rt[row, :length].tolist(),
                 logprobs=logprobs_rt[row, :length].float().tolist(), finish_reason=reason,
                 policy_version=rollouts.policy_version))
+
+
+def turn_params(params: SamplingParams, max_new_tokens: int, call_index: int) -> SamplingParams:
+    """One batched call's sampling: the rollout's, its own width, a seed from the step's seed and the call count."""
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+                          top_k=params.top_k, seed=params.seed * 1_000_003 + call_index,
+                          stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos)
+
+
+@dataclass(frozen=True)
+class TpRelay:
+    """Rollout tp > 1: the TP group's first rank (`src`, a global rank) leads — it runs the agents and tools and
+    broadcasts each batched call's prompts and width (int64 tensors); the others follow with the same call."""
+
+    group: dist.ProcessGroup
+    src: int
+
+    @classmethod
+    def over(cls, group: dist.ProcessGroup | None) -> TpRelay | None:
+        """The relay of a rollout TP group (None at tp=1: nothing to relay)."""
+        if group is None or dist.get_world_size(group) == 1:
+            return None
+        return cls(group, dist.get_process_group_ranks(group)[0])
+
+    @property
+    def leads(self) -> bool:
+        return dist.get_rank() == self.src
+
+    def send(self, prompts: PromptBatch, max_new_tokens: int) -> None:
+        num_rows, width = prompts.prompt_tokens_bt.shape
+        self._broadcast(torch.tensor([num_rows, width, max_new_tokens], dtype=torch.long))
+        self._broadcast(prompts.prompt_tokens_bt.contiguous())
+        self._broadcast(prompts.prompt_lengths_b.contiguous())
+
+    def stop(self) -> None:
+        self._broadcast(torch.zeros(3, dtype=torch.long))
+
+    def follow(self, engine: RolloutEngine, params: SamplingParams, pad_token_id: int) -> int:
+        """Make every call the leader makes, until it stops; returns the number of calls."""
+        calls = 0
+        while True:
+            header = self._broadcast(torch.zeros(3, dtype=torch.long))
+            num_rows, width, max_new_tokens = header.tolist()
+            if num_rows == 0:
+                return calls
+            tokens_bt = self._broadcast(torch.empty(num_rows, width, dtype=torch.long))
+            lengths_b = self._broadcast(torch.empty(num_rows, dtype=torch.long))
+            prompts = PromptBatch(prompt_tokens_bt=tokens_bt, prompt_lengths_b=lengths_b, pad_token_id=pad_token_id)
+            engine.generate(prompts, turn_params(params, max_new_tokens, calls))
+            calls += 1
+
+    def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(tensor, self.src, group=self.group)
+        return tensor
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

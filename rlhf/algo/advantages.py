@@ -15,12 +15,16 @@ from rlhf.algo import advantages_group, optimal_baseline  # noqa: F401  (importi
 from rlhf.algo.advantage_base import (ADVANTAGE_ESTIMATORS, AdvantageInputs, AdvantageResult,
                                       discounted_returns_bt, group_normalised_b, sequence_scores_b, spread)
 from rlhf.algo.config import AdvantageConfig, AdvantageKind
+from rlhf.algo.groups import Groups
 from rlhf.algo.masked import check_finite, masked_whiten
 from rlhf.errors import ConfigError, RlhfError
 
 
 GROUPED_KINDS = (AdvantageKind.GRPO, AdvantageKind.RLOO, AdvantageKind.REINFORCE_PP_BASELINE, AdvantageKind.OPO,
                  AdvantageKind.GPG, AdvantageKind.GRPO_PASSK, AdvantageKind.GDPO, AdvantageKind.OPTIMAL_TOKEN_BASELINE)
+
+# outcome estimators (one advantage per sequence, no whitening): a multi-turn trajectory of several rows gets one
+TRAJECTORY_KINDS = (AdvantageKind.GRPO, AdvantageKind.RLOO, AdvantageKind.GPG, AdvantageKind.GRPO_PASSK)
 
 
 def check_group_size(kind: AdvantageKind, samples_per_prompt: int) -> None:
@@ -40,6 +44,29 @@ def compute_advantages(config: AdvantageConfig, inputs: AdvantageInputs, *,
     fn = ADVANTAGE_ESTIMATORS.get(config.kind)
     _validate(config, inputs)
     return fn(inputs, config, dp_group)
+
+
+def trajectory_advantages(config: AdvantageConfig, inputs: AdvantageInputs,
+                          trajectory_index_b: Tensor) -> AdvantageResult:
+    """An outcome estimator over trajectories of several rows (multi-turn `fork` history): group statistics
+    count each trajectory once (its first row stands for it) and every row of a trajectory gets its advantage."""
+    if config.kind not in TRAJECTORY_KINDS:
+        raise ConfigError(f"algo.advantage.kind={config.kind.value} cannot score trajectories of several rows; use "
+                          f"one of {', '.join(kind.value for kind in TRAJECTORY_KINDS)}")
+    assert inputs.groups is not None and trajectory_index_b.shape == inputs.groups.ids_b.shape
+    keys_b = inputs.groups.ids_b * (int(trajectory_index_b.max()) + 1) + trajectory_index_b.to(inputs.groups.ids_b)
+    trajectories = Groups.from_index(keys_b)
+    rows_b = torch.arange(keys_b.shape[0])
+    first_r = torch.full((trajectories.num_groups,), keys_b.shape[0], dtype=torch.long).scatter_reduce(
+        0, trajectories.ids_b, rows_b, "amin")
+    mask_rt = inputs.response_mask_bt[first_r]
+    own = compute_advantages(config, AdvantageInputs(token_rewards_bt=inputs.token_rewards_bt[first_r],
+                                                     response_mask_bt=mask_rt,
+                                                     groups=Groups.from_index(inputs.groups.ids_b[first_r])))
+    # outcome estimators spread one value over a row's response: read it at its first token (0 if it has none)
+    value_r = own.advantages_bt.gather(1, mask_rt.int().argmax(-1, keepdim=True)).squeeze(1)
+    advantages = spread(value_r[trajectories.ids_b], inputs)
+    return AdvantageResult(advantages_bt=advantages, returns_bt=advantages.clone())
 
 
 def _validate(config: AdvantageConfig, inputs: AdvantageInputs) -> None:

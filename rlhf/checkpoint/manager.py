@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -27,7 +26,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from rlhf.checkpoint.verify import agree, entry_problem, file_problem, manifest_problem, tensor_file_problem
+from rlhf.checkpoint.folders import (FORMAT, LATEST, MANIFEST, STEP_DIR, CorruptCheckpointError, check_root,
+                                     find_latest, is_complete, old_format_note, rank_file, read_manifest,
+                                     step_folders)
+from rlhf.checkpoint.verify import agree, entry_problem, file_problem, tensor_file_problem
 from rlhf.checkpoint.write import Writer, fsync_dir, write_durable
 from rlhf.errors import CheckpointError
 from rlhf.models.hf_load import HfFolder
@@ -35,17 +37,9 @@ from rlhf.parallel.wire import all_gather_json
 from rlhf.run_dir import get_logger
 from rlhf.checkpoint.state_file import decode_state, encode_state
 
-STEP_DIR = re.compile(r"^step_(\d{1,18})$")  # bounded: int() of a crafted 5000-digit name is refused
-MANIFEST = "manifest.json"
-LATEST = "latest"
-FORMAT = "rlhf-checkpoint/3"  # 2: per-layout model files; 1: pickled rank<k>.pt (never loaded: they can run code)
 RoleTensors = dict[str, dict[str, dict[str, Any]]]  # role -> kind -> HF name -> tensor
 StateCheck = Callable[[Path, Any, dict], "str | None"]  # (folder, state, manifest) -> why it is malformed
 log = get_logger("checkpoint")
-
-
-class CorruptCheckpointError(CheckpointError):
-    """A checkpoint whose files do not verify against its manifest (`resume: auto` falls back past it)."""
 
 
 def _rank() -> int:
@@ -59,108 +53,6 @@ def _world() -> int:
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-def rank_file(rank: int) -> str:
-    return f"rank{rank}.safetensors"
-
-
-def _step_of(path: Path) -> int:
-    return int(STEP_DIR.match(path.name).group(1))
-
-
-def _old_format(step_dir: Path) -> str:
-    """A note for folders of the pickle format (meta.json + rank<k>.pt), which are never loaded."""
-    if not (step_dir / "meta.json").is_file():
-        return ""
-    return " (pickled rank<k>.pt files of an older rlhf are never loaded: they could run code)"
-
-
-def read_manifest(step_dir: Path) -> dict[str, Any]:
-    """The manifest of a published checkpoint; CorruptCheckpointError saying why it is not one."""
-    path = step_dir / MANIFEST
-    if not path.is_file():
-        raise CorruptCheckpointError(f"{step_dir} has no {MANIFEST}: not a complete checkpoint{_old_format(step_dir)}")
-    if path.is_symlink():
-        raise CorruptCheckpointError(f"{path} is a symlink; a checkpoint's files are never read through one")
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:  # ValueError: also a >4300-digit int
-        raise CorruptCheckpointError(f"{path} is unreadable ({type(error).__name__}: {str(error)[:200]})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CorruptCheckpointError(f"{path} is not an {FORMAT} manifest")
-    match = STEP_DIR.match(step_dir.name)
-    problem = manifest_problem(manifest, int(match.group(1)) if match else None)
-    if problem:
-        raise CorruptCheckpointError(f"{path} {problem}")
-    for name, entry in manifest["files"].items():
-        file = step_dir / name
-        if file.is_symlink():
-            raise CorruptCheckpointError(f"{file} is a symlink; a checkpoint's files are never read through one")
-        if not file.is_file():
-            raise CorruptCheckpointError(f"{file} is listed in the manifest but missing")
-        if file.stat().st_size != entry.get("size"):
-            raise CorruptCheckpointError(f"{file} has {file.stat().st_size} bytes, the manifest says "
-                                         f"{entry.get('size')} (truncated or replaced)")
-    return manifest
-
-
-def is_complete(step_dir: Path) -> bool:
-    """Published (`step_<N>` with a manifest) and every listed file present at its size; contents unchecked."""
-    if not STEP_DIR.match(step_dir.name):
-        return False
-    try:
-        read_manifest(step_dir)
-    except CorruptCheckpointError:
-        return False
-    return True
-
-
-def check_root(root: Path) -> None:
-    """CheckpointError when the checkpoints folder is a symlink: pruning through it would delete another run's."""
-    if root.is_symlink():
-        raise CheckpointError(f"{root} is a symlink (to {os.readlink(root)}); rlhf never reads, writes or prunes "
-                              "checkpoints through a symlink out of the run folder: make it a real folder")
-
-
-def step_folders(root: Path) -> list[Path]:
-    """The `step_<N>` folders under `root`, oldest first; a symlinked one is skipped with a warning, never read."""
-    if not root.is_dir():
-        return []
-    found = []
-    for path in root.iterdir():
-        if not STEP_DIR.match(path.name):
-            continue
-        if path.is_symlink():
-            log.warning("checkpoint: skipping %s: a symlink (to %s); checkpoints are never read through one",
-                        path.name, os.readlink(path))
-        elif path.is_dir():
-            found.append(path)
-    return sorted(found, key=_step_of)
-
-
-def _check_latest(root: Path) -> None:
-    """Warn when `latest` is not a plain `step_<N>` name (a path would point outside the run); never followed."""
-    latest = root / LATEST
-    if latest.is_symlink() or not latest.is_file():
-        return
-    name = latest.read_text(errors="replace").strip()
-    if not STEP_DIR.match(name):
-        log.warning("checkpoint: ignoring %s: it holds %r, not a step_<N> name", latest, name[:300])
-
-
-def find_latest(root: Path) -> Path | None:
-    """The newest complete checkpoint under `root`, logging each newer folder it skips and why (`latest` is
-    checked to be a plain name; the folders decide)."""
-    check_root(root)
-    _check_latest(root)
-    for path in reversed(step_folders(root)):
-        try:
-            read_manifest(path)
-            return path
-        except CorruptCheckpointError as error:
-            log.warning("checkpoint: skipping %s: %s", path.name, error)
-    return None
 
 
 @dataclass(frozen=True)
@@ -390,7 +282,7 @@ class CheckpointManager:
                                   "checkpoints are never read through one: name the real folder")
         if not STEP_DIR.match(path.name) or not (path / MANIFEST).is_file():
             raise CheckpointError(f"checkpoint.resume={resume!r} is not a complete checkpoint folder "
-                                  f"(needs step_<N>/{MANIFEST} and every file it lists){_old_format(path)}")
+                                  f"(needs step_<N>/{MANIFEST} and every file it lists){old_format_note(path)}")
         return path
 
     def load(self, path: Path, expected_meta: dict[str, Any] | None = None, replicated: list[Replicated] = (),

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from rlhf.errors import CheckpointError
 from rlhf.models.hf_load import HfFolder, check_folder, open_safetensors
+from rlhf.models.lora import adapter_pairs
 from rlhf.parallel.wire import all_gather_json
 
 # Bits of a parameter as integers of the same width: a checksum that any flipped bit changes.
@@ -139,12 +140,28 @@ def state_kinds(model: torch.nn.Module) -> tuple[str, ...]:
     return MOMENTS if model.config.params_dtype == torch.float32 else (*MOMENTS, "master")
 
 
+def check_trained_folder(folder: HfFolder, model: torch.nn.Module) -> None:
+    """CheckpointError unless `folder` holds what a checkpoint of `model` holds: every base tensor (`check_folder`)
+    or, for a LoRA model, this stage's adapter tensors at their full shapes."""
+    if getattr(model, "rlhf_lora", None) is None:
+        check_folder(folder, model.rlhf_spec, value_head=model.rlhf_value_head)
+        return
+    for spec, _ in adapter_pairs(model):
+        name = spec.hf_names[0]
+        if name not in folder.file_of:
+            raise CheckpointError(f"{folder.path} has no LoRA tensor {name!r} (a checkpoint of full fine-tuning, "
+                                  "or of other lora.targets?)")
+        if folder.shape(name) != spec.full_shape:
+            raise CheckpointError(f"LoRA tensor {name!r} in {folder.path} has shape {list(folder.shape(name))}, "
+                                  f"lora.rank={model.rlhf_lora.rank} expects {list(spec.full_shape)}")
+
+
 def checkpoint_problem(model: torch.nn.Module, folder_of: Callable[[str], HfFolder]) -> str | None:
     """Why a checkpoint's full tensors do not fit `model`: a kind it lacks, or a missing, unexpected or wrongly
     shaped tensor of any kind (the bytes were checked against the manifest; the shapes against the model here)."""
     for kind in ("model", *state_kinds(model)):
         try:
-            check_folder(folder_of(kind), model.rlhf_spec, value_head=model.rlhf_value_head)
+            check_trained_folder(folder_of(kind), model)
         except CheckpointError as error:
             return f"{error} ({kind} tensors)"
     return None

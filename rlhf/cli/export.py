@@ -1,4 +1,5 @@
-"""`rlhf export`: a trainer checkpoint's actor (or critic) as an HF folder that `transformers` loads."""
+"""`rlhf export`: a trainer checkpoint's actor (or critic) as an HF folder that `transformers` loads; a LoRA run's
+actor as a PEFT adapter folder or merged into its base (`--lora`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--out", required=True, help="new output folder")
     parser.add_argument("--model-role", default="actor", choices=["actor", "critic"],
                         help="which trained role to export (default actor)")
+    parser.add_argument("--lora", default="peft", choices=["peft", "merged"],
+                        help="a LoRA run's actor: a PEFT adapter folder (default) or the base with it merged in")
     return parser
 
 
@@ -61,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from rlhf.errors import CheckpointError, RlhfError
     from rlhf.parallel.runtime import distributed
     from rlhf.orchestration.checks import check_writable_folder
-    from rlhf.orchestration.export import export_checkpoint
+    from rlhf.orchestration.export import export_checkpoint, export_lora_checkpoint
 
     check_writable_folder(args.out, "--out")
     run_dir = Path(args.run_dir)
@@ -71,8 +74,12 @@ def run(args: argparse.Namespace) -> int:
         problem = None
         if runtime.env.rank == 0:  # one process writes; under a launcher the others wait for its verdict
             try:
-                export_checkpoint(checkpoint, args.out, args.model_role,
-                                  tokenizer_dir=_tokenizer_dir(cfg.model.path, str(run_dir / "config.yaml")))
+                tokenizer_dir = _tokenizer_dir(cfg.model.path, str(run_dir / "config.yaml"))
+                if cfg.lora.enabled and args.model_role == "actor":
+                    export_lora_checkpoint(checkpoint, args.out, cfg.lora, cfg.model.path,
+                                           merged=args.lora == "merged", tokenizer_dir=tokenizer_dir)
+                else:
+                    export_checkpoint(checkpoint, args.out, args.model_role, tokenizer_dir=tokenizer_dir)
             except RlhfError as error:
                 problem = str(error)
         problem = agree(problem)

@@ -1,4 +1,5 @@
-"""`rlhf sft`: supervised warm-start on (prompt, answer) records, exported as an HF folder (`sft.out_dir`)."""
+"""`rlhf sft`: supervised warm-start on (prompt, answer) records, exported as an HF folder (`sft.out_dir`); a run of
+the trainer (preflight, watchdog, checkpoints, `checkpoint.resume: auto`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)  # config errors come before torch and megatron are imported
-    from rlhf.orchestration.sft import run_sft
+    from rlhf.orchestration.sft import run_sft, sft_preflight
 
-    run_in_world(cfg, "sft", lambda cfg, run_dir: run_sft(cfg, cfg.sft, run_dir))
+    run_in_world(cfg, "sft", lambda cfg, run_dir: run_sft(cfg, cfg.sft, run_dir), sft_preflight,
+                 defer_config=True)
     return 0

@@ -58,13 +58,15 @@ def load_prompts(paths: Sequence[str], tokenizer: Any, config: DataConfig, requi
 
 
 class PromptLoader:
-    """The training prompts of one DP rank: `next_step()` each step, `state_dict()` in checkpoints."""
+    """The training prompts of one DP rank: `next_step()` each step, `state_dict()` in checkpoints; `batch_key`
+    names the setting the prompts per step come from in errors."""
 
     def __init__(self, config: DataConfig, tokenizer: Any, *, dp_rank: int, dp_size: int,
-                 require_ground_truth: bool = True) -> None:
+                 require_ground_truth: bool = True, batch_key: str = "data.prompts_per_step") -> None:
         self.prompts = load_prompts(config.train_files, tokenizer, config, require_ground_truth)
         self.sampler = PromptSampler(num_samples=len(self.prompts.records), global_batch_size=config.prompts_per_step,
-                                     dp_rank=dp_rank, dp_size=dp_size, seed=config.seed, shuffle=config.shuffle)
+                                     dp_rank=dp_rank, dp_size=dp_size, seed=config.seed, shuffle=config.shuffle,
+                                     batch_key=batch_key)
 
     def next_step(self) -> PromptStep:
         indices = self.sampler.next_indices()

@@ -71,12 +71,12 @@ def _use_transformer_engine() -> bool:
     return True
 
 
-def layer_spec(config: TransformerConfig, pp_rank: int,
-               pg_collection: ProcessGroupCollection) -> ModuleSpec | TransformerBlockSubmodules:
-    """Transformer-Engine layers on GPU when TE is installed, megatron's local layers otherwise; MoE models
-    get megatron's per-layer block spec (routed and dense layers) for this pipeline stage, its MoE layers
-    sequence-parallel islands at tp > 1 (`rlhf.models.moe_tp`)."""
-    use_te = _use_transformer_engine()
+def layer_spec(config: TransformerConfig, pp_rank: int, pg_collection: ProcessGroupCollection,
+               transformer_engine: bool = True) -> ModuleSpec | TransformerBlockSubmodules:
+    """Transformer-Engine layers on GPU when TE is installed (and `transformer_engine`), megatron's local layers
+    otherwise; MoE models get megatron's per-layer block spec (routed and dense layers) for this pipeline stage,
+    its MoE layers sequence-parallel islands at tp > 1 (`rlhf.models.moe_tp`)."""
+    use_te = transformer_engine and _use_transformer_engine()
     if config.num_moe_experts:
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
                                            pp_rank=pp_rank)
@@ -101,7 +101,7 @@ def _with_packed_attention(layer: ModuleSpec) -> ModuleSpec:
 def build_gpt(hf_config: Any, pg_collection: ProcessGroupCollection, *, pre_process: bool | None = None,
               post_process: bool | None = None, value_head: bool = False, recompute: bool = False,
               params_dtype: torch.dtype = torch.float32, seed: int = 1234,
-              moe_kwargs: dict | None = None) -> GPTModelWithHiddenOutput:
+              moe_kwargs: dict | None = None, transformer_engine: bool = True) -> GPTModelWithHiddenOutput:
     """This rank's stage of the model described by `hf_config`, on the groups in `pg_collection`.
 
     `pre_process`/`post_process` default to "first/last pipeline stage" of `pg_collection.pp`. With
@@ -109,7 +109,8 @@ def build_gpt(hf_config: Any, pg_collection: ProcessGroupCollection, *, pre_proc
     initialised (seeded); load real ones with `rlhf.models.hf_load`. The model can also return its final
     hidden states (`rlhf.models.lm_head.hidden_output`) for the fused logprob path. `moe_kwargs` (router
     losses, token dispatcher: `rlhf.models.routing.MoeConfig.build_kwargs`) go to `moe_config`; expert
-    parallelism is `pg_collection.ep`'s size.
+    parallelism is `pg_collection.ep`'s size. `transformer_engine=False` keeps megatron's local layers on a GPU
+    (LoRA adapts their unfused linears).
     """
     megatron_compat.apply()
     spec = ModelSpec.from_hf(hf_config)
@@ -122,7 +123,7 @@ def build_gpt(hf_config: Any, pg_collection: ProcessGroupCollection, *, pre_proc
     megatron_compat.seed_rng_tracker(seed, pg_collection.tp.rank())
     megatron_compat.ensure_memory_buffer()
     model = GPTModelWithHiddenOutput(
-        config=config, transformer_layer_spec=layer_spec(config, pp_rank, pg_collection),
+        config=config, transformer_layer_spec=layer_spec(config, pp_rank, pg_collection, transformer_engine),
         vocab_size=spec.padded_vocab_size(tp),
         max_sequence_length=spec.max_position_embeddings, pre_process=pre_process, post_process=post_process,
         parallel_output=True, share_embeddings_and_output_weights=spec.tie_embeddings and not value_head,

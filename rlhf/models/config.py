@@ -1,7 +1,9 @@
-"""Config section of MoE models, free of torch (the owner: routing.py)."""
+"""Config sections of the model: MoE router losses (owner: routing.py) and LoRA adapters (owner: lora.py); free
+of torch."""
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -40,3 +42,46 @@ def check_replay_mode(mode: str) -> None:
     if mode not in REPLAY_MODES:
         raise ConfigError(f"algo.routing_replay={mode!r} is not one of {', '.join(REPLAY_MODES)} (r3: replay the "
                           f"rollout's routing in every training forward; r2: the old-logprob forward's in the update)")
+
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # HF q/k/v/o_proj, gate/up/down_proj of dense MLPs
+LORA_MOE_TARGETS = ("experts", "router")  # accepted names, not built yet (rlhf.models.lora refuses them)
+LORA_SYNCS = ("merged", "adapter")
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """Low-rank adapters on the actor (PEFT's LoRA: W x + (alpha / rank) B A dropout(x), A random, B zero); off
+    unless `enabled`. `sync`: the rollout engine gets the merged weights (any engine) or the adapters only."""
+
+    enabled: bool = False  # off: full fine-tuning
+    rank: int = 8  # adapter rank r
+    alpha: float = 16.0  # scaling numerator: the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapter's input (training forwards only)
+    targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")  # which linears get an adapter
+    sync: Literal["merged", "adapter"] = "merged"  # what the rollout engine receives each weight sync
+    seed: int = 0  # seeds every A's PEFT (kaiming-uniform) init, the same on every layout
+    adapter_path: str = ""  # a PEFT adapter folder to start from (its r, alpha and targets must match); empty: init
+
+    def __post_init__(self) -> None:
+        self.targets = tuple(self.targets)
+        if self.rank <= 0:
+            raise ConfigError(f"lora.rank={self.rank} must be > 0 (lora.enabled=false switches LoRA off)")
+        if self.alpha <= 0:
+            raise ConfigError(f"lora.alpha={self.alpha} must be > 0 (the adapter is scaled by alpha / rank)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout={self.dropout} must be in [0, 1)")
+        if self.sync not in LORA_SYNCS:
+            raise ConfigError(f"lora.sync={self.sync!r} is not one of {', '.join(LORA_SYNCS)}")
+        if not self.targets:
+            raise ConfigError("lora.targets is empty; name at least one of " + ", ".join(LORA_TARGETS))
+        for target in self.targets:
+            if target not in LORA_TARGETS + LORA_MOE_TARGETS:
+                close = difflib.get_close_matches(target, LORA_TARGETS + LORA_MOE_TARGETS, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(f"lora.targets has unknown target {target!r}{hint}; choose from "
+                                  f"{', '.join(LORA_TARGETS + LORA_MOE_TARGETS)}")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank

@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 
 from rlhf.parallel.wire import all_gather_json
 from rlhf.errors import ConfigError
-from rlhf.models.hf_load import INDEX_FILE, param_specs_for, stage_params
+from rlhf.models.hf_load import INDEX_FILE, experts_per_rank, param_specs_for, stage_params
+from rlhf.models.lora import merged_weight
 from rlhf.models.shard_rules import merge_shards
 from rlhf.models.spec import CAUSAL_LM_ARCHS, SEQ_CLS_ARCHS
 
@@ -79,7 +80,8 @@ def export_hf(model: Any, out_dir: str, *, tokenizer_dir: str | None = None, dty
               max_shard_bytes: int = 2 << 30) -> None:
     """Write `model` (this rank's part of it; call on every rank of its layout) as an HF folder `out_dir`.
 
-    Tensors are cast to `dtype` (default: the model's own) as they are written.
+    Tensors are cast to `dtype` (default: the model's own) as they are written; a LoRA model is written merged
+    (W + (alpha / r) B A, PEFT's `merge_and_unload`).
     """
     if os.path.exists(out_dir):
         raise ConfigError(f"export folder {out_dir} already exists; choose a new folder")
@@ -97,9 +99,11 @@ def export_hf(model: Any, out_dir: str, *, tokenizer_dir: str | None = None, dty
     writer = _ShardWriter(staging, f"model-stage{pp_group.rank():03d}{ep_part}", max_shard_bytes)
     if is_writer or is_expert_writer:
         os.makedirs(staging, exist_ok=True)
+    per_stage = model.rlhf_spec.num_layers // pp_group.size()
     for param_spec, param in stage_params(model, param_specs_for(model)):
         if param_spec.tied_copy:
             continue
+        param = merged_weight(model, param_spec.local_name(per_stage, experts_per_rank(model)), param)
         shards = [torch.empty_like(param) for _ in range(tp_group.size())]
         dist.all_gather(shards, param.detach().contiguous(), group=tp_group)
         if is_expert_writer if param_spec.expert is not None else is_writer:

@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 
 from rlhf.parallel.layout import ParallelLayout
 from rlhf.errors import CheckpointError
+from rlhf.models.lora import is_adapter_param
 from rlhf.models.param_specs import ParamSpec, hf_shapes, param_specs
 from rlhf.models.shard_rules import read_shard
 from rlhf.models.spec import ModelSpec
@@ -122,11 +123,12 @@ def experts_per_rank(model: Any) -> int | None:
 
 
 def stage_params(model: Any, specs: list[ParamSpec]) -> list[tuple[ParamSpec, torch.nn.Parameter]]:
-    """This rank's (spec, parameter) pairs; asserts the model has exactly the parameters the specs list."""
+    """This rank's (spec, parameter) pairs; asserts the model has exactly the base parameters the specs list
+    (LoRA adapters are not base parameters: `rlhf.models.lora`)."""
     layout, _, pp_rank = model_layout(model)
     per_stage = model.rlhf_spec.num_layers // layout.pp
     per_ep_rank, ep_rank = experts_per_rank(model), model.pg_collection.ep.rank()
-    params = dict(model.named_parameters())
+    params = {name: param for name, param in model.named_parameters() if not is_adapter_param(name)}
     mine = [(p, params[_module_name(params, p.local_name(per_stage, per_ep_rank))]) for p in specs
             if p.pp_stage == pp_rank and p.ep_rank(per_ep_rank or 1) in (None, ep_rank)]
     assert len(mine) == len(params), (sorted(params), [p.name for p, _ in mine])

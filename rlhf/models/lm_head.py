@@ -93,6 +93,28 @@ def head_logprobs(hidden_nh: torch.Tensor, labels_n: torch.Tensor, head: LMHead,
                                     chunk_rows, block_rows)
 
 
+@torch.no_grad()
+def head_sum_pi_squared(hidden_nh: torch.Tensor, head: LMHead, *, temperature: float = 1.0,
+                        chunk_bytes: int = 0) -> torch.Tensor:
+    """sum_v softmax(h W^T / temperature)(v)^2 per row, fp32 [n] (the optimal token baseline's input), in row
+    chunks of at most `chunk_bytes` fp32 logits; over tp from each shard's (max, sum exp, sum exp^2)."""
+    num_rows, num_valid = hidden_nh.shape[0], head.num_valid
+    chunk_rows = max(1, (chunk_bytes or fused_head_bytes()[0]) // (4 * max(1, num_valid)))
+    stats_3n = hidden_nh.new_zeros(3, num_rows, dtype=torch.float32)
+    stats_3n[0].fill_(float("-inf"))
+    for chunk in _spans(0, num_rows if num_valid else 0, chunk_rows):
+        logits_cv = _chunk_logits(hidden_nh[chunk], head.weight[:num_valid], temperature)
+        stats_3n[0, chunk] = logits_cv.max(dim=-1).values
+        exp_cv = logits_cv.sub_(stats_3n[0, chunk, None]).exp_()
+        stats_3n[1, chunk] = exp_cv.sum(dim=-1)
+        stats_3n[2, chunk] = exp_cv.square_().sum(dim=-1)
+    global_max_n = _all_reduce(stats_3n[0].clone(), dist.ReduceOp.MAX, head.tp_group)
+    scale_n = (stats_3n[0] - global_max_n).nan_to_num(neginf=0.0).exp() * (stats_3n[1] > 0)
+    sums_2n = _all_reduce(torch.stack([stats_3n[1] * scale_n, stats_3n[2] * scale_n.square()]), dist.ReduceOp.SUM,
+                          head.tp_group)
+    return sums_2n[1] / sums_2n[0].square()
+
+
 def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) -> torch.Tensor:
     if group.size() > 1:
         dist.all_reduce(tensor, op=op, group=group)

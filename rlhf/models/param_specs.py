@@ -8,7 +8,8 @@ resharding planner all read it. Shard kinds (rank r of tp, shard = rows/cols of 
 - `vocab`: split along dim 0 after padding the vocab with zero rows to a multiple of tp;
 - `qkv`: dim 0 holds, per query group, that group's q heads then its k head then its v head; tp ranks own
   whole groups, so rank r's shard is rows [r, r+1) * full/tp of the interleaved tensor;
-- `gate_up`: rank r's shard is [gate rows of r; up rows of r] -- the full tensor is NOT [gate; up].
+- `gate_up`: rank r's shard is [gate rows of r; up rows of r] -- the full tensor is NOT [gate; up];
+- `rows`: split along dim 0 into contiguous blocks (LoRA B of a column-parallel linear, `rlhf.models.lora`).
 
 MoE layers hold a replicated router and one MLP per expert; expert `e` (global index, `ParamSpec.expert`)
 lives on expert-parallel rank `e // (num_experts / ep)` as local expert `e % (num_experts / ep)`, and is split
@@ -23,7 +24,7 @@ from typing import Any
 from rlhf.parallel.layout import ParallelLayout
 from rlhf.models.spec import ModelSpec
 
-KINDS = ("replicated", "row", "vocab", "qkv", "gate_up")
+KINDS = ("replicated", "row", "vocab", "qkv", "gate_up", "rows")
 
 
 @dataclass(frozen=True)

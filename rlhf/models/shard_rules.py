@@ -52,6 +52,9 @@ def read_shard(param: ParamSpec, read: SliceReader, spec: ModelSpec, tp_rank: in
     if param.kind == "row":
         columns = param.full_shape[1] // tp
         return read(param.hf_names[0])[:, tp_rank * columns:(tp_rank + 1) * columns]
+    if param.kind == "rows":
+        rows = param.full_shape[0] // tp
+        return _rows(read(param.hf_names[0]), tp_rank * rows, (tp_rank + 1) * rows)
     if param.kind == "vocab":
         return _vocab_shard(param, read, spec.vocab_size, tp_rank, tp)
     if param.kind == "qkv":
@@ -68,6 +71,8 @@ def merge_shards(param: ParamSpec, shards: list[torch.Tensor], spec: ModelSpec) 
         return {param.hf_names[0]: shards[0]}
     if param.kind == "row":
         return {param.hf_names[0]: torch.cat(shards, dim=1)}
+    if param.kind == "rows":
+        return {param.hf_names[0]: torch.cat(shards, dim=0)}
     if param.kind == "vocab":
         return {param.hf_names[0]: torch.cat(shards, dim=0)[: spec.vocab_size]}
     if param.kind == "gate_up":

@@ -30,6 +30,7 @@ from rlhf.orchestration.schema import RlhfConfig
 from rlhf.orchestration.rollout_side import RolloutSide
 from rlhf.orchestration.train_side import TrainSide
 from rlhf.parallel.meshes import RoleMeshes
+from rlhf.parallel.runtime import seed_host
 from rlhf.parallel.watchdog import Watchdog
 from rlhf.run_dir import RunDir, check_inside, get_logger
 
@@ -120,7 +121,9 @@ class RunCheckpoints:
 
     def resume(self) -> int:
         """Load and verify the checkpoint to resume from (if any), on this run's layouts whatever wrote it; its
-        replicas must then be bitwise equal. Returns the step it was taken at (0: none)."""
+        replicas must then be bitwise equal. Returns the step it was taken at (0: none). First every rank seeds
+        python's and numpy's RNGs from `dist.seed` (the state the checkpoint restores on the same world size)."""
+        seed_host(self.cfg.dist.seed)
         found = self.manager.load_for_resume(self.cfg.checkpoint.resume, expected_meta=self.expected(),
                                              replicated=self.replicated(), check=self.state_problem)
         if found is None:

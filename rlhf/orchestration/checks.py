@@ -49,9 +49,33 @@ def check_model_folders(cfg: Any) -> None:
         folders.append(("model.critic_path", cfg.model.critic_path, True))
     if cfg.reward.model_path:
         folders.append(("reward.model_path", cfg.reward.model_path, True))
+    folders += [(label, path, False) for label, path in teacher_folders(cfg)]
     for label, path, value_head in folders:
         spec = ModelSpec.from_hf(read_hf_config(path, label))  # first: it names the key of a wrong path
         check_folder(HfFolder(path), spec, value_head=value_head)
+
+
+def teacher_folders(cfg: Any) -> list[tuple[str, str]]:
+    """(key, folder) of every distillation teacher, each once (none when algo.distill is off)."""
+    distill = cfg.algo.distill
+    if not distill.enable:
+        return []
+    keys = {path: f"algo.distill.routes.{source}" for source, path in reversed(distill.routes.items())}
+    if distill.teacher_path:
+        keys[distill.teacher_path] = "algo.distill.teacher_path"
+    return [(keys[path], path) for path in distill.teacher_paths]
+
+
+def check_teacher_tokenizers(cfg: Any, tokenizer: Any) -> None:
+    """A teacher scores the student's token ids, so its tokenizer must be the student's (same vocabulary and
+    special tokens): else every teacher logprob is of another token."""
+    student = (tokenizer.get_vocab(), _special_ids(tokenizer))
+    for label, path in teacher_folders(cfg):
+        teacher = load_tokenizer(path, label)
+        if (teacher.get_vocab(), _special_ids(teacher)) != student:
+            raise ConfigError(f"{label}={path!r} has another tokenizer than the student (model.path="
+                              f"{cfg.model.path!r}): a teacher scores the student's token ids, so distil from a "
+                              "teacher with the student's tokenizer")
 
 
 def check_resume_path(resume: str) -> None:

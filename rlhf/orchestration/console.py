@@ -25,10 +25,13 @@ def parameter_count(model_path: str, value_head: bool = False) -> int:
     return sum(math.prod(spec.full_shape) for spec in specs if not spec.tied_copy)
 
 
-def _role_model(cfg: RlhfConfig, role: str) -> str:
+def _role_models(cfg: RlhfConfig, role: str) -> list[str]:
+    """The HF folders of a role's model(s): one, or every distillation teacher."""
     if role == "critic":
-        return cfg.model.critic_path or cfg.model.path
-    return cfg.reward.model_path if role == "reward" else cfg.model.path
+        return [cfg.model.critic_path or cfg.model.path]
+    if role == "teacher":
+        return cfg.algo.distill.teacher_paths
+    return [cfg.reward.model_path if role == "reward" else cfg.model.path]
 
 
 def _millions(count: int) -> str:
@@ -42,13 +45,15 @@ def start_banner(cfg: RlhfConfig, *, world_size: int, backend: str, mesh_rows: l
     counts: dict[tuple[str, bool], int] = {}
     for row in mesh_rows:
         role = row["role"]
-        layout = f"tp{row['tp']} pp{row['pp']} dp{row['dp']}  ranks {row['ranks']}"
+        context = f" cp{row['cp']}" if row.get("cp", 1) > 1 else ""
+        layout = f"tp{row['tp']}{context} pp{row['pp']} dp{row['dp']}  ranks {row['ranks']}"
         if role == "rollout":
             lines.append(f"  {role:8} {layout}  {cfg.rollout.engine} engine")
             continue
-        key = (_role_model(cfg, role), role in VALUE_HEAD_ROLES)
-        counts.setdefault(key, parameter_count(*key))
-        lines.append(f"  {role:8} {layout}  {_millions(counts[key])} params  {key[0]}")
+        for path in _role_models(cfg, role):
+            key = (path, role in VALUE_HEAD_ROLES)
+            counts.setdefault(key, parameter_count(*key))
+            lines.append(f"  {role:8} {layout}  {_millions(counts[key])} params  {key[0]}")
     rollouts = cfg.data.prompts_per_step * cfg.sampling.n
     lines.append(f"data: {num_train} training prompts, {num_val} validation prompts; a step samples "
                  f"{cfg.data.prompts_per_step} prompts x {cfg.sampling.n} = {rollouts} responses")

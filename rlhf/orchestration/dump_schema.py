@@ -19,6 +19,9 @@ COLUMNS = {"step": ("integers", False), "policy_version": ("integers", True), "u
            "group": ("integers", False), "data_source": ("strings", False), "prompt_ids": ("integers", True),
            "response_ids": ("integers", True), "rollout_logprobs": ("floats", True), "score": ("floats", False),
            "truncated": ("booleans", False)}
+# multi-turn columns (checked where present): the loss mask per response token (absent: no interior zeros, every
+# response token), the trajectory of a row in its group (the `fork` history only)
+OPTIONAL_COLUMNS = {"loss_mask": ("booleans", True), "trajectory": ("integers", False)}
 INT32_MAX = 2 ** 31 - 1  # policy versions are int32 in the batch
 INT64_MAX = 2 ** 63 - 1  # uids and groups are int64
 FLOAT32_MAX = 3.4028234663852886e38  # scores and log-probabilities are float32
@@ -65,7 +68,8 @@ def check_footer(path: Path, schema: Any) -> dict:
     missing = [name for name in COLUMNS if name not in schema.names]
     if missing:
         raise ConfigError(f"rollout dump {path} lacks the column(s) {', '.join(missing)}; {FIX}")
-    for name, (kind, per_token) in COLUMNS.items():
+    present = COLUMNS | {name: kind for name, kind in OPTIONAL_COLUMNS.items() if name in schema.names}
+    for name, (kind, per_token) in present.items():
         arrow_type = schema.field(name).type
         if not _column_ok(arrow_type, kind, per_token):
             expected = f"a list of {kind} per row" if per_token else kind
@@ -80,12 +84,13 @@ def check_rows(path: Path, table: dict[str, list], meta: dict, *, vocab_size: in
         if meta[key] > limit:
             raise ConfigError(f"rollout dump {path} metadata {key}={meta[key]} is above {limit} (model.path: "
                               f"vocabulary {vocab_size}, max_position_embeddings {max_positions}); {MODEL_FIX}")
+    names = list(COLUMNS) + [name for name in OPTIONAL_COLUMNS if name in table]
     for row in range(len(table["score"])):
-        for name in COLUMNS:
+        for name in names:
             value = table[name][row]
             if value is None or (isinstance(value, list) and None in value):
                 _fail(path, row, name, "a null value", FIX)
-        _check_row(path, row, {name: table[name][row] for name in COLUMNS}, vocab_size, max_positions)
+        _check_row(path, row, {name: table[name][row] for name in names}, vocab_size, max_positions)
 
 
 def _check_row(path: Path, row: int, values: dict[str, Any], vocab_size: int, max_positions: int) -> None:
@@ -99,8 +104,8 @@ def _check_row(path: Path, row: int, values: dict[str, Any], vocab_size: int, ma
     if len(prompt) + len(response) > max_positions:
         _fail(path, row, "response_ids", f"{len(prompt)} prompt + {len(response)} response tokens exceed "
               f"model.path's max_position_embeddings={max_positions}", MODEL_FIX)
-    for name in ("rollout_logprobs", "policy_version"):
-        if len(values[name]) != len(response):
+    for name in ("rollout_logprobs", "policy_version", "loss_mask"):
+        if name in values and len(values[name]) != len(response):
             _fail(path, row, name, f"{len(values[name])} values for a response of {len(response)} tokens", FIX)
     bad = next((v for v in values["rollout_logprobs"] if not (_finite32(v) and v <= LOGPROB_SLACK)), None)
     if bad is not None:
@@ -111,8 +116,9 @@ def _check_row(path: Path, row: int, values: dict[str, Any], vocab_size: int, ma
     check_score(path, row, values["score"])
     if not 0 <= values["uid"] <= INT64_MAX:
         _fail(path, row, "uid", f"uid {values['uid']} is not a dataset index in [0, {INT64_MAX}]", FIX)
-    if not -INT64_MAX - 1 <= values["group"] <= INT64_MAX:
-        _fail(path, row, "group", f"group {values['group']} does not fit int64", FIX)
+    for name in ("group", "trajectory"):
+        if name in values and not -INT64_MAX - 1 <= values[name] <= INT64_MAX:
+            _fail(path, row, name, f"{name} {values[name]} does not fit int64", FIX)
 
 
 def check_score(path: Path, row: int, score: Any) -> None:

@@ -9,7 +9,8 @@ Layouts, groups and every input check come from `rlhf.orchestration.preflight`; 
 is the driver's one-step-off ordering (`rlhf.orchestration.async_schedule`: rollout ranks a batch ahead) and the
 in-flight batches are checkpointed. Every scored batch reaches `scored_hooks` (rollout dumps; tests add theirs).
 Every stage after process-group init (build, resume, first push, validation, each step, each save) is a
-watchdog phase: a stall anywhere ends every rank with stacks in its log.
+watchdog phase: a stall anywhere ends every rank with stacks in its log. `rlhf replay` and `rlhf sft` are this
+trainer with another step: a dumped batch (`replay.py`), the supervised update on labelled records (`sft.py`).
 """
 
 from __future__ import annotations
@@ -54,10 +55,16 @@ from rlhf.stages.validate import run_validation
 
 log = get_logger("trainer")
 CONSOLE_KEYS = {"critic/score/mean": "reward", "val/score/mean@1": "val", "actor/pg_loss": "pg_loss",
-                "actor/entropy": "entropy", "response_length/mean": "resp_len", "timing_s/step": "step_s"}
+                "actor/entropy": "entropy", "sft/loss": "sft_loss", "response_length/mean": "resp_len",
+                "timing_s/step": "step_s"}
 
 
 class Trainer:
+    train_side_type: type[TrainSide] = TrainSide  # what `train(batch)` does (`rlhf sft`: the supervised update)
+    step_name = "rl"  # the progress bar's and the step's watchdog phase's name
+    steps_key = "trainer.total_steps"  # the setting the number of steps comes from (named when a run is done)
+    batch_key = "data.prompts_per_step"  # the setting the prompts per step come from (named in errors)
+
     def __init__(self, cfg: RlhfConfig, run_dir: RunDir) -> None:
         self.cfg, self.run_dir = cfg, run_dir
         self.watchdog = self._watchdog()
@@ -78,7 +85,7 @@ class Trainer:
         self.pad_token_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         self.loader = self._build_data()
         self.scorer = self._build_scorer()
-        roles = TrainRoles.from_config(cfg, algo, self.meshes, train_group)
+        roles = TrainRoles.from_config(cfg, algo, self.meshes, train_group, self.loader.prompts.records)
         engine, weight_sync = self._build_rollout(roles.actor)
         if engine is not None and algo.routing_replay == "r3":
             engine.record_routing = True  # a native engine (preflight checks): rollouts carry their routing
@@ -87,7 +94,7 @@ class Trainer:
                                     weights_shared=shares_weights(cfg, layouts))
         self.rollout_side = RolloutSide.from_config(cfg, algo, self.meshes, engine=engine, loader=self.loader,
                                                     scorer=self.scorer, memory=memory, pad_token_id=self.pad_token_id)
-        self.train_side = TrainSide.from_config(cfg, algo, roles, memory)
+        self.train_side = self.train_side_type.from_config(cfg, algo, roles, memory)
         self.boundary = Boundary.from_config(cfg, self.meshes["rollout"].layout, engine=engine,
                                              weight_sync=weight_sync, memory=memory)
         pipeline = (AsyncSchedule(self.meshes, cfg.trainer.max_staleness, train_group,
@@ -129,12 +136,17 @@ class Trainer:
             hook(batch, step)
 
     def _build_data(self) -> PromptLoader:
-        rollout = self.meshes["rollout"]
-        dp_rank = rollout.pgs.dp.rank() if rollout.is_member else 0
-        loader = PromptLoader(self.cfg.data, self.tokenizer, dp_rank=dp_rank, dp_size=rollout.layout.dp)
+        dp_rank, dp_size = self._loader_shard()
+        loader = PromptLoader(self.cfg.data, self.tokenizer, dp_rank=dp_rank, dp_size=dp_size,
+                              batch_key=self.batch_key)
         self.val = (load_prompts(self.cfg.data.val_files, self.tokenizer, self.cfg.data, label="data.val_files")
                     if self.cfg.data.val_files else None)
         return loader
+
+    def _loader_shard(self) -> tuple[int, int]:
+        """(dp rank, dp size) of the prompts this rank takes each step: its rollout replica's share."""
+        rollout = self.meshes["rollout"]
+        return (rollout.pgs.dp.rank() if rollout.is_member else 0), rollout.layout.dp
 
     def _build_rollout(self, actor: PolicyRole):
         """The rollout engine on its mesh and how the actor's weights reach it after each update.
@@ -200,7 +212,7 @@ class Trainer:
                 with watchdog.phase("resume", self.cfg.comm.setup_timeout_s):
                     start = self.checkpoints.resume()
                 if start >= cfg.total_steps:
-                    self._announce(lambda: [finished_notice(self.cfg, self.run_dir.path, start)])
+                    self._announce(lambda: [finished_notice(self.cfg, self.run_dir.path, start, self.steps_key)])
                     return []
                 self._announce(lambda: start_banner(
                     self.cfg, world_size=dist.get_world_size(), backend=str(dist.get_backend()),
@@ -222,9 +234,10 @@ class Trainer:
                     self.sink.write(0, values)
                     history.append(values)
                     log.info("before training: val/score/mean@1 = %.4f", values["val/score/mean@1"])
-                bar = progress(range(start + 1, cfg.total_steps + 1), desc="rl", total=cfg.total_steps - start)
+                bar = progress(range(start + 1, cfg.total_steps + 1), desc=self.step_name,
+                               total=cfg.total_steps - start)
                 for step in bar:
-                    with watchdog.phase(f"rl_step {step}"):
+                    with watchdog.phase(f"{self.step_name}_step {step}"):
                         history.append(self._step(step))
         finally:
             close_engine(self.rollout_side.engine)  # vLLM's teardown needs the process groups still alive

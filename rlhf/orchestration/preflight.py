@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -27,11 +28,14 @@ from rlhf.models.config import MoeConfig
 from rlhf.parallel.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes, plan_meshes
 from rlhf.run_dir import get_logger
 from rlhf.orchestration.async_schedule import check_async
-from rlhf.orchestration.setting_checks import check_algo_settings, check_metrics_endpoint, check_multiturn
+from rlhf.orchestration.setting_checks import (check_algo_settings, check_context_parallel, check_lora,
+                                               check_metrics_endpoint, check_multiturn)
 from rlhf.rollout.vllm_engine import INSTALL_HINT as VLLM_INSTALL_HINT
 from rlhf.orchestration.checks import (check_kv_cache, check_model_folders, check_resume_path, check_reward_tokenizer,
-                                 check_writable_folder, load_tokenizer, read_hf_config)
+                                       check_teacher_tokenizers, check_writable_folder, load_tokenizer,
+                                       read_hf_config, teacher_folders)
 from rlhf.stages.config import check_batch_sizes, check_budget_fits
+from rlhf.stages.distill import route_teachers
 from rlhf.data.tokenize import TokenizedPrompts
 from rlhf.stages.memory import check_sleep
 from rlhf.stages.scoring import Scorer
@@ -87,10 +91,12 @@ def mesh_config(cfg: RlhfConfig):
     needed = {"actor", "rollout"} | ({"ref"} if algo.uses_ref else set()) | ({"critic"} if algo.uses_critic else set())
     if cfg.reward.model_path:
         needed.add("reward")
+    if algo.distill.enable:
+        needed.add("teacher")
     roles = [role for role in ROLES if role in needed]
     if cfg.mesh.roles is not None and set(cfg.mesh.roles) != needed:
         why = {"ref": "algo.kl.coef > 0", "critic": "algo.advantage.kind=gae",
-               "reward": "reward.model_path set"}
+               "reward": "reward.model_path set", "teacher": "algo.distill.enable"}
         reasons = "; ".join(f"{role}: {why[role]}" for role in roles if role in why) or "no ref, critic or reward"
         raise ConfigError(f"mesh.roles={cfg.mesh.roles}, but this run uses {roles} ({reasons}): remove mesh.roles "
                           f"(the roles follow from algo and reward) or set mesh.roles={roles}")
@@ -110,7 +116,11 @@ def role_dims(cfg: RlhfConfig) -> dict[str, ModelDims]:
             raise ConfigError("algo.filter_groups.enable=true filters groups on rule rewards before training; it "
                               "cannot be combined with reward.model_path yet")
         dims["reward"] = model_dims(cfg.reward.model_path, "reward.model_path")
+    if cfg.algo.distill.enable:  # one layout for every teacher: it must divide them all
+        teachers = [model_dims(path, key) for key, path in teacher_folders(cfg)]
+        dims["teacher"] = ModelDims(*(math.gcd(*numbers) for numbers in zip(*teachers)))
     return dims
+
 
 
 def check_warmup(cfg: RlhfConfig, role: str) -> None:
@@ -163,7 +173,7 @@ def rollout_dtype(cfg: RlhfConfig) -> torch.dtype:
 
 def shares_weights(cfg: RlhfConfig, layouts: dict) -> bool:
     """The colocated native engine in the actor's own layout and dtype generates with the actor's parameter
-    tensors."""
+    tensors (a LoRA actor's adapters merged into its packed weights at each new policy version)."""
     return (cfg.rollout.engine == "native" and layouts["rollout"] == layouts["actor"]
             and rollout_dtype(cfg) == cfg.model.torch_dtype)
 
@@ -206,7 +216,8 @@ def check_moe_settings(cfg: RlhfConfig) -> None:
                           "model (no experts): they would do nothing; unset them")
 
 
-def _plan(cfg: RlhfConfig, world_size: int) -> dict:
+def plan_layouts(cfg: RlhfConfig, world_size: int) -> dict:
+    """Every role's layout for `world_size` ranks (pure; a ConfigError when they cannot be planned)."""
     return plan_meshes(mesh_config(cfg), world_size, model_dims(cfg.model.path), role_dims(cfg))
 
 
@@ -214,7 +225,7 @@ def check_layouts(cfg: RlhfConfig, world_size: int, problems: Problems | None = 
     """Every role's layout for `world_size` ranks, with the batch-split and memory-phase rules checked (pure);
     None (with the problem recorded) when the layouts cannot be planned."""
     with collecting(problems) as problems:
-        layouts = problems.check(_plan, cfg, world_size)
+        layouts = problems.check(plan_layouts, cfg, world_size)
         if layouts is None:
             return None
         check_batches(cfg, layouts, problems)
@@ -223,8 +234,9 @@ def check_layouts(cfg: RlhfConfig, world_size: int, problems: Problems | None = 
         problems.check(check_async, cfg, layouts, dataclasses.replace(cfg.algo, rollout_correction=correction))
         problems.check(check_routing_replay, cfg, layouts)
         problems.check(check_moe_settings, cfg)
-        problems.check(check_multiturn, cfg, layouts)
+        problems.check(check_multiturn, cfg)
         problems.check(check_algo_settings, cfg)
+        problems.check(check_lora, cfg)
     return layouts
 
 
@@ -240,13 +252,14 @@ def check_engine_installed(cfg: RlhfConfig) -> None:
 
 
 def position_models(cfg: RlhfConfig) -> list[tuple[str, str]]:
-    """(key, folder) of every model that reads prompt + response: policy (actor, ref, rollout), critic, reward."""
+    """(key, folder) of every model that reads prompt + response: policy (actor, ref, rollout), critic, reward,
+    teachers."""
     models = [("model.path", cfg.model.path)]
     if cfg.algo.uses_critic and cfg.model.critic_path:
         models.append(("model.critic_path", cfg.model.critic_path))
     if cfg.reward.model_path:
         models.append(("reward.model_path", cfg.reward.model_path))
-    return models
+    return models + teacher_folders(cfg)
 
 
 def check_positions(cfg: RlhfConfig, longest_prompt: int, label: str) -> None:
@@ -274,8 +287,9 @@ def length_policy_note(prompts: TokenizedPrompts, cfg: RlhfConfig, label: str) -
             f"tokens (data.truncation={cfg.data.truncation})")
 
 
-def _check_data(cfg: RlhfConfig, problems: Problems) -> list[str]:
-    """Tokenizer, prompt files, their lengths against the models and the KV cache, reward sources; the notes."""
+def _check_data(cfg: RlhfConfig, problems: Problems, batch_key: str) -> list[str]:
+    """Tokenizer, prompt files, their lengths against the models and the KV cache, reward sources; the notes.
+    `batch_key` names the setting the prompts per step come from."""
     problems.check(check_dataset_files, cfg.data.train_files, "data.train_files")
     if cfg.data.val_files:
         problems.check(check_dataset_files, cfg.data.val_files, "data.val_files")
@@ -285,12 +299,15 @@ def _check_data(cfg: RlhfConfig, problems: Problems) -> list[str]:
     if tokenizer is None:
         return []
     problems.check(check_reward_tokenizer, cfg, tokenizer)
+    problems.check(check_teacher_tokenizers, cfg, tokenizer)
     if cfg.multiturn.enable:  # tool config, agent file, the template and the tool-call tokens
         problems.check(MultiTurnRollout.from_config, cfg.multiturn, tokenizer)
     train = problems.check(load_prompts, cfg.data.train_files, tokenizer, cfg.data)
     if train is not None:  # enough prompts for one step (the dp split is check_batch_sizes')
         problems.check(PromptSampler, num_samples=len(train.records), global_batch_size=cfg.data.prompts_per_step,
-                       dp_rank=0, dp_size=1, seed=cfg.data.seed)
+                       dp_rank=0, dp_size=1, seed=cfg.data.seed, batch_key=batch_key)
+        if cfg.algo.distill.enable:
+            problems.check(route_teachers, cfg.algo.distill, train.records)
     val = (problems.check(load_prompts, cfg.data.val_files, tokenizer, cfg.data, label="data.val_files")
            if cfg.data.val_files else None)
     sets = [(prompts, label) for prompts, label in ((train, "data.train_files"), (val, "data.val_files")) if prompts]
@@ -305,19 +322,20 @@ def _check_data(cfg: RlhfConfig, problems: Problems) -> list[str]:
     return [note for prompts, label in sets if (note := length_policy_note(prompts, cfg, label))]
 
 
-def preflight(cfg: RlhfConfig, world_size: int) -> list[str]:
+def preflight(cfg: RlhfConfig, world_size: int, batch_key: str = "data.prompts_per_step") -> list[str]:
     """Every input check that needs no process group, run before the run folder exists: bad input writes nothing.
     All problems are raised at once (see `Problems.raise_all`); returns the notes worth a line (prompts the
-    length policy dropped or cut)."""
+    length policy dropped or cut). `batch_key`: the setting the prompts per step come from (`rlhf sft`'s own)."""
     problems = Problems()
     problems.check(check_metrics_endpoint, cfg)
     problems.check(check_writable_folder, cfg.run.output_dir, "run.output_dir")
     problems.check(check_resume_path, cfg.checkpoint.resume)
     problems.check(check_loggers, cfg.trainer.loggers)
     problems.check(check_engine_installed, cfg)
+    problems.check(check_context_parallel, cfg)
     check_layouts(cfg, world_size, problems)
     problems.check(check_model_folders, cfg)
-    notes = _check_data(cfg, problems)
+    notes = _check_data(cfg, problems, batch_key)
     problems.raise_all()
     return notes
 

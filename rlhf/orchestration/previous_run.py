@@ -114,10 +114,12 @@ def check_same_models(cfg: RlhfConfig, folder: Path, manifest: dict) -> None:
             raise ConfigError(f"checkpoint {folder} holds another {role} model ({'; '.join(differ)}); {cause}")
 
 
-def finished_notice(cfg: RlhfConfig, run_folder: Path, start_step: int) -> str:
-    """A relaunched run that has nothing left to do says so (it used to print an empty progress bar)."""
-    return (f"{run_folder} already finished: its checkpoint is at step {start_step} and trainer.total_steps="
-            f"{cfg.trainer.total_steps}; raise trainer.total_steps to train on, or start afresh with another "
+def finished_notice(cfg: RlhfConfig, run_folder: Path, start_step: int,
+                    steps_key: str = "trainer.total_steps") -> str:
+    """A relaunched run that has nothing left to do says so (it used to print an empty progress bar);
+    `steps_key` names the setting its step count came from (`rlhf sft`: sft.steps)."""
+    return (f"{run_folder} already finished: its checkpoint is at step {start_step} and {steps_key}="
+            f"{cfg.trainer.total_steps}; raise {steps_key} to train on, or start afresh with another "
             "run.name (or checkpoint.resume=none)")
 
 

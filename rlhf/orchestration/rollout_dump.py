@@ -3,7 +3,9 @@
 
 One row per rollout: prompt and response ids and text, the rollout's token logprobs, the sequence score, the
 advantages, each token's policy version and staleness (versions behind the actor at step N, N - 1), data_source,
-uid (the prompt's dataset index) and group. The step's batch is already gathered on every rank that trains
+uid (the prompt's dataset index) and group; where responses have interior zeros (multi-turn: tool output and
+template tokens) the loss mask (1 on the tokens the policy sampled); with the multi-turn `fork` history each row's
+trajectory in its group (a forked trajectory's rows share it). The step's batch is already gathered on every rank that trains
 (`gather_global_batch`), so one of them (rank 0; async: the first training rank) writes it, no collective.
 Plain parquet columns only (never pickle); the file's metadata holds the format name, the pad token and the
 response width.
@@ -37,6 +39,11 @@ def _rows(values_bt: torch.Tensor, lengths_b: torch.Tensor, start_b: torch.Tenso
             for row, (start, length) in enumerate(zip(starts, lengths_b.tolist()))]
 
 
+def _length_mask(lengths_b: torch.Tensor, width: int) -> torch.Tensor:
+    """bool [B, width]: the first `lengths_b` tokens of each response."""
+    return torch.arange(width)[None, :] < lengths_b[:, None]
+
+
 def batch_table(batch: ScoredBatch, step: int, records: dict[int, PromptRecord], tokenizer: Any):
     """The batch as a pyarrow table (one row per rollout) with the dump's metadata."""
     import pyarrow as pa
@@ -62,6 +69,11 @@ def batch_table(batch: ScoredBatch, step: int, records: dict[int, PromptRecord],
         "score": pa.array(batch.scores_b.tolist(), pa.float32()),
         "truncated": pa.array(batch.truncated_b.tolist(), pa.bool_()),
     }
+    if not torch.equal(batch.response_mask_bt, _length_mask(batch.response_lengths_b, batch.response_width)):
+        # interior zeros (multi-turn); without them the lengths say it all (single-turn dumps stay as they were)
+        columns["loss_mask"] = pa.array(_rows(batch.response_mask_bt, batch.response_lengths_b), pa.list_(pa.bool_()))
+    if batch.trajectory_index_b is not None:
+        columns["trajectory"] = pa.array(batch.trajectory_index_b.tolist(), pa.int64())
     for name, field in (("rollout_logprobs", "rollout_logprobs_bt"), ("old_logprobs", "old_logprobs_bt"),
                         ("ref_logprobs", "ref_logprobs_bt"), ("values", "values_bt"), ("advantages", "advantages_bt")):
         values_bt = getattr(batch, field)
@@ -133,10 +145,12 @@ def check_dumps(folder: str | Path, *, num_steps: int, rows_per_step: int) -> li
     for path in files[:num_steps]:
         parquet = _open(path)
         check_footer(path, parquet.schema_arrow)
-        if parquet.metadata.num_rows != rows_per_step:
-            raise ConfigError(f"rollout dump {path} has {parquet.metadata.num_rows} rollouts, but "
-                              f"data.prompts_per_step x sampling.n = {rows_per_step}; replay with the config of "
-                              f"the run that wrote it")
+        rows = parquet.metadata.num_rows
+        forked = "trajectory" in parquet.schema_arrow.names  # forked trajectories: whole multiples of the step
+        if not (rows > 0 and rows % rows_per_step == 0 if forked else rows == rows_per_step):
+            raise ConfigError(f"rollout dump {path} has {rows} rollouts, but data.prompts_per_step x sampling.n = "
+                              f"{rows_per_step}{' (or a multiple: forked trajectories)' if forked else ''}; replay "
+                              "with the config of the run that wrote it")
     return files[:num_steps]
 
 
@@ -158,7 +172,9 @@ def read_dump(path: Path, vocab_size: int, max_positions: int) -> RolloutBatch:
     sequences = [p + r for p, r in zip(prompt_ids, response_ids)]
     lengths_b = torch.tensor([len(r) for r in response_ids], dtype=torch.long)
     width = max(int(meta["response_width"]), int(lengths_b.max()) if len(lengths_b) else 1)
-    mask_bt = torch.arange(width)[None, :] < lengths_b[:, None]
+    mask_bt = (_padded(table["loss_mask"], width, torch.bool) if "loss_mask" in table  # absent: no interior zeros
+               else _length_mask(lengths_b, width))
+    trajectory_b = torch.tensor(table["trajectory"], dtype=torch.long) if "trajectory" in table else None
     pad = int(meta["pad_token_id"])
     return RolloutBatch(
         tokens_bs=_padded(sequences, max(2, max(map(len, sequences))), torch.long, pad),
@@ -168,7 +184,7 @@ def read_dump(path: Path, vocab_size: int, max_positions: int) -> RolloutBatch:
         rollout_logprobs_bt=_padded(table["rollout_logprobs"], width, torch.float32),
         truncated_b=torch.tensor(table["truncated"], dtype=torch.bool),
         scores_b=torch.tensor(table["score"], dtype=torch.float32),
-        sample_index_b=torch.tensor(table["uid"], dtype=torch.long),
+        sample_index_b=torch.tensor(table["uid"], dtype=torch.long), trajectory_index_b=trajectory_b,
         policy_version_bt=_padded(table["policy_version"], width, torch.int32),
         baseline_scores_b=None, routed_experts_bslk=None, pad_token_id=pad)
 

@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 
 from rlhf.agents.batch import to_rows
-from rlhf.agents.rollout import MultiTurnResult, MultiTurnRollout
+from rlhf.agents.config import HistoryPolicy
+from rlhf.agents.rollout import TOTALS, MultiTurnResult, MultiTurnRollout
+from rlhf.agents.scheduler import TpRelay
 from rlhf.algo.advantages import AdvantageKind
 from rlhf.algo.config import OverlongBufferConfig
 from rlhf.algo.dapo import overlong_penalty
@@ -78,7 +80,7 @@ class RolloutSide:
                    active=mesh.is_member or not is_async,
                    round_group=mesh.pgs.layout_all if is_async and mesh.is_member else None,
                    partial_tokens=cfg.trainer.partial_rollout_tokens,
-                   multiturn=(MultiTurnRollout.from_config(cfg.multiturn, scorer.tokenizer)
+                   multiturn=(MultiTurnRollout.from_config(cfg.multiturn, scorer.tokenizer, TpRelay.over(mesh.pgs.tp))
                               if cfg.multiturn.enable and mesh.is_member else None))
 
     def generate(self, index: int, metrics: StepMetrics) -> RolloutShare:
@@ -126,9 +128,10 @@ class RolloutSide:
             params = self.sampling.train_params(index, gen_round)
             if self.multiturn is not None:
                 result = self.multiturn.collect(self.engine, prompts.records, params, self.pad_token_id)
-                metrics.update(result.metrics())
-                if not is_contributor(self.layout, dist.get_rank()):
+                if result is None:  # a TP rank that followed its leader's engine calls
                     return None
+                for name, value in result.metrics().items():
+                    metrics.add(name, value, "sum" if name in TOTALS else "mean")
                 return self._agent_batch(prompts, result)
             prompt_batch = self._prompt_batch(prompts)
             rollouts = self.engine.generate(prompt_batch, params)
@@ -179,10 +182,12 @@ class RolloutSide:
                                      self.algo.overlong_buffer)
         sample_index_b = torch.tensor([record.index for record in prompts.records],
                                       dtype=torch.long)[rows.group_index_b]
+        forks = self.multiturn.limits.history is HistoryPolicy.FORK  # a trajectory may be several rows
         return RolloutBatch(tokens_bs=rows.tokens_bs, prompt_lengths_b=rows.prompt_lengths_b,
                             response_lengths_b=rows.response_lengths_b, response_mask_bt=rows.loss_mask_bt,
                             pad_token_id=self.pad_token_id, group_index_b=rows.group_index_b,
                             sample_index_b=sample_index_b, loss_mask_bt=rows.loss_mask_bt,
+                            trajectory_index_b=rows.trajectory_index_b if forks else None,
                             rollout_logprobs_bt=rows.rollout_logprobs_bt, policy_version_bt=rows.policy_version_bt,
                             truncated_b=rows.truncated_b, scores_b=scores_b, baseline_scores_b=None,
                             routed_experts_bslk=None)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from rlhf.agents.config import MultiTurnConfig
 from rlhf.data.config import DataConfig
+from rlhf.models.config import LoraConfig
 from rlhf.ops.config import AlertsConfig, MetricsConfig
 from rlhf.parallel.config import CommConfig, DistConfig, MeshConfig
 from rlhf.rewards.config import RewardConfig
@@ -22,6 +23,7 @@ class RlhfConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

@@ -1,5 +1,6 @@
 """Preflight checks of settings that run but cannot mean anything, or do not run where a run asks for them yet:
-algorithms the step does not feed, multi-turn beyond what is tested, a metrics endpoint that cannot bind. Each
+algorithms the step does not feed, multi-turn beyond what is tested, context parallelism (laid out, not yet in
+the forwards), a metrics endpoint that cannot bind. Each
 raises one ConfigError naming the setting and the fix (`preflight` collects them)."""
 
 from __future__ import annotations
@@ -7,18 +8,16 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from rlhf.agents.config import HistoryPolicy
-from rlhf.algo.advantages import AdvantageKind
+from rlhf.algo.advantages import TRAJECTORY_KINDS, AdvantageKind
 from rlhf.errors import ConfigError
 from rlhf.ops.prometheus import check_listen
 from rlhf.orchestration.schema import RlhfConfig
+from rlhf.parallel.config import ROLES
 from rlhf.parallel.wire import broadcast_json
 
 # registered (and verl-parity tested) but fed by inputs the RL step does not compute yet: refused before anything
 # starts, not at the first update. (key, kind, what it needs)
-UNWIRED = (("algo.policy_loss.kind", "clip_cov", "the step's global covariance token selection"),
-           ("algo.policy_loss.kind", "kl_cov", "the step's global covariance token selection"),
-           ("algo.advantage.kind", "gdpo", "per-component rewards from the scorer"),
-           ("algo.advantage.kind", "optimal_token_baseline", "the old-logprob forward's sum of squared probabilities"))
+UNWIRED = (("algo.advantage.kind", "gdpo", "per-component rewards from the scorer"),)
 
 
 def check_algo_settings(cfg: RlhfConfig) -> None:
@@ -30,6 +29,8 @@ def check_algo_settings(cfg: RlhfConfig) -> None:
         if chosen[key] == kind:
             raise ConfigError(f"{key}={kind} is not usable in the RL step yet: it needs {needs}, which the step does "
                               "not compute; choose another kind")
+    if algo.advantage.kind is AdvantageKind.OPTIMAL_TOKEN_BASELINE:
+        check_optimal_token_baseline(cfg)
     if algo.filter_groups.enable and sampling.n < 2:
         raise ConfigError(f"algo.filter_groups.enable=true keeps only groups whose rewards differ, but sampling.n="
                           f"{sampling.n} makes every group a single sample: no group is ever kept; set sampling.n >= 2 "
@@ -40,24 +41,66 @@ def check_algo_settings(cfg: RlhfConfig) -> None:
                           f"response; set algo.overlong_buffer.len <= {sampling.max_new_tokens}")
 
 
-def check_multiturn(cfg: RlhfConfig, layouts: dict) -> None:
-    """Multi-turn rollouts run where they are tested: native engine at rollout tp=1, synchronous, one row per
-    trajectory (the `append` history policy), no rollout dumps yet."""
+def check_optimal_token_baseline(cfg: RlhfConfig) -> None:
+    """The optimal token baseline reads sum_v pi(v)^2 from the actor's own old-logprob forward, which the fused
+    head computes (rollout correction's bypass mode skips that forward)."""
+    key = "algo.advantage.kind=optimal_token_baseline"
+    if not cfg.model.fused_head:
+        raise ConfigError(f"{key} reads each position's sum of squared probabilities from the fused LM head; set "
+                          "model.fused_head=true")
+    correction = cfg.algo.rollout_correction
+    if correction.bypass_mode and correction.enable is not False:
+        raise ConfigError(f"{key} reads the actor's old-logprob forward, which algo.rollout_correction.bypass_mode="
+                          "true skips; set bypass_mode=false or choose another estimator")
+
+
+def check_context_parallel(cfg: RlhfConfig) -> None:
+    """cp > 1 plans (process groups, `rlhf plan`'s memory table) but no forward splits sequences yet."""
+    for role in ROLES:
+        cp = getattr(cfg.mesh, role).cp
+        if cp > 1:
+            raise ConfigError(f"mesh.{role}.cp={cp}: context parallelism is laid out (process groups, rlhf plan) but "
+                              f"no forward splits sequences yet; set mesh.{role}.cp=1")
+
+
+def check_lora(cfg: RlhfConfig) -> None:
+    """LoRA runs where it is built and tested: adapter weights synced merged, the ref as the actor's base (so no
+    routing replay, whose recorder the two would share), the actor's params resident for the ref's forward."""
+    if not cfg.lora.enabled:
+        return
+    not_yet = [(cfg.lora.sync == "adapter", "lora.sync=adapter (adapter-only weight sync)", "lora.sync=merged"),
+               (cfg.algo.routing_replay != "none", f"algo.routing_replay={cfg.algo.routing_replay}",
+                "algo.routing_replay=none"),
+               (cfg.actor.optim.offload, "actor.optim.offload=true (the ref runs on the actor's parameters)",
+                "actor.optim.offload=false")]
+    for refused, setting, fix in not_yet:
+        if refused:
+            raise ConfigError(f"lora.enabled=true does not run with {setting} yet; use {fix}")
+
+
+def check_multiturn(cfg: RlhfConfig) -> None:
+    """Multi-turn rollouts run where they are tested: native or vLLM engine (any rollout tp, colocated or split,
+    sync or one step off without partial rollouts); the `fork` history with an outcome estimator, no KL in reward."""
     if not cfg.multiturn.enable:
         return
-    not_yet = [(cfg.rollout.engine != "native", f"rollout.engine={cfg.rollout.engine}", "rollout.engine=native"),
-               (layouts["rollout"].tp > 1, f"mesh.rollout.tp={layouts['rollout'].tp} (every tp rank would run the "
-                                           "tools)", "mesh.rollout.tp=1"),
-               (cfg.trainer.is_async, f"trainer.async_mode={cfg.trainer.async_mode}", "trainer.async_mode=off"),
+    not_yet = [(cfg.trainer.partial_rollout_tokens > 0, f"trainer.partial_rollout_tokens="
+                f"{cfg.trainer.partial_rollout_tokens} (a turn is not continued across a weight push)",
+                "trainer.partial_rollout_tokens=0"),
                (cfg.algo.advantage.kind == AdvantageKind.REMAX, "algo.advantage.kind=remax (its greedy baseline is "
-                                                                "one response)", "another estimator"),
-               (cfg.multiturn.limits.history is HistoryPolicy.FORK, "multiturn.limits.history=fork (a trajectory of "
-                                                              "several rows)", "multiturn.limits.history=append"),
-               (cfg.trainer.dump_rollouts, "trainer.dump_rollouts=true (dumps hold no loss mask yet)",
-                "trainer.dump_rollouts=false")]
+                                                                "one response)", "another estimator")]
     for refused, setting, fix in not_yet:
         if refused:
             raise ConfigError(f"multiturn.enable=true does not run with {setting} yet; use {fix}")
+    if cfg.multiturn.limits.history is HistoryPolicy.FORK:  # one advantage for all rows of a trajectory
+        kind = cfg.algo.advantage.kind
+        if kind not in TRAJECTORY_KINDS:
+            raise ConfigError(f"multiturn.limits.history=fork gives a trajectory several rows, which "
+                              f"algo.advantage.kind={kind.value} cannot score as one; use one of "
+                              f"{', '.join(k.value for k in TRAJECTORY_KINDS)} or multiturn.limits.history=append")
+        if cfg.algo.kl.use_in_reward:
+            raise ConfigError("multiturn.limits.history=fork with algo.kl.use_in_reward=true would give the rows "
+                              "of one trajectory different rewards; use the KL loss (algo.kl.use_in_reward=false) "
+                              "or multiturn.limits.history=append")
 
 
 def check_metrics_endpoint(cfg: RlhfConfig) -> None:

@@ -76,7 +76,7 @@ class StepDriver:
         return self._report(metrics, scored, step)
 
     def _train(self, batch: RolloutBatch, step: int, metrics: StepMetrics) -> ScoredBatch:
-        scored = self.train.train(batch, metrics)
+        scored = self.train.train(batch, metrics, step)
         with metrics.timer("on_scored"):
             self.on_scored(scored, step)
         return scored

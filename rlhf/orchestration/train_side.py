@@ -2,8 +2,12 @@
 
   RolloutBatch ──► reward model (on its mesh, when configured)
                ──► actor old logprobs (or the rollout's, bypass) · ref logprobs · critic values
-               ──► advantages (GAE | GRPO | RLOO | REINFORCE++ | ReMax), KL in reward
-               ──► rollout correction weights / rejection, overlong filtering (the actor's final loss mask)
+               ──► KL in reward · rollout correction weights / rejection, overlong filtering (the actor's final
+                   loss mask)
+               ──► advantages (GAE | GRPO | RLOO | REINFORCE++ | ReMax | OPO | GPG | pass@k | optimal token
+                   baseline: old logprobs, sum_v pi^2 and correction weights)
+               ──► distillation: teacher logprobs, + coef x (teacher - student) per sampled token
+               ──► Clip-Cov / KL-Cov: the step's high-covariance tokens (global batch, old logprobs)
                ──► ScoredBatch ──► actor.update · critic.update
 
 Every rank runs it on the global batch (roles this rank is not in only take part in their gathers).
@@ -12,23 +16,28 @@ Every rank runs it on the global batch (roles this rank is not in only take part
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from rlhf.algo.advantages import AdvantageInputs, compute_advantages, scores_to_token_rewards
+from rlhf.algo.advantages import (AdvantageInputs, AdvantageKind, compute_advantages, scores_to_token_rewards,
+                                  trajectory_advantages)
 from rlhf.algo.dapo import overlong_penalty
 from rlhf.algo.groups import Groups
 from rlhf.algo.kl import KLController, apply_kl_in_reward
+from rlhf.algo.policy_loss_cov import COVARIANCE_KINDS, covariance_selection
 from rlhf.algo.rollout_correction import rollout_correction
 from rlhf.algo.value_loss import explained_variance
+from rlhf.data.records import PromptRecord
 from rlhf.metrics import StepMetrics
 from rlhf.orchestration.rollout_side import shaped_scores
 from rlhf.orchestration.schema import RlhfConfig
 from rlhf.parallel.meshes import RoleMeshes
-from rlhf.stages.batch import RolloutBatch, ScoredBatch
+from rlhf.stages.batch import RolloutBatch, ScoredBatch, pad_to_multiple
 from rlhf.stages.config import AlgoConfig, UpdateConfig
+from rlhf.stages.distill import DistillStage
 from rlhf.stages.memory import MemoryPhases
 from rlhf.stages.roles import CriticRole, PolicyRole, RewardModelRole
 
@@ -41,21 +50,27 @@ class TrainRoles:
     ref: PolicyRole | None
     critic: CriticRole | None
     reward_model: RewardModelRole | None
+    distill: DistillStage | None  # the distillation teachers (algo.distill)
 
     @classmethod
     def from_config(cls, cfg: RlhfConfig, algo: AlgoConfig, meshes: RoleMeshes,
-                    gather_group: dist.ProcessGroup | None) -> TrainRoles:
-        """Every role on its mesh (collective); `gather_group`: the ranks that gather their outputs (async)."""
+                    gather_group: dist.ProcessGroup | None, records: Sequence[PromptRecord]) -> TrainRoles:
+        """Every role on its mesh (collective); `gather_group`: the ranks that gather their outputs (async);
+        `records`: the training prompts (the teachers' routes)."""
         model, moe = cfg.model, cfg.model.moe.build_kwargs()
         policy = dict(fused_head=model.fused_head, temperature=cfg.sampling.logprob_temperature,
                       params_dtype=model.torch_dtype, moe_kwargs=moe, gather_group=gather_group,
                       routing_replay=algo.routing_replay, seed=cfg.dist.seed)
+        lora = cfg.lora if cfg.lora.enabled else None
         actor = PolicyRole("actor", meshes["actor"], model.path, update=cfg.actor, recompute=model.recompute,
-                           total_steps=cfg.trainer.total_steps * cfg.actor.epochs * cfg.actor.mini_batches, **policy)
-        ref = (PolicyRole("ref", meshes["ref"], model.path, update=None, total_steps=0,
+                           total_steps=cfg.trainer.total_steps * cfg.actor.epochs * cfg.actor.mini_batches,
+                           lora=lora, **policy)
+        # with LoRA the reference policy is the actor's base: its own model with the adapters off
+        ref = (PolicyRole("ref", meshes["actor" if lora else "ref"], model.path, update=None, total_steps=0,
                           micro_batch_size=cfg.ref.micro_batch_size, offload_frozen=cfg.ref.offload,
                           max_tokens_per_microbatch=(cfg.ref.max_tokens_per_microbatch,
-                                                     "ref.max_tokens_per_microbatch"), **policy)
+                                                     "ref.max_tokens_per_microbatch"),
+                          base_of=actor if lora else None, **policy)
                if algo.uses_ref else None)
         critic = (CriticRole("critic", meshes["critic"], model.critic_path or model.path, update=cfg.critic,
                              value_head=True, seed=cfg.dist.seed + 1, params_dtype=model.torch_dtype,
@@ -69,10 +84,14 @@ class TrainRoles:
                                         value_head=True, offload_frozen=cfg.reward.model_offload,
                                         params_dtype=model.torch_dtype, gather_group=gather_group)
                         if cfg.reward.model_path else None)
-        return cls(actor=actor, ref=ref, critic=critic, reward_model=reward_model)
+        distill = (DistillStage(algo.distill, meshes["teacher"], records, **policy)
+                   if algo.distill.enable else None)
+        return cls(actor=actor, ref=ref, critic=critic, reward_model=reward_model, distill=distill)
 
     def by_name(self) -> dict[str, PolicyRole | CriticRole | RewardModelRole | None]:
-        return {"actor": self.actor, "critic": self.critic, "ref": self.ref, "reward": self.reward_model}
+        teachers = {f"teacher{number}": teacher
+                    for number, teacher in enumerate(self.distill.teachers if self.distill else [])}
+        return {"actor": self.actor, "critic": self.critic, "ref": self.ref, "reward": self.reward_model} | teachers
 
 
 @dataclass(kw_only=True, eq=False)
@@ -83,22 +102,28 @@ class TrainSide:
     ref: PolicyRole | None
     critic: CriticRole | None
     reward_model: RewardModelRole | None
+    distill: DistillStage | None
     algo: AlgoConfig
     actor_update: UpdateConfig
     kl_controller: KLController  # adaptive KL in reward: part of the checkpoint
     max_new_tokens: int
     memory: MemoryPhases
+    seed: int  # Clip-Cov's token draw: seeded by (seed, step), so a resumed step draws the same tokens
+    step_rows: int  # prompts_per_step x n: a batch of forked multi-turn trajectories is padded to a multiple
 
     @classmethod
     def from_config(cls, cfg: RlhfConfig, algo: AlgoConfig, roles: TrainRoles, memory: MemoryPhases) -> TrainSide:
         return cls(actor=roles.actor, ref=roles.ref, critic=roles.critic, reward_model=roles.reward_model,
-                   algo=algo, actor_update=cfg.actor, kl_controller=KLController.from_config(algo.kl),
-                   max_new_tokens=cfg.sampling.max_new_tokens, memory=memory)
+                   distill=roles.distill, algo=algo, actor_update=cfg.actor,
+                   kl_controller=KLController.from_config(algo.kl), max_new_tokens=cfg.sampling.max_new_tokens,
+                   memory=memory, seed=cfg.dist.seed, step_rows=cfg.data.prompts_per_step * cfg.sampling.n)
 
-    def train(self, batch: RolloutBatch, metrics: StepMetrics) -> ScoredBatch:
-        """The global batch scored by every model role, then the actor and critic updates on it."""
+    def train(self, batch: RolloutBatch, metrics: StepMetrics, step: int) -> ScoredBatch:
+        """The global batch of step `step` scored by every model role, then the actor and critic updates on it."""
+        if batch.trajectory_index_b is not None:  # forked trajectories' extra rows: the update still splits evenly
+            batch = pad_to_multiple(batch, self.step_rows)
         with self.memory.training(metrics):
-            scored = self.score(batch, metrics)
+            scored = self.score(batch, metrics, step)
             with metrics.timer("update_actor"):
                 metrics.update_from_shards(self.actor.update(scored, self.algo))
             if self.critic is not None:
@@ -106,18 +131,21 @@ class TrainSide:
                     metrics.update_from_shards(self.critic.update(scored, self.algo))
         return scored
 
-    def score(self, batch: RolloutBatch, metrics: StepMetrics) -> ScoredBatch:
-        """Reward model, old / ref logprobs, values, advantages and the actor's loss weights and mask."""
+    def score(self, batch: RolloutBatch, metrics: StepMetrics, step: int) -> ScoredBatch:
+        """Reward model, old / ref logprobs, values, advantages and the actor's loss weights and mask (and
+        Clip-Cov / KL-Cov's tokens, drawn with a generator seeded by the step)."""
         algo = self.algo
         if self.reward_model is not None:
             with metrics.timer("reward"):
                 batch = dataclasses.replace(batch, scores_b=shaped_scores(
                     self.reward_model.scores(batch), batch.response_lengths_b, self.max_new_tokens,
                     algo.overlong_buffer))
-        old_bt = None
+        old_bt = sum_pi_squared_bt = None
         if needs_old_logprobs(algo, self.actor_update):
             with metrics.timer("old_log_prob"):
-                old_bt = self.actor.logprobs(batch)
+                old_bt = self.actor.logprobs(batch, with_sum_pi_squared=needs_sum_pi_squared(algo))
+            if needs_sum_pi_squared(algo):
+                old_bt, sum_pi_squared_bt = old_bt.unbind(-1)
             if self.actor.records_routing:  # R2: the update replays the old-logprob forward's routing
                 batch = dataclasses.replace(batch, routed_experts_bslk=self.actor.recorded_routing_bslk)
             for name, value in self.actor.routing_metrics.items():  # routing replay R3: rollout vs. training
@@ -133,13 +161,24 @@ class TrainSide:
                 values_bt = self.critic.values(batch)
         with metrics.timer("adv"):
             token_rewards_bt = self._token_rewards(batch, old_bt, ref_bt, metrics)
-            result = compute_advantages(algo.advantage, AdvantageInputs(
-                token_rewards_bt=token_rewards_bt, response_mask_bt=batch.response_mask_bt, values_bt=values_bt,
-                baseline_scores_b=batch.baseline_scores_b, groups=Groups.from_index(batch.group_index_b)))
             is_weights_bt, loss_mask_bt = loss_filters(batch, old_bt, algo, metrics)
+            inputs = AdvantageInputs(token_rewards_bt=token_rewards_bt, response_mask_bt=batch.response_mask_bt,
+                                     values_bt=values_bt, baseline_scores_b=batch.baseline_scores_b,
+                                     groups=Groups.from_index(batch.group_index_b), old_logprobs_bt=old_bt,
+                                     sum_pi_squared_bt=sum_pi_squared_bt, is_weights_bt=is_weights_bt)
+            result = (compute_advantages(algo.advantage, inputs) if batch.trajectory_index_b is None
+                      else trajectory_advantages(algo.advantage, inputs, batch.trajectory_index_b))
+        teacher_bt, advantages_bt = None, result.advantages_bt
+        if self.distill is not None:
+            teacher_bt, advantages_bt = self.distill.advantages(batch, old_bt, advantages_bt, metrics)
+        cov_selected_bt = None
+        if algo.policy_loss.kind in COVARIANCE_KINDS:  # once per step on the global batch: DP / micro-batch free
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+            cov_selected_bt = covariance_selection(algo.policy_loss, advantages_bt, old_bt, loss_mask_bt, generator)
         return ScoredBatch.of(batch, old_logprobs_bt=old_bt, ref_logprobs_bt=ref_bt, values_bt=values_bt,
-                              token_rewards_bt=token_rewards_bt, advantages_bt=result.advantages_bt,
-                              returns_bt=result.returns_bt, is_weights_bt=is_weights_bt, loss_mask_bt=loss_mask_bt)
+                              token_rewards_bt=token_rewards_bt, advantages_bt=advantages_bt,
+                              returns_bt=result.returns_bt, is_weights_bt=is_weights_bt, loss_mask_bt=loss_mask_bt,
+                              teacher_logprobs_bt=teacher_bt, cov_selected_bt=cov_selected_bt)
 
     def _token_rewards(self, batch: RolloutBatch, old_bt: torch.Tensor | None, ref_bt: torch.Tensor | None,
                        metrics: StepMetrics) -> torch.Tensor:
@@ -170,10 +209,17 @@ def bypasses_old_logprobs(algo: AlgoConfig) -> bool:
 
 def needs_old_logprobs(algo: AlgoConfig, update: UpdateConfig) -> bool:
     """Skipped when bypassed, or when the update is strictly on-policy and nothing else (KL in reward,
-    decoupled rollout correction) reads them."""
+    decoupled rollout correction, distillation's student logprobs, the optimal token baseline, Clip-Cov / KL-Cov's
+    covariance) reads them."""
     if bypasses_old_logprobs(algo):
         return False
-    return update.old_logprobs_forward or algo.kl.use_in_reward or algo.rollout_correction.needs_old_logprobs
+    return (update.old_logprobs_forward or algo.kl.use_in_reward or algo.rollout_correction.needs_old_logprobs
+            or algo.distill.enable or needs_sum_pi_squared(algo) or algo.policy_loss.kind in COVARIANCE_KINDS)
+
+
+def needs_sum_pi_squared(algo: AlgoConfig) -> bool:
+    """The optimal token baseline reads the old-logprob forward's sum_v pi(v)^2 per position."""
+    return algo.advantage.kind is AdvantageKind.OPTIMAL_TOKEN_BASELINE
 
 
 def loss_filters(batch: RolloutBatch, old_bt: torch.Tensor | None, algo: AlgoConfig,

@@ -53,7 +53,7 @@ class CommConfig:
                 raise ConfigError(f"comm.{name}={getattr(self, name)} must be > 0 seconds")
 
 
-ROLES = ("actor", "critic", "ref", "reward", "rollout")
+ROLES = ("actor", "critic", "ref", "reward", "rollout", "teacher")
 
 
 @dataclass(kw_only=True)
@@ -64,11 +64,12 @@ class RoleLayoutConfig:
 
     tp: int = 1  # tensor-parallel size
     pp: int = 1  # pipeline-parallel size (rollout: 1)
-    ep: int = 1  # expert-parallel size of a MoE model, within the role's dp ranks
+    ep: int = 1  # expert-parallel size of a MoE model, within the role's cp x dp ranks
+    cp: int = 1  # context-parallel size: each sequence split over this many ranks (training roles)
     ranks: list[int] | None = None  # split placement only: the role's ranks as [first, end)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "ep"):
+        for name in ("tp", "pp", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.ranks is not None and (len(self.ranks) != 2 or not 0 <= self.ranks[0] < self.ranks[1]):
@@ -82,13 +83,14 @@ class MeshConfig:
     # colocated: every role on every rank; split: roles on disjoint rank ranges
     placement: Literal["colocated", "split"] = "colocated"
     # roles that exist; null: those the run uses (actor and rollout always; critic for gae, ref for KL, reward for
-    # reward.model_path); `rlhf train` refuses a list that names others
+    # reward.model_path, teacher for algo.distill); `rlhf train` refuses a list that names others
     roles: list[str] | None = None
     actor: RoleLayoutConfig = field(default_factory=RoleLayoutConfig)
     critic: RoleLayoutConfig = field(default_factory=RoleLayoutConfig)
     ref: RoleLayoutConfig = field(default_factory=RoleLayoutConfig)
     reward: RoleLayoutConfig = field(default_factory=RoleLayoutConfig)
     rollout: RoleLayoutConfig = field(default_factory=RoleLayoutConfig)
+    teacher: RoleLayoutConfig = field(default_factory=RoleLayoutConfig)  # every distillation teacher's layout
 
     def __post_init__(self) -> None:
         if self.roles is not None:

@@ -50,8 +50,9 @@ class GroupCache:
 def build_layout_groups(layout: ParallelLayout, cache: GroupCache | None = None) -> "ProcessGroupCollection | None":
     """Create every group `layout` needs (collective: call on all ranks) and return this rank's collection.
 
-    Returns None on ranks outside the layout. Context parallelism is size 1 for now: its groups alias the
-    single-rank or dense groups megatron-core expects to find. Expert groups follow `layout.ep` (at ep=1 they
+    Returns None on ranks outside the layout. Context parallelism: the cp ranks of one dp rank split its
+    sequences; weights are replicated over dp x cp, so gradients reduce over `dp_cp` (at cp=1 the cp groups are
+    single ranks and dp_cp is dp). Expert groups follow `layout.ep` over a stage's cp x dp ranks (at ep=1 they
     are the dense ones); the experts' tensor-parallel group is tp. The one distributed-optimizer instance spans
     the whole layout: its grad norm sums every rank's shard (over dp alone, tp/pp ranks clipped differently).
     """
@@ -63,8 +64,10 @@ def build_layout_groups(layout: ParallelLayout, cache: GroupCache | None = None)
     mp = cache.family(layout.mp_groups())
     embd = cache.family(layout.embedding_groups())
     pos_embd = cache.family([[group[0]] for group in layout.pp_groups()])
-    tp_dp = cache.family([sorted(layout.rank_of(t, d, p) for d in range(layout.dp) for t in range(layout.tp))
-                          for p in range(layout.pp)])
+    cp = cache.family(layout.cp_groups())
+    tp_cp = cache.family(layout.tp_cp_groups())
+    dp_cp = cache.family(layout.dp_cp_groups())
+    tp_dp_cp = cache.family(layout.tp_dp_cp_groups())
     single = cache.family([[r] for r in layout.ranks])
     ep = cache.family(layout.ep_groups())
     expt_dp = cache.family(layout.expert_dp_groups())
@@ -74,6 +77,6 @@ def build_layout_groups(layout: ParallelLayout, cache: GroupCache | None = None)
     if not layout.contains(rank):
         return None
     return megatron_compat.process_groups(
-        everyone, tp=tp, pp=pp, mp=mp, dp=dp, embd=embd, pos_embd=pos_embd, cp=single, tp_cp=tp, dp_cp=dp,
-        intra_dp_cp=dp, tp_dp_cp=tp_dp, ep=ep, expt_tp=tp, expt_dp=expt_dp, tp_ep=tp_ep, tp_ep_pp=tp_ep_pp,
+        everyone, tp=tp, pp=pp, mp=mp, dp=dp, embd=embd, pos_embd=pos_embd, cp=cp, tp_cp=tp_cp, dp_cp=dp_cp,
+        intra_dp_cp=dp_cp, tp_dp_cp=tp_dp_cp, ep=ep, expt_tp=tp, expt_dp=expt_dp, tp_ep=tp_ep, tp_ep_pp=tp_ep_pp,
         intra_expt_dp=expt_dp, inter_dist_opt=single, intra_dist_opt=everyone, hcp=[])

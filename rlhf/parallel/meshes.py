@@ -23,7 +23,7 @@ from rlhf.errors import ConfigError
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-Role = Literal["actor", "critic", "ref", "reward", "rollout"]
+Role = Literal["actor", "critic", "ref", "reward", "rollout", "teacher"]
 
 
 class ModelDims(NamedTuple):
@@ -94,12 +94,11 @@ def plan_meshes(cfg: MeshConfig, world_size: int, dims: ModelDims | None = None,
     for role, ranks in ranges.items():
         role_cfg: RoleLayoutConfig = getattr(cfg, role)
         size = len(ranks)
-        if size % (role_cfg.tp * role_cfg.pp):
-            raise ConfigError(
-                f"mesh.{role}: {size} ranks are not divisible by tp*pp = {role_cfg.tp}*{role_cfg.pp} = "
-                f"{role_cfg.tp * role_cfg.pp}; choose tp and pp whose product divides {size}")
+        if role == "rollout" and role_cfg.cp > 1:
+            raise ConfigError(f"mesh.rollout.cp={role_cfg.cp}: rollout engines do not split sequences; set "
+                              f"mesh.rollout.cp=1 (cp applies to the training roles)")
         layout = ParallelLayout.for_world(size, tp=role_cfg.tp, pp=role_cfg.pp, first_rank=ranks.start,
-                                          what=f"mesh.{role}", ep=role_cfg.ep)
+                                          what=f"mesh.{role}", ep=role_cfg.ep, cp=role_cfg.cp)
         role_model = (role_dims or {}).get(role, dims)
         if role_model is not None:
             _check_model_fits(role, layout, role_model)
@@ -143,7 +142,7 @@ class RoleMeshes:
         for role, mesh in self.meshes.items():
             layout = mesh.layout
             coords = layout.coords(self.rank) if layout.contains(self.rank) else None
-            rows.append({"role": role, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+            rows.append({"role": role, "tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp,
                          "ranks": f"{layout.first_rank}..{layout.ranks[-1]}",
                          "this_rank": None if coords is None else coords._asdict()})
         return rows

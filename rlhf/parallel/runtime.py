@@ -91,10 +91,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch (and the accelerator) with `seed`."""
+def seed_host(seed: int) -> None:
+    """Seed python's and numpy's global RNGs with `seed` (user reward functions may draw from them)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (and the accelerator) with `seed`."""
+    seed_host(seed)
     platform.manual_seed_all(seed)
 
 

@@ -31,6 +31,7 @@ class RoleEstimate:
     tp_rank: int
     dp_rank: int
     pp_rank: int
+    cp_rank: int
     params: int
     weight_bytes: int
     grad_bytes: int  # fp32 gradient buffer (trained roles)
@@ -65,12 +66,12 @@ def role_estimate(role: str, layout: ParallelLayout, hf_config: Any, cfg: Any, r
         optim = update.optim
         master = 4 if dtype_bytes != 4 else 0
         optimizer_bytes = params * (8 + master)
-        if optim.use_distributed_optimizer:
-            optimizer_bytes = math.ceil(optimizer_bytes / layout.dp)
+        if optim.use_distributed_optimizer:  # sharded over the weights' replicas: dp x cp
+            optimizer_bytes = math.ceil(optimizer_bytes / (layout.dp * layout.cp))
         grad_bytes = params * 4
         rollouts_per_rank = cfg.data.prompts_per_step * cfg.sampling.n // layout.dp
         micro_batches = update.epochs * max(1, rollouts_per_rank // update.micro_batch_size)
-        reduce_bytes = grad_bytes * update.epochs * update.mini_batches if layout.dp > 1 else 0
+        reduce_bytes = grad_bytes * update.epochs * update.mini_batches if layout.dp * layout.cp > 1 else 0
         all_reduces = 4 * (spec.num_layers // layout.pp) if layout.tp > 1 else 0
     kv_bytes = 0
     if role == "rollout" and cfg.rollout.engine == "native":
@@ -79,8 +80,8 @@ def role_estimate(role: str, layout: ParallelLayout, hf_config: Any, cfg: Any, r
         kv_bytes = 2 * spec.num_layers * native.max_batch_size * kv_heads * native.max_seq_len * spec.head_dim
         kv_bytes *= dtype_bytes
     return RoleEstimate(role=role, layout=layout.describe(), tp_rank=coords.tp_rank, dp_rank=coords.dp_rank,
-                        pp_rank=coords.pp_rank, params=params, weight_bytes=weight_bytes, grad_bytes=grad_bytes,
-                        optimizer_bytes=optimizer_bytes, kv_cache_bytes=kv_bytes,
+                        pp_rank=coords.pp_rank, cp_rank=coords.cp_rank, params=params, weight_bytes=weight_bytes,
+                        grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, kv_cache_bytes=kv_bytes,
                         dp_grad_reduce_bytes_per_step=reduce_bytes, tp_all_reduces_per_micro_batch=all_reduces,
                         micro_batches_per_step=micro_batches)
 

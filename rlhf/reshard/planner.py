@@ -188,7 +188,7 @@ class _Planner:
         """Every transfer into `rank` (local copies included) and the rollout shards it ends with."""
         if not self.dst.contains(rank):
             return [], []
-        tp_rank, dp_rank, pp_rank = self.dst.coords(rank)
+        tp_rank, dp_rank, pp_rank, _ = self.dst.coords(rank)
         transfers, shards = [], []
         for spec in self.dst_specs:
             if spec.pp_stage != pp_rank or not _holds(spec, self.dst, self.dst_experts, dp_rank):
@@ -205,7 +205,7 @@ class _Planner:
         """Every transfer `rank` sends to another rank, in global plan order."""
         if not self.src.contains(rank):
             return []
-        tp_rank, _, pp_rank = self.src.coords(rank)
+        tp_rank, _, pp_rank, _ = self.src.coords(rank)
         by_dst: dict[int, list[ParamSpec]] = {}
         for dst_spec in self.dst_specs:
             spec = self.source_of(dst_spec)
@@ -322,7 +322,7 @@ def min_received_numel(src_layout: ParallelLayout, dst_layout: ParallelLayout, s
     if not dst_layout.contains(rank):
         return 0
     src_by_name = {spec.name: spec for spec in src_specs if not spec.tied_copy}
-    tp_rank, dp_rank, pp_rank = dst_layout.coords(rank)
+    tp_rank, dp_rank, pp_rank, _ = dst_layout.coords(rank)
     held_coords = src_layout.coords(rank) if src_layout.contains(rank) else None
     src_experts, dst_experts = _experts_per_rank(src_specs, src_layout.ep), _experts_per_rank(dst_specs, dst_layout.ep)
     total = 0

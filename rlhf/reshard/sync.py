@@ -17,6 +17,7 @@ import torch.distributed as dist
 from rlhf.parallel.layout import ParallelLayout
 from rlhf.errors import ConfigError
 from rlhf.models.hf_load import experts_per_rank, model_layout, param_specs_for, stage_params
+from rlhf.models.lora import merged_weight
 from rlhf.platform import current_device, has_accelerator, synchronize
 from rlhf.reshard.apply import allocate_dst
 from rlhf.reshard.hf_names import full_model_layout, hf_named
@@ -135,12 +136,13 @@ class WeightSync:
 
 def _params_by_plan_name(model: torch.nn.Module | None) -> dict[str, torch.Tensor]:
     """A `build_gpt` model's parameters under the plan's (local-spec, stage- and ep-local) names, whatever its layer
-    spec."""
+    spec; a LoRA model's with its adapters merged in (what the engine generates with)."""
     if model is None:
         return {}
     per_stage, per_ep_rank = model.rlhf_spec.num_layers // model_layout(model)[0].pp, experts_per_rank(model)
-    return {spec.local_name(per_stage, per_ep_rank): param.detach()
-            for spec, param in stage_params(model, param_specs_for(model))}
+    named = ((spec.local_name(per_stage, per_ep_rank), param)
+             for spec, param in stage_params(model, param_specs_for(model)))
+    return {name: merged_weight(model, name, param).detach() for name, param in named}
 
 
 def _resolve_method(method: str, group: dist.ProcessGroup | None) -> str:

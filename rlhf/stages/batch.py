@@ -103,6 +103,9 @@ class RolloutBatch(SequenceBatch):
 
     group_index_b: torch.Tensor  # int64 [B] the prompt each row answers (GRPO/RLOO groups, contiguous)
     sample_index_b: torch.Tensor  # int64 [B] dataset index of the row's prompt (rollout dumps, replay)
+    # int64 [B] the row's trajectory among its group's (multi-turn `fork` history: the rows of one trajectory
+    # share it, and its advantage); None: every row is a trajectory of its own
+    trajectory_index_b: torch.Tensor | None
     loss_mask_bt: torch.Tensor  # bool [B, T] sampled tokens to train on (single-turn: the response)
     rollout_logprobs_bt: torch.Tensor  # fp32 [B, T] logprobs the rollout engine sampled with
     policy_version_bt: torch.Tensor  # int32 [B, T] policy version that sampled each token (0 on pad)
@@ -125,6 +128,8 @@ class ScoredBatch(RolloutBatch):
     advantages_bt: torch.Tensor  # fp32 [B, T]
     returns_bt: torch.Tensor | None  # fp32 [B, T] critic targets (GAE)
     is_weights_bt: torch.Tensor | None  # fp32 [B, T] rollout-correction weights on the policy loss
+    teacher_logprobs_bt: torch.Tensor | None  # fp32 [B, T] distillation teachers' logprobs of the sampled tokens
+    cov_selected_bt: torch.Tensor | None  # bool [B, T] Clip-Cov / KL-Cov: the step's tokens (covariance_selection)
 
     @classmethod
     def of(cls, batch: RolloutBatch, **scored: torch.Tensor | None) -> "ScoredBatch":
@@ -136,9 +141,9 @@ class ScoredBatch(RolloutBatch):
 # The async checkpoint's in-flight batches: RolloutBatch's tensor fields and their dtypes (None where optional).
 ROLLOUT_SCHEMA = {"tokens_bs": torch.int64, "prompt_lengths_b": torch.int64, "response_lengths_b": torch.int64,
                   "response_mask_bt": torch.bool, "group_index_b": torch.int64, "sample_index_b": torch.int64,
-                  "loss_mask_bt": torch.bool, "rollout_logprobs_bt": torch.float32, "policy_version_bt": torch.int32,
-                  "truncated_b": torch.bool, "scores_b": torch.float32, "baseline_scores_b": torch.float32,
-                  "routed_experts_bslk": torch.int16}
+                  "trajectory_index_b": torch.int64, "loss_mask_bt": torch.bool, "rollout_logprobs_bt": torch.float32,
+                  "policy_version_bt": torch.int32, "truncated_b": torch.bool, "scores_b": torch.float32,
+                  "baseline_scores_b": torch.float32, "routed_experts_bslk": torch.int16}
 
 
 def rollout_state(batch: RolloutBatch) -> dict[str, Any]:
@@ -149,6 +154,7 @@ def rollout_state(batch: RolloutBatch) -> dict[str, Any]:
 def rollout_from_state(state: dict[str, Any]) -> RolloutBatch:
     """Inverse of `rollout_state`; a tree of another schema is a CheckpointError naming the difference."""
     expected = set(ROLLOUT_SCHEMA) | {"pad_token_id"}
+    state = {"trajectory_index_b": None} | state  # absent: written before it existed
     if set(state) != expected:
         raise CheckpointError(f"the checkpoint's in-flight batch has fields {sorted(set(state) ^ expected)} this "
                               "version does not expect; resume it with the version that wrote it")
@@ -157,6 +163,24 @@ def rollout_from_state(state: dict[str, Any]) -> RolloutBatch:
             raise CheckpointError(f"the checkpoint's in-flight batch has {name} of dtype {state[name].dtype}, "
                                   f"this version expects {dtype}; resume it with the version that wrote it")
     return RolloutBatch(**state)
+
+
+def pad_to_multiple(batch: RolloutBatch, multiple: int) -> RolloutBatch:
+    """`batch` with empty rows appended up to a multiple of `multiple` rows (a multi-turn batch whose forked
+    trajectories added rows): a pad token each, nothing to train on, each in a group of its own."""
+    extra = -batch.size % multiple
+    if not extra:
+        return batch
+    fill = {"tokens_bs": batch.pad_token_id, "prompt_lengths_b": 1, "response_lengths_b": 1, "routed_experts_bslk": -1}
+    updates = {}
+    for field in dataclasses.fields(batch):
+        value = getattr(batch, field.name)
+        if isinstance(value, torch.Tensor):
+            rows = value.new_full((extra, *value.shape[1:]), fill.get(field.name, 0))
+            if field.name == "group_index_b":
+                rows = int(value.max()) + 1 + torch.arange(extra, dtype=value.dtype)
+            updates[field.name] = torch.cat([value, rows])
+    return dataclasses.replace(batch, **updates)
 
 
 def gather_response(values_bs: torch.Tensor, batch: SequenceBatch) -> torch.Tensor:
@@ -199,7 +223,8 @@ def build_rollout_batch(prompts: PromptBatch, rollouts: Rollouts, *, sample_inde
                    else policy_version_rt * mask_rt)
     return RolloutBatch(tokens_bs=tokens_rs, prompt_lengths_b=prompt_lengths_r.clone(),
                         response_lengths_b=rollouts.response_lengths_r.clone(), response_mask_bt=mask_rt,
-                        group_index_b=prompt_index_r.clone(), sample_index_b=sample_index_b, loss_mask_bt=mask_rt,
+                        group_index_b=prompt_index_r.clone(), sample_index_b=sample_index_b,
+                        trajectory_index_b=None, loss_mask_bt=mask_rt,
                         rollout_logprobs_bt=_sampled_logprobs(rollouts).float() * mask_rt, truncated_b=truncated_r,
                         policy_version_bt=versions_rt, pad_token_id=rollouts.pad_token_id, scores_b=scores_b,
                         baseline_scores_b=baseline_scores_b, routed_experts_bslk=_routing(rollouts, width))

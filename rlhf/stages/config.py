@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Literal
 
 from rlhf.algo.config import (AdvantageConfig, AdvantageKind, FilterGroupsConfig, KLConfig, OverlongBufferConfig,
                               PolicyLossConfig, ValueLossConfig)
 from rlhf.algo.correction_config import RolloutCorrectionConfig
+from rlhf.algo.registry import parse_kind
 from rlhf.errors import ConfigError
 from rlhf.models.config import MoeConfig, check_replay_mode
 from rlhf.rollout.sampling_params import SamplingParams
@@ -115,13 +118,58 @@ class SamplingConfig:
                               n=self.val_n, seed=self.seed + 7 + 1_000 * step)
 
 
+class DistillMode(StrEnum):
+    """How the reverse-KL signal meets the task reward's advantage."""
+
+    MIX = "mix"  # the task advantage + coef x signal
+    ALONE = "alone"  # coef x signal only (pure on-policy distillation; the task reward is only reported)
+
+
+@dataclass(kw_only=True)
+class DistillConfig:
+    """On-policy distillation: frozen teacher(s) score each sampled token, and the per-token advantage gains
+    `coef` x (teacher logprob - student logprob), the negative reverse-KL estimate on the token the student
+    sampled, clipped to [-clip, clip] (0: no clipping). `routes` send a sample to a teacher by its data_source;
+    every other data_source goes to `teacher_path`. Teachers share the student's tokenizer and sit on mesh.teacher."""
+
+    enable: bool = False  # distil the teachers into the actor (adds the teacher role and mesh.teacher)
+    teacher_path: str = ""  # HF folder of the teacher of every data_source `routes` does not name
+    routes: dict[str, str] = field(default_factory=dict)  # data_source -> HF folder of its teacher (multi-teacher)
+    coef: float = 1.0  # weight of the reverse-KL advantage, in (0, 100]
+    mode: DistillMode = DistillMode.MIX  # mix: added to the task advantage; alone: replaces it
+    clip: float = 0.0  # per-token bound on |teacher - student logprob|; 0: none
+    micro_batch_size: int = 8  # sequences per teacher forward on each DP rank
+    offload: bool = False  # park the teachers' weights on the host while the rollout engine runs
+
+    def __post_init__(self) -> None:
+        self.mode = parse_kind(DistillMode, self.mode, "algo.distill.mode")
+        self.teacher_path = _local_folder(self.teacher_path)
+        self.routes = {source: _local_folder(path) for source, path in self.routes.items()}
+        if not (math.isfinite(self.coef) and 0.0 < self.coef <= 100.0):
+            raise ConfigError(f"algo.distill.coef={self.coef} is out of range: the reverse-KL advantage's weight "
+                              "must be in (0, 100]; e.g. 1.0")
+        if not (math.isfinite(self.clip) and self.clip >= 0.0):
+            raise ConfigError(f"algo.distill.clip={self.clip} must be >= 0 (0: no per-token clipping)")
+        if self.micro_batch_size < 1:
+            raise ConfigError(f"algo.distill.micro_batch_size={self.micro_batch_size} must be >= 1")
+        if self.enable and not (self.teacher_path or self.routes):
+            raise ConfigError("algo.distill.enable=true needs a teacher: set algo.distill.teacher_path (or "
+                              "algo.distill.routes: {data_source: folder})")
+
+    @property
+    def teacher_paths(self) -> list[str]:
+        """Every distinct teacher folder, `teacher_path` first (the teachers' order on the teacher mesh)."""
+        paths = [self.teacher_path] if self.teacher_path else []
+        return list(dict.fromkeys(paths + list(self.routes.values())))
+
+
 @dataclass(kw_only=True)
 class AlgoConfig:
     """The RL algorithm: the advantage estimator picks it (gae = PPO with a critic), plus losses and KL;
     rollout correction for rollout != training numerics; DAPO's dynamic sampling (`filter_groups`) and
     overlong handling (`overlong_buffer` reward shaping, `overlong_filter`: truncated responses leave the loss);
     MoE routing replay (`routing_replay`: r3 replays the rollout's experts in the old-logprob, ref and update
-    forwards, r2 the old-logprob forward's in the update)."""
+    forwards, r2 the old-logprob forward's in the update); on-policy distillation from teachers (`distill`)."""
 
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
@@ -130,6 +178,7 @@ class AlgoConfig:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     overlong_filter: bool = False  # truncated responses (hit max_new_tokens) leave the loss
     # MoE routing replay: none; r3 replays the rollout's experts in every training forward; r2 the old-logprob
     # forward's experts in the update

@@ -22,7 +22,9 @@ from rlhf.errors import ConfigError
 from rlhf.models.builder import build_gpt
 from rlhf.models.forward import forward_backward, token_entropy, token_logprobs
 from rlhf.models.hf_load import load_hf_weights
-from rlhf.models.lm_head import LMHead, head_logprobs, hidden_output
+from rlhf.models.config import LoraConfig
+from rlhf.models.lora import adapters_disabled, apply_lora, base_identity, check_same_base, load_peft_folder
+from rlhf.models.lm_head import LMHead, head_logprobs, head_sum_pi_squared, hidden_output
 from rlhf.models.routing import RoutingRecorder
 from rlhf.models.routing_replay import UNKNOWN, RoutingReplay
 from rlhf.platform import current_device
@@ -47,12 +49,13 @@ class ModelRole:
                  total_steps: int, micro_batch_size: int | None = None, value_head: bool = False,
                  recompute: bool = False, seed: int = 1234, offload_frozen: bool = False,
                  params_dtype: torch.dtype = torch.float32, moe_kwargs: dict | None = None,
-                 gather_group: torch.distributed.ProcessGroup | None = None,
-                 max_tokens_per_microbatch: tuple[int, str] = (0, "")) -> None:
+                 gather_group: torch.distributed.ProcessGroup | None = None, lora: LoraConfig | None = None,
+                 base_of: ModelRole | None = None, max_tokens_per_microbatch: tuple[int, str] = (0, "")) -> None:
         """`micro_batch_size`: sequences per forward-only micro-batch (default: the update's micro-batch size);
         `max_tokens_per_microbatch`: (budget, its config key) of packed forward-only micro-batches (default: the
         update's forward budget; 0: row counts); `gather_group`: the ranks that gather this role's outputs
-        (None: the world)."""
+        (None: the world); `lora`: train adapters on the frozen base (`rlhf.models.lora`); `base_of`: a frozen
+        role that is that LoRA role's base model, its adapters switched off (no second copy of the weights)."""
         self.name, self.mesh, self.update_config = name, mesh, update
         self.micro_batch_size = micro_batch_size or (update.micro_batch_size if update is not None else 0)
         assert self.micro_batch_size > 0, f"{name}: a frozen role needs its own micro_batch_size"
@@ -64,15 +67,24 @@ class ModelRole:
         self.gather_group = gather_group
         self.model: torch.nn.Module | None = None
         self.engine: TrainEngine | None = None
-        self.offload_frozen = offload_frozen and update is None
+        self.offload_frozen = offload_frozen and update is None and base_of is None
         self._parked: offload_lib.Offloaded | None = None
+        self.adapters_off = base_of is not None
+        self.base_id = base_identity(hf_path) if lora is not None else None
         if not mesh.is_member:
             return
         hf_config = AutoConfig.from_pretrained(hf_path)
         self.vocab_size = hf_config.vocab_size
+        if base_of is not None:
+            self.model = base_of.model
+            return
         model = build_gpt(hf_config, mesh.pgs, value_head=value_head, recompute=recompute, seed=seed,
-                          params_dtype=params_dtype, moe_kwargs=moe_kwargs)
+                          params_dtype=params_dtype, moe_kwargs=moe_kwargs, transformer_engine=lora is None)
         load_hf_weights(model, hf_path)
+        if lora is not None:
+            apply_lora(model, lora)
+            if lora.adapter_path:
+                load_peft_folder(model, lora.adapter_path)
         if update is not None:
             self.engine = TrainEngine(model, mesh.pgs, update.optim, name=name, total_steps=total_steps)
             self.model = self.engine.module
@@ -129,8 +141,9 @@ class ModelRole:
 
             def step(output: torch.Tensor, micro_batch: SequenceBatch) -> tuple[torch.Tensor, dict]:
                 out = fn(output, micro_batch).detach()
-                if out.dim() == 2:  # response-aligned: back to the batch's response width
-                    out = torch.nn.functional.pad(out, (0, batch.response_width - out.shape[1]))
+                if out.dim() >= 2:  # response-aligned [b, T, ...]: back to the batch's response width
+                    out = torch.nn.functional.pad(out, (0, 0) * (out.dim() - 2)
+                                                  + (0, batch.response_width - out.shape[1]))
                 outs = {"out": out}
                 if record_routing:  # this micro-batch's experts, at the batch's sequence width
                     routed = self.routing_replay.last_recorded_bslk()[:, :batch.tokens_bs.shape[1]]
@@ -138,7 +151,7 @@ class ModelRole:
                         routed, (0, 0, 0, 0, 0, batch.tokens_bs.shape[1] - routed.shape[1]), value=UNKNOWN)
                 return output.new_zeros(()), outs
 
-            with torch.no_grad():
+            with torch.no_grad(), adapters_disabled(self.model) if self.adapters_off else contextlib.nullcontext():
                 if self.engine is not None:
                     outputs = self.engine.forward_only(micro, step)
                 else:
@@ -215,7 +228,9 @@ class ModelRole:
         return self.engine.train_step(micro, lambda out, mb: loss_fn(out, mb, counts))
 
     def state_dict(self) -> dict[str, Any]:
-        return self.engine.state_dict() if self.engine is not None else {}
+        if self.engine is None:
+            return {}
+        return self.engine.state_dict() | ({"lora_base": self.base_id} if self.base_id is not None else {})
 
     def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """Collective over the role's mesh: the full weight and optimizer tensors this rank writes."""
@@ -223,6 +238,7 @@ class ModelRole:
 
     def load_state_dict(self, state: dict[str, Any], folder_of: Callable[[str], Any]) -> None:
         if self.engine is not None:
+            check_same_base(state.get("lora_base"), self.base_id, self.name)
             self.engine.load_state_dict(state, folder_of)
 
 
@@ -270,15 +286,24 @@ class PolicyRole(ModelRole):
                                        self.temperature)
         return gather_response(logp_bs, mb), gather_response(entropy_bs, mb)
 
-    def logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        """Token logprobs `[B, T]`. Under routing replay R3 the forward routes as `batch.routed_experts_bslk`
-        says (`routing_metrics`: how often the router's own choice agreed); under R2 the actor routes freely and
-        keeps its routing in `recorded_routing_bslk` for the update to replay."""
+    def logprobs(self, batch: RolloutBatch, *, with_sum_pi_squared: bool = False) -> torch.Tensor:
+        """Token logprobs `[B, T]` (`with_sum_pi_squared`, fused head only: `[B, T, 2]`, the second the position's
+        sum_v pi(v)^2, which the optimal token baseline reads). Under routing replay R3 the forward routes as
+        `batch.routed_experts_bslk` says (`routing_metrics`: how often the router's own choice agreed); under R2
+        the actor routes freely and keeps its routing in `recorded_routing_bslk` for the update to replay."""
+        assert self.fused_head or not with_sum_pi_squared, "sum_pi_squared needs the fused head (preflight)"
+
         def fn(output: torch.Tensor, mb: SequenceBatch) -> torch.Tensor:
-            if self.fused_head:
-                return self._token_stats(output, mb)[0]
-            return gather_response(token_logprobs(output, _labels_bs(mb), self.tp_group, self.vocab_size,
-                                                  self.temperature), mb)
+            if not self.fused_head:
+                return gather_response(token_logprobs(output, _labels_bs(mb), self.tp_group, self.vocab_size,
+                                                      self.temperature), mb)
+            logp_bt = self._token_stats(output, mb)[0]
+            if not with_sum_pi_squared:
+                return logp_bt
+            rows_n, positions_n = mb.response_index()
+            head = LMHead.of(self.model, self.tp_group, self.vocab_size)
+            squared_n = head_sum_pi_squared(output[rows_n, positions_n], head, temperature=self.temperature)
+            return torch.stack([logp_bt, scatter_response(squared_n, mb)], dim=-1)
 
         replay = self.routing_replay
         if replay is not None:
@@ -307,7 +332,8 @@ class PolicyRole(ModelRole):
             inputs = ActorLossInputs(logprobs_bt=logp_bt, old_logprobs_bt=old_bt,
                                      advantages_bt=mb.advantages_bt, response_mask_bt=mb.response_mask_bt,
                                      ref_logprobs_bt=mb.ref_logprobs_bt if use_kl_loss else None,
-                                     entropy_bt=entropy_bt, is_weights_bt=mb.is_weights_bt)
+                                     entropy_bt=entropy_bt, is_weights_bt=mb.is_weights_bt,
+                                     cov_selected_bt=mb.cov_selected_bt)
             loss, metrics = actor_loss(inputs, algo.policy_loss, algo.kl, counts, algo.rollout_correction)
             return loss, {k: float(v) for k, v in metrics.as_dict("actor/").items()}
 

@@ -52,6 +52,8 @@ def _multiturn_chunk(multiturn: MultiTurnRollout, engine: RolloutEngine, prompts
     group scores 0."""
     records = [prompts.records[i] for i in index]
     result = multiturn.collect(engine, records, params, pad_token_id)
+    if result is None:  # a TP rank that followed its leader's engine calls
+        return _Chunk([], [])
     texts = multiturn.final_texts(result)
     rule = iter(scorer.score_texts([r for r, _ in texts], [t for _, t in texts]).tolist() if texts else [])
     chunk = _Chunk([], [])
@@ -119,9 +121,3 @@ def run_validation(engine: RolloutEngine | None, layout, prompts: TokenizedPromp
         metrics.update(score_metrics(scores_pn[rows_p], prefix=f"val/{source}"))
     all_samples = [sample for part in everyone if part is not None for sample in part["samples"]]
     return Validation(metrics=metrics, samples=all_samples)
-
-
-def validate(engine: RolloutEngine | None, layout, prompts: TokenizedPrompts, scorer: Scorer,
-             params: SamplingParams, chunk_prompts: int, pad_token_id: int) -> dict[str, float]:
-    """The metrics of `run_validation` (collective)."""
-    return run_validation(engine, layout, prompts, scorer, params, chunk_prompts, pad_token_id).metrics

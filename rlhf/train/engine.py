@@ -23,7 +23,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from rlhf.errors import NonFiniteError
 from rlhf.models.forward import LossFn, forward_backward, routed_tokens
-from rlhf.models.hf_load import HfFolder, check_folder
+from rlhf.checkpoint.verify import check_trained_folder
+from rlhf.models.hf_load import HfFolder
 from rlhf.models.routing import has_router_losses
 from rlhf.platform import current_device
 from rlhf.platform.compat import megatron as megatron_compat
@@ -165,7 +166,7 @@ class TrainEngine:
         """Restore what `state_dict` and `checkpoint_tensors` saved, from any layout; on the same layout the
         next step is bitwise the uninterrupted one. A checkpoint of another model is a CheckpointError."""
         self._check_loaded()
-        check_folder(folder_of("model"), self.model.module.rlhf_spec, value_head=self.model.module.rlhf_value_head)
+        check_trained_folder(folder_of("model"), self.model.module)
         load_checkpoint_tensors(self.model.module, self.optimizer, folder_of, state["optimizer_steps"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.num_steps = state["num_steps"]

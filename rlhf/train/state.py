@@ -5,7 +5,7 @@ are gathered, then the TP shards merged (`merge_shards`), so each tensor is whol
 stage take turns keeping them (each byte written once). Load: every rank reads only its own slices
 (`read_shard`), whatever layout wrote them, and a distributed optimizer cuts out its DP range. Kinds: `model`,
 `exp_avg`, `exp_avg_sq`, and `master` (fp32 main params) only when the weights are not fp32 themselves:
-otherwise the master is the weight, stored once.
+otherwise the master is the weight, stored once. A LoRA model stores its adapters only (`trained_pairs`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params,
 
 from rlhf.checkpoint.verify import state_kinds
 from rlhf.models.hf_load import HfFolder, param_specs_for, stage_params
+from rlhf.models.lora import adapter_pairs
+from rlhf.models.param_specs import ParamSpec
 from rlhf.models.shard_rules import merge_shards, read_shard
 from rlhf.platform import current_device
 from rlhf.platform.compat import megatron as megatron_compat
@@ -104,11 +106,19 @@ def _dp_group(groups: Any, spec: Any) -> dist.ProcessGroup:
     return groups.expt_dp if spec.expert is not None else groups.dp
 
 
+def trained_pairs(model: torch.nn.Module) -> list[tuple[ParamSpec, torch.nn.Parameter]]:
+    """What a checkpoint of `model` holds: its LoRA adapters (PEFT names) when it has them, else every base
+    parameter (HF names)."""
+    if getattr(model, "rlhf_lora", None) is not None:
+        return adapter_pairs(model)
+    return stage_params(model, param_specs_for(model))
+
+
 def checkpoint_tensors(model: torch.nn.Module, optimizer: MegatronOptimizer) -> Tensors:
     """Collective over the role's mesh: the full tensors (kind -> HF name -> tensor) this rank writes."""
     groups, kinds = model.pg_collection, state_kinds(model)
     slots = _slots(optimizer)
-    pairs = [(spec, param) for spec, param in stage_params(model, param_specs_for(model)) if not spec.tied_copy]
+    pairs = [(spec, param) for spec, param in trained_pairs(model) if not spec.tied_copy]
     sharded = any(isinstance(part, DistributedOptimizer) for part in _parts(optimizer))
     lengths = {}
     if sharded:
@@ -150,7 +160,7 @@ def load_checkpoint_tensors(model: torch.nn.Module, optimizer: MegatronOptimizer
     groups, kinds, spec = model.pg_collection, state_kinds(model), model.rlhf_spec
     slots = _slots(optimizer)
     readers = {kind: folder_of(kind).slice for kind in ("model", *kinds)}
-    for param_spec, param in stage_params(model, param_specs_for(model)):
+    for param_spec, param in trained_pairs(model):
         shard = {kind: read_shard(param_spec, read, spec, groups.tp.rank(), groups.tp.size())
                  for kind, read in readers.items()}
         param.copy_(shard["model"])

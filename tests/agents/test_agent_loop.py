@@ -9,6 +9,7 @@ from rlhf.agents.config import HistoryPolicy, TurnLimits
 from rlhf.agents.rollout import MultiTurnRollout
 from rlhf.agents.tools import Calculator
 from rlhf.agents.trajectory import Termination
+from rlhf.errors import ConfigError
 from rlhf.rollout.sampling_params import SamplingParams
 from tests.agents.scripted import CALL, ScriptedEngine, record, run, toolbox
 
@@ -108,11 +109,15 @@ def test_environment_agent(chat_tokenizer):
     async def agent(ctx, sample):
         return await environment_agent(ctx, sample, Counter)
 
-    rollout = MultiTurnRollout(chat_tokenizer, TurnLimits(max_turns=5), agent=agent)
-    result = rollout.collect(engine, [record("count")], SamplingParams(max_new_tokens=64), pad_token_id=0)
-    traj = result.groups[0].trajectories[0]
-    assert (traj.termination, traj.turn_rewards, traj.reward) == (Termination.ENV_DONE, (1.0, 1.0, 0.0), 2.0)
-    assert "<|im_start|>user\nsaid 2<|im_end|>" in chat_tokenizer.decode(traj.rows[0].tokens)
+    for discount, score in ((1.0, 2.0), (0.5, 1.5)):  # rewards 1, 1, 0: 1 + discount * 1
+        rollout = MultiTurnRollout(chat_tokenizer, TurnLimits(max_turns=5, turn_discount=discount), agent=agent)
+        result = rollout.collect(engine, [record("count")], SamplingParams(max_new_tokens=64), pad_token_id=0)
+        traj = result.groups[0].trajectories[0]
+        assert (traj.termination, traj.turn_rewards, traj.reward) == (Termination.ENV_DONE, (1.0, 1.0, 0.0), score)
+        assert "<|im_start|>user\nsaid 2<|im_end|>" in chat_tokenizer.decode(traj.rows[0].tokens)
+    with pytest.raises(ConfigError, match=r"^multiturn\.limits\.turn_discount=0\.0 must be in \(0, 1\] \(1: the "
+                                          r"plain sum of the per-turn rewards\)$"):
+        TurnLimits(turn_discount=0.0)
 
 
 def test_tool_schemas_in_the_prompt_unless_told_not_to(chat_tokenizer):

@@ -5,7 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf.algo.advantages import AdvantageInputs, compute_advantages, scores_to_token_rewards
+from rlhf.algo.advantages import (AdvantageInputs, compute_advantages, scores_to_token_rewards,
+                                  trajectory_advantages)
 from rlhf.algo.config import AdvantageConfig
 from rlhf.algo.groups import Groups
 from rlhf.algo.advantages import AdvantageKind, check_group_size
@@ -57,6 +58,24 @@ def test_grpo_hand_computed_and_dr_grpo():
     torch.testing.assert_close(out.advantages_bt, expected_b.unsqueeze(1) * inputs.response_mask_bt)
     dr = compute_advantages(AdvantageConfig(kind="grpo", norm_by_std=False), inputs)
     torch.testing.assert_close(dr.advantages_bt[:, 0], T([0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0]))
+
+
+def test_trajectory_advantages_count_each_trajectory_once():
+    # group 0: trajectories a (3 rows, score 1), b (score 0), c (score 0); group 1: d (2 rows, score 2), e (score 0)
+    groups = Groups.from_index(T([0, 0, 0, 0, 0, 1, 1, 1]))
+    trajectory_b = T([0, 0, 0, 1, 2, 0, 0, 1])
+    inputs = _outcome_inputs([1, 1, 1, 0, 0, 2, 2, 0], [2, 3, 1, 3, 2, 1, 3, 2], 3, groups=groups)
+    once = _outcome_inputs([1, 0, 0, 2, 0], [2, 3, 2, 1, 2], 3, groups=Groups.from_index(T([0, 0, 0, 1, 1])))
+    for kind in ("grpo", "rloo"):
+        config = AdvantageConfig(kind=kind)
+        out = trajectory_advantages(config, inputs, trajectory_b)
+        expected_b = compute_advantages(config, once).advantages_bt[:, 0][T([0, 0, 0, 1, 2, 3, 3, 4])]
+        assert torch.equal(out.advantages_bt, expected_b.unsqueeze(1) * inputs.response_mask_bt)
+    grpo = trajectory_advantages(AdvantageConfig(kind="grpo"), inputs, trajectory_b).advantages_bt
+    assert grpo[0, 0] == pytest.approx((2 / 3) / (math.sqrt(1 / 3) + 1e-6))  # scores [1, 0, 0], not [1, 1, 1, 0, 0]
+    with pytest.raises(ConfigError, match=r"^algo\.advantage\.kind=gae cannot score trajectories of several rows; "
+                                          r"use one of grpo, rloo, gpg, grpo_passk$"):
+        trajectory_advantages(AdvantageConfig(kind="gae"), inputs, trajectory_b)
 
 
 def test_rloo_hand_computed():

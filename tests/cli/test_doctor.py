@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -23,6 +25,7 @@ def _env(tmp_path):
     return {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
 
 
+@pytest.mark.slow  # 4 ranks on 2 cores; `make doctor-ranks` runs the same world
 def test_doctor_on_4_ranks_passes(tmp_path):
     out = subprocess.run(
         ["bash", str(ROOT / "launch/torchrun.sh"), "4", "doctor", "--json", "--config",

@@ -25,7 +25,7 @@ def test_defaults_live_in_the_dataclasses():
     ("mesh.rolout.tp=2", r"^unknown config key 'mesh\.rolout'; did you mean 'rollout'\?$"),
     ("comm.verfy=true", r"^unknown config key 'comm\.verfy'; did you mean 'verify'\?$"),
     ("zzz=1", r"^unknown config key .zzz.; known keys: actor, alerts, algo, checkpoint, comm, critic, data, dist, "
-              r"mesh, metrics, model, multiturn, ref, replay, reward, rollout, run, sampling, sft, trainer$"),
+              r"lora, mesh, metrics, model, multiturn, ref, replay, reward, rollout, run, sampling, sft, trainer$"),
     ("mesh.rollout.tp=two", r"^mesh\.rollout\.tp='two' must be an integer$"),
     ("comm.verify=maybe", r"^comm\.verify='maybe' must be true or false$"),
     ("comm.strategy=fast", r"^comm\.strategy='fast' is not one of 'bucket', 'rs_ag', 'plain'$"),

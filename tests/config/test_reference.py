@@ -27,7 +27,7 @@ def test_every_key_is_described_with_type_default_and_choices():
                                                    "`grpo_passk`, `gdpo`, `optimal_token_baseline`")
     assert keys["dist.backend"].choices == "`auto`, `gloo`, `nccl`"  # from the tuple __post_init__ checks
     assert keys["model.dtype"].choices == "`float32`, `bfloat16`"
-    assert keys["mesh.roles"].choices == "`actor`, `critic`, `ref`, `reward`, `rollout`"  # checked per item
+    assert keys["mesh.roles"].choices == "`actor`, `critic`, `ref`, `reward`, `rollout`, `teacher`"  # checked per item
     assert keys["algo.rollout_correction.enable"].choices == "`true`, `false`, `auto`"
     assert keys["actor.optim.lr"][1:4] == ("float", "`1e-06`", "")
     assert keys["reward.remote.url"].default == "required"  # a section that is null by default is listed too

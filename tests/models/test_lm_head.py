@@ -1,12 +1,13 @@
-"""Fused LM head: logprobs, entropy and both gradients match the full-logits reference (tp=1 and tp=2) to fp32
-rounding (both paths compute the softmax in fp32; the gradients are formed differently)."""
+"""Fused LM head: logprobs, entropy and both gradients, and the sum of squared probabilities, match the full-logits
+reference (tp=1 and tp=2) to fp32 rounding (both paths compute the softmax in fp32; the gradients are formed
+differently)."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from rlhf.models.forward import token_entropy, token_logprobs
-from rlhf.models.lm_head import LMHead, head_logprobs
+from rlhf.models.lm_head import LMHead, head_logprobs, head_sum_pi_squared
 from rlhf.testing.distributed import run_distributed
 
 ROWS, HIDDEN, VOCAB, PADDED = 37, 16, 203, 256  # odd sizes; 53 padding rows in the weight
@@ -51,6 +52,10 @@ def _compare_tp1():
                              ("blocks", {"block_bytes": 3 * 4 * VOCAB})):
             got = _fused(hidden, weight, labels, grad_logp, grad_entropy, temperature, group, **kwargs)
             out[(temperature, name)] = [float((g - e).abs().max()) for g, e in zip(got, expected)]
+        pi_squared = head_sum_pi_squared(hidden, LMHead(weight, group, VOCAB), temperature=temperature,
+                                         chunk_bytes=5 * 4 * VOCAB)
+        out[(temperature, "sum_pi_squared")] = [float((pi_squared - _sum_pi_squared(hidden, weight, VOCAB,
+                                                                                   temperature)).abs().max())] * 4
     return out
 
 
@@ -73,6 +78,11 @@ def test_entropy_is_a_metric_without_entropy_grad():
     assert run_distributed(_metric_only_entropy, 1, timeout_s=120)[0] == (False, torch.float32, torch.float32, True)
 
 
+def _sum_pi_squared(hidden, weight, vocab, temperature):
+    """sum_v p(v)^2 from the full logits over the real vocab (the optimal token baseline's input)."""
+    return torch.softmax((hidden @ weight[:vocab].t()) / temperature, dim=-1).square().sum(-1)
+
+
 def _compare_tp2():
     rank = dist.get_rank()
     tp_group = dist.new_group([0, 1])
@@ -86,6 +96,9 @@ def _compare_tp2():
         expected = _reference(hidden, weight, labels, grad_logp, grad_entropy, 0.9, solo, vocab)
         got = _fused(hidden, shard, labels, grad_logp, grad_entropy, 0.9, tp_group, vocab, chunk_bytes=8 * 4 * 128)
         expected_grad_shard = expected[3].chunk(2)[rank]
+        pi_squared = head_sum_pi_squared(hidden, LMHead(shard, tp_group, vocab), temperature=0.9,
+                                         chunk_bytes=8 * 4 * 128)
+        out.append([float((pi_squared - _sum_pi_squared(hidden, weight, vocab, 0.9)).abs().max())])
         out.append([float((got[0] - expected[0]).abs().max()), float((got[1] - expected[1]).abs().max()),
                     float((got[2] - expected[2]).abs().max()), float((got[3] - expected_grad_shard).abs().max()),
                     float(got[3][max(0, vocab - 128 * rank):].abs().sum())])  # no gradient on padding rows

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from rlhf.testing.distributed import run_distributed
 from rlhf.models.spec import ModelSpec
-from tests.models.tiny import (VOCAB, llama_config, mistral_config, mixtral_config, qwen2_config, qwen3_config,
-                               qwen3_moe_config, sample_tokens, save_hf_model)
+from tests.models.tiny import (VOCAB, hf_rl_loss_backward, llama_config, mistral_config, mixtral_config, qwen2_config,
+                               qwen3_config, qwen3_moe_config, sample_tokens, save_hf_model)
 
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2))
 # (model, tp, pp, recompute, micro-batches): Llama GQA untied and Qwen2 qkv-bias tied on every layout (1F1B
@@ -99,10 +99,7 @@ def _merge(rank_results: list[dict]) -> dict:
 
 def _hf_reference(model, tokens):
     logits = model(tokens).logits
-    logprobs = torch.log_softmax(logits, -1)
-    token_lp = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logprobs.exp() * logprobs).sum(-1)
-    (-token_lp.mean() - 0.1 * entropy.mean()).backward()
+    token_lp, entropy = hf_rl_loss_backward(logits, tokens)
     grads = _per_expert({name: p.grad.numpy() for name, p in model.named_parameters()}, model.config)
     if model.config.tie_word_embeddings:
         grads.pop("lm_head.weight", None)

@@ -89,3 +89,12 @@ def save_hf_model(config, path: str, seed: int = 0, dtype=torch.float32):
 
 def sample_tokens(batch: int, seq: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_rl_loss_backward(logits, tokens):
+    """`world.rl_loss` on HF logits (-mean logprob - 0.1 mean entropy), backpropagated; (logprobs, entropy)."""
+    logprobs = torch.log_softmax(logits, -1)
+    token_lp = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logprobs.exp() * logprobs).sum(-1)
+    (-token_lp.mean() - 0.1 * entropy.mean()).backward()
+    return token_lp.detach(), entropy.detach()

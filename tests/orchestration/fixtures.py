@@ -26,6 +26,28 @@ def make_tiny_setup(root: Path, num_train: int = 64, num_val: int = 16, **model_
     return {"model": str(model), "train": str(root / "train.jsonl"), "val": str(root / "val.jsonl")}
 
 
+def length_reward(root: Path, modulo: int = 2) -> str:
+    """The `reward.function` override of a dense reward, len(response) % modulo, that ignores data_source (every
+    update moves the weights; any data_source scores)."""
+    path = root / f"length_reward_{modulo}.py"
+    path.write_text("def score(data_source, solution, ground_truth, extra_info):\n"
+                    f"    return float(len(solution) % {modulo})\n")
+    return f"reward.function={path}:score"
+
+
+def hf_response_logprobs(path: str, batch):
+    """log softmax of transformers' full logits (model at `path`, fp32) at each position predicting a response
+    token of `batch`, `[B, T, vocab]`: the reference the roles' fused head is checked against."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp_bsv = torch.log_softmax(model(batch.tokens_bs).logits.float(), dim=-1)
+    positions_bt = batch.response_positions_bt()
+    return logp_bsv.gather(1, positions_bt[..., None].expand(-1, -1, logp_bsv.shape[-1]))
+
+
 def shared_engine_algo(**fields):
     """An `AlgoConfig` resolved as the trainer resolves it for an engine on the actor's own weights (rollout
     correction `auto` -> off): roles are only ever handed resolved configs."""
@@ -59,8 +81,9 @@ def trainer_config(paths: dict[str, str], run_root: str, overrides: list[str] | 
     return from_dict(RlhfConfig, apply_overrides(data, list(overrides or [])))
 
 
-def run_trainer(paths: dict[str, str], run_root: str, overrides: list[str]) -> list[dict]:
-    """Build and fit a Trainer on this (already initialised) world; returns the metrics history."""
+def run_trainer(paths: dict[str, str], run_root: str, overrides: list[str], on_scored=None) -> list[dict]:
+    """Build and fit a Trainer on this (already initialised) world; returns the metrics history. `on_scored`:
+    a hook given every trained `ScoredBatch` and its step."""
     from rlhf.run_dir import close_run, setup_run
     from rlhf.orchestration.loop import Trainer
     from rlhf.orchestration.preflight import preflight
@@ -71,7 +94,10 @@ def run_trainer(paths: dict[str, str], run_root: str, overrides: list[str]) -> l
     preflight(cfg, dist.get_world_size())
     run_dir = setup_run(cfg.run, cfg, defer_config=True)
     try:
-        return Trainer(cfg, run_dir).fit()
+        trainer = Trainer(cfg, run_dir)
+        if on_scored is not None:
+            trainer.scored_hooks.append(on_scored)
+        return trainer.fit()
     finally:
         close_run()
 
@@ -87,13 +113,13 @@ def rollout_batch(**fields):
     defaults = dict(response_lengths_b=mask_bt.sum(-1), loss_mask_bt=mask_bt, sample_index_b=fields["group_index_b"],
                     rollout_logprobs_bt=torch.zeros(mask_bt.shape), truncated_b=torch.zeros(size, dtype=torch.bool),
                     policy_version_bt=torch.zeros(mask_bt.shape, dtype=torch.int32), scores_b=None,
-                    baseline_scores_b=None, routed_experts_bslk=None, pad_token_id=0)
+                    baseline_scores_b=None, routed_experts_bslk=None, trajectory_index_b=None, pad_token_id=0)
     return RolloutBatch(**(defaults | fields))
 
 
 def scored_batch(**fields):
     """A `ScoredBatch` for unit tests: `rollout_batch`'s fields, zero token rewards and advantages unless given,
-    no old / ref logprobs, values, returns or weights."""
+    no old / ref / teacher logprobs, values, returns or weights."""
     import dataclasses
 
     import torch
@@ -104,7 +130,8 @@ def scored_batch(**fields):
     batch = rollout_batch(**{k: v for k, v in fields.items() if k in names})
     zeros_bt = torch.zeros(batch.response_mask_bt.shape)
     scored = dict(old_logprobs_bt=None, ref_logprobs_bt=None, values_bt=None, token_rewards_bt=zeros_bt,
-                  advantages_bt=zeros_bt, returns_bt=None, is_weights_bt=None)
+                  advantages_bt=zeros_bt, returns_bt=None, is_weights_bt=None,
+                  teacher_logprobs_bt=None, cov_selected_bt=None)
     return ScoredBatch.of(batch, **(scored | {k: v for k, v in fields.items() if k not in names}))
 
 

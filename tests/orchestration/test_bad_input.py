@@ -227,9 +227,9 @@ def test_settings_that_cannot_mean_anything_are_one_line_errors(tiny, tmp_path):
                                           r"algo\.overlong_buffer\.len <= 5$"):
         preflight(cfg, world_size=1)
     preflight(trainer_config(tiny, str(tmp_path), ["algo.overlong_buffer.len=5"]), world_size=1)
-    cfg = trainer_config(tiny, str(tmp_path), ["algo.policy_loss.kind=kl_cov"])
-    with pytest.raises(ConfigError, match=r"^algo\.policy_loss\.kind=kl_cov is not usable in the RL step yet: it "
-                                          r"needs the step's global covariance token selection, which the step does "
+    cfg = trainer_config(tiny, str(tmp_path), ["algo.advantage.kind=gdpo", "algo.advantage.gdpo_reward_keys=[a, b]"])
+    with pytest.raises(ConfigError, match=r"^algo\.advantage\.kind=gdpo is not usable in the RL step yet: it "
+                                          r"needs per-component rewards from the scorer, which the step does "
                                           r"not compute; choose another kind$"):
         preflight(cfg, world_size=1)
     cfg = trainer_config(tiny, str(tmp_path), ["model.moe.aux_loss_coeff=0.01", "model.moe.token_dispatcher=alltoall"])

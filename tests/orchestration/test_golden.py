@@ -111,7 +111,8 @@ def _flat(node, path: str, out: dict) -> None:
 
 def _checkpoint(folder: Path) -> dict:
     """The last checkpoint: every tensor's raw-bytes sha256 (weights, masters, Adam moments) and each rank's state
-    tree, less what no run controls (python's and numpy's unseeded global RNGs, the alerts' throughput window).
+    tree, less what no run controls (python's and numpy's global RNGs: seeded from dist.seed at the start of every
+    run, but a library may draw at its first import, e.g. rich; the alerts' throughput window).
     Not the async in-flight batches, whose schema the redesign declares (test_async_schedule: their round trip)."""
     from safetensors.torch import load_file
 

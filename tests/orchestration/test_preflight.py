@@ -37,3 +37,20 @@ def test_roles_that_differ_from_the_run_are_a_config_error(overrides, message):
     with pytest.raises(ConfigError) as error:
         mesh_config(_config(*overrides))
     assert str(error.value) == message
+
+
+
+def test_context_parallel_plans_but_does_not_train_yet():
+    from rlhf.orchestration.setting_checks import check_context_parallel
+    from rlhf.parallel.meshes import plan_meshes
+
+    cfg = _config("mesh.actor.cp=2")
+    assert plan_meshes(mesh_config(cfg), 4)["actor"].describe() == "tp1 x cp2 x dp2 x pp1 on ranks 0..3"
+    with pytest.raises(ConfigError) as error:
+        check_context_parallel(cfg)
+    assert str(error.value) == ("mesh.actor.cp=2: context parallelism is laid out (process groups, rlhf plan) but no "
+                                "forward splits sequences yet; set mesh.actor.cp=1")
+    with pytest.raises(ConfigError) as error:
+        plan_meshes(mesh_config(_config("mesh.rollout.cp=2")), 4)
+    assert str(error.value) == ("mesh.rollout.cp=2: rollout engines do not split sequences; set mesh.rollout.cp=1 (cp "
+                                "applies to the training roles)")

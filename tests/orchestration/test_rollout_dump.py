@@ -1,6 +1,7 @@
 """Rollout dumps without a world: a batch written and read back is the batch it trained on; every bad dump
 folder is a one-line ConfigError naming the file and the fix."""
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -23,8 +24,9 @@ VOCAB = 18  # the char tokenizer: 4 special tokens + "0123456789+-= "
 POSITIONS = 64  # the model's max_position_embeddings
 
 
-def _batch():
-    """Two prompts of different lengths, two responses each (one empty), right-padded as the trainer builds them."""
+def _batch(interior_zero=False):
+    """Two prompts of different lengths, two responses each (one empty), right-padded as the trainer builds them;
+    `interior_zero`: the second response's middle token is not trained on (a multi-turn observation token)."""
     prompts, responses = [[5, 6, 16], [7, 14]], [[8, 3], [9, 10, 11], [3], []]
     rows = [prompts[i // 2] + r for i, r in enumerate(responses)]
     tokens = torch.zeros(4, 6, dtype=torch.long)
@@ -32,6 +34,7 @@ def _batch():
         tokens[i, :len(row)] = torch.tensor(row)
     lengths = torch.tensor([len(r) for r in responses])
     mask = torch.arange(4)[None, :] < lengths[:, None]  # a response width of 4, wider than the longest
+    mask[1, 1] = not interior_zero
     logprobs = -torch.rand(4, 4) * mask
     return scored_batch(tokens_bs=tokens, prompt_lengths_b=torch.tensor([3, 3, 2, 2]), response_lengths_b=lengths,
                         response_mask_bt=mask, group_index_b=torch.tensor([0, 0, 1, 1]), rollout_logprobs_bt=logprobs,
@@ -55,6 +58,7 @@ def test_a_dump_reads_back_as_the_batch_it_trained_on(tmp_path):
                  "rollout_logprobs_bt", "truncated_b", "scores_b", "sample_index_b", "policy_version_bt"):
         assert torch.equal(getattr(back, name), getattr(batch, name)), name
     assert type(back) is RolloutBatch and torch.equal(back.loss_mask_bt, batch.response_mask_bt), "replay rescores"
+    assert "loss_mask" not in pq.read_schema(path).names  # the lengths say it all
     assert torch.equal(read_scores(path), batch.scores_b)
     rows = pq.read_table(path).to_pylist()
     assert [row["data_source"] for row in rows] == ["src1", "src1", "src0", "src0"]
@@ -69,6 +73,12 @@ def test_a_dump_reads_back_as_the_batch_it_trained_on(tmp_path):
     _write(tmp_path, 9)
     _write(tmp_path, 4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000004.parquet"]
+    # multi-turn: the loss mask's interior zeros and the rows' trajectories come back
+    multiturn = dataclasses.replace(_batch(interior_zero=True), trajectory_index_b=torch.tensor([0, 1, 0, 1]))
+    back = read_dump(_write(tmp_path / "multiturn", 5, multiturn), VOCAB, POSITIONS)
+    for name in ("response_mask_bt", "loss_mask_bt", "trajectory_index_b"):
+        assert torch.equal(getattr(back, name), getattr(multiturn, name if name != "loss_mask_bt" else
+                                                        "response_mask_bt")), name
 
 
 def test_bad_dump_folders_are_one_line_config_errors(tmp_path):
@@ -115,7 +125,7 @@ def test_bad_dump_folders_are_one_line_config_errors(tmp_path):
 
 def _crafted(folder, name, column, row, value, arrow_type=None):
     """The good dump with one row's `column` set to `value` (the column keeps its type unless `arrow_type`)."""
-    table = pq.read_table(_write(folder / "good", 1))
+    table = pq.read_table(_write(folder / "good", 1, _batch(interior_zero=column == "loss_mask")))
     values = table.column(column).to_pylist()
     values[row] = value
     index = table.schema.get_field_index(column)
@@ -143,6 +153,8 @@ def _crafted(folder, name, column, row, value, arrow_type=None):
     ("score", None, None, "a null value"),
     ("truncated", None, None, "a null value"),
     ("uid", -1, None, "uid -1 is not a dataset index in [0, 9223372036854775807]"),
+    ("loss_mask", [True, True], None, "2 values for a response of 3 tokens"),
+    ("loss_mask", [True, None, True], None, "a null value"),
 ])
 def test_a_bad_value_is_one_line_naming_the_file_row_and_column(tmp_path, column, value, arrow_type, what):
     """They were raw tracebacks (torch's int32 overflow, a None in torch.tensor) or trained (+50 log-probs)."""

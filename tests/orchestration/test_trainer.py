@@ -144,6 +144,7 @@ def test_reward_function_raising_names_the_sample_and_saves_nothing(tiny, tmp_pa
     assert not (tmp_path / "t" / "checkpoints").exists()
 
 
+@pytest.mark.slow  # the default suite has the directly launched stall (tests/orchestration/test_stall.py)
 def test_a_hung_step_ends_every_rank_with_stacks_in_the_logs(tiny, tmp_path):
     reward = tmp_path / "slow_reward.py"
     reward.write_text("import os, time\n"

@@ -57,7 +57,8 @@ def test_plan_at_scale_matches_the_global_plan(model_dir, tmp_path, world, rank)
     assert sync["sent_bytes"] == whole.sent_numel(rank) * 4
     roles = {r["role"]: r for r in report["roles"]}
     coords = actor.coords(rank)
-    assert (roles["actor"]["tp_rank"], roles["actor"]["dp_rank"], roles["actor"]["pp_rank"]) == tuple(coords)
+    assert (roles["actor"]["tp_rank"], roles["actor"]["dp_rank"], roles["actor"]["pp_rank"],
+            roles["actor"]["cp_rank"]) == tuple(coords)
     params = stage_params(_config(), actor, coords.pp_rank, value_head=False)
     assert roles["actor"]["params"] == params
     assert roles["actor"]["optimizer_bytes"] == math.ceil(params * 8 / actor.dp)  # fp32 Adam over dp

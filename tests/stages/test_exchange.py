@@ -21,6 +21,7 @@ def _batch(replica: int) -> RolloutBatch:
                         prompt_lengths_b=torch.full((rows,), 3), response_lengths_b=mask.sum(-1),
                         response_mask_bt=mask, loss_mask_bt=mask, group_index_b=torch.tensor([0, 0, 1, 1]),
                         sample_index_b=torch.tensor([0, 0, 1, 1]) + 10 * replica,
+                        trajectory_index_b=torch.tensor([0, 1, 0, 1]),
                         rollout_logprobs_bt=-torch.rand(rows, resp, generator=gen),
                         policy_version_bt=mask.int() * replica, truncated_b=mask.all(-1),
                         scores_b=torch.rand(rows, generator=gen, dtype=torch.float32), baseline_scores_b=None,

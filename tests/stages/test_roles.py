@@ -34,14 +34,16 @@ def fixed_batch(size: int = 8) -> ScoredBatch:
     mask = torch.arange(resp)[None, :] < response_lengths[:, None]
     return ScoredBatch(tokens_bs=tokens, prompt_lengths_b=prompt_lengths, response_lengths_b=response_lengths,
                        response_mask_bt=mask, loss_mask_bt=mask, group_index_b=torch.arange(size) // 4,
-                       sample_index_b=torch.arange(size) // 4, rollout_logprobs_bt=torch.zeros(mask.shape),
+                       sample_index_b=torch.arange(size) // 4, trajectory_index_b=None,
+                       rollout_logprobs_bt=torch.zeros(mask.shape),
                        policy_version_bt=torch.zeros(mask.shape, dtype=torch.int32),
                        truncated_b=torch.zeros(size, dtype=torch.bool), scores_b=torch.zeros(size),
                        baseline_scores_b=None, routed_experts_bslk=None, pad_token_id=0,
                        old_logprobs_bt=-torch.rand(mask.shape, generator=gen) * 3 * mask, ref_logprobs_bt=None,
                        values_bt=None, token_rewards_bt=torch.zeros(mask.shape),
                        advantages_bt=torch.randn(mask.shape, generator=gen) * mask, returns_bt=None,
-                       is_weights_bt=None)
+                       is_weights_bt=None, teacher_logprobs_bt=None,
+                       cov_selected_bt=None)
 
 
 def _update_at(paths, layouts_and_micro):
@@ -132,7 +134,7 @@ def _fused_vs_full_logits(paths):
     return out
 
 
-@pytest.mark.parametrize("tied", [False, True])  # tied: the head weight is the embedding (a copy on the last stage)
+@pytest.mark.parametrize("tied", [False, pytest.param(True, marks=pytest.mark.slow)])  # tied: the head weight is the embedding (a copy on the last stage)
 def test_fused_head_matches_full_logits_and_transformers_at_tp1_tp2_pp2(tiny, tmp_path, tied):
     """Both paths score at the sampling temperature (0.7 here): log_softmax(logits / 0.7) of transformers."""
     from transformers import AutoModelForCausalLM

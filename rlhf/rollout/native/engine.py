@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.errors import ConfigError
+from rlhf.models.lora import has_adapters
 from rlhf.rollout.config import NativeEngineConfig
 from rlhf.rollout.engine import EngineLayout
 from rlhf.rollout.native.forward import Decoder
@@ -69,6 +70,8 @@ class NativeEngine:
         generator.manual_seed(replica_seed(params.seed, self.layout.dp_rank))
         stops = stop_token_set(params, self.eos_token_ids)
         with torch.inference_mode():
+            if self.decoder.prepared_version != self._weights_epoch and has_adapters(self.model):
+                self.decoder.params = decoder_params(self.model)  # LoRA: merge the current adapters again
             self.decoder.prepare(self._weights_epoch)
             run = Generation(self.decoder, self.cache, prompts, params, stops, generator,
                              record_routing=self.record_routing and self.decoder.routes)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.errors import ConfigError
+from rlhf.models.lora import merged_linear_weight
 
 
 @dataclass(frozen=True)
@@ -102,17 +103,19 @@ def _layer_params(layer: torch.nn.Module) -> LayerParams:
     routed = hasattr(mlp, "router")
     dense_fc1 = None if routed else mlp.linear_fc1
     return LayerParams(input_norm=_norm_weight(layer.input_layernorm, attn.linear_qkv, "input"),
-                       qkv_weight=attn.linear_qkv.weight, qkv_bias=getattr(attn.linear_qkv, "bias", None),
-                       proj_weight=attn.linear_proj.weight,
+                       qkv_weight=merged_linear_weight(attn.linear_qkv),
+                       qkv_bias=getattr(attn.linear_qkv, "bias", None),
+                       proj_weight=merged_linear_weight(attn.linear_proj),
                        mlp_norm=_norm_weight(layer.pre_mlp_layernorm, dense_fc1, "pre-MLP"),
-                       fc1_weight=None if routed else mlp.linear_fc1.weight,
-                       fc2_weight=None if routed else mlp.linear_fc2.weight,
+                       fc1_weight=None if routed else merged_linear_weight(mlp.linear_fc1),
+                       fc2_weight=None if routed else merged_linear_weight(mlp.linear_fc2),
                        q_norm=_qk_norm(attn, "q_layernorm"), k_norm=_qk_norm(attn, "k_layernorm"),
                        moe=_moe_params(mlp) if routed else None)
 
 
 def decoder_params(model: torch.nn.Module) -> DecoderParams:
-    """References to the parameters of a megatron GPTModel (pp=1) in the order the forward uses them."""
+    """References to the parameters of a megatron GPTModel (pp=1) in the order the forward uses them; a LoRA
+    model's adapted linears as merged copies, W + (alpha / r) B A (`rlhf.models.lora`)."""
     if not (model.pre_process and model.post_process):
         raise ConfigError("the native rollout engine runs at pp=1: the model must hold every layer")
     config = model.config

@@ -97,7 +97,9 @@ def reference(tmp_path_factory):
     return paths, expected, eos_by_family
 
 
-@pytest.mark.parametrize("tp, fast", [(1, False), (1, True), (2, False), (2, True)])
+# The default suite checks the reference path at tp1 and the fast path at tp2; the other two corners are `slow`.
+@pytest.mark.parametrize("tp, fast", [(1, False), pytest.param(1, True, marks=pytest.mark.slow),
+                                      pytest.param(2, False, marks=pytest.mark.slow), (2, True)])
 def test_native_matches_hf_and_training_forward(reference, tp, fast):
     results = run_distributed(_world, tp, *reference, fast, timeout_s=600)
     for family in FAMILIES + MOE_FAMILIES:

@@ -1,0 +1,72 @@
+"""`lora` config section: defaults off, one-line ConfigErrors for bad input, reachable from the root config."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf.errors import ConfigError
+from rlhf.models.config import LoraConfig
+from rlhf.orchestration.schema import RlhfConfig
+
+
+def test_lora_is_off_by_default_in_the_root_config():
+    lora = RlhfConfig().lora
+    assert not lora.enabled and lora.rank == 8 and lora.scaling == 2.0 and lora.sync == "merged"
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(rank=0), "lora.rank=0 must be > 0 (lora.enabled=false switches LoRA off)"),
+    (dict(rank=-4), "lora.rank=-4 must be > 0 (lora.enabled=false switches LoRA off)"),
+    (dict(alpha=0.0), "lora.alpha=0.0 must be > 0 (the adapter is scaled by alpha / rank)"),
+    (dict(dropout=1.0), "lora.dropout=1.0 must be in [0, 1)"),
+    (dict(sync="full"), "lora.sync='full' is not one of merged, adapter"),
+    (dict(targets=()), "lora.targets is empty; name at least one of q, k, v, o, gate, up, down"),
+    (dict(targets=("q", "gaet")), "lora.targets has unknown target 'gaet' (did you mean 'gate'?); choose from "
+                                  "q, k, v, o, gate, up, down, experts, router"),
+    (dict(targets=("lm_head",)), "lora.targets has unknown target 'lm_head'; choose from q, k, v, o, gate, up, "
+                                 "down, experts, router"),
+])
+def test_bad_lora_settings_are_one_line_errors(kwargs, message):
+    with pytest.raises(ConfigError) as error:
+        LoraConfig(**kwargs)
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["lora.sync=adapter"],
+     "lora.enabled=true does not run with lora.sync=adapter (adapter-only weight sync) yet; use lora.sync=merged"),
+    (["algo.routing_replay=r3"],
+     "lora.enabled=true does not run with algo.routing_replay=r3 yet; use algo.routing_replay=none"),
+    (["actor.optim.offload=true"], "lora.enabled=true does not run with actor.optim.offload=true (the ref runs on "
+                                   "the actor's parameters) yet; use actor.optim.offload=false"),
+])
+def test_lora_settings_the_trainer_does_not_run_yet_are_refused(overrides, message):
+    from rlhf.config import from_dict
+    from rlhf.config.loader import apply_overrides
+    from rlhf.orchestration.setting_checks import check_lora
+
+    def config(extra):
+        return from_dict(RlhfConfig, apply_overrides({}, ["lora.enabled=true", *extra]))
+
+    check_lora(config([]))
+    with pytest.raises(ConfigError) as error:
+        check_lora(config(overrides))
+    assert str(error.value) == message
+
+
+def test_a_checkpoint_of_another_base_or_without_lora_is_a_one_line_error():
+    from rlhf.errors import CheckpointError
+    from rlhf.models.lora import check_same_base
+
+    base = {"path": "/models/a", "sha256": "a" * 64}
+    check_same_base(base, {"path": "/moved/a", "sha256": "a" * 64}, "actor")  # the same bytes elsewhere
+    check_same_base(None, None, "actor")
+    cases = [(base, {"path": "/models/b", "sha256": "b" * 64},
+              "the actor checkpoint's LoRA adapters were trained on /models/a (sha256 aaaaaaaaaaaa), not on this "
+              "run's model.path /models/b (sha256 bbbbbbbbbbbb); resume with the base model it was trained on"),
+             (None, base, "the actor checkpoint holds full fine-tuning but this run has lora.enabled=true; resume "
+                          "with the run's own lora setting")]
+    for saved, current, message in cases:
+        with pytest.raises(CheckpointError) as error:
+            check_same_base(saved, current, "actor")
+        assert str(error.value) == message
