@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlhf-installed
 NPROC ?= 4
 DEMO_NPROC ?= 2
-BENCHES := collectives reshard engine rollout e2e memphase padding exchange checkpoint rollout-corr async moe-rl lora
+BENCHES := collectives reshard engine rollout e2e memphase packing exchange checkpoint rollout-corr async moe-rl lora
 PYTEST_FLAGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -104,8 +104,10 @@ bench-e2e: install-bench
 bench-memphase: install-bench
 	$(PY) benchmarks/bench_memphase.py
 
-bench-padding: install-bench
-	$(PY) benchmarks/bench_padding.py
+bench-packing: install-bench
+	$(PY) benchmarks/bench_packing.py
+
+bench-padding: bench-packing  # the old name (README)
 
 bench-exchange: install-bench
 	$(PY) benchmarks/bench_exchange.py

@@ -21,7 +21,7 @@ BENCHMARKS = {
     "rollout": ("bench_rollout.py", [], ["--models", "tiny", "--repeats", "3"]),
     "e2e": ("bench_e2e_vs_trl.py", [], []),
     "memphase": ("bench_memphase.py", [], []),
-    "padding": ("bench_padding.py", [], ["--model", "tiny"]),
+    "packing": ("bench_packing.py", [], ["--model", "tiny"]),
     "exchange": ("bench_exchange.py", [], ["--repeats", "3"]),
     "checkpoint": ("bench_checkpoint.py", [], ["--repeats", "1"]),
     "async": ("bench_async.py", [], ["--shapes", "tiny", "--steps", "6", "--curve-steps", "8"]),

@@ -31,15 +31,16 @@ RESULTS = Path(__file__).resolve().parent / "results" / "e2e.json"
 PROMPTS, GROUP, NEW_TOKENS = 8, 4, 32
 
 
-def tiny_model_folder(root: Path) -> str:
-    """Tiny Qwen2-style model (h64, 2 layers, 4 heads / 2 kv) over the char tokenizer, saved with it."""
+def tiny_model_folder(root: Path, **config_overrides) -> str:
+    """Tiny Qwen2-style model (h64, 2 layers, 4 heads / 2 kv) over the char tokenizer, saved with it;
+    `config_overrides` (e.g. max_position_embeddings) go into its saved config."""
     from rlhf.data.char_tokenizer import build_char_tokenizer
     from rlhf.testing.tiny_models import tiny_hf_model
 
     tokenizer = build_char_tokenizer()
     model = tiny_hf_model("qwen2", seed=0, vocab_size=len(tokenizer))
-    model.config.update({"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-                         "pad_token_id": tokenizer.pad_token_id})
+    model.config.update({**config_overrides, "bos_token_id": tokenizer.bos_token_id,
+                         "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id})
     model.generation_config.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                    pad_token_id=tokenizer.pad_token_id)
     path = root / "tiny"

@@ -1,6 +1,7 @@
 """Every GPU check in one process (run by benchmarks/gpu_check.sh): model parity on the accelerator in fp32 and
 bf16, native engine vs `transformers.generate` tokens/s on a ~0.5B Qwen2 config, a train step's MFU, the fused
-LM head vs full logits (differences, time, memory) and RL trainer steps on the device.
+LM head vs full logits (differences, time, memory), packed (THD) = padded micro-batches (TE's `cu_seqlens`
+attention when installed) and RL trainer steps on the device.
 
 Each check records its numbers or its error, so one failure does not hide the others; the JSON goes to
 `$OUT/gpu_check.json` (or `--out`). Random weights throughout: these are speed and numerics checks.
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_rollout import _prompts, flops_per_token  # noqa: E402
+from gpu_check_packing import packed_vs_padded  # noqa: E402
 
 from rlhf import platform  # noqa: E402
 
@@ -346,7 +348,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--head-rows", type=int, default=8192)
     parser.add_argument("--rl-steps", type=int, default=3)
-    parser.add_argument("--only", nargs="+", default=["matmul", "parity", "engine", "train", "head", "rl"],
+    parser.add_argument("--only", nargs="+", default=["matmul", "parity", "engine", "train", "head", "packed", "rl"],
                         help="run the checks whose names start with these prefixes")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on any device (tests the script on CPU)")
     args = parser.parse_args()
@@ -382,6 +384,8 @@ def main() -> None:
         run_check(results, "train_mfu_qwen2_05b_bf16", train_mfu, big, groups, args)
         run_check(results, "train_mfu_fused_head_qwen2_05b_bf16", train_mfu, big, groups, args, True)
         run_check(results, "head_fused_vs_full_qwen2_05b_vocab_bf16", fused_head, groups, big_config, args)
+        for fam, dtype in (("qwen2", torch.float32), ("qwen3_moe", torch.float32), ("qwen2", torch.bfloat16)):
+            run_check(results, f"packed_vs_padded_{fam}_{str(dtype)[6:]}", packed_vs_padded, tiny[fam], groups, dtype)
         from bench_e2e_vs_trl import tiny_model_folder
 
         run_check(results, "rl_steps_tiny", rl_steps, root / "rl_tiny", args, tiny_model_folder(root), 8, 32)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check, in one process, ~5 minutes on one H200: model parity (fp32/bf16, tiny Llama/Qwen2/Qwen3/Qwen3-MoE and a
-# ~0.5B Qwen2 config), native engine vs transformers.generate tokens/s on the 0.5B config, and a bf16 train
-# step's MFU. Writes gpu_check.json and gpu_check.log under $OUT (default benchmarks/results).
+# ~0.5B Qwen2 config), native engine vs transformers.generate tokens/s on the 0.5B config, a bf16 train step's MFU, and
+# packed (THD, TE cu_seqlens) = padded micro-batches. Writes gpu_check.json and gpu_check.log under $OUT (default benchmarks/results).
 # megatron-core (and transformers, if the machine's is older) can come as wheels in .whl/ (see the report).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,7 +1,7 @@
 """Build a megatron-core `GPTModel` (or its value-head variant) from an HF config on explicit process groups.
 
 The layer spec is chosen here and only here: Transformer-Engine when it is importable and a GPU is present,
-megatron's local spec otherwise.
+megatron's local spec otherwise (its attention core rlhf's `PackedDotProductAttention`, for packed micro-batches).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from rlhf.models.spec import ModelSpec
 from rlhf.models.value_head import ValueHead
 from rlhf.platform import current_device, has_accelerator
 from rlhf.platform.compat import megatron as megatron_compat
+from rlhf.platform.packed_attention import PackedDotProductAttention
 
 
 def moe_config(spec: ModelSpec, *, ep: int = 1, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
@@ -79,12 +80,22 @@ def layer_spec(config: TransformerConfig, pp_rank: int, pg_collection: ProcessGr
     if config.num_moe_experts:
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
                                            pp_rank=pp_rank)
+        if not use_te:
+            for layer in block.layer_specs:
+                _with_packed_attention(layer)
         return tensor_parallel_moe_spec(block, pg_collection) if config.tensor_model_parallel_size > 1 else block
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    return _with_packed_attention(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm))
+
+
+def _with_packed_attention(layer: ModuleSpec) -> ModuleSpec:
+    """A local layer spec whose attention core also takes packed (THD) micro-batches (`rlhf.models.packing`);
+    TE's core takes them natively."""
+    layer.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    return layer
 
 
 def build_gpt(hf_config: Any, pg_collection: ProcessGroupCollection, *, pre_process: bool | None = None,

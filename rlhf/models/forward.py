@@ -16,7 +16,9 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
 from rlhf.errors import ConfigError
+from rlhf.models.packing import PackedMicroBatch
 from rlhf.platform.compat import megatron as megatron_compat
+from rlhf.platform.packed_attention import packed_seq_params
 
 LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict]]
 
@@ -96,21 +98,30 @@ def routed_tokens(micro_batch: Any) -> int:
     return micro_batch.tokens_bs.numel() if padding is None else int((~padding).sum())
 
 
-def _forward_step(loss_fn: LossFn, num_micro_batches: int, data_iterator: Any, model: Any) -> tuple:
+def _forward_step(loss_fn: LossFn, num_micro_batches: int, pg_collection: Any, data_iterator: Any,
+                  model: Any) -> tuple:
     micro_batch = next(data_iterator)
     tokens_bs = micro_batch.tokens_bs
     positions_bs = getattr(micro_batch, "position_ids_bs", None)
     if positions_bs is None:
         positions_bs = torch.arange(tokens_bs.shape[1], device=tokens_bs.device).expand_as(tokens_bs)
-    padding = {"padding_mask": micro_batch.padding_mask_bs} if _masks_padding(model, micro_batch) else {}
+    inputs = {"padding_mask": micro_batch.padding_mask_bs} if _masks_padding(model, micro_batch) else {}
+    packed = isinstance(micro_batch, PackedMicroBatch)
+    if packed:  # THD: attention and RoPE restart at every cu_seqlens boundary
+        inputs["packed_seq_params"] = packed_seq_params(micro_batch.cu_seqlens_n, micro_batch.max_seqlen,
+                                                         pg_collection.cp)
+        positions_bs = micro_batch.position_ids_1t
     replay = getattr(getattr(model, "module", model), "rlhf_routing_replay", None)
     if replay is not None:  # routing replay (rlhf.models.routing_replay): this micro-batch's experts
         replay.begin(micro_batch)
     output = model(tokens_bs, positions_bs, attention_mask=getattr(micro_batch, "attention_mask_b1ss", None),
-                   **padding)
+                   **inputs)
 
     def loss(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        value, metrics = loss_fn(output_tensor, micro_batch)
+        if packed:  # the loss reads the rows as a padded forward gives them
+            value, metrics = loss_fn(micro_batch.unpack(output_tensor), micro_batch.rows)
+        else:
+            value, metrics = loss_fn(output_tensor, micro_batch)
         # megatron divides each micro-batch loss by the micro-batch count; undo it: loss_fn decides scaling
         return value * num_micro_batches, metrics
 
@@ -122,7 +133,8 @@ def forward_backward(model: Any, micro_batches: list, loss_fn: LossFn, pg_collec
     """Run `micro_batches` through megatron's schedule (1F1B when pp > 1); returns loss_fn's metrics dicts.
 
     Each micro-batch has `tokens_bs` and optionally `position_ids_bs` and `attention_mask_b1ss` (True =
-    blocked; see `padded_inputs`; default: plain causal); with pp > 1 all share one shape. `forward_only` runs
+    blocked; see `padded_inputs`; default: plain causal), or is a `PackedMicroBatch` (its rows reach loss_fn
+    with the output unpacked to their layout); with pp > 1 all share one shape. `forward_only` runs
     without grad. `loss_fn(output, micro_batch) -> (loss, metrics)` runs on the last stage, `output` being this rank's
     vocab shard of the logits [b, s, v/tp] (or values [b, s, 1]); gradients accumulate into `.grad`
     (or `.main_grad` under megatron DDP) with `loss` taken as-is. Other stages get an empty list.
@@ -137,7 +149,7 @@ def forward_backward(model: Any, micro_batches: list, loss_fn: LossFn, pg_collec
     p2p = P2PCommunicator(pp_group=pg_collection.pp, config=model.config) if pp > 1 else None
     extra = {"p2p_communicator": p2p} if p2p is not None else {}
     with torch.no_grad() if forward_only else contextlib.nullcontext():
-        return schedule(forward_step_func=partial(_forward_step, loss_fn, len(micro_batches)),
+        return schedule(forward_step_func=partial(_forward_step, loss_fn, len(micro_batches), pg_collection),
                         data_iterator=iter(micro_batches), model=[model], num_microbatches=len(micro_batches),
                         seq_length=seq_length, micro_batch_size=batch_size, forward_only=forward_only,
                         pg_collection=pg_collection, **extra)

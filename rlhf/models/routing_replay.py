@@ -71,14 +71,14 @@ class RoutingReplay:
             hook = RouterHook()
             router.router_replay = hook
             self.hooks[router.layer_number] = hook
-        self.shapes: list[tuple[int, int]] = []
+        self.micro_batches: list[Any] = []  # since `clear`, in forward order
 
     def begin(self, micro_batch: Any) -> None:
         """Before a forward of `micro_batch`: its `routed_experts_bslk` (if any) become every router's targets
         (megatron's tokens are sequence-major: token s * batch + b)."""
         routed = getattr(micro_batch, "routed_experts_bslk", None)
         batch, seq = micro_batch.tokens_bs.shape
-        self.shapes.append((batch, seq))
+        self.micro_batches.append(micro_batch)
         if routed is not None and routed.shape[1] < seq:
             pad = routed.new_full((batch, seq - routed.shape[1], *routed.shape[2:]), UNKNOWN)
             routed = torch.cat([routed, pad], dim=1)
@@ -90,15 +90,17 @@ class RoutingReplay:
     def clear(self) -> None:
         for hook in self.hooks.values():
             hook.target_nk, hook.recorded, hook.agreed, hook.known = None, [], [], []
-        self.shapes = []
+        self.micro_batches = []
 
     def last_recorded_bslk(self) -> torch.Tensor:
-        """The experts the last forward used per routed layer `[b, s, L, k]` (recorded with `record=True`)."""
-        batch, seq = self.shapes[-1]
+        """The experts the last forward used per routed layer `[b, s, L, k]` (recorded with `record=True`); a
+        packed micro-batch's (`rlhf.models.packing`) in its rows' layout, UNKNOWN on padding."""
+        micro_batch = self.micro_batches[-1]
+        batch, seq = micro_batch.tokens_bs.shape
         routed = torch.full((batch, seq, self.num_layers, self.top_k), UNKNOWN, dtype=ROUTING_DTYPE)
         for number, hook in self.hooks.items():
             routed[:, :, self.index[number]] = hook.recorded[-1].view(seq, batch, -1).transpose(0, 1)
-        return routed
+        return micro_batch.unpack(routed, fill=UNKNOWN) if hasattr(micro_batch, "unpack") else routed
 
     def agreement(self, group: dist.ProcessGroup) -> dict[str, float]:
         """Over every forward since `clear` on all ranks of `group`: the fraction of (token, layer) routing

@@ -34,7 +34,7 @@ from rlhf.rollout.vllm_engine import INSTALL_HINT as VLLM_INSTALL_HINT
 from rlhf.orchestration.checks import (check_kv_cache, check_model_folders, check_resume_path, check_reward_tokenizer,
                                        check_teacher_tokenizers, check_writable_folder, load_tokenizer,
                                        read_hf_config, teacher_folders)
-from rlhf.stages.config import check_batch_sizes
+from rlhf.stages.config import check_batch_sizes, check_budget_fits
 from rlhf.stages.distill import route_teachers
 from rlhf.data.tokenize import TokenizedPrompts
 from rlhf.stages.memory import check_sleep
@@ -148,6 +148,23 @@ def check_batches(cfg: RlhfConfig, layouts: dict, problems: Problems | None = No
                                rollout_dp=layouts["rollout"].dp, role=role, role_dp=layouts[role].dp,
                                update=getattr(cfg, role))
                 problems.check(check_warmup, cfg, role)
+        check_token_budgets(cfg, layouts, problems)
+
+
+def check_token_budgets(cfg: RlhfConfig, layouts: dict, problems: Problems) -> None:
+    """Every packing budget holds the longest row a step can have: the prompt limit plus the response limit."""
+    longest = cfg.data.max_prompt_length + cfg.sampling.max_new_tokens
+    source = (f"data.max_prompt_length={cfg.data.max_prompt_length} + "
+              f"sampling.max_new_tokens={cfg.sampling.max_new_tokens}")
+    budgets = [("ref.max_tokens_per_microbatch", cfg.ref.max_tokens_per_microbatch, "ref"),
+               ("reward.model_max_tokens_per_microbatch", cfg.reward.model_max_tokens_per_microbatch, "reward")]
+    for role in ("actor", "critic"):
+        update = getattr(cfg, role)
+        budgets += [(f"{role}.max_tokens_per_microbatch", update.max_tokens_per_microbatch, role),
+                    (f"{role}.forward_max_tokens_per_microbatch", update.forward_max_tokens_per_microbatch, role)]
+    for key, budget, role in budgets:
+        if role in layouts:
+            problems.check(check_budget_fits, key, budget, longest, source)
 
 
 def rollout_dtype(cfg: RlhfConfig) -> torch.dtype:

@@ -55,9 +55,11 @@ def sft_preflight(cfg: RlhfConfig, world_size: int) -> list[str]:
     run = sft_run_config(cfg)
     actor = cfg.actor
     dp = plan_layouts(run, world_size)["actor"].dp
-    if cfg.sft.batch_size % (actor.mini_batches * dp * actor.micro_batch_size):
+    packed = bool(actor.max_tokens_per_microbatch)  # packed micro-batches take any rows per rank
+    if cfg.sft.batch_size % (actor.mini_batches * dp * (1 if packed else actor.micro_batch_size)):
+        micro = "" if packed else f" x actor.micro_batch_size={actor.micro_batch_size}"
         raise ConfigError(f"sft.batch_size={cfg.sft.batch_size} must be a multiple of actor.mini_batches="
-                          f"{actor.mini_batches} x dp={dp} x actor.micro_batch_size={actor.micro_batch_size}")
+                          f"{actor.mini_batches} x dp={dp}{micro}")
     if cfg.sft.out_dir and os.path.lexists(cfg.sft.out_dir):
         raise ConfigError(f"sft.out_dir={cfg.sft.out_dir} already exists; the SFT policy is exported to a new "
                           "folder: choose another or remove it")

@@ -68,6 +68,8 @@ class TrainRoles:
         # with LoRA the reference policy is the actor's base: its own model with the adapters off
         ref = (PolicyRole("ref", meshes["actor" if lora else "ref"], model.path, update=None, total_steps=0,
                           micro_batch_size=cfg.ref.micro_batch_size, offload_frozen=cfg.ref.offload,
+                          max_tokens_per_microbatch=(cfg.ref.max_tokens_per_microbatch,
+                                                     "ref.max_tokens_per_microbatch"),
                           base_of=actor if lora else None, **policy)
                if algo.uses_ref else None)
         critic = (CriticRole("critic", meshes["critic"], model.critic_path or model.path, update=cfg.critic,
@@ -77,6 +79,8 @@ class TrainRoles:
                   if algo.uses_critic else None)
         reward_model = (RewardModelRole("reward", meshes["reward"], cfg.reward.model_path, update=None,
                                         total_steps=0, micro_batch_size=cfg.reward.model_micro_batch_size,
+                                        max_tokens_per_microbatch=(cfg.reward.model_max_tokens_per_microbatch,
+                                                                   "reward.model_max_tokens_per_microbatch"),
                                         value_head=True, offload_frozen=cfg.reward.model_offload,
                                         params_dtype=model.torch_dtype, gather_group=gather_group)
                         if cfg.reward.model_path else None)

@@ -200,7 +200,10 @@ class AlgoConfig:
 class UpdateConfig:
     """One trained role: optimizer, and how each step's batch is split (epochs x mini-batches x micro-batches).
 
-    Every mini-batch is one optimizer step; `micro_batch_size` sequences go through one forward per DP rank.
+    Every mini-batch is one optimizer step; `micro_batch_size` sequences go through one forward per DP rank, or,
+    with `max_tokens_per_microbatch` > 0, rows are bin-packed into packed (THD) micro-batches of at most that
+    many tokens (verl's ppo_max_token_len_per_gpu); `forward_max_tokens_per_microbatch` is the budget of the
+    forward-only passes (old logprobs, values; verl's log_prob_max_token_len_per_gpu; 0: the update's).
     Skipping the separate old-logprob forward (actor, strictly on-policy: one epoch, one mini-batch) makes the
     update's own logprobs, detached, the old ones (ratio exactly 1, same gradient); KL in the reward and
     decoupled rollout correction read old logprobs, so they run that forward whatever the setting.
@@ -210,6 +213,8 @@ class UpdateConfig:
     epochs: int = 1  # passes over each step's batch (PPO epochs)
     mini_batches: int = 1  # optimizer steps per epoch (the batch is split into this many)
     micro_batch_size: int = 8  # sequences per forward/backward on one DP rank (gradient accumulation)
+    max_tokens_per_microbatch: int = 0  # > 0: packed micro-batches of at most this many tokens; 0: row counts
+    forward_max_tokens_per_microbatch: int = 0  # forward-only passes' budget; 0: max_tokens_per_microbatch
     # actor: auto runs the separate old-logprob forward only when the update is not strictly on-policy
     recompute_old_logprobs: bool | Literal["auto"] = "auto"
 
@@ -217,11 +222,18 @@ class UpdateConfig:
         for name in ("epochs", "mini_batches", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("max_tokens_per_microbatch", "forward_max_tokens_per_microbatch"):
+            check_token_budget(name, getattr(self, name))
         if self.recompute_old_logprobs not in (True, False, "auto"):
             raise ConfigError(f"recompute_old_logprobs={self.recompute_old_logprobs!r} must be auto, true or false")
         if self.recompute_old_logprobs is False and (self.epochs, self.mini_batches) != (1, 1):
             raise ConfigError(f"recompute_old_logprobs=false needs one on-policy update per batch, got epochs="
                               f"{self.epochs} and mini_batches={self.mini_batches}; set both to 1 or use auto")
+
+    @property
+    def forward_tokens_per_microbatch(self) -> int:
+        """The forward-only passes' token budget (0: row-count micro-batches)."""
+        return self.forward_max_tokens_per_microbatch or self.max_tokens_per_microbatch
 
     @property
     def old_logprobs_forward(self) -> bool:
@@ -234,14 +246,30 @@ class UpdateConfig:
 @dataclass(kw_only=True)
 class RefConfig:
     """The frozen reference policy: `offload` parks its weights on the host while the rollout engine runs;
-    `micro_batch_size` sequences go through one forward per DP rank."""
+    `micro_batch_size` sequences go through one forward per DP rank (or packed micro-batches of at most
+    `max_tokens_per_microbatch` tokens when > 0)."""
 
     offload: bool = False  # park the reference weights on the host while the rollout engine runs
     micro_batch_size: int = 8  # sequences per reference forward on each DP rank
+    max_tokens_per_microbatch: int = 0  # > 0: packed micro-batches of at most this many tokens; 0: row counts
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
             raise ConfigError(f"ref.micro_batch_size={self.micro_batch_size} must be >= 1")
+        check_token_budget("ref.max_tokens_per_microbatch", self.max_tokens_per_microbatch)
+
+
+def check_token_budget(key: str, budget: int) -> None:
+    """A micro-batch token budget is 0 (off: row-count micro-batches) or a positive token count."""
+    if not isinstance(budget, int) or budget < 0:
+        raise ConfigError(f"{key}={budget!r} must be 0 (row-count micro-batches) or a token count >= 1")
+
+
+def check_budget_fits(key: str, budget: int, longest_row: int, source: str) -> None:
+    """A packing budget must hold the longest row a step can have (`source` says where that length comes from)."""
+    if 0 < budget < longest_row:
+        raise ConfigError(f"{key}={budget} is smaller than the longest row, {longest_row} tokens ({source}); "
+                          f"raise {key} to at least {longest_row}")
 
 
 def check_batch_sizes(*, prompts_per_step: int, n: int, rollout_dp: int, role: str, role_dp: int,
@@ -252,7 +280,8 @@ def check_batch_sizes(*, prompts_per_step: int, n: int, rollout_dp: int, role: s
                           f"{rollout_dp}; use a multiple of {rollout_dp}")
     rollouts = prompts_per_step * n
     per_mini = rollouts // update.mini_batches
-    if rollouts % update.mini_batches or per_mini % role_dp or (per_mini // role_dp) % update.micro_batch_size:
+    micro = 1 if update.max_tokens_per_microbatch else update.micro_batch_size  # packing: any row count
+    if rollouts % update.mini_batches or per_mini % role_dp or (per_mini // role_dp) % micro:
         raise ConfigError(
             f"{role}: {rollouts} rollouts per step (data.prompts_per_step={prompts_per_step} x sampling.n={n}) "
             f"must split into {role}.mini_batches={update.mini_batches} x dp={role_dp} x "

@@ -1,6 +1,7 @@
-"""How a role cuts its rows: DP shards balanced by tokens, rows sorted by length, micro-batches cut to their own
-longest row (compute scales with each micro-batch's length, not the step's), widths evened out with the
-expert-parallel peers at ep > 1."""
+"""How a role cuts its rows: DP shards balanced by tokens, then either rows sorted by length in micro-batches cut
+to their own longest row (compute scales with each micro-batch's length, not the step's), widths evened out
+with the expert-parallel peers at ep > 1; or rows bin-packed by a token budget into packed (THD) micro-batches
+(`pack_plan`, `packed_micro_batches`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any
 
 import torch
 
+from rlhf.errors import ConfigError
+from rlhf.models.packing import PackedMicroBatch, pack
 from rlhf.platform import current_device
 from rlhf.stages.batch import SequenceBatch
 
@@ -63,3 +66,50 @@ def micro_batches(shard: SequenceBatch, size: int, pgs: Any, *, ragged: bool = F
     else:
         micro = [micro.trimmed() for micro in shard.chunks(size, ragged=ragged)]
     return common_widths(micro, pgs.ep) if pgs.ep.size() > 1 else micro
+
+
+def token_bins(lengths: list[int], budget: int, count: int) -> list[list[int]] | None:
+    """`count` bins of row indices, each at most `budget` tokens, balanced by tokens: longest row first, each into
+    the lightest bin it fits (rows within a bin ascending); None when some row fits no bin."""
+    bins: list[list[int]] = [[] for _ in range(count)]
+    totals = [0] * count
+    for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
+        fits = [k for k in range(count) if totals[k] + lengths[row] <= budget]
+        if not fits:
+            return None
+        target = min(fits, key=lambda k: (totals[k], k))
+        bins[target].append(row)
+        totals[target] += lengths[row]
+    return [sorted(rows) for rows in bins]
+
+
+def pack_plan(lengths_b: torch.Tensor, parts: int, budget: int, key: str) -> list[list[list[int]]]:
+    """Per DP shard (`parts` contiguous equal shards of the rows), its rows in bins of at most `budget` tokens,
+    as few as fit and as many on every shard (ep peers run micro-batches in step). Deterministic from the
+    lengths alone: every rank computes the same plan. `key` names the budget in the error."""
+    lengths = lengths_b.tolist()
+    if max(lengths) > budget:
+        raise ConfigError(f"{key}={budget} is smaller than the longest row ({max(lengths)} tokens: prompt + "
+                          f"response); raise {key} to at least {max(lengths)}")
+    per = len(lengths) // parts
+    shards = [lengths[k * per:(k + 1) * per] for k in range(parts)]
+    count = max(-(-sum(shard) // budget) for shard in shards)
+    while True:
+        plans = [token_bins(shard, budget, count) for shard in shards]
+        if all(plan is not None for plan in plans):
+            return plans
+        count += 1
+
+
+def packed_micro_batches(shard: SequenceBatch, bins: list[list[int]], pgs: Any) -> list[PackedMicroBatch]:
+    """The rows of each bin of `shard` packed into one micro-batch; with pp > 1 (`pgs.pp`) all filled up to one
+    length (the schedule needs one shape), at ep > 1 (`pgs.ep`) to the longest of the expert-parallel peers'."""
+    micro = [shard.select(torch.tensor(rows, dtype=torch.int64)).trimmed() for rows in bins]
+    lengths = [int(row_lengths(rows).sum()) for rows in micro]
+    if pgs.pp.size() > 1:
+        lengths = [max(lengths)] * len(lengths)
+    if pgs.ep.size() > 1:
+        widths = torch.tensor(lengths, dtype=torch.int64, device=current_device())
+        torch.distributed.all_reduce(widths, op=torch.distributed.ReduceOp.MAX, group=pgs.ep)
+        lengths = widths.tolist()
+    return [pack(rows, length=length) for rows, length in zip(micro, lengths)]

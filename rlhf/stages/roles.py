@@ -33,7 +33,8 @@ from rlhf.train.engine import StepResult, TrainEngine
 from rlhf.stages.batch import RolloutBatch, ScoredBatch, SequenceBatch, gather_response, scatter_response
 from rlhf.stages.config import AlgoConfig, UpdateConfig
 from rlhf.stages.exchange import gather_rows, is_contributor
-from rlhf.stages.micro_batches import balanced_order, by_length, micro_batches, row_lengths
+from rlhf.stages.micro_batches import (balanced_order, by_length, micro_batches, pack_plan, packed_micro_batches,
+                                       row_lengths)
 
 
 def _labels_bs(batch: SequenceBatch) -> torch.Tensor:
@@ -49,14 +50,20 @@ class ModelRole:
                  recompute: bool = False, seed: int = 1234, offload_frozen: bool = False,
                  params_dtype: torch.dtype = torch.float32, moe_kwargs: dict | None = None,
                  gather_group: torch.distributed.ProcessGroup | None = None, lora: LoraConfig | None = None,
-                 base_of: ModelRole | None = None) -> None:
+                 base_of: ModelRole | None = None, max_tokens_per_microbatch: tuple[int, str] = (0, "")) -> None:
         """`micro_batch_size`: sequences per forward-only micro-batch (default: the update's micro-batch size);
-        `gather_group`: the ranks that gather this role's outputs (None: the world); `lora`: train adapters on
-        the frozen base (`rlhf.models.lora`); `base_of`: a frozen role that is that LoRA role's base model, its
-        adapters switched off (no second copy of the weights)."""
+        `max_tokens_per_microbatch`: (budget, its config key) of packed forward-only micro-batches (default: the
+        update's forward budget; 0: row counts); `gather_group`: the ranks that gather this role's outputs
+        (None: the world); `lora`: train adapters on the frozen base (`rlhf.models.lora`); `base_of`: a frozen
+        role that is that LoRA role's base model, its adapters switched off (no second copy of the weights)."""
         self.name, self.mesh, self.update_config = name, mesh, update
         self.micro_batch_size = micro_batch_size or (update.micro_batch_size if update is not None else 0)
         assert self.micro_batch_size > 0, f"{name}: a frozen role needs its own micro_batch_size"
+        self.forward_budget = max_tokens_per_microbatch
+        if update is not None and not self.forward_budget[0]:
+            key = "forward_max_tokens_per_microbatch" if update.forward_max_tokens_per_microbatch else \
+                "max_tokens_per_microbatch"
+            self.forward_budget = (update.forward_tokens_per_microbatch, f"{name}.{key}")
         self.gather_group = gather_group
         self.model: torch.nn.Module | None = None
         self.engine: TrainEngine | None = None
@@ -129,9 +136,8 @@ class ModelRole:
         local: dict[str, torch.Tensor] | None = None
         balance = balanced_order(row_lengths(batch).cpu(), self.mesh.layout.dp)
         if self.mesh.is_member:
-            shard = batch.select(balance).shard(self.dp_rank, self.dp_size).to(current_device())
-            order = by_length(shard)
-            micro = self._micro_batches(shard.select(order), min(self.micro_batch_size, shard.size), ragged=True)
+            order, micro = self._split(batch.select(balance), self.forward_budget,
+                                       min(self.micro_batch_size, batch.size // self.dp_size), ragged=True)
 
             def step(output: torch.Tensor, micro_batch: SequenceBatch) -> tuple[torch.Tensor, dict]:
                 out = fn(output, micro_batch).detach()
@@ -165,6 +171,18 @@ class ModelRole:
     def _micro_batches(self, shard: SequenceBatch, size: int, *, ragged: bool = False) -> list[SequenceBatch]:
         """`shard` in micro-batches of `size` rows on this role's layout (`micro_batches.micro_batches`)."""
         return micro_batches(shard, size, self.mesh.pgs, ragged=ragged)
+
+    def _split(self, balanced: SequenceBatch, budget: tuple[int, str], size: int, *,
+               ragged: bool = False) -> tuple[torch.Tensor, list]:
+        """(row order, micro-batches) of this rank's DP shard of `balanced` (rows in `balanced_order`): packed by
+        the token `budget` (value, config key) when set, else `size` rows sorted by length."""
+        shard = balanced.shard(self.dp_rank, self.dp_size).to(current_device())
+        if budget[0]:
+            bins = pack_plan(row_lengths(balanced).cpu(), self.dp_size, *budget)[self.dp_rank]
+            order = torch.tensor([row for rows in bins for row in rows], dtype=torch.int64)
+            return order, packed_micro_batches(shard, bins, self.mesh.pgs)
+        order = by_length(shard)
+        return order, self._micro_batches(shard.select(order), size, ragged=ragged)
 
     def _train(self, batch: SequenceBatch, loss_fn: Callable[[torch.Tensor, SequenceBatch, GlobalCounts], tuple],
                prefix: str) -> dict[str, float]:
@@ -200,11 +218,13 @@ class ModelRole:
     def _train_mini_batch(self, mini: SequenceBatch,
                           loss_fn: Callable[[torch.Tensor, SequenceBatch, GlobalCounts], tuple]) -> StepResult:
         """One optimizer step on this rank's DP shard of `mini`."""
-        balance = balanced_order(row_lengths(mini).cpu(), self.dp_size)
-        shard = mini.select(balance).shard(self.dp_rank, self.dp_size).to(current_device())
-        counts = GlobalCounts.of(shard.response_mask_bt, group=self.mesh.pgs.dp)
-        # the loss sums over rows with global counts, so their order (hence micro-batching) is free
-        micro = self._micro_batches(shard.select(by_length(shard)), self.update_config.micro_batch_size)
+        balanced = mini.select(balanced_order(row_lengths(mini).cpu(), self.dp_size))
+        shard = balanced.shard(self.dp_rank, self.dp_size)
+        counts = GlobalCounts.of(shard.response_mask_bt.to(current_device()), group=self.mesh.pgs.dp)
+        # the loss sums over rows with global counts, so their order (hence micro-batching or packing) is free
+        cfg = self.update_config
+        _, micro = self._split(balanced, (cfg.max_tokens_per_microbatch, f"{self.name}.max_tokens_per_microbatch"),
+                               cfg.micro_batch_size)
         return self.engine.train_step(micro, lambda out, mb: loss_fn(out, mb, counts))
 
     def state_dict(self) -> dict[str, Any]:
