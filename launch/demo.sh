@@ -13,13 +13,7 @@ HERE=$(cd "$(dirname "$0")/.." && pwd)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 rm -rf "$OUT" && mkdir -p "$OUT/data"
 
-TASK=(--task chain_sum --prompt-format expression --task-option min_terms=2 --task-option max_terms=3
-      --task-option min_digits=1 --task-option max_digits=2)
-echo "== data: reasoning-gym chain_sum (2-3 terms, 1-2 digits)"
-"${RLHF[@]}" data make "${TASK[@]}" --num-prompts 10000 --seed 1 --out "$OUT/data/rl.parquet"
-"${RLHF[@]}" data make "${TASK[@]}" --num-prompts 2000 --seed 20000000 --out "$OUT/data/sft.parquet"
-"${RLHF[@]}" data make "${TASK[@]}" --num-prompts 500 --seed 10000000 --exclude "$OUT/data/rl.parquet" \
-  --exclude "$OUT/data/sft.parquet" --out "$OUT/data/val.parquet"
+PYTHON="$PYTHON" bash "$HERE/launch/demo_data.sh" "$OUT/data" 10000 500
 echo "== model: 4-layer char-level Llama, hidden 128"
 "${RLHF[@]}" init-model --out "$OUT/model0" --hidden 128 --layers 4 --heads 4 --kv-heads 4 --ffn 512 \
   --max-positions 64

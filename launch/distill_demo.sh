@@ -15,13 +15,7 @@ STUDENT_SFT_STEPS=${STUDENT_SFT_STEPS:-100}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 rm -rf "$OUT" && mkdir -p "$OUT/data"
 
-TASK=(--task chain_sum --prompt-format expression --task-option min_terms=2 --task-option max_terms=3
-      --task-option min_digits=1 --task-option max_digits=2)
-echo "== data: reasoning-gym chain_sum (2-3 terms, 1-2 digits)"
-"${RLHF[@]}" data make "${TASK[@]}" --num-prompts 4000 --seed 1 --out "$OUT/data/rl.parquet"
-"${RLHF[@]}" data make "${TASK[@]}" --num-prompts 2000 --seed 20000000 --out "$OUT/data/sft.parquet"
-"${RLHF[@]}" data make "${TASK[@]}" --num-prompts 200 --seed 10000000 --exclude "$OUT/data/rl.parquet" \
-  --exclude "$OUT/data/sft.parquet" --out "$OUT/data/val.parquet"
+PYTHON="$PYTHON" bash "$HERE/launch/demo_data.sh" "$OUT/data" 4000 200
 echo "== models: teacher 4 layers hidden 128, student 2 layers hidden 64 (one char tokenizer)"
 "${RLHF[@]}" init-model --out "$OUT/teacher0" --hidden 128 --layers 4 --heads 4 --kv-heads 4 --ffn 512 \
   --max-positions 64
