@@ -18,7 +18,7 @@ def test_gpu_check_smoke_runs_every_check(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
     checks = {name: row for name, row in results.items() if isinstance(row, dict) and "check_s" in row}
-    assert len(checks) == 18, sorted(checks)
+    assert len(checks) == 21, sorted(checks)
     failed = {name: row["error"] for name, row in checks.items() if "error" in row}
     assert not failed, failed
     for fam in ("llama", "qwen2", "qwen3", "qwen3_moe"):
