@@ -21,6 +21,8 @@ from transformers import LlamaConfig
 
 from rlhf.testing.distributed import run_distributed
 
+from _machine import machine_info  # benchmarks/ is the script's folder, first on sys.path
+
 RESULTS = Path(__file__).parent / "results" / "lora.json"
 
 
@@ -104,8 +106,12 @@ def main() -> None:
               f"{row['state_bytes'] / 2**20:>9.1f} {row['merged_sync_bytes'] / 2**20:>15.1f} {adapter:>11} "
               f"{row['merge_s'] * 1e3:>9.1f}")
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"date": datetime.date.today().isoformat(), "args": vars(args), "rows": rows},
-                                  indent=2))
+    full, summary = rows[0], {}
+    for row in rows[1:]:  # lora_r<rank>
+        summary[f"merged_over_adapter_bytes_{row['setting']}"] = row["merged_sync_bytes"] / row["adapter_bytes"]
+        summary[f"full_over_lora_state_{row['setting']}"] = full["state_bytes"] / row["state_bytes"]
+    RESULTS.write_text(json.dumps({"name": "lora", "date": datetime.date.today().isoformat(), "machine": machine_info(),
+                                   "config": vars(args), "rows": rows, "summary": summary}, indent=2))
 
 
 if __name__ == "__main__":

@@ -148,6 +148,13 @@ def main() -> None:
               f"CPU (budget {res['budget']} tokens)")
     result = {"name": "packing", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": machine_info(), "config": {**vars(args), "rows": ROWS, "prompt": PROMPT},
+              "rows": [{"spread": spread, "variant": name, "useful_fraction": res["useful_fraction"][name],
+                        "median_s": seconds, "median_cpu_s": res["median_cpu_s"][name]}
+                       for spread, res in results.items() for name, seconds in res["median_s"].items()],
+              "summary": {key: value for spread, res in results.items() for key, value in (
+                  (f"useful_fraction_packed_{spread}", res["useful_fraction"]["packed"]),
+                  (f"packed_speedup_over_sorted_{spread}", res["sorted_over_packed"]),
+                  (f"packed_speedup_over_padded_{spread}", res["median_s"]["padded"] / res["median_s"]["packed"]))},
               "spreads": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
