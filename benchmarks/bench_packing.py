@@ -113,7 +113,7 @@ def main() -> None:
     from rlhf.parallel.layout import ParallelLayout
     from rlhf.parallel.meshes import RoleMesh
     from rlhf.stages.config import UpdateConfig
-    from rlhf.stages.roles import PolicyRole
+    from rlhf.stages.policy_role import PolicyRole
     from rlhf.testing.distributed import free_port
     from rlhf.train.config import OptimConfig
 

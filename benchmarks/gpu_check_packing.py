@@ -19,7 +19,7 @@ def packed_vs_padded(path: str, groups, dtype: torch.dtype, max_response: int = 
     from rlhf.parallel.layout import ParallelLayout
     from rlhf.parallel.meshes import RoleMesh
     from rlhf.stages.config import AlgoConfig, UpdateConfig
-    from rlhf.stages.roles import PolicyRole
+    from rlhf.stages.policy_role import PolicyRole
     from rlhf.train.config import OptimConfig
 
     batch = variable_length_batch(AutoConfig.from_pretrained(path).vocab_size, max_response)

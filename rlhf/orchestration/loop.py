@@ -47,7 +47,7 @@ from rlhf.orchestration.checkpointing import RunCheckpoints
 from rlhf.orchestration.preflight import (build_meshes, check_batches, resolved_algo, resolved_sleep, rollout_dtype,
                                           shares_weights)
 from rlhf.stages.batch import ScoredBatch
-from rlhf.stages.roles import PolicyRole
+from rlhf.stages.policy_role import PolicyRole
 from rlhf.stages.scoring import Scorer
 from rlhf.stages.sync import SharedWeights
 from rlhf.orchestration.rollout_dump import RolloutDumper

@@ -39,7 +39,8 @@ from rlhf.stages.batch import RolloutBatch, ScoredBatch, pad_to_multiple
 from rlhf.stages.config import AlgoConfig, UpdateConfig
 from rlhf.stages.distill import DistillStage
 from rlhf.stages.memory import MemoryPhases
-from rlhf.stages.roles import CriticRole, PolicyRole, RewardModelRole
+from rlhf.stages.policy_role import PolicyRole
+from rlhf.stages.value_roles import CriticRole, RewardModelRole
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,7 +18,7 @@ from rlhf.metrics import StepMetrics
 from rlhf.parallel.meshes import RoleMesh
 from rlhf.stages.batch import RolloutBatch
 from rlhf.stages.config import DistillConfig, DistillMode
-from rlhf.stages.roles import PolicyRole
+from rlhf.stages.policy_role import PolicyRole
 
 
 def route_teachers(config: DistillConfig, records: Sequence[PromptRecord]) -> dict[int, int]:

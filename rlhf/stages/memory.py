@@ -34,7 +34,7 @@ SLEEPS = ("none", "kv_cache", "kv_cache_and_weights")
 
 
 class OffloadableRole(Protocol):
-    """A model role (`stages.roles.ModelRole`) as the phases see it."""
+    """A model role (`stages.model_role.ModelRole`) as the phases see it."""
 
     name: str
     mesh: RoleMesh  # `.is_member`: whether this rank holds the role's model

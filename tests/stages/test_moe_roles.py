@@ -86,7 +86,8 @@ def _roles_at(paths: dict, cache, layout) -> dict:
     from rlhf.parallel.meshes import RoleMesh
     from rlhf.train.config import OptimConfig
     from rlhf.stages.config import UpdateConfig
-    from rlhf.stages.roles import CriticRole, PolicyRole
+    from rlhf.stages.policy_role import PolicyRole
+    from rlhf.stages.value_roles import CriticRole
 
 
     def mesh(role: str) -> RoleMesh:
@@ -126,7 +127,7 @@ def _replay(paths: dict, cache) -> dict:
     from rlhf.stages.batch import build_rollout_batch
     from rlhf.stages.config import UpdateConfig
     from rlhf.stages.exchange import gather_global_batch
-    from rlhf.stages.roles import PolicyRole
+    from rlhf.stages.policy_role import PolicyRole
 
     def role(layout: ParallelLayout, mode: str, update: bool = False) -> PolicyRole:
         mesh = RoleMesh("actor", layout, build_layout_groups(layout, cache))

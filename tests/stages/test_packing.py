@@ -22,7 +22,8 @@ from rlhf.parallel.layout import ParallelLayout  # noqa: E402
 from rlhf.parallel.meshes import RoleMesh  # noqa: E402
 from rlhf.stages.config import RefConfig, UpdateConfig, check_budget_fits  # noqa: E402
 from rlhf.stages.micro_batches import pack_plan, row_lengths  # noqa: E402
-from rlhf.stages.roles import CriticRole, PolicyRole, RewardModelRole  # noqa: E402
+from rlhf.stages.policy_role import PolicyRole  # noqa: E402
+from rlhf.stages.value_roles import CriticRole, RewardModelRole  # noqa: E402
 from rlhf.testing.distributed import run_distributed  # noqa: E402
 from rlhf.train.config import OptimConfig  # noqa: E402
 

@@ -17,7 +17,7 @@ from rlhf.testing.distributed import run_distributed  # noqa: E402
 from rlhf.train.config import OptimConfig  # noqa: E402
 from rlhf.stages.batch import ScoredBatch  # noqa: E402
 from rlhf.stages.config import UpdateConfig  # noqa: E402
-from rlhf.stages.roles import PolicyRole  # noqa: E402
+from rlhf.stages.policy_role import PolicyRole  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_loss_is_the_same_for_dp1_dp2_and_micro_batching(tiny):
 
 
 def _reward_scores(paths, reward_path):
-    from rlhf.stages.roles import RewardModelRole
+    from rlhf.stages.value_roles import RewardModelRole
 
     cache = GroupCache()
     out = []

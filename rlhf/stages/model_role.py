@@ -1,43 +1,39 @@
-"""The model roles of an RL step on their meshes: actor (trained policy), ref (frozen policy), critic (values).
+"""A model role of an RL step on its mesh: a megatron GPT (LM or value head), optionally trained.
 
 Each role's members run its DP shard of the global batch (`stages.batch`); per-sample outputs are gathered back so
-every rank sees the whole batch (`exchange.gather_rows`). Non-members only take part in that gather.
+every rank sees the whole batch (`exchange.gather_rows`). Non-members only take part in that gather. The roles
+themselves: `policy_role` (actor, ref, teacher) and `value_roles` (critic, reward model).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from transformers import AutoConfig
 
-from rlhf.algo.actor_loss import ActorLossInputs, actor_loss
 from rlhf.algo.aggregation import GlobalCounts
-from rlhf.algo.value_loss import value_loss
 from rlhf.parallel.meshes import RoleMesh
-from rlhf.errors import ConfigError
 from rlhf.models.builder import build_gpt
-from rlhf.models.forward import forward_backward, token_entropy, token_logprobs
+from rlhf.models.forward import forward_backward
 from rlhf.models.hf_load import load_hf_weights
 from rlhf.models.config import LoraConfig
 from rlhf.models.lora import adapters_disabled, apply_lora, base_identity, check_same_base, load_peft_folder
-from rlhf.models.lm_head import LMHead, head_logprobs, head_sum_pi_squared, hidden_output
 from rlhf.models.routing import RoutingRecorder
-from rlhf.models.routing_replay import UNKNOWN, RoutingReplay
+from rlhf.models.routing_replay import UNKNOWN
 from rlhf.platform import current_device
 from rlhf.train import offload as offload_lib
 from rlhf.train.engine import StepResult, TrainEngine
-from rlhf.stages.batch import RolloutBatch, ScoredBatch, SequenceBatch, gather_response, scatter_response
-from rlhf.stages.config import AlgoConfig, UpdateConfig
+from rlhf.stages.batch import SequenceBatch
+from rlhf.stages.config import UpdateConfig
 from rlhf.stages.exchange import gather_rows, is_contributor
 from rlhf.stages.micro_batches import (balanced_order, by_length, micro_batches, pack_plan, packed_micro_batches,
                                        row_lengths)
 
 
-def _labels_bs(batch: SequenceBatch) -> torch.Tensor:
+def labels_bs(batch: SequenceBatch) -> torch.Tensor:
     """The token each position predicts (the last position's label is never read)."""
     return torch.roll(batch.tokens_bs, shifts=-1, dims=1)
 
@@ -240,150 +236,3 @@ class ModelRole:
         if self.engine is not None:
             check_same_base(state.get("lora_base"), self.base_id, self.name)
             self.engine.load_state_dict(state, folder_of)
-
-
-class PolicyRole(ModelRole):
-    """Actor (with an update) or reference (frozen): token logprobs, and the PPO-family update.
-
-    With `fused_head` (default) the model hands back hidden states and the LM head runs fused with the
-    logprob/entropy reduction on response tokens only (`rlhf.models.lm_head`); otherwise from full logits.
-    Logprobs and entropy are of softmax(logits / `temperature`): the policy the rollouts were sampled from (as
-    verl, OpenRLHF and TRL do), so PPO ratios and KL compare the distributions that produced the samples.
-    """
-
-    def __init__(self, *args, fused_head: bool = True, temperature: float = 1.0, routing_replay: str = "none",
-                 **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        if not temperature > 0:
-            raise ConfigError(f"the policy's logprob temperature must be > 0, got {temperature}")
-        self.fused_head, self.temperature = fused_head, temperature
-        # R3: actor and ref replay the batch's (rollout) routing; R2: the actor records it in its old-logprob
-        # forward (`logprobs`) and replays it in the update; the ref routes freely
-        self.records_routing = routing_replay == "r2" and self.update_config is not None
-        self.routing_replay: RoutingReplay | None = None
-        if self.model is not None and (routing_replay == "r3" or self.records_routing):
-            self.routing_replay = RoutingReplay(self.model)
-            self.model.rlhf_routing_replay = self.routing_replay
-        self.routing_metrics: dict[str, float] = {}  # of the last `logprobs`: router agreement with the batch's
-        self.recorded_routing_bslk: torch.Tensor | None = None  # R2: the last `logprobs`' own routing
-
-    def _output_mode(self) -> contextlib.AbstractContextManager:
-        return hidden_output(self.model) if self.fused_head and self.model is not None else contextlib.nullcontext()
-
-    def _token_stats(self, output: torch.Tensor, mb: SequenceBatch, *,
-                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logprobs_bt, entropy_bt) of the response tokens from the model output (hidden states or logits)."""
-        if self.fused_head:
-            rows_n, positions_n = mb.response_index()
-            labels_n = mb.tokens_bs[rows_n, positions_n + 1]
-            head = LMHead.of(self.model, self.tp_group, self.vocab_size)
-            logp_n, entropy_n = head_logprobs(output[rows_n, positions_n], labels_n, head,
-                                              temperature=self.temperature, entropy_grad=entropy_grad)
-            return scatter_response(logp_n, mb), scatter_response(entropy_n, mb)
-        logp_bs = token_logprobs(output, _labels_bs(mb), self.tp_group, self.vocab_size, self.temperature)
-        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
-            entropy_bs = token_entropy(output if entropy_grad else output.detach(), self.tp_group, self.vocab_size,
-                                       self.temperature)
-        return gather_response(logp_bs, mb), gather_response(entropy_bs, mb)
-
-    def logprobs(self, batch: RolloutBatch, *, with_sum_pi_squared: bool = False) -> torch.Tensor:
-        """Token logprobs `[B, T]` (`with_sum_pi_squared`, fused head only: `[B, T, 2]`, the second the position's
-        sum_v pi(v)^2, which the optimal token baseline reads). Under routing replay R3 the forward routes as
-        `batch.routed_experts_bslk` says (`routing_metrics`: how often the router's own choice agreed); under R2
-        the actor routes freely and keeps its routing in `recorded_routing_bslk` for the update to replay."""
-        assert self.fused_head or not with_sum_pi_squared, "sum_pi_squared needs the fused head (preflight)"
-
-        def fn(output: torch.Tensor, mb: SequenceBatch) -> torch.Tensor:
-            if not self.fused_head:
-                return gather_response(token_logprobs(output, _labels_bs(mb), self.tp_group, self.vocab_size,
-                                                      self.temperature), mb)
-            logp_bt = self._token_stats(output, mb)[0]
-            if not with_sum_pi_squared:
-                return logp_bt
-            rows_n, positions_n = mb.response_index()
-            head = LMHead.of(self.model, self.tp_group, self.vocab_size)
-            squared_n = head_sum_pi_squared(output[rows_n, positions_n], head, temperature=self.temperature)
-            return torch.stack([logp_bt, scatter_response(squared_n, mb)], dim=-1)
-
-        replay = self.routing_replay
-        if replay is not None:
-            replay.clear()
-            replay.record = self.records_routing
-        source = dataclasses.replace(batch, routed_experts_bslk=None) if self.records_routing else batch
-        with self._output_mode():
-            result = self._forward(source, fn, record_routing=self.records_routing)
-        if self.records_routing:
-            result, self.recorded_routing_bslk = result
-        self.routing_metrics = {}
-        if replay is not None and not self.records_routing and self.mesh.is_member:
-            self.routing_metrics = replay.agreement(self.mesh.pgs.layout_all)
-        if replay is not None:
-            replay.clear()
-            replay.record = False
-        return result
-
-    def update(self, batch: ScoredBatch, algo: AlgoConfig) -> dict[str, float]:
-        use_kl_loss = algo.kl.use_as_loss
-        entropy_grad = algo.policy_loss.entropy_coef > 0
-
-        def loss_fn(output: torch.Tensor, mb: ScoredBatch, counts: GlobalCounts) -> tuple:
-            logp_bt, entropy_bt = self._token_stats(output, mb, entropy_grad=entropy_grad)
-            old_bt = mb.old_logprobs_bt if mb.old_logprobs_bt is not None else logp_bt.detach()  # on-policy
-            inputs = ActorLossInputs(logprobs_bt=logp_bt, old_logprobs_bt=old_bt,
-                                     advantages_bt=mb.advantages_bt, response_mask_bt=mb.response_mask_bt,
-                                     ref_logprobs_bt=mb.ref_logprobs_bt if use_kl_loss else None,
-                                     entropy_bt=entropy_bt, is_weights_bt=mb.is_weights_bt,
-                                     cov_selected_bt=mb.cov_selected_bt)
-            loss, metrics = actor_loss(inputs, algo.policy_loss, algo.kl, counts, algo.rollout_correction)
-            return loss, {k: float(v) for k, v in metrics.as_dict("actor/").items()}
-
-        # rejected tokens / filtered rows leave the loss and its counts
-        batch = dataclasses.replace(batch, response_mask_bt=batch.loss_mask_bt)
-        with self._output_mode():
-            out = self._train(batch, loss_fn, "actor/")
-        if self.routing_replay is not None:
-            self.routing_replay.clear()
-        if out and use_kl_loss:
-            out["actor/kl_coef"] = algo.kl.coef
-        return out
-
-
-    def sft_update(self, batch: SequenceBatch) -> dict[str, float]:
-        """Supervised step(s) on the response tokens: token-mean NLL over the global batch (`rlhf sft`)."""
-        def loss_fn(output: torch.Tensor, mb: SequenceBatch, counts: GlobalCounts) -> tuple:
-            logp_bt, _ = self._token_stats(output, mb)
-            loss = -(logp_bt * mb.response_mask_bt).sum() / max(counts.num_tokens, 1)
-            return loss, {"sft/loss": float(loss.detach())}
-
-        with self._output_mode():
-            return self._train(batch, loss_fn, "actor/")
-
-
-class CriticRole(ModelRole):
-    """Value model: per-token values of the state before each response token, and the clipped value update."""
-
-    def values(self, batch: SequenceBatch) -> torch.Tensor:
-        def fn(values_bs1: torch.Tensor, mb: SequenceBatch) -> torch.Tensor:
-            return gather_response(values_bs1.squeeze(-1).float(), mb)
-
-        return self._forward(batch, fn)
-
-    def update(self, batch: ScoredBatch, algo: AlgoConfig) -> dict[str, float]:
-        def loss_fn(values_bs1: torch.Tensor, mb: ScoredBatch, counts: GlobalCounts) -> tuple:
-            values_bt = gather_response(values_bs1.squeeze(-1).float(), mb)
-            loss, metrics = value_loss(values_bt, mb.values_bt, mb.returns_bt, mb.response_mask_bt,
-                                       algo.value_loss, counts)
-            return loss, {k: float(v) for k, v in metrics.as_dict("critic/").items()}
-
-        return self._train(batch, loss_fn, "critic/")
-
-
-class RewardModelRole(ModelRole):
-    """A frozen reward model (value head): the sequence reward is its value at the last response token."""
-
-    def scores(self, batch: SequenceBatch) -> torch.Tensor:
-        def fn(values_bs1: torch.Tensor, mb: SequenceBatch) -> torch.Tensor:
-            last_b = (mb.prompt_lengths_b + mb.response_lengths_b - 1).clamp(max=mb.tokens_bs.shape[1] - 1)
-            return values_bs1.squeeze(-1).float().gather(1, last_b[:, None]).squeeze(1)
-
-        return self._forward(batch, fn)
