@@ -10,8 +10,6 @@ import json
 from rlhf.cli.common import add_config_args, config_from_args
 from rlhf.errors import ConfigError
 
-RECOMPUTE = ("none", "full", "selective")
-
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("plan", help="dry run at a given world size: meshes, memory, weight-sync plan")
@@ -39,8 +37,6 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--seq-len={args.seq_len} must be >= 1 (response tokens to plan for)")
     if args.memory_gib is not None and not args.memory_gib > 0:
         raise ConfigError(f"--memory-gib={args.memory_gib:g} must be > 0 (GiB per device)")
-    if args.recompute is not None and args.recompute not in RECOMPUTE:
-        raise ConfigError(f"--recompute={args.recompute} is not one of {', '.join(RECOMPUTE)}")
     if args.fit and args.memory_gib is None:
         raise ConfigError("--fit needs --memory-gib (the memory per device the layouts must fit)")
     cfg = config_from_args(args)  # config errors come before torch and megatron are imported

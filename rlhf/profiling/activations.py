@@ -30,9 +30,13 @@ keeps `pp - stage` micro-batches in flight on a stage (at most the micro-batch c
 plus the permuted copies and fp32 router logits (an estimate; the dense terms are checked against autograd).
 
 The CPU path (megatron's local layers, torch SDPA's math kernel behind `PackedDotProductAttention`) keeps
-more, and `cpu_path_extra_bytes` says how much: decomposed RMSNorm keeps `x * rstd` (`+h` per norm, `+hq + hkv`
-for q/k norms), K/V expanded to every query head and q scaled (`+2 (hq - hkv)`), the `heads x s^2` softmax
-probabilities per attention call instead of the lse, and the final norm's `x * rstd`.
+more, and `cpu_path_extra_bytes` says how much, storage by storage: the decomposed RMSNorm's `x * rstd` (`+h`
+per norm, also for the q/k norms and the final norm); SDPA's scaled q and, with GQA, K and V expanded to every
+query head (`+2 (hq - hkv)`), or without GQA V itself, a view that keeps the fused QKV output whole (as the
+k norm's input does); the `heads x s^2` softmax probabilities of each attention call instead of the lse; and a
+padded batch's boolean mask. `tests/profiling/test_activations.py` finds estimate + extra equal to the bytes
+autograd saves, to the byte. Not checked (no GPU here): whether TE keeps V as a view of the fused QKV output
+too, which would add `hq + hkv` per layer (~6% for Qwen3-8B).
 """
 
 from __future__ import annotations
@@ -47,6 +51,11 @@ RECOMPUTE = ("none", "full", "selective")
 HEADS = ("fused", "full", "value")
 Recompute = Literal["none", "full", "selective"]
 Head = Literal["fused", "full", "value"]
+
+
+def check_recompute(value: str, key: str = "recompute") -> None:
+    if value not in RECOMPUTE:
+        raise ConfigError(f"{key}={value} is not one of {', '.join(RECOMPUTE)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,8 +81,7 @@ class MicroBatchShape:
     train: bool = True
 
     def __post_init__(self) -> None:
-        if self.recompute not in RECOMPUTE:
-            raise ConfigError(f"recompute={self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+        check_recompute(self.recompute)
         if self.head not in HEADS:
             raise ConfigError(f"head={self.head!r} is not one of {', '.join(HEADS)}")
         if self.tokens < 1:

@@ -22,7 +22,7 @@ from rlhf.parallel.layout import ParallelLayout
 from rlhf.models.param_specs import param_specs
 from rlhf.models.spec import ModelSpec
 from rlhf.platform.device import ACCELERATOR_HEAD_BYTES
-from rlhf.profiling.activations import MicroBatchShape, activation_bytes
+from rlhf.profiling.activations import MicroBatchShape, activation_bytes, check_recompute
 from rlhf.reshard.planner import min_received_numel, plan_rank
 from rlhf.stages.config import check_batch_sizes
 from rlhf.stages.micro_batches import pack_plan
@@ -72,6 +72,10 @@ class MemoryPlan:
     sequence_parallel: bool = False
     memory_bytes: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.recompute is not None:
+            check_recompute(self.recompute, "--recompute")
+
     def lengths(self, cfg: Any) -> tuple[int, int]:
         """(row, response) lengths in tokens."""
         response = self.response_length or cfg.sampling.max_new_tokens
@@ -95,7 +99,7 @@ def plan_pass(rows: int, dp: int, row_length: int, micro_batch_size: int, budget
                           f"data.prompts_per_step x sampling.n")
     if budget[0]:
         bins = pack_plan(torch.full((rows,), row_length, dtype=torch.int64), dp, *budget)[0]
-        return PassPlan(len(bins), max(len(rows_) for rows_ in bins), packed=True)
+        return PassPlan(len(bins), max(map(len, bins)), packed=True)
     return PassPlan(max(1, rows // dp // micro_batch_size), min(micro_batch_size, rows // dp), packed=False)
 
 
@@ -113,7 +117,7 @@ def _passes(role: str, cfg: Any, dp: int, row_length: int) -> dict[str, PassPlan
     frozen = {"ref": (cfg.ref.micro_batch_size, (cfg.ref.max_tokens_per_microbatch, "ref.max_tokens_per_microbatch")),
               "reward": (cfg.reward.model_micro_batch_size, (cfg.reward.model_max_tokens_per_microbatch,
                                                              "reward.model_max_tokens_per_microbatch")),
-              "teacher": (cfg.algo.distill.micro_batch_size, (0, "algo.distill.micro_batch_size"))}
+              "teacher": (cfg.algo.distill.micro_batch_size, (0, ""))}
     if role not in frozen:
         return {}
     size, budget = frozen[role]
@@ -301,9 +305,9 @@ def format_report(report: dict) -> str:
                      f"{r['dp_grad_reduce_bytes_per_step'] / GIB:>9.2f}G {r['tp_all_reduces_per_micro_batch']:>8}")
     memory = report["memory"]
     lines.append(MODELLED.format(**memory))
-    lines.append(f"this rank's peak: {memory['state_bytes'] / GIB:.2f} GiB state + {memory['activation_bytes'] / GIB:.2f}"
-                 f" GiB activations ({memory['activation_role']}) = {memory['peak_bytes'] / GIB:.2f} GiB"
-                 + _fits(memory))
+    lines.append(f"this rank's peak: {memory['state_bytes'] / GIB:.2f} GiB state + "
+                 f"{memory['activation_bytes'] / GIB:.2f} GiB activations ({memory['activation_role']}) = "
+                 f"{memory['peak_bytes'] / GIB:.2f} GiB" + _fits(memory))
     sync = report["weight_sync"]
     lines.append(f"weight sync on this rank: receives {sync['received_bytes'] / 2**20:.1f} MiB (minimum "
                  f"{sync['min_received_bytes'] / 2**20:.1f}) from {sync['peers_received_from']} peers, sends "

@@ -1,7 +1,8 @@
 """The activation-memory model (`rlhf.profiling.activations`) against autograd: the bytes a tiny model's forward
 really saves for its backward (`saved_tensors_hooks`, each storage counted once, parameters left out) equal the
-model's flash-path estimate plus the CPU path's extra terms (`cpu_path_extra_bytes`), packed and padded, fused
-and full-logits heads, Llama (GQA), Qwen2 (MHA, qkv bias) and Qwen3 (GQA, q/k norm); plus hand checks of the formula on a small shape."""
+model's flash-path estimate plus the CPU path's extra terms (`cpu_path_extra_bytes`), to the byte: packed and
+padded, fused and full-logits heads, Llama (GQA), Qwen2 (MHA, qkv bias), Qwen3 (GQA, q/k norm), full recompute;
+plus hand checks of the formula on a small shape."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import torch
 
 from rlhf.errors import ConfigError
 from rlhf.models.spec import ModelSpec
+from rlhf.platform.packed_attention import BLOCK_TOKENS
 from rlhf.profiling.activations import MicroBatchShape, activation_bytes, cpu_path_extra_bytes
 from rlhf.testing.distributed import run_distributed
 from tests.models.tiny import VOCAB, llama_config, qwen2_config, qwen3_config
 
-PACKED = [300, 250, 90]  # PackedDotProductAttention's blocks of <= 512 tokens: [300], [250, 90]
+PACKED = [300, 250, 90]  # PackedDotProductAttention's blocks of <= BLOCK_TOKENS: [300], [250, 90]
 PADDED_ROWS, PADDED_LEN = 3, 96
 
 
@@ -91,6 +93,7 @@ def test_saved_tensors_equal_the_flash_estimate_plus_the_cpu_extra(measured):
         tokens = sum(PACKED) if packed else PADDED_ROWS * PADDED_LEN
         shape = MicroBatchShape(tokens=tokens, padded_rows=0 if packed else PADDED_ROWS, dtype_bytes=4, head=head)
         flash = activation_bytes(spec, shape).total_bytes
+        assert 300 + 250 > BLOCK_TOKENS >= 250 + 90  # the blocks the packed core runs
         calls = [300, 340] if packed else [PADDED_LEN]
         extra = cpu_path_extra_bytes(spec, calls, batch=1 if packed else PADDED_ROWS, padded=not packed)
         assert got == flash + extra, (name, packed, head, got, flash, extra)
@@ -140,5 +143,5 @@ def test_formula_by_hand_on_a_small_shape():
 
 
 def test_bad_shape_is_a_config_error():
-    with pytest.raises(ConfigError, match="recompute='some' is not one of none, full, selective"):
+    with pytest.raises(ConfigError, match="recompute=some is not one of none, full, selective"):
         MicroBatchShape(tokens=8, recompute="some")

@@ -15,7 +15,9 @@ from transformers import LlamaForCausalLM
 
 from rlhf.parallel.layout import ParallelLayout
 from rlhf.models.param_specs import param_specs
-from rlhf.profiling.dry_run import stage_params
+from rlhf.models.spec import ModelSpec
+from rlhf.profiling.activations import MicroBatchShape, activation_bytes
+from rlhf.profiling.dry_run import MemoryPlan, role_estimate, stage_params
 from rlhf.reshard.planner import plan_for_model
 from tests.models.tiny import llama_config
 
@@ -68,6 +70,14 @@ def test_plan_at_scale_matches_the_global_plan(model_dir, tmp_path, world, rank)
     assert roles["rollout"]["weight_bytes"] == stage_params(_config(), rollout, 0, value_head=False) * 4
     kv = 2 * 8 * 16 * (8 // 4) * 64 * 8 * 4  # k+v, layers, slots, kv heads per tp rank, seq, head_dim, fp32
     assert roles["rollout"]["kv_cache_bytes"] == kv
+    # activations: the actor's update micro-batch (4 rows of 512 + 64 tokens) on its pipeline stage; the peak
+    # is every role's state plus the largest activation peak
+    shape = MicroBatchShape(tokens=4 * 576, padded_rows=4, tp=8, pp=4, pp_rank=coords.pp_rank,
+                            micro_batches=world * 8 // actor.dp // 4,
+                            dtype_bytes=4, head_rows=4 * 64)  # 1F1B: pp - stage in flight
+    assert roles["actor"]["activation_bytes"] == activation_bytes(ModelSpec.from_hf(_config()), shape).total_bytes
+    memory = report["memory"]
+    assert memory["peak_bytes"] == report["rank_total_bytes"] + roles["actor"]["activation_bytes"]
 
 
 def test_stage_params_add_up_to_the_hf_model():
@@ -128,7 +138,6 @@ def test_packed_micro_batches_come_from_pack_plan(model_dir):
     """32 rollouts of 16 + 48 tokens, 2 mini-batches over dp=2: 8 rows per rank and mini-batch. Packed into 200
     tokens that is 3 rows (192 tokens) per bin, ceil(8 / 3) = 3 bins; by rows of 4, 2 micro-batches."""
     from rlhf.errors import ConfigError
-    from rlhf.profiling.dry_run import MemoryPlan, role_estimate
 
     layout = ParallelLayout(dp=2)
     packed = role_estimate("actor", layout, _config(), _cfg(model_dir, "actor.max_tokens_per_microbatch=200"), 0,
