@@ -242,7 +242,9 @@ def rank_memory(roles: list[RoleEstimate], cfg: Any, plan: MemoryPlan) -> dict:
     peak_role = max(roles, key=lambda r: r.activation_bytes)
     static = sum(r.total_bytes for r in roles)
     peak = static + peak_role.activation_bytes
-    return {"row_length": row_length, "response_length": response, "state_bytes": static,
+    recompute = plan.recompute or ("full in the actor" if cfg.model.recompute else "none")
+    return {"row_length": row_length, "response_length": response, "recompute": recompute,
+            "sequence_parallel": "on" if plan.sequence_parallel else "off", "state_bytes": static,
             "activation_bytes": peak_role.activation_bytes,
             "activation_role": f"{peak_role.role} {peak_role.activation_pass}".strip(), "peak_bytes": peak,
             "memory_bytes": plan.memory_bytes,
@@ -287,7 +289,8 @@ def fit_layouts(cfg: Any, world_size: int, plan: MemoryPlan) -> dict:
 
 GIB = 1024 ** 3
 MODELLED = ("activations: flash/TE attention (no s^2 term; the CPU SDPA math path keeps more), every row "
-            "{row_length} tokens ({response_length} response), largest micro-batch of each pass")
+            "{row_length} tokens ({response_length} response), largest micro-batch of each pass, recompute "
+            "{recompute}, sequence parallel {sequence_parallel}")
 
 
 def format_report(report: dict) -> str:
