@@ -262,6 +262,8 @@ def fit_layouts(cfg: Any, world_size: int, plan: MemoryPlan) -> dict:
     critic_config = AutoConfig.from_pretrained(cfg.model.critic_path) if cfg.model.critic_path else hf_config
     roles = {"actor": hf_config} | ({"ref": hf_config} if cfg.algo.uses_ref else {}) | \
         ({"critic": critic_config} if cfg.algo.uses_critic else {})
+    for role in roles:  # a token budget below the planned rows fails on every layout: say so once
+        _passes(role, cfg, 1, plan.lengths(cfg)[0])
     ep = cfg.mesh.actor.ep
     divisors = [n for n in range(1, world_size + 1) if world_size % n == 0]
     rows, skipped = [], []

@@ -183,6 +183,13 @@ def test_fit_lists_the_qwen3_8b_32k_layouts(tmp_path, capsys, monkeypatch):
     recomputed = {(r["tp"], r["cp"], r["pp"]): r for r in json.loads(out.read_text())["layouts"]}
     assert recomputed[(8, 1, 1)]["fits"] and recomputed[(8, 1, 1)]["activation_bytes"] < \
         no_cp[(8, 1)]["activation_bytes"] / 4
+    assert main(["plan", *QWEN3_8B, "--fit", "--memory-gib", "16"]) == 0  # the last --memory-gib counts
+    assert capsys.readouterr().out.splitlines()[-1].startswith("0 of 19 layouts fit; 1 skipped")
+    # 64k responses do not fit the 33,792-token budget on any layout: one line, before any layout is tried
+    assert main(["plan", *QWEN3_8B, "--fit", "--seq-len", "65536"]) == 2
+    assert capsys.readouterr().err == ("rlhf plan: error: actor.max_tokens_per_microbatch=33792 is smaller than the "
+                                       "longest row (66560 tokens: prompt + response); raise "
+                                       "actor.max_tokens_per_microbatch to at least 66560\n")
 
 
 @pytest.mark.parametrize("flags,message", [
