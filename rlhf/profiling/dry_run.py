@@ -132,12 +132,14 @@ def role_activation(role: str, layout: ParallelLayout, spec: ModelSpec, cfg: Any
     config_recompute = "full" if role == "actor" and cfg.model.recompute else "none"
     head = "value" if role in VALUE_HEAD else ("fused" if cfg.model.fused_head else "full")
     best = (0, 0, "")
-    for name, step in passes.items():
-        shape = MicroBatchShape(tokens=step.rows * row_length, padded_rows=0 if step.packed else step.rows,
+    for name, pass_plan in passes.items():
+        rows = pass_plan.rows
+        shape = MicroBatchShape(tokens=rows * row_length, padded_rows=0 if pass_plan.packed else rows,
                                 tp=layout.tp, cp=layout.cp, pp=layout.pp, pp_rank=pp_rank,
-                                micro_batches=step.micro_batches, sequence_parallel=plan.sequence_parallel,
+                                micro_batches=pass_plan.micro_batches, sequence_parallel=plan.sequence_parallel,
                                 recompute=plan.recompute or config_recompute, dtype_bytes=DTYPE_BYTES[cfg.model.dtype],
-                                head=head, head_rows=step.rows * response, head_chunk_bytes=ACCELERATOR_HEAD_BYTES[0],
+                                head=head, head_rows=rows * response,
+                                head_chunk_bytes=ACCELERATOR_HEAD_BYTES[0],
                                 train=name == "update")
         best = max(best, (activation_bytes(spec, shape).total_bytes, shape.tokens, name))
     return (*best, passes)
