@@ -115,8 +115,8 @@ def _hook(module: torch.nn.Module, inputs: tuple, output: tuple) -> tuple:
     return base_out + adapter.delta(inputs[0]).to(base_out.dtype), bias
 
 
-def _geometry(model: Any, linear_name: str, tp: int) -> AdapterGeometry:
-    spec = model.rlhf_spec
+def geometry_of(spec: Any, linear_name: str, tp: int) -> AdapterGeometry:
+    """The adapter geometry of `linear_name` in a model of `spec` (a `ModelSpec`) at tensor-parallel size `tp`."""
     h, d = spec.hidden_size, spec.head_dim
     if linear_name == "self_attention.linear_qkv":
         out = {"q": spec.num_heads * d, "k": spec.num_kv_heads * d, "v": spec.num_kv_heads * d}
@@ -129,9 +129,10 @@ def _geometry(model: Any, linear_name: str, tp: int) -> AdapterGeometry:
     return AdapterGeometry(column=False, in_features=ffn, out_features={"down": h}, num_groups=1)
 
 
-def apply_lora(model: Any, config: LoraConfig) -> None:
+def apply_lora(model: Any, config: LoraConfig, dtype: torch.dtype | None = None) -> None:
     """Attach `config`'s adapters to `model` (A: PEFT's kaiming-uniform, seeded per HF module so every layout
-    starts alike; B: zero) and freeze every base parameter. Call before wrapping the model for training."""
+    starts alike; B: zero) in `dtype` (None: the base's) and freeze every base parameter. Call before wrapping
+    the model for training."""
     refused = sorted(set(config.targets) & set(LORA_MOE_TARGETS))
     if refused:
         raise ConfigError(f"lora.targets={list(config.targets)}: {', '.join(refused)} adapters are not built yet; "
@@ -147,8 +148,8 @@ def apply_lora(model: Any, config: LoraConfig) -> None:
         if not targets:
             continue
         weight = linear.weight
-        adapter = LoraAdapter(_geometry(model, linear_name, tp_group.size()), targets, config, tp_group,
-                              weight.dtype, weight.device)
+        adapter = LoraAdapter(geometry_of(model.rlhf_spec, linear_name, tp_group.size()), targets, config,
+                              tp_group, dtype or weight.dtype, weight.device)
         _init_a(adapter, config.seed, layer, linear_name)
         linear.add_module("lora", adapter)
         linear.register_forward_hook(_hook)
@@ -208,6 +209,11 @@ def adapter_pairs(model: Any) -> list[tuple[ParamSpec, torch.nn.Parameter]]:
                 name = f"base_model.model.{module}.lora_{which}.weight"
                 pairs.append((ParamSpec(name, (name,), shape, dim, kind, pp_stage, layer), params[target]))
     return pairs
+
+
+def adapter_dtype(config: LoraConfig) -> torch.dtype | None:
+    """The adapters' dtype `lora.dtype` asks for (None: the base weights')."""
+    return torch.float32 if config.dtype == "fp32" else None
 
 
 def has_adapters(model: Any) -> bool:

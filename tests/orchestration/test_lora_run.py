@@ -1,6 +1,6 @@
 """GRPO with a LoRA actor end to end on 2 gloo ranks (the ref as the actor's base; the native engine on the actor's
 weights, and fed merged weights through the resharding path), exact resume from an adapter-only checkpoint, and
-its PEFT / merged exports. One launched world."""
+its PEFT / merged exports; adapter-only sync (lora.sync=adapter) against merged sync. One launched world."""
 
 import sys
 from pathlib import Path
@@ -28,23 +28,27 @@ def _runs(paths, root):
     # actor tp2 -> rollout tp1: the merged weights through the resharding path, checked bitwise on every sync
     resharded = run_trainer(paths, f"{root}/reshard", common + ["trainer.total_steps=2", "mesh.actor.tp=2",
                                                                 "mesh.rollout.tp=1", "comm.verify=true"])
-    return full, resumed, resharded
+    # the same, with only the adapters travelling (the engine keeps its base and merges on its side)
+    adapter = run_trainer(paths, f"{root}/adapter", common + ["trainer.total_steps=2", "mesh.actor.tp=2",
+                                                             "mesh.rollout.tp=1", "comm.verify=true",
+                                                             "lora.sync=adapter"])
+    return full, resumed, resharded, adapter
 
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_run")
     paths = make_tiny_setup(root / "tiny")
-    full, resumed, resharded = run_distributed(_runs, 2, paths, str(root), timeout_s=600)[0]
-    return root, paths, full, resumed, resharded
+    full, resumed, resharded, adapter = run_distributed(_runs, 2, paths, str(root), timeout_s=600)[0]
+    return root, paths, full, resumed, resharded, adapter
 
 
 def _comparable(row):
-    return {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/throughput", "memory/"))}
+    return {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/throughput", "memory/", "sync/"))}
 
 
 def test_grpo_with_lora_trains_and_resumes_exactly(lora_run):
-    _, _, full, resumed, resharded = lora_run
+    _, _, full, resumed, resharded, _ = lora_run
     for run in (full, resharded):
         assert [row["step"] for row in run] == [1, 2]
         for row in run:
@@ -53,6 +57,27 @@ def test_grpo_with_lora_trains_and_resumes_exactly(lora_run):
         assert run[-1]["actor/kl_loss"] > 0.0, "the ref stays the base while the adapters move"
     assert [row["step"] for row in resumed] == [2]
     assert [_comparable(r) for r in full[1:]] == [_comparable(r) for r in resumed]
+
+
+def test_adapter_sync_runs_as_merged_sync_and_moves_the_adapter_slices_only(lora_run):
+    from transformers import AutoConfig
+
+    from rlhf.models.config import LoraConfig
+    from rlhf.parallel.layout import ParallelLayout
+    from rlhf.reshard.lora_sync import adapter_specs
+    from rlhf.reshard.planner import plan
+
+    _, paths, _, _, merged, adapter = lora_run
+    # comm.verify checked the engine's merged view against the trainer's merged weights bitwise on every sync,
+    # so the rollouts, their logprobs and every update are the merged-sync run's
+    assert [_comparable(r) for r in adapter] == [_comparable(r) for r in merged]
+    config = AutoConfig.from_pretrained(paths["model"])
+    lora = LoraConfig(enabled=True, rank=4, alpha=8)
+    src, dst = ParallelLayout(tp=2), ParallelLayout(tp=1, dp=2)
+    adapter_plan = plan(src, dst, adapter_specs(config, lora, src), adapter_specs(config, lora, dst),
+                        vocab_size=config.vocab_size)
+    adapter_bytes = 4 * sum(adapter_plan.received_numel(rank) for rank in dst.ranks)
+    assert adapter_bytes > 0 and all(row["sync/bytes_received"] == adapter_bytes for row in adapter)
 
 
 def test_the_checkpoint_holds_the_adapters_and_their_adam_state_only(lora_run):
