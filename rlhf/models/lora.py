@@ -237,7 +237,7 @@ def load_adapter_tensors(model: Any, tensors: dict[str, torch.Tensor]) -> None:
                               "other lora.targets?")
         if tuple(tensors[name].shape) != spec.full_shape:
             raise ConfigError(f"adapter tensor {name!r} has shape {list(tensors[name].shape)}, this model's "
-                              f"lora.rank and base need {list(spec.full_shape)}")
+                              f"lora.rank and base need {list(spec.full_shape)} (another base or lora.rank?)")
         param.copy_(read_shard(spec, tensors.__getitem__, model.rlhf_spec, tp_group.rank(), tp_group.size()))
 
 
@@ -256,7 +256,17 @@ def load_peft_folder(model: Any, folder: str) -> None:
     if found != wanted:
         raise ConfigError(f"lora.adapter_path={folder} holds an adapter with {found}, the lora section asks for "
                           f"{wanted}; set lora.rank, lora.alpha and lora.targets to the adapter's")
-    load_adapter_tensors(model, load_file(os.path.join(folder, "adapter_model.safetensors")))
+    tensors = load_file(os.path.join(folder, "adapter_model.safetensors"))
+    spec = model.rlhf_spec
+    routed = spec.moe.moe_layers if spec.moe else (False,) * spec.num_layers
+    wanted_count = 2 * sum(len([t for t in LINEARS[name][1] if t in config.targets])
+                           for layer in range(spec.num_layers) for name in LINEARS
+                           if not (LINEARS[name][0] == "mlp" and routed[layer]))
+    if len(tensors) != wanted_count:
+        raise ConfigError(f"lora.adapter_path={folder} holds {len(tensors)} adapter tensors, this "
+                          f"{spec.num_layers}-layer model.path with lora.targets={list(config.targets)} has "
+                          f"{wanted_count}: it adapts another base ({saved.get('base_model_name_or_path')!r})")
+    load_adapter_tensors(model, tensors)
 
 
 def gathered_adapter_tensors(model: Any) -> dict[str, torch.Tensor]:

@@ -142,11 +142,14 @@ def _load_errors(path: str, folder: str, cache) -> list[str]:
     tensors = load_file(os.path.join(folder, "adapter_model.safetensors"))
     missing = {name: t for name, t in tensors.items() if "layers.1.mlp.up_proj.lora_B" not in name}
     errors = []
-    for rank, bad in ((2 * RANK, tensors), (RANK, missing), (2 * RANK, None)):
+    root = os.path.dirname(folder)
+    cases = ((2 * RANK, tensors), (RANK, missing), (2 * RANK, folder), (RANK, os.path.join(root, "adapter_deep")),
+             (RANK, os.path.join(root, "adapter_wide")))
+    for rank, bad in cases:
         model, _ = world.layout_model(path, 1, 1, cache)
         apply_lora(model, LoraConfig(enabled=True, rank=rank, alpha=ALPHA))
         try:
-            load_adapter_tensors(model, bad) if bad is not None else load_peft_folder(model, folder)
+            load_adapter_tensors(model, bad) if isinstance(bad, dict) else load_peft_folder(model, bad)
         except ConfigError as error:
             errors.append(str(error))
     return errors
@@ -173,6 +176,9 @@ def lora_runs(tmp_path_factory):
     model = _peft_model(path)
     model.save_pretrained(adapter_dir)
     _peft_model(path, ("q_proj", "v_proj")).save_pretrained(str(root / "adapter_qv"))
+    for name, other in (("deep", llama_config(num_hidden_layers=6)), ("wide", llama_config(hidden_size=32))):
+        save_hf_model(other, str(root / name), seed=2)  # PEFT folders of other bases (same rank and targets)
+        _peft_model(str(root / name)).save_pretrained(str(root / f"adapter_{name}"))
     results: dict = {}
     for rank_result in run_distributed(_world, 2, path, os.path.join(adapter_dir, "adapter_model.safetensors"),
                                        timeout_s=900):
@@ -233,15 +239,20 @@ def test_init_is_peft_kaiming_uniform_a_and_zero_b_on_every_layout(lora_runs):
 
 def test_an_adapter_of_another_rank_or_base_is_a_one_line_error(lora_runs):
     path, _, results = lora_runs
-    folder = os.path.join(os.path.dirname(path), "adapter")
+    root = os.path.dirname(path)
+    folder = os.path.join(root, "adapter")
     assert results["errors"]["errors"] == [
         "adapter tensor 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' has shape [4, 64], this "
-        "model's lora.rank and base need [8, 64]",
+        "model's lora.rank and base need [8, 64] (another base or lora.rank?)",
         "the adapter has no tensor 'base_model.model.model.layers.1.mlp.up_proj.lora_B.weight'; was it "
         "trained for another base model or other lora.targets?",
         f"lora.adapter_path={folder} holds an adapter with {{'r': 4, 'lora_alpha': 8.0, 'target_modules': "
         f"{sorted(TARGETS)}}}, the lora section asks for {{'r': 8, 'lora_alpha': 8.0, 'target_modules': "
-        f"{sorted(TARGETS)}}}; set lora.rank, lora.alpha and lora.targets to the adapter's"]
+        f"{sorted(TARGETS)}}}; set lora.rank, lora.alpha and lora.targets to the adapter's",
+        f"lora.adapter_path={root}/adapter_deep holds 84 adapter tensors, this 4-layer model.path with lora.targets="
+        f"['q', 'k', 'v', 'o', 'gate', 'up', 'down'] has 56: it adapts another base ({root + '/deep'!r})",
+        "adapter tensor 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' has shape [4, 32], this "
+        "model's lora.rank and base need [4, 64] (another base or lora.rank?)"]
 
 
 def _peft_steps(model) -> tuple[list[float], dict[str, np.ndarray]]:

@@ -32,15 +32,39 @@ def _runs(paths, root):
     adapter = run_trainer(paths, f"{root}/adapter", common + ["trainer.total_steps=2", "mesh.actor.tp=2",
                                                              "mesh.rollout.tp=1", "comm.verify=true",
                                                              "lora.sync=adapter"])
-    return full, resumed, resharded, adapter
+    return full, resumed, resharded, adapter, _resume_on_another_base(paths, root, common)
+
+
+def _resume_on_another_base(paths, root, common) -> str:
+    """The error of resuming the split run's adapters on a base whose bytes differ (one weight moved)."""
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file, save_file
+
+    from rlhf.errors import CheckpointError
+
+    other = Path(root) / "other_base"
+    if dist.get_rank() == 0:
+        shutil.copytree(paths["model"], other)
+        weights = load_file(other / "model.safetensors")
+        weights["model.norm.weight"] = weights["model.norm.weight"] + 1.0
+        save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    dist.barrier()
+    try:
+        run_trainer(paths, f"{root}/split", common + ["trainer.total_steps=3", f"model.path={other}"])
+    except CheckpointError as error:
+        return str(error)
+    return "resumed"
 
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_run")
     paths = make_tiny_setup(root / "tiny")
-    full, resumed, resharded, adapter = run_distributed(_runs, 2, paths, str(root), timeout_s=600)[0]
-    return root, paths, full, resumed, resharded, adapter
+    full, resumed, resharded, adapter, other_base = run_distributed(_runs, 2, paths, str(root), timeout_s=600)[0]
+    return root, paths, full, resumed, resharded, adapter, other_base
 
 
 def _comparable(row):
@@ -48,7 +72,7 @@ def _comparable(row):
 
 
 def test_grpo_with_lora_trains_and_resumes_exactly(lora_run):
-    _, _, full, resumed, resharded, _ = lora_run
+    _, _, full, resumed, resharded, _, _ = lora_run
     for run in (full, resharded):
         assert [row["step"] for row in run] == [1, 2]
         for row in run:
@@ -67,7 +91,7 @@ def test_adapter_sync_runs_as_merged_sync_and_moves_the_adapter_slices_only(lora
     from rlhf.reshard.lora_sync import adapter_specs
     from rlhf.reshard.planner import plan
 
-    _, paths, _, _, merged, adapter = lora_run
+    _, paths, _, _, merged, adapter, _ = lora_run
     # comm.verify checked the engine's merged view against the trainer's merged weights bitwise on every sync,
     # so the rollouts, their logprobs and every update are the merged-sync run's
     assert [_comparable(r) for r in adapter] == [_comparable(r) for r in merged]
@@ -78,6 +102,16 @@ def test_adapter_sync_runs_as_merged_sync_and_moves_the_adapter_slices_only(lora
                         vocab_size=config.vocab_size)
     adapter_bytes = 4 * sum(adapter_plan.received_numel(rank) for rank in dst.ranks)
     assert adapter_bytes > 0 and all(row["sync/bytes_received"] == adapter_bytes for row in adapter)
+
+
+def test_resuming_adapters_on_another_base_is_a_one_line_error(lora_run):
+    root, paths, error = lora_run[0], lora_run[1], lora_run[-1]
+    import re
+
+    assert re.fullmatch(re.escape(f"the actor checkpoint's LoRA adapters were trained on {paths['model']} (sha256 ")
+                        + "[0-9a-f]{12}" + re.escape(f"), not on this run's model.path {root}/other_base (sha256 ")
+                        + "[0-9a-f]{12}" + re.escape("); resume with the base model it was trained on"), error), error
+    assert "\n" not in error
 
 
 def test_the_checkpoint_holds_the_adapters_and_their_adam_state_only(lora_run):
