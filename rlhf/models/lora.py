@@ -112,7 +112,7 @@ def _hook(module: torch.nn.Module, inputs: tuple, output: tuple) -> tuple:
     if not adapter.enabled:
         return output
     base_out, bias = output
-    return base_out + adapter.delta(inputs[0]).to(base_out.dtype), bias
+    return (base_out + adapter.delta(inputs[0])).to(base_out.dtype), bias  # one rounding, as PEFT's
 
 
 def geometry_of(spec: Any, linear_name: str, tp: int) -> AdapterGeometry:
@@ -139,6 +139,8 @@ def apply_lora(model: Any, config: LoraConfig, dtype: torch.dtype | None = None)
                           "adapt the attention and dense MLP linears (q, k, v, o, gate, up, down)")
     for param in model.parameters():
         param.requires_grad_(False)
+    if _value_head(model) is not None:
+        _value_head(model).requires_grad_(True)  # a LoRA critic's value head stays fully trained
     tp_group = model.pg_collection.tp
     for linear_name, linear, layer in _adaptable_linears(model):
         if hasattr(linear, "layer_norm_weight"):
@@ -214,6 +216,22 @@ def adapter_pairs(model: Any) -> list[tuple[ParamSpec, torch.nn.Parameter]]:
 def adapter_dtype(config: LoraConfig) -> torch.dtype | None:
     """The adapters' dtype `lora.dtype` asks for (None: the base weights')."""
     return torch.float32 if config.dtype == "fp32" else None
+
+
+def _value_head(model: Any) -> torch.nn.Parameter | None:
+    """The scalar head of a value model's last stage (None elsewhere, and on LM models)."""
+    return model.output_layer.weight if getattr(model, "rlhf_value_head", False) and model.post_process else None
+
+
+def lora_trained_pairs(model: Any) -> list[tuple[ParamSpec, torch.nn.Parameter]]:
+    """What a LoRA model trains and checkpoints on this rank: its adapters, and a value model's head (HF
+    `score.weight`, replicated over tp)."""
+    head = _value_head(model)
+    if head is None:
+        return adapter_pairs(model)
+    stage = model.pg_collection.pp.rank()
+    spec = ParamSpec("output_layer.weight", ("score.weight",), tuple(head.shape), None, "replicated", stage)
+    return adapter_pairs(model) + [(spec, head)]
 
 
 def has_adapters(model: Any) -> bool:
@@ -307,7 +325,7 @@ def merged_linear_weight(linear: torch.nn.Module) -> torch.Tensor:
     adapter = getattr(linear, "lora", None)
     if adapter is None or not adapter.enabled:
         return linear.weight
-    return linear.weight + adapter.delta_weight().to(linear.weight.dtype)
+    return (linear.weight + adapter.delta_weight()).to(linear.weight.dtype)
 
 
 def base_identity(path: str) -> dict[str, str]:

@@ -32,7 +32,14 @@ def _runs(paths, root):
     adapter = run_trainer(paths, f"{root}/adapter", common + ["trainer.total_steps=2", "mesh.actor.tp=2",
                                                              "mesh.rollout.tp=1", "comm.verify=true",
                                                              "lora.sync=adapter"])
-    return full, resumed, resharded, adapter, _resume_on_another_base(paths, root, common)
+    # PPO with a LoRA critic too (its value head fully trained), resumed exactly
+    ppo = common + ["algo.advantage.kind=gae", "algo.advantage.lam=0.95", "lora.critic=true",
+                    "critic.optim.lr=0.05"]
+    ppo_full = run_trainer(paths, f"{root}/ppo", ppo + ["trainer.total_steps=2"])
+    run_trainer(paths, f"{root}/ppo_split", ppo + ["trainer.total_steps=1"])
+    ppo_resumed = run_trainer(paths, f"{root}/ppo_split", ppo + ["trainer.total_steps=2"])
+    return (full, resumed, resharded, adapter, (ppo_full, ppo_resumed),
+            _resume_on_another_base(paths, root, common))
 
 
 def _resume_on_another_base(paths, root, common) -> str:
@@ -63,8 +70,7 @@ def _resume_on_another_base(paths, root, common) -> str:
 def lora_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_run")
     paths = make_tiny_setup(root / "tiny")
-    full, resumed, resharded, adapter, other_base = run_distributed(_runs, 2, paths, str(root), timeout_s=600)[0]
-    return root, paths, full, resumed, resharded, adapter, other_base
+    return (root, paths, *run_distributed(_runs, 2, paths, str(root), timeout_s=600)[0])
 
 
 def _comparable(row):
@@ -72,7 +78,7 @@ def _comparable(row):
 
 
 def test_grpo_with_lora_trains_and_resumes_exactly(lora_run):
-    _, _, full, resumed, resharded, _, _ = lora_run
+    _, _, full, resumed, resharded, _, _, _ = lora_run
     for run in (full, resharded):
         assert [row["step"] for row in run] == [1, 2]
         for row in run:
@@ -91,7 +97,7 @@ def test_adapter_sync_runs_as_merged_sync_and_moves_the_adapter_slices_only(lora
     from rlhf.reshard.lora_sync import adapter_specs
     from rlhf.reshard.planner import plan
 
-    _, paths, _, _, merged, adapter, _ = lora_run
+    _, paths, _, _, merged, adapter, _, _ = lora_run
     # comm.verify checked the engine's merged view against the trainer's merged weights bitwise on every sync,
     # so the rollouts, their logprobs and every update are the merged-sync run's
     assert [_comparable(r) for r in adapter] == [_comparable(r) for r in merged]
@@ -102,6 +108,23 @@ def test_adapter_sync_runs_as_merged_sync_and_moves_the_adapter_slices_only(lora
                         vocab_size=config.vocab_size)
     adapter_bytes = 4 * sum(adapter_plan.received_numel(rank) for rank in dst.ranks)
     assert adapter_bytes > 0 and all(row["sync/bytes_received"] == adapter_bytes for row in adapter)
+
+
+def test_ppo_with_a_lora_critic_trains_its_adapters_and_head_and_resumes_exactly(lora_run):
+    from safetensors import safe_open
+
+    root, (full, resumed) = lora_run[0], lora_run[6]
+    assert [row["step"] for row in full] == [1, 2] and [row["step"] for row in resumed] == [2]
+    assert [_comparable(r) for r in full[1:]] == [_comparable(r) for r in resumed]
+    assert all(row["critic/grad_norm"] > 0 for row in full)
+    names = {}
+    for path in sorted((root / "ppo/r/checkpoints/step_2").rglob("*.safetensors")):
+        if not path.name.startswith("rank"):
+            with safe_open(str(path), framework="pt") as handle:
+                names.setdefault(path.name.split("_")[0], set()).update(handle.keys())
+    critic = names["critic"]
+    assert "score.weight" in critic and len(critic - {"score.weight"}) == 2 * 2 * 7, sorted(critic)[:5]
+    assert all(".lora_A." in n or ".lora_B." in n for n in critic - {"score.weight"})
 
 
 def test_resuming_adapters_on_another_base_is_a_one_line_error(lora_run):
