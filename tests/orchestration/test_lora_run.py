@@ -38,7 +38,12 @@ def _runs(paths, root):
     ppo_full = run_trainer(paths, f"{root}/ppo", ppo + ["trainer.total_steps=2"])
     run_trainer(paths, f"{root}/ppo_split", ppo + ["trainer.total_steps=1"])
     ppo_resumed = run_trainer(paths, f"{root}/ppo_split", ppo + ["trainer.total_steps=2"])
-    return (full, resumed, resharded, adapter, (ppo_full, ppo_resumed),
+    # a bf16 base with fp32 adapters (lora.dtype=fp32), resumed exactly from its adapter-only checkpoint
+    bf16 = common + ["model.dtype=bfloat16"]
+    bf16_full = run_trainer(paths, f"{root}/bf16", bf16 + ["trainer.total_steps=2"])
+    run_trainer(paths, f"{root}/bf16_split", bf16 + ["trainer.total_steps=1"])
+    bf16_resumed = run_trainer(paths, f"{root}/bf16_split", bf16 + ["trainer.total_steps=2"])
+    return (full, resumed, resharded, adapter, (ppo_full, ppo_resumed), (bf16_full, bf16_resumed),
             _resume_on_another_base(paths, root, common))
 
 
@@ -78,7 +83,7 @@ def _comparable(row):
 
 
 def test_grpo_with_lora_trains_and_resumes_exactly(lora_run):
-    _, _, full, resumed, resharded, _, _, _ = lora_run
+    _, _, full, resumed, resharded, _, _, _, _ = lora_run
     for run in (full, resharded):
         assert [row["step"] for row in run] == [1, 2]
         for row in run:
@@ -97,7 +102,7 @@ def test_adapter_sync_runs_as_merged_sync_and_moves_the_adapter_slices_only(lora
     from rlhf.reshard.lora_sync import adapter_specs
     from rlhf.reshard.planner import plan
 
-    _, paths, _, _, merged, adapter, _, _ = lora_run
+    _, paths, _, _, merged, adapter, _, _, _ = lora_run
     # comm.verify checked the engine's merged view against the trainer's merged weights bitwise on every sync,
     # so the rollouts, their logprobs and every update are the merged-sync run's
     assert [_comparable(r) for r in adapter] == [_comparable(r) for r in merged]
@@ -125,6 +130,18 @@ def test_ppo_with_a_lora_critic_trains_its_adapters_and_head_and_resumes_exactly
     critic = names["critic"]
     assert "score.weight" in critic and len(critic - {"score.weight"}) == 2 * 2 * 7, sorted(critic)[:5]
     assert all(".lora_A." in n or ".lora_B." in n for n in critic - {"score.weight"})
+
+
+def test_a_bf16_base_trains_fp32_adapters_and_resumes_exactly(lora_run):
+    import torch
+    from safetensors import safe_open
+
+    root, (full, resumed) = lora_run[0], lora_run[7]
+    assert [row["step"] for row in full] == [1, 2] and [row["step"] for row in resumed] == [2]
+    assert [_comparable(r) for r in full[1:]] == [_comparable(r) for r in resumed]
+    assert full[-1]["actor/kl_loss"] > 0.0
+    with safe_open(str(root / "bf16/r/checkpoints/step_2/actor_model_r0.safetensors"), framework="pt") as handle:
+        assert {handle.get_tensor(name).dtype for name in handle.keys()} == {torch.float32}
 
 
 def test_resuming_adapters_on_another_base_is_a_one_line_error(lora_run):
