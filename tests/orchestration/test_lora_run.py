@@ -32,6 +32,11 @@ def _runs(paths, root):
     adapter = run_trainer(paths, f"{root}/adapter", common + ["trainer.total_steps=2", "mesh.actor.tp=2",
                                                              "mesh.rollout.tp=1", "comm.verify=true",
                                                              "lora.sync=adapter"])
+    # split placement (trainer on rank 0, engine on rank 1): the adapter slices cross ranks, both ways compared
+    split = common + ["trainer.total_steps=2", "mesh.placement=split", "mesh.actor={ranks: [0, 1]}",
+                      "mesh.rollout={ranks: [1, 2]}", "mesh.ref={ranks: [0, 1]}", "comm.verify=true"]
+    split_runs = tuple(run_trainer(paths, f"{root}/split_{sync}", split + [f"lora.sync={sync}"])
+                       for sync in ("merged", "adapter"))
     # PPO with a LoRA critic too (its value head fully trained), resumed exactly
     ppo = common + ["algo.advantage.kind=gae", "algo.advantage.lam=0.95", "lora.critic=true",
                     "critic.optim.lr=0.05"]
@@ -43,7 +48,7 @@ def _runs(paths, root):
     bf16_full = run_trainer(paths, f"{root}/bf16", bf16 + ["trainer.total_steps=2"])
     run_trainer(paths, f"{root}/bf16_split", bf16 + ["trainer.total_steps=1"])
     bf16_resumed = run_trainer(paths, f"{root}/bf16_split", bf16 + ["trainer.total_steps=2"])
-    return (full, resumed, resharded, adapter, (ppo_full, ppo_resumed), (bf16_full, bf16_resumed),
+    return (full, resumed, resharded, adapter, (ppo_full, ppo_resumed), (bf16_full, bf16_resumed), split_runs,
             _resume_on_another_base(paths, root, common))
 
 
@@ -83,7 +88,7 @@ def _comparable(row):
 
 
 def test_grpo_with_lora_trains_and_resumes_exactly(lora_run):
-    _, _, full, resumed, resharded, _, _, _, _ = lora_run
+    _, _, full, resumed, resharded = lora_run[:5]
     for run in (full, resharded):
         assert [row["step"] for row in run] == [1, 2]
         for row in run:
@@ -102,17 +107,22 @@ def test_adapter_sync_runs_as_merged_sync_and_moves_the_adapter_slices_only(lora
     from rlhf.reshard.lora_sync import adapter_specs
     from rlhf.reshard.planner import plan
 
-    _, paths, _, _, merged, adapter, _, _, _ = lora_run
+    paths, merged, adapter, (split_merged, split_adapter) = lora_run[1], lora_run[4], lora_run[5], lora_run[8]
     # comm.verify checked the engine's merged view against the trainer's merged weights bitwise on every sync,
     # so the rollouts, their logprobs and every update are the merged-sync run's
     assert [_comparable(r) for r in adapter] == [_comparable(r) for r in merged]
+    assert [_comparable(r) for r in split_adapter] == [_comparable(r) for r in split_merged]
     config = AutoConfig.from_pretrained(paths["model"])
     lora = LoraConfig(enabled=True, rank=4, alpha=8)
-    src, dst = ParallelLayout(tp=2), ParallelLayout(tp=1, dp=2)
-    adapter_plan = plan(src, dst, adapter_specs(config, lora, src), adapter_specs(config, lora, dst),
-                        vocab_size=config.vocab_size)
-    adapter_bytes = 4 * sum(adapter_plan.received_numel(rank) for rank in dst.ranks)
-    assert adapter_bytes > 0 and all(row["sync/bytes_received"] == adapter_bytes for row in adapter)
+    adapter_numel = sum(spec.full_shape[0] * spec.full_shape[1]
+                        for spec in adapter_specs(config, lora, ParallelLayout(tp=1)))
+    for run, src, dst in ((adapter, ParallelLayout(tp=2), ParallelLayout(tp=1, dp=2)),
+                          (split_adapter, ParallelLayout(tp=1), ParallelLayout(tp=1, first_rank=1))):
+        adapter_plan = plan(src, dst, adapter_specs(config, lora, src), adapter_specs(config, lora, dst),
+                            vocab_size=config.vocab_size)
+        adapter_bytes = 4 * sum(adapter_plan.received_numel(rank) for rank in dst.ranks)
+        assert adapter_bytes > 0 and all(row["sync/bytes_received"] == adapter_bytes for row in run)
+    assert split_adapter[0]["sync/bytes_received"] == 4 * adapter_numel, "split: the whole adapter crosses"
 
 
 def test_ppo_with_a_lora_critic_trains_its_adapters_and_head_and_resumes_exactly(lora_run):
