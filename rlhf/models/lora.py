@@ -91,9 +91,15 @@ class LoraAdapter(torch.nn.Module):
         return self.fuse(parts, x.shape[:-1]) * self.scaling
 
     def delta_weight(self) -> torch.Tensor:
-        """(alpha / r) B A in the base weight's local layout ([local out, local in])."""
-        parts = {t: (self.lora_b[t] @ self.lora_a[t]).t() for t in self.targets}
-        return (self.fuse(parts, (self.lora_a[self.targets[0]].shape[1],)) * self.scaling).t()
+        """(alpha / r) B A in the base weight's local layout ([local out, local in], contiguous)."""
+        parts = {t: self.lora_b[t] @ self.lora_a[t] for t in self.targets}
+        if not self.geometry.column:
+            return parts[self.targets[0]] * self.scaling
+        some, tp = next(iter(parts.values())), self.tp_group.size()
+        full = [parts.get(t, some.new_zeros(rows // tp, some.shape[1]))
+                for t, rows in self.geometry.out_features.items()]
+        grouped = [part.reshape(self.geometry.num_groups, -1, some.shape[1]) for part in full]
+        return torch.cat(grouped, dim=1).reshape(-1, some.shape[1]) * self.scaling
 
     def fuse(self, parts: dict[str, torch.Tensor], lead: tuple[int, ...]) -> torch.Tensor:
         """Per-target outputs ([..., local rows of t]) as the base's local output rows; absent targets are 0."""
