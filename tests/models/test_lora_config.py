@@ -75,3 +75,12 @@ def test_a_checkpoint_of_another_base_or_without_lora_is_a_one_line_error():
         with pytest.raises(CheckpointError) as error:
             check_same_base(saved, current, "actor")
         assert str(error.value) == message
+
+
+def test_expert_and_router_targets_are_refused_in_one_line_before_any_model_is_touched():
+    from rlhf.models.lora import apply_lora
+
+    with pytest.raises(ConfigError) as error:
+        apply_lora(None, LoraConfig(enabled=True, targets=("q", "experts", "router")))
+    assert str(error.value) == ("lora.targets=['q', 'experts', 'router']: experts, router adapters are not built yet; "
+                                "adapt the attention and dense MLP linears (q, k, v, o, gate, up, down)")
