@@ -96,6 +96,7 @@ class AdapterSync(WeightSync):
             with adapters_disabled(self.src_model) if self.src_model is not None else contextlib.nullcontext():
                 first = self.base.sync()
             self.base_pushed = True
+            self.base.shm = None  # the base never travels again: drop its model-sized shared-memory buffers
         stats = super().sync()
         if first is None:
             return stats
