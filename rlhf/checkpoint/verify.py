@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from rlhf.errors import CheckpointError
 from rlhf.models.hf_load import HfFolder, check_folder, open_safetensors
-from rlhf.models.lora import adapter_pairs
+from rlhf.models.lora import lora_trained_pairs
 from rlhf.parallel.wire import all_gather_json
 
 # Bits of a parameter as integers of the same width: a checksum that any flipped bit changes.
@@ -142,11 +142,11 @@ def state_kinds(model: torch.nn.Module) -> tuple[str, ...]:
 
 def check_trained_folder(folder: HfFolder, model: torch.nn.Module) -> None:
     """CheckpointError unless `folder` holds what a checkpoint of `model` holds: every base tensor (`check_folder`)
-    or, for a LoRA model, this stage's adapter tensors at their full shapes."""
+    or, for a LoRA model, this stage's adapter tensors (and a critic's value head) at their full shapes."""
     if getattr(model, "rlhf_lora", None) is None:
         check_folder(folder, model.rlhf_spec, value_head=model.rlhf_value_head)
         return
-    for spec, _ in adapter_pairs(model):
+    for spec, _ in lora_trained_pairs(model):
         name = spec.hf_names[0]
         if name not in folder.file_of:
             raise CheckpointError(f"{folder.path} has no LoRA tensor {name!r} (a checkpoint of full fine-tuning, "

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from rlhf.checkpoint.verify import agree
     from rlhf.config import load_config
     from rlhf.orchestration.schema import RlhfConfig
-    from rlhf.errors import CheckpointError, RlhfError
+    from rlhf.errors import CheckpointError, ConfigError, RlhfError
     from rlhf.parallel.runtime import distributed
     from rlhf.orchestration.checks import check_writable_folder
     from rlhf.orchestration.export import export_checkpoint, export_lora_checkpoint
@@ -75,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
         if runtime.env.rank == 0:  # one process writes; under a launcher the others wait for its verdict
             try:
                 tokenizer_dir = _tokenizer_dir(cfg.model.path, str(run_dir / "config.yaml"))
+                if cfg.lora.enabled and cfg.lora.critic and args.model_role == "critic":
+                    raise ConfigError("exporting a LoRA critic (lora.critic=true) is not built yet; export the "
+                                      "actor, or resume the run to use its critic")
                 if cfg.lora.enabled and args.model_role == "actor":
                     export_lora_checkpoint(checkpoint, args.out, cfg.lora, cfg.model.path,
                                            merged=args.lora == "merged", tokenizer_dir=tokenizer_dir)

@@ -47,6 +47,7 @@ def check_replay_mode(mode: str) -> None:
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # HF q/k/v/o_proj, gate/up/down_proj of dense MLPs
 LORA_MOE_TARGETS = ("experts", "router")  # accepted names, not built yet (rlhf.models.lora refuses them)
 LORA_SYNCS = ("merged", "adapter")
+LORA_DTYPES = ("fp32", "base")
 
 
 @dataclass(kw_only=True)
@@ -62,6 +63,8 @@ class LoraConfig:
     sync: Literal["merged", "adapter"] = "merged"  # what the rollout engine receives each weight sync
     seed: int = 0  # seeds every A's PEFT (kaiming-uniform) init, the same on every layout
     adapter_path: str = ""  # a PEFT adapter folder to start from (its r, alpha and targets must match); empty: init
+    dtype: Literal["fp32", "base"] = "fp32"  # the adapters and their optimizer state: fp32 on any base, or the base's
+    critic: bool = False  # the critic trains adapters on its frozen base too (its value head stays fully trained)
 
     def __post_init__(self) -> None:
         self.targets = tuple(self.targets)
@@ -71,6 +74,8 @@ class LoraConfig:
             raise ConfigError(f"lora.alpha={self.alpha} must be > 0 (the adapter is scaled by alpha / rank)")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"lora.dropout={self.dropout} must be in [0, 1)")
+        if self.dtype not in LORA_DTYPES:
+            raise ConfigError(f"lora.dtype={self.dtype!r} is not one of {', '.join(LORA_DTYPES)}")
         if self.sync not in LORA_SYNCS:
             raise ConfigError(f"lora.sync={self.sync!r} is not one of {', '.join(LORA_SYNCS)}")
         if not self.targets:

@@ -91,9 +91,15 @@ class LoraAdapter(torch.nn.Module):
         return self.fuse(parts, x.shape[:-1]) * self.scaling
 
     def delta_weight(self) -> torch.Tensor:
-        """(alpha / r) B A in the base weight's local layout ([local out, local in])."""
-        parts = {t: (self.lora_b[t] @ self.lora_a[t]).t() for t in self.targets}
-        return (self.fuse(parts, (self.lora_a[self.targets[0]].shape[1],)) * self.scaling).t()
+        """(alpha / r) B A in the base weight's local layout ([local out, local in], contiguous)."""
+        parts = {t: self.lora_b[t] @ self.lora_a[t] for t in self.targets}
+        if not self.geometry.column:
+            return parts[self.targets[0]] * self.scaling
+        some, tp = next(iter(parts.values())), self.tp_group.size()
+        full = [parts.get(t, some.new_zeros(rows // tp, some.shape[1]))
+                for t, rows in self.geometry.out_features.items()]
+        grouped = [part.reshape(self.geometry.num_groups, -1, some.shape[1]) for part in full]
+        return torch.cat(grouped, dim=1).reshape(-1, some.shape[1]) * self.scaling
 
     def fuse(self, parts: dict[str, torch.Tensor], lead: tuple[int, ...]) -> torch.Tensor:
         """Per-target outputs ([..., local rows of t]) as the base's local output rows; absent targets are 0."""
@@ -112,11 +118,11 @@ def _hook(module: torch.nn.Module, inputs: tuple, output: tuple) -> tuple:
     if not adapter.enabled:
         return output
     base_out, bias = output
-    return base_out + adapter.delta(inputs[0]).to(base_out.dtype), bias
+    return (base_out + adapter.delta(inputs[0])).to(base_out.dtype), bias  # one rounding, as PEFT's
 
 
-def _geometry(model: Any, linear_name: str, tp: int) -> AdapterGeometry:
-    spec = model.rlhf_spec
+def geometry_of(spec: Any, linear_name: str, tp: int) -> AdapterGeometry:
+    """The adapter geometry of `linear_name` in a model of `spec` (a `ModelSpec`) at tensor-parallel size `tp`."""
     h, d = spec.hidden_size, spec.head_dim
     if linear_name == "self_attention.linear_qkv":
         out = {"q": spec.num_heads * d, "k": spec.num_kv_heads * d, "v": spec.num_kv_heads * d}
@@ -129,15 +135,18 @@ def _geometry(model: Any, linear_name: str, tp: int) -> AdapterGeometry:
     return AdapterGeometry(column=False, in_features=ffn, out_features={"down": h}, num_groups=1)
 
 
-def apply_lora(model: Any, config: LoraConfig) -> None:
+def apply_lora(model: Any, config: LoraConfig, dtype: torch.dtype | None = None) -> None:
     """Attach `config`'s adapters to `model` (A: PEFT's kaiming-uniform, seeded per HF module so every layout
-    starts alike; B: zero) and freeze every base parameter. Call before wrapping the model for training."""
+    starts alike; B: zero) in `dtype` (None: the base's) and freeze every base parameter. Call before wrapping
+    the model for training."""
     refused = sorted(set(config.targets) & set(LORA_MOE_TARGETS))
     if refused:
         raise ConfigError(f"lora.targets={list(config.targets)}: {', '.join(refused)} adapters are not built yet; "
                           "adapt the attention and dense MLP linears (q, k, v, o, gate, up, down)")
     for param in model.parameters():
         param.requires_grad_(False)
+    if _value_head(model) is not None:
+        _value_head(model).requires_grad_(True)  # a LoRA critic's value head stays fully trained
     tp_group = model.pg_collection.tp
     for linear_name, linear, layer in _adaptable_linears(model):
         if hasattr(linear, "layer_norm_weight"):
@@ -147,8 +156,8 @@ def apply_lora(model: Any, config: LoraConfig) -> None:
         if not targets:
             continue
         weight = linear.weight
-        adapter = LoraAdapter(_geometry(model, linear_name, tp_group.size()), targets, config, tp_group,
-                              weight.dtype, weight.device)
+        adapter = LoraAdapter(geometry_of(model.rlhf_spec, linear_name, tp_group.size()), targets, config,
+                              tp_group, dtype or weight.dtype, weight.device)
         _init_a(adapter, config.seed, layer, linear_name)
         linear.add_module("lora", adapter)
         linear.register_forward_hook(_hook)
@@ -210,6 +219,27 @@ def adapter_pairs(model: Any) -> list[tuple[ParamSpec, torch.nn.Parameter]]:
     return pairs
 
 
+def adapter_dtype(config: LoraConfig) -> torch.dtype | None:
+    """The adapters' dtype `lora.dtype` asks for (None: the base weights')."""
+    return torch.float32 if config.dtype == "fp32" else None
+
+
+def _value_head(model: Any) -> torch.nn.Parameter | None:
+    """The scalar head of a value model's last stage (None elsewhere, and on LM models)."""
+    return model.output_layer.weight if getattr(model, "rlhf_value_head", False) and model.post_process else None
+
+
+def lora_trained_pairs(model: Any) -> list[tuple[ParamSpec, torch.nn.Parameter]]:
+    """What a LoRA model trains and checkpoints on this rank: its adapters, and a value model's head (HF
+    `score.weight`, replicated over tp)."""
+    head = _value_head(model)
+    if head is None:
+        return adapter_pairs(model)
+    stage = model.pg_collection.pp.rank()
+    spec = ParamSpec("output_layer.weight", ("score.weight",), tuple(head.shape), None, "replicated", stage)
+    return adapter_pairs(model) + [(spec, head)]
+
+
 def has_adapters(model: Any) -> bool:
     """Whether `apply_lora` gave `model` adapters."""
     return getattr(model, "rlhf_lora", None) is not None
@@ -231,7 +261,7 @@ def load_adapter_tensors(model: Any, tensors: dict[str, torch.Tensor]) -> None:
                               "other lora.targets?")
         if tuple(tensors[name].shape) != spec.full_shape:
             raise ConfigError(f"adapter tensor {name!r} has shape {list(tensors[name].shape)}, this model's "
-                              f"lora.rank and base need {list(spec.full_shape)}")
+                              f"lora.rank and base need {list(spec.full_shape)} (another base or lora.rank?)")
         param.copy_(read_shard(spec, tensors.__getitem__, model.rlhf_spec, tp_group.rank(), tp_group.size()))
 
 
@@ -250,7 +280,17 @@ def load_peft_folder(model: Any, folder: str) -> None:
     if found != wanted:
         raise ConfigError(f"lora.adapter_path={folder} holds an adapter with {found}, the lora section asks for "
                           f"{wanted}; set lora.rank, lora.alpha and lora.targets to the adapter's")
-    load_adapter_tensors(model, load_file(os.path.join(folder, "adapter_model.safetensors")))
+    tensors = load_file(os.path.join(folder, "adapter_model.safetensors"))
+    spec = model.rlhf_spec
+    routed = spec.moe.moe_layers if spec.moe else (False,) * spec.num_layers
+    wanted_count = 2 * sum(len([t for t in LINEARS[name][1] if t in config.targets])
+                           for layer in range(spec.num_layers) for name in LINEARS
+                           if not (LINEARS[name][0] == "mlp" and routed[layer]))
+    if len(tensors) != wanted_count:
+        raise ConfigError(f"lora.adapter_path={folder} holds {len(tensors)} adapter tensors, this "
+                          f"{spec.num_layers}-layer model.path with lora.targets={list(config.targets)} has "
+                          f"{wanted_count}: it adapts another base ({saved.get('base_model_name_or_path')!r})")
+    load_adapter_tensors(model, tensors)
 
 
 def gathered_adapter_tensors(model: Any) -> dict[str, torch.Tensor]:
@@ -291,7 +331,7 @@ def merged_linear_weight(linear: torch.nn.Module) -> torch.Tensor:
     adapter = getattr(linear, "lora", None)
     if adapter is None or not adapter.enabled:
         return linear.weight
-    return linear.weight + adapter.delta_weight().to(linear.weight.dtype)
+    return (linear.weight + adapter.delta_weight()).to(linear.weight.dtype)
 
 
 def base_identity(path: str) -> dict[str, str]:

@@ -46,7 +46,10 @@ class Boundary:
     def sync(self, metrics: StepMetrics) -> None:
         """Collective: the rollout engine takes the actor's updated weights; the policy version + 1."""
         with self.memory.weight_sync(metrics), metrics.timer("update_weights"):
-            self.weight_sync.sync()
+            stats = self.weight_sync.sync()
+        report = getattr(self.weight_sync, "reported", None)  # what this sync says about itself (bytes)
+        if report is not None:
+            metrics.update(report(stats), "sum")
 
     def first_sync(self) -> None:
         """An engine with its own weights (a resharded copy, or vLLM's dummy init) takes the actor's current (maybe

@@ -29,6 +29,7 @@ from rlhf.parallel.watchdog import Watchdog
 from rlhf.parallel.meshes import RoleMeshes
 from rlhf.platform.compat import torch as torch_compat
 from rlhf.loggers import RunInfo
+from rlhf.models.lora import adapter_dtype
 from rlhf.metrics import MetricsSink, StepMetrics, read_jsonl
 from rlhf.ops.alerts import AlertMonitor
 from rlhf.ops.prometheus import PrometheusExporter
@@ -168,16 +169,23 @@ class Trainer:
         from rlhf.reshard.sync import WeightSync
 
         dtype = rollout_dtype(cfg)
-        engine = build_engine(cfg.rollout, cfg.model.path, mesh.pgs, dtype=dtype) if mesh.is_member else None
+        adapter_sync = cfg.lora.enabled and cfg.lora.sync == "adapter"
+        lora = dict(lora=cfg.lora, adapter_dtype=adapter_dtype(cfg.lora)) if adapter_sync else {}
+        engine = build_engine(cfg.rollout, cfg.model.path, mesh.pgs, dtype=dtype, **lora) if mesh.is_member else None
         if cfg.rollout.engine == "vllm":
             from rlhf.rollout.vllm_engine import align_group_names
 
             align_group_names()  # vLLM on the rollout ranks alone created groups the others did not
-        sync = WeightSync(actor.model, actor_layout, mesh.layout, engine,
+        sync_class, extra = WeightSync, {}
+        if adapter_sync:
+            from rlhf.reshard.lora_sync import AdapterSync
+
+            sync_class, extra = AdapterSync, {"lora": cfg.lora}
+        sync = sync_class(actor.model, actor_layout, mesh.layout, engine,
                           hf_config=AutoConfig.from_pretrained(cfg.model.path), verify=cfg.comm.verify,
                           hf_names=cfg.rollout.engine != "native", dtype=dtype,
                           method=cfg.comm.weight_sync_method, max_bucket_mb=cfg.comm.weight_sync_bucket_mb or None,
-                          coalesce=cfg.comm.strategy != "plain")
+                          coalesce=cfg.comm.strategy != "plain", **extra)
         return engine, sync
 
     def push_initial_weights(self) -> None:

@@ -64,11 +64,16 @@ def check_context_parallel(cfg: RlhfConfig) -> None:
 
 
 def check_lora(cfg: RlhfConfig) -> None:
-    """LoRA runs where it is built and tested: adapter weights synced merged, the ref as the actor's base (so no
-    routing replay, whose recorder the two would share), the actor's params resident for the ref's forward."""
+    """LoRA runs where it is built and tested: adapter-only sync into a native engine that keeps its base, the ref
+    as the actor's base (so no routing replay, whose recorder the two would share), the actor's params resident
+    for the ref's forward."""
     if not cfg.lora.enabled:
         return
-    not_yet = [(cfg.lora.sync == "adapter", "lora.sync=adapter (adapter-only weight sync)", "lora.sync=merged"),
+    adapter_sync = cfg.lora.sync == "adapter"
+    not_yet = [(adapter_sync and cfg.rollout.engine != "native", f"rollout.engine={cfg.rollout.engine} and "
+                "lora.sync=adapter (only the native engine takes adapters)", "lora.sync=merged"),
+               (adapter_sync and cfg.rollout.sleep == "kv_cache_and_weights", "rollout.sleep=kv_cache_and_weights "
+                "and lora.sync=adapter (the engine keeps its base)", "rollout.sleep=kv_cache"),
                (cfg.algo.routing_replay != "none", f"algo.routing_replay={cfg.algo.routing_replay}",
                 "algo.routing_replay=none"),
                (cfg.actor.optim.offload, "actor.optim.offload=true (the ref runs on the actor's parameters)",

@@ -76,7 +76,8 @@ class TrainRoles:
         critic = (CriticRole("critic", meshes["critic"], model.critic_path or model.path, update=cfg.critic,
                              value_head=True, seed=cfg.dist.seed + 1, params_dtype=model.torch_dtype,
                              total_steps=cfg.trainer.total_steps * cfg.critic.epochs * cfg.critic.mini_batches,
-                             moe_kwargs=moe, gather_group=gather_group)
+                             moe_kwargs=moe, gather_group=gather_group,
+                             lora=dataclasses.replace(cfg.lora, adapter_path="") if lora and cfg.lora.critic else None)
                   if algo.uses_critic else None)
         reward_model = (RewardModelRole("reward", meshes["reward"], cfg.reward.model_path, update=None,
                                         total_steps=0, micro_batch_size=cfg.reward.model_micro_batch_size,

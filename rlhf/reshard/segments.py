@@ -7,6 +7,7 @@ along that dim names an element independently of tp, so shards at different tp d
   so a shard is one contiguous run of full rows at every tp);
 - `gate_up`: the [gate; up] concatenation -- a shard holds two runs, its gate rows then its up rows;
 - `vocab`: the real vocabulary rows [0, vocab_size) -- padding rows exist only in shards and are zeros;
+- `rows`: contiguous blocks of dim 0 (a LoRA B of a column-parallel linear);
 - `replicated`: the whole tensor, held by every tp rank.
 """
 
@@ -50,7 +51,7 @@ def shard_segments(spec: ParamSpec, tp: int, tp_rank: int, vocab_size: int) -> l
     if spec.kind == "vocab":
         real = min(size, vocab_size - tp_rank * size)
         return [Segment(0, tp_rank * size, real)] if real > 0 else []
-    assert spec.kind in ("row", "qkv"), spec.kind
+    assert spec.kind in ("row", "rows", "qkv"), spec.kind
     return [Segment(0, tp_rank * size, size)]
 
 

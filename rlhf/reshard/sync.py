@@ -21,7 +21,7 @@ from rlhf.models.lora import merged_weight
 from rlhf.platform import current_device, has_accelerator, synchronize
 from rlhf.reshard.apply import allocate_dst
 from rlhf.reshard.hf_names import full_model_layout, hf_named
-from rlhf.reshard.planner import plan_for_model
+from rlhf.reshard.planner import ReshardPlan, plan_for_model
 from rlhf.reshard.schedule import build_schedule
 from rlhf.reshard.shm import SharedMemoryTransport, all_on_one_host
 from rlhf.reshard.transport import execute
@@ -91,8 +91,8 @@ class WeightSync:
         self.value_head = bool(_model_attr(src_model, engine, "rlhf_value_head"))
         self.hf_names = hf_names
         plan_layout = full_model_layout(dst_layout) if hf_names else dst_layout
-        self.plan = plan_for_model(self.hf_config, src_layout, plan_layout, value_head=self.value_head)
-        self.dtype = dtype or _agreed_dtype(src_model, group)
+        self.plan = self._make_plan(src_layout, plan_layout)
+        self.dtype = dtype or _agreed_dtype(self._first_source(), group)
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         max_numel = max(1, int(max_bucket_mb * 2**20) // itemsize) if coalesce else 1
         self.schedule = build_schedule(self.plan, max_bucket_numel=max_numel)
@@ -100,6 +100,13 @@ class WeightSync:
         self.shm = None
         if self.method == "shm":
             self.shm = SharedMemoryTransport(self.schedule, dtype=self.dtype, group=group)
+
+    def _make_plan(self, src_layout: ParallelLayout, dst_layout: ParallelLayout) -> ReshardPlan:
+        return plan_for_model(self.hf_config, src_layout, dst_layout, value_head=self.value_head)
+
+    def _first_source(self) -> torch.Tensor | None:
+        """A tensor of what this rank sends (its dtype is the wire's unless `dtype=` says otherwise)."""
+        return None if self.src_model is None else next(self.src_model.parameters())
 
     def _sources(self) -> dict[str, torch.Tensor]:
         return _params_by_plan_name(self.src_model)
@@ -155,10 +162,10 @@ def _resolve_method(method: str, group: dist.ProcessGroup | None) -> str:
     return "shm" if usable else "p2p"
 
 
-def _agreed_dtype(src_model: torch.nn.Module | None, group: dist.ProcessGroup | None) -> torch.dtype:
+def _agreed_dtype(source: torch.Tensor | None, group: dist.ProcessGroup | None) -> torch.dtype:
     """The training parameters' dtype, made known to ranks without a training model (one tiny all_reduce)."""
     code = torch.tensor([-1], dtype=torch.int64, device=current_device())
-    if src_model is not None:
-        code[0] = WIRE_DTYPES.index(next(src_model.parameters()).dtype)
+    if source is not None:
+        code[0] = WIRE_DTYPES.index(source.dtype)
     dist.all_reduce(code, op=dist.ReduceOp.MAX, group=group)
     return WIRE_DTYPES[int(code)]

@@ -32,9 +32,11 @@ def eos_token_ids(hf_path: str) -> tuple[int, ...]:
 
 
 def build_engine(config: RolloutConfig, hf_path: str, pg_collection: Any,
-                 dtype: torch.dtype = torch.float32) -> RolloutEngine:
+                 dtype: torch.dtype = torch.float32, lora: Any = None,
+                 adapter_dtype: torch.dtype | None = None) -> RolloutEngine:
     """The engine for this rank; the native one builds the megatron model on `pg_collection` (pp must be 1).
-    `dtype`: the engine's weights (the trainer passes `model.dtype`; vllm: unless rollout.vllm.dtype is set)."""
+    `dtype`: the engine's weights (the trainer passes `model.dtype`; vllm: unless rollout.vllm.dtype is set);
+    `lora` (native only): the model gets adapters of its own in `adapter_dtype`, fed by `lora.sync=adapter`."""
     layout = engine_layout(pg_collection)
     eos = eos_token_ids(hf_path)
     if config.engine == "vllm":
@@ -62,6 +64,10 @@ def build_engine(config: RolloutConfig, hf_path: str, pg_collection: Any,
     hf_config = AutoConfig.from_pretrained(hf_path)
     model = build_gpt(hf_config, pg_collection, params_dtype=dtype)
     load_hf_weights(model, hf_path)
+    if lora is not None:
+        from rlhf.models.lora import apply_lora
+
+        apply_lora(model, lora, dtype=adapter_dtype)
     return NativeEngine(model, vocab_size=hf_config.vocab_size, config=config.native, eos_token_ids=eos,
                         layout=layout, tp_group=pg_collection.tp)
 

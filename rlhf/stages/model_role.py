@@ -20,7 +20,8 @@ from rlhf.models.builder import build_gpt
 from rlhf.models.forward import forward_backward
 from rlhf.models.hf_load import load_hf_weights
 from rlhf.models.config import LoraConfig
-from rlhf.models.lora import adapters_disabled, apply_lora, base_identity, check_same_base, load_peft_folder
+from rlhf.models.lora import (adapter_dtype, adapters_disabled, apply_lora, base_identity, check_same_base,
+                              load_peft_folder)
 from rlhf.models.routing import RoutingRecorder
 from rlhf.models.routing_replay import UNKNOWN
 from rlhf.platform import current_device
@@ -78,7 +79,7 @@ class ModelRole:
                           params_dtype=params_dtype, moe_kwargs=moe_kwargs, transformer_engine=lora is None)
         load_hf_weights(model, hf_path)
         if lora is not None:
-            apply_lora(model, lora)
+            apply_lora(model, lora, dtype=adapter_dtype(lora))
             if lora.adapter_path:
                 load_peft_folder(model, lora.adapter_path)
         if update is not None:

@@ -21,7 +21,7 @@ from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params,
 
 from rlhf.checkpoint.verify import state_kinds
 from rlhf.models.hf_load import HfFolder, param_specs_for, stage_params
-from rlhf.models.lora import adapter_pairs
+from rlhf.models.lora import lora_trained_pairs
 from rlhf.models.param_specs import ParamSpec
 from rlhf.models.shard_rules import merge_shards, read_shard
 from rlhf.platform import current_device
@@ -110,7 +110,7 @@ def trained_pairs(model: torch.nn.Module) -> list[tuple[ParamSpec, torch.nn.Para
     """What a checkpoint of `model` holds: its LoRA adapters (PEFT names) when it has them, else every base
     parameter (HF names)."""
     if getattr(model, "rlhf_lora", None) is not None:
-        return adapter_pairs(model)
+        return lora_trained_pairs(model)
     return stage_params(model, param_specs_for(model))
 
 

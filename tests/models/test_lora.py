@@ -1,6 +1,7 @@
 """LoRA adapters on the megatron model = PEFT's on the HF model: forward, adapter grads, merged weights, the base
 with adapters off, and the PEFT init, at tp1 / tp2 / pp2; under TrainEngine only the adapters train, as PEFT with
-torch's AdamW, the base bitwise unchanged, at tp1 x dp2 and tp2. One 2-rank world for everything."""
+torch's AdamW, the base bitwise unchanged, at tp1 x dp2 and tp2; a bf16 base with fp32 adapters. One 2-rank
+world for everything."""
 
 from __future__ import annotations
 
@@ -84,9 +85,45 @@ def _world(path: str, adapter_file: str) -> dict:
     results = {(tp, pp): _layout(path, adapter_file, cache, tp, pp) for tp, pp in LAYOUTS}
     results["errors"] = {"errors": _load_errors(path, os.path.dirname(adapter_file), cache)}
     results.update({("trained", tp): _train(path, adapter_file, cache, tp) for tp in (1, 2)})
+    results["bf16"] = _bf16(path, adapter_file, cache)
     results["qv"] = _qv_logits(path, os.path.join(os.path.dirname(os.path.dirname(adapter_file)), "adapter_qv"),
                                cache)
     return results
+
+
+def _bf16(path: str, adapter_file: str, cache) -> dict:
+    """A bf16 base with fp32 adapters (lora.dtype=fp32) at tp2: its logits, and one TrainEngine step."""
+    import torch.distributed as dist
+
+    from rlhf.models.config import LoraConfig
+    from rlhf.models.forward import forward_backward
+    from rlhf.models.lora import adapter_dtype, adapter_pairs, adapters_disabled, apply_lora, load_peft_folder
+    from rlhf.train.config import OptimConfig
+    from rlhf.train.engine import TrainEngine
+    from tests.models import world
+
+    lora = LoraConfig(enabled=True, rank=RANK, alpha=ALPHA)
+    model, groups = world.layout_model(path, 2, 1, cache, params_dtype=torch.bfloat16)
+    apply_lora(model, lora, dtype=adapter_dtype(lora))
+    load_peft_folder(model, os.path.dirname(adapter_file))
+    tokens = sample_tokens(2, 12)
+    loss_fn = world.rl_loss(groups, VOCAB)
+    logits = forward_backward(model, [world.MicroBatch(tokens)], loss_fn, groups, forward_only=True)[0]["logits"]
+    with adapters_disabled(model):
+        base_logits = forward_backward(model, [world.MicroBatch(tokens)], loss_fn, groups,
+                                       forward_only=True)[0]["logits"]
+    base = {name: p.detach().clone() for name, p in model.named_parameters() if ".lora." not in name}
+    adapters = {name: p.detach().clone() for name, p in model.named_parameters() if ".lora." in name}
+    engine = TrainEngine(model, groups, OptimConfig(total_steps=1, **OPTIM))
+    engine.train_step([world.MicroBatch(tokens)], loss_fn)
+    entry = {"logits": logits.float().numpy(), "base_logits": base_logits.float().numpy(),
+             "dtypes": sorted({str(p.dtype) for _, p in adapter_pairs(model)}),
+             "base_dtypes": sorted({str(p.dtype) for name, p in model.named_parameters() if ".lora." not in name}),
+             "optimized": sorted({str(p.dtype) for g in engine.optimizer.param_groups for p in g["params"]}),
+             "unchanged": all(torch.equal(p, base[name]) for name, p in model.named_parameters() if name in base),
+             "moved": all(not torch.equal(p, adapters[name]) for name, p in model.named_parameters()
+                          if name in adapters and ".lora_a." in name)}
+    return entry if dist.get_rank() == 0 else {}
 
 
 def _qv_logits(path: str, folder: str, cache) -> dict:
@@ -142,11 +179,14 @@ def _load_errors(path: str, folder: str, cache) -> list[str]:
     tensors = load_file(os.path.join(folder, "adapter_model.safetensors"))
     missing = {name: t for name, t in tensors.items() if "layers.1.mlp.up_proj.lora_B" not in name}
     errors = []
-    for rank, bad in ((2 * RANK, tensors), (RANK, missing), (2 * RANK, None)):
+    root = os.path.dirname(folder)
+    cases = ((2 * RANK, tensors), (RANK, missing), (2 * RANK, folder), (RANK, os.path.join(root, "adapter_deep")),
+             (RANK, os.path.join(root, "adapter_wide")))
+    for rank, bad in cases:
         model, _ = world.layout_model(path, 1, 1, cache)
         apply_lora(model, LoraConfig(enabled=True, rank=rank, alpha=ALPHA))
         try:
-            load_adapter_tensors(model, bad) if bad is not None else load_peft_folder(model, folder)
+            load_adapter_tensors(model, bad) if isinstance(bad, dict) else load_peft_folder(model, bad)
         except ConfigError as error:
             errors.append(str(error))
     return errors
@@ -173,6 +213,9 @@ def lora_runs(tmp_path_factory):
     model = _peft_model(path)
     model.save_pretrained(adapter_dir)
     _peft_model(path, ("q_proj", "v_proj")).save_pretrained(str(root / "adapter_qv"))
+    for name, other in (("deep", llama_config(num_hidden_layers=6)), ("wide", llama_config(hidden_size=32))):
+        save_hf_model(other, str(root / name), seed=2)  # PEFT folders of other bases (same rank and targets)
+        _peft_model(str(root / name)).save_pretrained(str(root / f"adapter_{name}"))
     results: dict = {}
     for rank_result in run_distributed(_world, 2, path, os.path.join(adapter_dir, "adapter_model.safetensors"),
                                        timeout_s=900):
@@ -233,15 +276,20 @@ def test_init_is_peft_kaiming_uniform_a_and_zero_b_on_every_layout(lora_runs):
 
 def test_an_adapter_of_another_rank_or_base_is_a_one_line_error(lora_runs):
     path, _, results = lora_runs
-    folder = os.path.join(os.path.dirname(path), "adapter")
+    root = os.path.dirname(path)
+    folder = os.path.join(root, "adapter")
     assert results["errors"]["errors"] == [
         "adapter tensor 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' has shape [4, 64], this "
-        "model's lora.rank and base need [8, 64]",
+        "model's lora.rank and base need [8, 64] (another base or lora.rank?)",
         "the adapter has no tensor 'base_model.model.model.layers.1.mlp.up_proj.lora_B.weight'; was it "
         "trained for another base model or other lora.targets?",
         f"lora.adapter_path={folder} holds an adapter with {{'r': 4, 'lora_alpha': 8.0, 'target_modules': "
         f"{sorted(TARGETS)}}}, the lora section asks for {{'r': 8, 'lora_alpha': 8.0, 'target_modules': "
-        f"{sorted(TARGETS)}}}; set lora.rank, lora.alpha and lora.targets to the adapter's"]
+        f"{sorted(TARGETS)}}}; set lora.rank, lora.alpha and lora.targets to the adapter's",
+        f"lora.adapter_path={root}/adapter_deep holds 84 adapter tensors, this 4-layer model.path with lora.targets="
+        f"['q', 'k', 'v', 'o', 'gate', 'up', 'down'] has 56: it adapts another base ({root + '/deep'!r})",
+        "adapter tensor 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' has shape [4, 32], this "
+        "model's lora.rank and base need [4, 64] (another base or lora.rank?)"]
 
 
 def _peft_steps(model) -> tuple[list[float], dict[str, np.ndarray]]:
@@ -283,3 +331,27 @@ def test_adapters_on_some_targets_match_peft(lora_runs):
     with torch.no_grad():
         logits = _peft_model(path, ("q_proj", "v_proj"))(tokens).logits
     assert np.abs(results["qv"]["logits"] - logits.numpy()).max() <= 1e-5
+
+
+def test_a_bf16_base_with_fp32_adapters_is_peft_within_bf16_rounding_and_trains_fp32_adapters(lora_runs):
+    path, _, results = lora_runs
+    got = results["bf16"]
+    assert got["dtypes"] == ["torch.float32"] and got["base_dtypes"] == ["torch.bfloat16"]
+    assert got["optimized"] == ["torch.float32"], "adapters and their Adam state are fp32"
+    assert got["unchanged"] and got["moved"]
+    folder = os.path.join(os.path.dirname(path), "adapter")
+    tokens = sample_tokens(2, 12)
+    with torch.no_grad():
+        hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        base_reference = hf_bf16(tokens).logits.float().numpy()
+        bf16 = peft.PeftModel.from_pretrained(hf_bf16, folder)
+        assert {p.dtype for n, p in bf16.named_parameters() if "lora_" in n} == {torch.float32}
+        reference = bf16(tokens).logits.float().numpy()
+        exact = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), folder)(tokens).logits
+    # rlhf's bf16 forward is as far from the fp32 one as PEFT's own bf16 forward is (bf16 rounding, not a bug)
+    exact = exact.numpy()
+    peft_error = np.abs(reference - exact).max()
+    assert np.abs(got["logits"] - exact).max() <= 1.5 * peft_error
+    assert np.abs(got["logits"] - reference).max() <= 2 * peft_error
+    base_gap = np.abs(got["base_logits"] - base_reference).max()
+    assert np.abs(got["logits"] - got["base_logits"]).max() > 10 * base_gap, "the fp32 adapters act"

@@ -20,6 +20,7 @@ def test_lora_is_off_by_default_in_the_root_config():
     (dict(alpha=0.0), "lora.alpha=0.0 must be > 0 (the adapter is scaled by alpha / rank)"),
     (dict(dropout=1.0), "lora.dropout=1.0 must be in [0, 1)"),
     (dict(sync="full"), "lora.sync='full' is not one of merged, adapter"),
+    (dict(dtype="bf16"), "lora.dtype='bf16' is not one of fp32, base"),
     (dict(targets=()), "lora.targets is empty; name at least one of q, k, v, o, gate, up, down"),
     (dict(targets=("q", "gaet")), "lora.targets has unknown target 'gaet' (did you mean 'gate'?); choose from "
                                   "q, k, v, o, gate, up, down, experts, router"),
@@ -33,8 +34,11 @@ def test_bad_lora_settings_are_one_line_errors(kwargs, message):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["lora.sync=adapter"],
-     "lora.enabled=true does not run with lora.sync=adapter (adapter-only weight sync) yet; use lora.sync=merged"),
+    (["lora.sync=adapter", "rollout.engine=vllm"], "lora.enabled=true does not run with rollout.engine=vllm and "
+     "lora.sync=adapter (only the native engine takes adapters) yet; use lora.sync=merged"),
+    (["lora.sync=adapter", "rollout.sleep=kv_cache_and_weights"], "lora.enabled=true does not run with "
+     "rollout.sleep=kv_cache_and_weights and lora.sync=adapter (the engine keeps its base) yet; use "
+     "rollout.sleep=kv_cache"),
     (["algo.routing_replay=r3"],
      "lora.enabled=true does not run with algo.routing_replay=r3 yet; use algo.routing_replay=none"),
     (["actor.optim.offload=true"], "lora.enabled=true does not run with actor.optim.offload=true (the ref runs on "
@@ -49,6 +53,7 @@ def test_lora_settings_the_trainer_does_not_run_yet_are_refused(overrides, messa
         return from_dict(RlhfConfig, apply_overrides({}, ["lora.enabled=true", *extra]))
 
     check_lora(config([]))
+    check_lora(config(["lora.sync=adapter"]))
     with pytest.raises(ConfigError) as error:
         check_lora(config(overrides))
     assert str(error.value) == message
@@ -70,3 +75,12 @@ def test_a_checkpoint_of_another_base_or_without_lora_is_a_one_line_error():
         with pytest.raises(CheckpointError) as error:
             check_same_base(saved, current, "actor")
         assert str(error.value) == message
+
+
+def test_expert_and_router_targets_are_refused_in_one_line_before_any_model_is_touched():
+    from rlhf.models.lora import apply_lora
+
+    with pytest.raises(ConfigError) as error:
+        apply_lora(None, LoraConfig(enabled=True, targets=("q", "experts", "router")))
+    assert str(error.value) == ("lora.targets=['q', 'experts', 'router']: experts, router adapters are not built yet; "
+                                "adapt the attention and dense MLP linears (q, k, v, o, gate, up, down)")

@@ -1,6 +1,6 @@
 """GRPO with a LoRA actor end to end on 2 gloo ranks (the ref as the actor's base; the native engine on the actor's
 weights, and fed merged weights through the resharding path), exact resume from an adapter-only checkpoint, and
-its PEFT / merged exports. One launched world."""
+its PEFT / merged exports; adapter-only sync (lora.sync=adapter) against merged sync. One launched world."""
 
 import sys
 from pathlib import Path
@@ -28,23 +28,67 @@ def _runs(paths, root):
     # actor tp2 -> rollout tp1: the merged weights through the resharding path, checked bitwise on every sync
     resharded = run_trainer(paths, f"{root}/reshard", common + ["trainer.total_steps=2", "mesh.actor.tp=2",
                                                                 "mesh.rollout.tp=1", "comm.verify=true"])
-    return full, resumed, resharded
+    # the same, with only the adapters travelling (the engine keeps its base and merges on its side)
+    adapter = run_trainer(paths, f"{root}/adapter", common + ["trainer.total_steps=2", "mesh.actor.tp=2",
+                                                             "mesh.rollout.tp=1", "comm.verify=true",
+                                                             "lora.sync=adapter"])
+    # split placement (trainer on rank 0, engine on rank 1): the adapter slices cross ranks, both ways compared
+    split = common + ["trainer.total_steps=2", "mesh.placement=split", "mesh.actor={ranks: [0, 1]}",
+                      "mesh.rollout={ranks: [1, 2]}", "mesh.ref={ranks: [0, 1]}", "comm.verify=true"]
+    split_runs = tuple(run_trainer(paths, f"{root}/split_{sync}", split + [f"lora.sync={sync}"])
+                       for sync in ("merged", "adapter"))
+    # PPO with a LoRA critic too (its value head fully trained), resumed exactly
+    ppo = common + ["algo.advantage.kind=gae", "algo.advantage.lam=0.95", "lora.critic=true",
+                    "critic.optim.lr=0.05"]
+    ppo_full = run_trainer(paths, f"{root}/ppo", ppo + ["trainer.total_steps=2"])
+    run_trainer(paths, f"{root}/ppo_split", ppo + ["trainer.total_steps=1"])
+    ppo_resumed = run_trainer(paths, f"{root}/ppo_split", ppo + ["trainer.total_steps=2"])
+    # a bf16 base with fp32 adapters (lora.dtype=fp32), resumed exactly from its adapter-only checkpoint
+    bf16 = common + ["model.dtype=bfloat16"]
+    bf16_full = run_trainer(paths, f"{root}/bf16", bf16 + ["trainer.total_steps=2"])
+    run_trainer(paths, f"{root}/bf16_split", bf16 + ["trainer.total_steps=1"])
+    bf16_resumed = run_trainer(paths, f"{root}/bf16_split", bf16 + ["trainer.total_steps=2"])
+    return (full, resumed, resharded, adapter, (ppo_full, ppo_resumed), (bf16_full, bf16_resumed), split_runs,
+            _resume_on_another_base(paths, root, common))
+
+
+def _resume_on_another_base(paths, root, common) -> str:
+    """The error of resuming the split run's adapters on a base whose bytes differ (one weight moved)."""
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file, save_file
+
+    from rlhf.errors import CheckpointError
+
+    other = Path(root) / "other_base"
+    if dist.get_rank() == 0:
+        shutil.copytree(paths["model"], other)
+        weights = load_file(other / "model.safetensors")
+        weights["model.norm.weight"] = weights["model.norm.weight"] + 1.0
+        save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    dist.barrier()
+    try:
+        run_trainer(paths, f"{root}/split", common + ["trainer.total_steps=3", f"model.path={other}"])
+    except CheckpointError as error:
+        return str(error)
+    return "resumed"
 
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_run")
     paths = make_tiny_setup(root / "tiny")
-    full, resumed, resharded = run_distributed(_runs, 2, paths, str(root), timeout_s=600)[0]
-    return root, paths, full, resumed, resharded
+    return (root, paths, *run_distributed(_runs, 2, paths, str(root), timeout_s=600)[0])
 
 
 def _comparable(row):
-    return {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/throughput", "memory/"))}
+    return {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/throughput", "memory/", "sync/"))}
 
 
 def test_grpo_with_lora_trains_and_resumes_exactly(lora_run):
-    _, _, full, resumed, resharded = lora_run
+    _, _, full, resumed, resharded = lora_run[:5]
     for run in (full, resharded):
         assert [row["step"] for row in run] == [1, 2]
         for row in run:
@@ -53,6 +97,71 @@ def test_grpo_with_lora_trains_and_resumes_exactly(lora_run):
         assert run[-1]["actor/kl_loss"] > 0.0, "the ref stays the base while the adapters move"
     assert [row["step"] for row in resumed] == [2]
     assert [_comparable(r) for r in full[1:]] == [_comparable(r) for r in resumed]
+
+
+def test_adapter_sync_runs_as_merged_sync_and_moves_the_adapter_slices_only(lora_run):
+    from transformers import AutoConfig
+
+    from rlhf.models.config import LoraConfig
+    from rlhf.parallel.layout import ParallelLayout
+    from rlhf.reshard.lora_sync import adapter_specs
+    from rlhf.reshard.planner import plan
+
+    paths, merged, adapter, (split_merged, split_adapter) = lora_run[1], lora_run[4], lora_run[5], lora_run[8]
+    # comm.verify checked the engine's merged view against the trainer's merged weights bitwise on every sync,
+    # so the rollouts, their logprobs and every update are the merged-sync run's
+    assert [_comparable(r) for r in adapter] == [_comparable(r) for r in merged]
+    assert [_comparable(r) for r in split_adapter] == [_comparable(r) for r in split_merged]
+    config = AutoConfig.from_pretrained(paths["model"])
+    lora = LoraConfig(enabled=True, rank=4, alpha=8)
+    adapter_numel = sum(spec.full_shape[0] * spec.full_shape[1]
+                        for spec in adapter_specs(config, lora, ParallelLayout(tp=1)))
+    for run, src, dst in ((adapter, ParallelLayout(tp=2), ParallelLayout(tp=1, dp=2)),
+                          (split_adapter, ParallelLayout(tp=1), ParallelLayout(tp=1, first_rank=1))):
+        adapter_plan = plan(src, dst, adapter_specs(config, lora, src), adapter_specs(config, lora, dst),
+                            vocab_size=config.vocab_size)
+        adapter_bytes = 4 * sum(adapter_plan.received_numel(rank) for rank in dst.ranks)
+        assert adapter_bytes > 0 and all(row["sync/bytes_received"] == adapter_bytes for row in run)
+    assert split_adapter[0]["sync/bytes_received"] == 4 * adapter_numel, "split: the whole adapter crosses"
+
+
+def test_ppo_with_a_lora_critic_trains_its_adapters_and_head_and_resumes_exactly(lora_run):
+    from safetensors import safe_open
+
+    root, (full, resumed) = lora_run[0], lora_run[6]
+    assert [row["step"] for row in full] == [1, 2] and [row["step"] for row in resumed] == [2]
+    assert [_comparable(r) for r in full[1:]] == [_comparable(r) for r in resumed]
+    assert all(row["critic/grad_norm"] > 0 for row in full)
+    names = {}
+    for path in sorted((root / "ppo/r/checkpoints/step_2").rglob("*.safetensors")):
+        if not path.name.startswith("rank"):
+            with safe_open(str(path), framework="pt") as handle:
+                names.setdefault(path.name.split("_")[0], set()).update(handle.keys())
+    critic = names["critic"]
+    assert "score.weight" in critic and len(critic - {"score.weight"}) == 2 * 2 * 7, sorted(critic)[:5]
+    assert all(".lora_A." in n or ".lora_B." in n for n in critic - {"score.weight"})
+
+
+def test_a_bf16_base_trains_fp32_adapters_and_resumes_exactly(lora_run):
+    import torch
+    from safetensors import safe_open
+
+    root, (full, resumed) = lora_run[0], lora_run[7]
+    assert [row["step"] for row in full] == [1, 2] and [row["step"] for row in resumed] == [2]
+    assert [_comparable(r) for r in full[1:]] == [_comparable(r) for r in resumed]
+    assert full[-1]["actor/kl_loss"] > 0.0
+    with safe_open(str(root / "bf16/r/checkpoints/step_2/actor_model_r0.safetensors"), framework="pt") as handle:
+        assert {handle.get_tensor(name).dtype for name in handle.keys()} == {torch.float32}
+
+
+def test_resuming_adapters_on_another_base_is_a_one_line_error(lora_run):
+    root, paths, error = lora_run[0], lora_run[1], lora_run[-1]
+    import re
+
+    assert re.fullmatch(re.escape(f"the actor checkpoint's LoRA adapters were trained on {paths['model']} (sha256 ")
+                        + "[0-9a-f]{12}" + re.escape(f"), not on this run's model.path {root}/other_base (sha256 ")
+                        + "[0-9a-f]{12}" + re.escape("); resume with the base model it was trained on"), error), error
+    assert "\n" not in error
 
 
 def test_the_checkpoint_holds_the_adapters_and_their_adam_state_only(lora_run):
