@@ -22,7 +22,7 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from rlhf.errors import NonFiniteError
-from rlhf.models.forward import LossFn, forward_backward, routed_tokens
+from rlhf.models.forward import LossFn, TokenFn, forward_backward, routed_tokens
 from rlhf.checkpoint.verify import check_trained_folder
 from rlhf.models.hf_load import HfFolder
 from rlhf.models.routing import has_router_losses
@@ -75,16 +75,17 @@ class TrainEngine:
         """The learning rate the next step will use."""
         return self.optimizer.param_groups[0]["lr"]
 
-    def forward_only(self, micro_batches: list, fn: ForwardFn) -> list[dict]:
+    def forward_only(self, micro_batches: list, fn: ForwardFn, token_fn: TokenFn | None = None) -> list[dict]:
         """`fn(output, micro_batch) -> (unused_scalar, outputs)` per micro-batch, no grad; last pp stage only.
 
         Other pipeline stages return an empty list (the caller broadcasts what it needs).
         """
         self._check_loaded()
         with torch.no_grad():
-            return forward_backward(self.model, micro_batches, fn, self.pg_collection, forward_only=True)
+            return forward_backward(self.model, micro_batches, fn, self.pg_collection, forward_only=True,
+                                    token_fn=token_fn)
 
-    def train_step(self, micro_batches: list, loss_fn: LossFn) -> StepResult:
+    def train_step(self, micro_batches: list, loss_fn: LossFn, token_fn: TokenFn | None = None) -> StepResult:
         """Zero grads, fwd+bwd over `micro_batches`, reduce over DP, check finiteness, clip, step, schedule."""
         self._check_loaded()
         # training mode: a colocated engine sharing these parameters puts the model in eval mode, which turns
@@ -100,7 +101,8 @@ class TrainEngine:
             return value, metrics
 
         with self._router_losses(micro_batches):
-            metrics = forward_backward(self.model, micro_batches, recording_loss, self.pg_collection)
+            metrics = forward_backward(self.model, micro_batches, recording_loss, self.pg_collection,
+                                       token_fn=token_fn)
         finalize_model_grads([self.model], None, pg_collection=self.pg_collection)
         loss = self._global_loss(losses)
         self.optimizer.prepare_grads()

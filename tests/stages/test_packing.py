@@ -109,7 +109,7 @@ def _roles(paths: dict, cache, layout, budget: int, modes) -> dict:
     batch = fixed_batch()
     out = {"logprobs": actor.logprobs(batch), "values": critic.values(batch), "scores": reward.scores(batch)}
     with actor._output_mode():
-        out["entropy"] = actor._forward(batch, lambda output, mb: actor._token_stats(output, mb)[1])
+        out["entropy"] = actor._forward(batch, lambda stats, mb: actor._token_stats(stats, mb)[1], actor._token_fn())
     if mesh.is_member:
         out["packed"] = all(isinstance(mb, PackedMicroBatch) == bool(budget)
                             for mb in actor._split(batch, (budget, "k"), 2)[1])

@@ -1,0 +1,123 @@
+"""Context parallelism: the chunk layout, and CP=2 = CP=1 on every role forward and update of packed micro-batches
+(logprobs, entropy, values, scores, losses in every aggregation mode, gradients), with a sequence of length 1 and
+sequences shorter than 2·cp chunks in the batch; the one-line ConfigErrors of settings cp cannot run."""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "orchestration"))
+sys.path.insert(0, str(Path(__file__).parent))
+from fixtures import make_tiny_setup, trainer_config  # noqa: E402
+from test_packing import BUDGET, MODES, _roles  # noqa: E402
+from test_roles import fixed_batch  # noqa: E402
+
+from rlhf.errors import ConfigError  # noqa: E402
+from rlhf.models.packing import pack  # noqa: E402
+from rlhf.orchestration.preflight import preflight  # noqa: E402
+from rlhf.parallel.context import global_order, local_positions, padded_length  # noqa: E402
+from rlhf.parallel.groups import GroupCache  # noqa: E402
+from rlhf.parallel.layout import ParallelLayout  # noqa: E402
+from rlhf.testing.distributed import run_distributed  # noqa: E402
+
+
+def short_batch():
+    """`fixed_batch` with row 0 one token long (a prompt token, no response) and row 3 three (< 2·cp chunks)."""
+    batch = fixed_batch()
+    prompt_b, response_b = batch.prompt_lengths_b.clone(), batch.response_lengths_b.clone()
+    prompt_b[0], response_b[0] = 1, 0
+    prompt_b[3], response_b[3] = 2, 1
+    mask = torch.arange(batch.response_mask_bt.shape[1])[None, :] < response_b[:, None]
+    return dataclasses.replace(batch, prompt_lengths_b=prompt_b, response_lengths_b=response_b,
+                               response_mask_bt=mask, loss_mask_bt=mask, advantages_bt=batch.advantages_bt * mask,
+                               old_logprobs_bt=batch.old_logprobs_bt * mask)
+
+
+def test_each_cp_rank_holds_chunks_i_and_2cp_minus_1_minus_i():
+    cu = torch.tensor([0, 4, 12], dtype=torch.int32)  # lengths 4 and 8 at cp=2: chunks of 1 and 2 tokens
+    assert local_positions(cu, 2, 0).tolist() == [0, 3, 4, 5, 10, 11]
+    assert local_positions(cu, 2, 1).tolist() == [1, 2, 6, 7, 8, 9]
+    gathered = torch.cat([local_positions(cu, 2, 0), local_positions(cu, 2, 1)])
+    assert gathered[global_order(cu, 2)].tolist() == list(range(12))
+    assert [padded_length(n, 2) for n in (1, 3, 4, 5)] == [4, 4, 4, 8]
+
+
+class _FakeGroup:
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def test_cp_pack_pads_each_sequence_and_keeps_the_rows():
+    rows = short_batch().trimmed()
+    packed = pack(rows, cp_group=_FakeGroup(2, 1))
+    lengths = (rows.prompt_lengths_b + rows.response_lengths_b).tolist()
+    spans = [padded_length(n, 2) for n in lengths]
+    assert packed.cu_seqlens_n.tolist() == [0, *torch.tensor(spans).cumsum(0).tolist()]
+    assert packed.tokens_bs.shape == (1, sum(spans) // 2) and int((~packed.padding_mask_1t).sum()) == sum(lengths)
+    unpacked_bs = packed.unpack(packed.tokens_1t.unsqueeze(-1)).squeeze(-1)
+    valid_bs = ~rows.padding_mask_bs
+    assert torch.equal(unpacked_bs[valid_bs], rows.tokens_bs[valid_bs])
+    assert torch.equal(packed.tokens_bs[0], packed.tokens_1t[0, local_positions(packed.cu_seqlens_n, 2, 1)])
+
+
+def _cp_world(paths: dict) -> dict:
+    import test_packing
+
+    test_packing.fixed_batch = short_batch  # `_roles` runs every forward and update on the short batch
+    cache = GroupCache()
+    return {"cp1": _roles(paths, cache, ParallelLayout(), BUDGET, MODES),
+            "cp2": _roles(paths, cache, ParallelLayout(cp=2), BUDGET, MODES)}
+
+
+@pytest.fixture(scope="module")
+def cp_world(tmp_path_factory):
+    paths = make_tiny_setup(tmp_path_factory.mktemp("tiny"), num_train=8, num_val=4)
+    return run_distributed(_cp_world, 2, paths, timeout_s=900)
+
+
+def test_cp2_equals_cp1_on_every_forward_and_update(cp_world):
+    """Outputs, metrics and grads within 1e-5 on both cp ranks (each holds the whole replica's grads after DDP's
+    reduction over dp x cp)."""
+    for rank in cp_world:
+        cp1, cp2 = rank["cp1"], rank["cp2"]
+        assert cp1.keys() == cp2.keys()
+        for key, value in cp1.items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(cp2[key], value, atol=1e-5, rtol=0, msg=key)
+            elif "grads" in key:
+                if not value:  # rank 1 holds no cp=1 replica
+                    continue
+                assert value.keys() == cp2[key].keys()
+                for name, grad in value.items():
+                    torch.testing.assert_close(cp2[key][name], grad, atol=1e-5, rtol=1e-5, msg=f"{key} {name}")
+            elif isinstance(value, dict) and value:
+                assert cp2[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
+
+
+def test_cp_config_errors_name_the_setting(tmp_path):
+    paths = make_tiny_setup(tmp_path / "tiny", num_train=16, num_val=4)
+    cases = [(["mesh.actor.cp=2"], 2, "mesh.actor.cp=2 shards packed micro-batches only, but "
+              "actor.max_tokens_per_microbatch=0 (row counts); set actor.max_tokens_per_microbatch to a token budget "
+              "or mesh.actor.cp=1"),
+             (["mesh.actor.cp=2", "mesh.actor.pp=2", "actor.max_tokens_per_microbatch=64"], 4,
+              "mesh.actor.cp=2 with mesh.actor.pp=2: context parallelism runs without a pipeline; set "
+              "mesh.actor.pp=1 or mesh.actor.cp=1"),
+             (["mesh.teacher.cp=2"], 2, "mesh.teacher.cp=2: the teacher forwards do not split sequences; set "
+              "mesh.teacher.cp=1"),
+             (["mesh.actor.cp=3", "actor.max_tokens_per_microbatch=64"], 2, "mesh.actor: 2 ranks are not divisible "
+              "by tp*cp*pp = 1*3*1 = 3; choose tp, cp and pp whose product divides 2")]
+    for overrides, world_size, message in cases:
+        with pytest.raises(ConfigError) as error:
+            preflight(trainer_config(paths, str(tmp_path), overrides), world_size=world_size)
+        assert str(error.value) == message
+    preflight(trainer_config(paths, str(tmp_path), ["mesh.actor.cp=2", "actor.max_tokens_per_microbatch=64"]),
+              world_size=2)
