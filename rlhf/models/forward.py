@@ -139,8 +139,9 @@ def _forward_step(loss_fn: LossFn, num_micro_batches: int, pg_collection: Any, t
                 output_tensor = token_fn(output_tensor, torch.roll(tokens_bs, shifts=-1, dims=1),
                                          _wanted_bs(micro_batch))
             value, metrics = loss_fn(output_tensor, micro_batch)
-        # megatron divides each micro-batch loss by the micro-batch count; undo it: loss_fn decides scaling
-        return value * num_micro_batches, metrics
+        # megatron divides each micro-batch loss by the micro-batch count and multiplies it by cp (its losses
+        # are local-token means); undo both: loss_fn decides scaling, and every cp rank computes the whole loss
+        return value * num_micro_batches / pg_collection.cp.size(), metrics
 
     return output, loss
 

@@ -97,11 +97,12 @@ def _grads(role) -> dict[str, torch.Tensor]:
             if getattr(param, "main_grad", None) is not None}
 
 
-def _roles(paths: dict, cache, layout, budget: int, modes) -> dict:
+def _roles(paths: dict, cache, layout, budget: int, modes, clip_grad: float = 1.0) -> dict:
     """Actor logprobs, entropy, SFT and RL updates (losses and grads per aggregation mode); critic values and
     update; reward-model scores. lr ~0, so one role serves every update."""
     mesh = RoleMesh("actor", layout, build_layout_groups(layout, cache))
-    update = UpdateConfig(micro_batch_size=2, max_tokens_per_microbatch=budget, optim=OptimConfig(lr=1e-12))
+    update = UpdateConfig(micro_batch_size=2, max_tokens_per_microbatch=budget,
+                          optim=OptimConfig(lr=1e-12, clip_grad=clip_grad))
     actor = PolicyRole("actor", mesh, paths["model"], total_steps=1, update=update)
     critic = CriticRole("critic", mesh, paths["model"], total_steps=1, update=update, value_head=True)
     reward = RewardModelRole("reward", mesh, paths["model"], update=None, total_steps=0, micro_batch_size=2,
