@@ -5,9 +5,9 @@ positions restarting per sequence and `cu_seqlens` marking the boundaries attent
 every loss reads a packed forward exactly as a padded one. A pack may end in filler tokens (a sequence of their
 own, `padding_mask_bs` True) to reach a length every pipeline stage or expert-parallel peer shares.
 
-Context parallelism (`rlhf.parallel.context`): every sequence is padded at its end to a multiple of 2·cp (causal,
-so its real tokens never see the padding) and each cp rank holds `local_index_l`; the model reads the local
-`tokens_bs` / `position_ids_bs`, and `gather_cp` puts per-token outputs back in pack order for `unpack`.
+Context parallelism (`rlhf.platform.context_parallel`): every sequence is padded at its end to a multiple of
+2·cp (causal, so its real tokens never see the padding) and each cp rank holds `local_index_l`; the model reads
+the local `tokens_bs` / `position_ids_bs`, and `gather_cp` puts per-token outputs back in pack order to `unpack`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from rlhf.models.routing_replay import UNKNOWN
-from rlhf.parallel.context import gather_replicated, global_order, local_positions, padded_length
+from rlhf.platform.context_parallel import gather_replicated, global_order, local_positions, padded_length
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,9 +7,9 @@ under a block-diagonal causal mask (blocks of at most BLOCK_TOKENS, bounding the
 one is a call of its own, so compute never grows with the pack's square. Without `packed_seq_params` it is
 megatron's core unchanged. On CUDA with TE, `TEDotProductAttention` takes the same `PackedSeqParams` natively.
 
-Context parallelism (`_forward_packed_cp`, layout in `rlhf.parallel.context`): each rank's chunks of a sequence
-attend to the K/V of every rank's chunks, all-gathered over `packed_seq_params.cp_group` (one collective per
-layer, K and V together), under the causal mask at their global positions. Why an all-gather: on gloo a ring's
+Context parallelism (`_forward_packed_cp`, layout in `context_parallel`): each rank's chunks of a sequence attend
+to the K/V of every rank's chunks, all-gathered over `packed_seq_params.cp_group` (one collective per layer, K
+and V together), under the causal mask at their global positions. Why an all-gather: on gloo a ring's
 point-to-point steps have no compute to overlap with (they are slower, not hidden), and all-to-all over heads
 would need heads % (tp·cp) == 0 (SmolLM2's 3 KV heads forbid it); the gathered K/V is `[T, kv heads, d]` of
 one layer, small next to the activations the sharding saves.
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from rlhf.parallel.context import gather_keys_values, global_order, local_positions
+from rlhf.platform.context_parallel import gather_keys_values, global_order, local_positions
 
 BLOCK_TOKENS = 512  # sequences share one masked attention call up to this many tokens
 

@@ -4,7 +4,9 @@ Loss contract: `loss_fn(output, micro_batch) -> (loss, metrics)` and gradients a
 on every micro-batch and every DP rank). Nothing is averaged: not over micro-batches (the schedule's 1/M is
 undone), not over DP (the model's `calculate_per_token_loss` is set, so megatron DDP sums grads across DP
 instead of pre-scaling them by 1/dp). A loss normalised by the GLOBAL token count therefore gives the same
-gradient for any DP size and micro-batching; a per-micro-batch mean must be divided by the caller. MoE
+gradient for any DP size and micro-batching; a per-micro-batch mean must be divided by the caller. At cp > 1
+every cp rank computes its DP rank's whole loss from gathered per-token outputs, back-propagates through its own
+tokens only, and DDP sums grads over dp x cp (`pg_collection.dp_cp`). MoE
 router losses (megatron's, added inside the forward) enter as their token-weighted mean over the whole step.
 """
 

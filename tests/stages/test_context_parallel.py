@@ -18,7 +18,7 @@ from test_roles import fixed_batch  # noqa: E402
 from rlhf.errors import ConfigError  # noqa: E402
 from rlhf.models.packing import pack  # noqa: E402
 from rlhf.orchestration.preflight import preflight  # noqa: E402
-from rlhf.parallel.context import global_order, local_positions, padded_length  # noqa: E402
+from rlhf.platform.context_parallel import global_order, local_positions, padded_length  # noqa: E402
 from rlhf.parallel.groups import GroupCache  # noqa: E402
 from rlhf.parallel.layout import ParallelLayout  # noqa: E402
 from rlhf.testing.distributed import run_distributed  # noqa: E402
@@ -121,3 +121,76 @@ def test_cp_config_errors_name_the_setting(tmp_path):
         assert str(error.value) == message
     preflight(trainer_config(paths, str(tmp_path), ["mesh.actor.cp=2", "actor.max_tokens_per_microbatch=64"]),
               world_size=2)
+
+
+CLOCK_PREFIXES = ("timing_s/", "perf/", "memory/")
+
+
+def _comparable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(CLOCK_PREFIXES)}
+
+
+def _loop_world(paths: dict, root: str) -> dict:
+    from fixtures import run_trainer
+
+    packed = ["trainer.val_before_train=false", "actor.max_tokens_per_microbatch=24",
+              "critic.max_tokens_per_microbatch=24"]
+    ppo = ["algo.advantage.kind=gae", "mesh.critic.cp=2"]
+    out = {"grpo_cp1": run_trainer(paths, root, packed + ["run.name=grpo1"]),
+           "grpo_cp2": run_trainer(paths, root, packed + ["run.name=grpo2", "mesh.actor.cp=2"]),
+           "ppo_cp1": run_trainer(paths, root, packed + ["run.name=ppo1", "algo.advantage.kind=gae"])}
+    resumable = packed + ppo + ["run.name=ppo2", "mesh.actor.cp=2", "checkpoint.every=1"]
+    out["ppo_cp2"] = run_trainer(paths, root, resumable)
+    out["ppo_cp2_resumed"] = run_trainer(paths, root, resumable + [f"checkpoint.resume={root}/ppo2/checkpoints/"
+                                                                   "step_1"])
+    return out
+
+
+@pytest.mark.slow
+def test_rl_loop_at_cp2_matches_cp1_and_resumes_exactly(tmp_path):
+    """GRPO (actor at cp=2) and PPO (actor and critic at cp=2), 2 ranks: the first step equals cp=1's, and a resume
+    from step 1 gives step 2 exactly."""
+    paths = make_tiny_setup(tmp_path / "tiny", num_train=16, num_val=4)
+    world = run_distributed(_loop_world, 2, paths, str(tmp_path / "runs"), timeout_s=900)[0]
+    for algo in ("grpo", "ppo"):
+        cp1, cp2 = world[f"{algo}_cp1"], world[f"{algo}_cp2"]
+        assert [row["step"] for row in cp2] == [row["step"] for row in cp1] == [1, 2]
+        keys = [k for k in cp1[0] if k.startswith(("actor/", "critic/", "rollout/reward")) and
+                not k.endswith(("_s", "/lr")) and isinstance(cp1[0][k], float)]
+        assert "actor/pg_loss" in keys and (algo == "grpo" or "critic/vf_loss" in keys)
+        assert {k: cp2[0][k] for k in keys} == pytest.approx({k: cp1[0][k] for k in keys}, rel=1e-5, abs=1e-5)
+    resumed = world["ppo_cp2_resumed"]
+    assert [row["step"] for row in resumed] == [2]
+    assert _comparable(resumed[0]) == _comparable(world["ppo_cp2"][1])
+
+
+def _cp_tp_world(paths: dict) -> dict:
+    import test_packing
+
+    test_packing.fixed_batch = short_batch
+    cache = GroupCache()
+    return {"cp1": _roles(paths, cache, ParallelLayout(tp=2), BUDGET, MODES[:1], clip_grad=0.0),
+            "cp2": _roles(paths, cache, ParallelLayout(tp=2, cp=2), BUDGET, MODES[:1], clip_grad=0.0)}
+
+
+@pytest.mark.slow
+def test_cp2_tp2_equals_tp2_on_four_ranks(tmp_path):
+    """CP=2 x TP=2: every tp rank's vocab / head shards see the same outputs and grads as at cp=1."""
+    paths = make_tiny_setup(tmp_path / "tiny", num_train=8, num_val=4)
+    world = run_distributed(_cp_tp_world, 4, paths, timeout_s=900)
+    for rank in (0, 1):  # tp ranks 0 and 1 of cp rank 0; at cp=1 ranks 2, 3 are outside the layout
+        cp1, cp2 = world[rank]["cp1"], world[rank]["cp2"]
+        for key, value in cp1.items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(cp2[key], value, atol=1e-5, rtol=0, msg=key)
+            elif "grads" in key:
+                assert value and value.keys() == cp2[key].keys()
+                for name, grad in value.items():
+                    torch.testing.assert_close(cp2[key][name], grad, atol=1e-5, rtol=1e-5, msg=f"{key} {name}")
+            elif isinstance(value, dict) and value:
+                assert cp2[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
+    for rank in (2, 3):  # cp rank 1 holds the same shards' grads
+        for key, value in world[rank - 2]["cp1"].items():
+            if "grads" in key:
+                for name, grad in value.items():
+                    torch.testing.assert_close(world[rank]["cp2"][key][name], grad, atol=1e-5, rtol=1e-5)
