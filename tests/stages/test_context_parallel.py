@@ -133,6 +133,17 @@ def _comparable(row: dict) -> dict:
 def _loop_world(paths: dict, root: str) -> dict:
     from fixtures import run_trainer
 
+    from rlhf.stages import micro_batches
+
+    packs_at: dict[int, int] = {}  # cp size -> packs made: the runs really shard their micro-batches
+    plain_pack = micro_batches.pack
+
+    def counting_pack(rows, **kwargs):
+        size = kwargs["cp_group"].size() if kwargs.get("cp_group") is not None else 1
+        packs_at[size] = packs_at.get(size, 0) + 1
+        return plain_pack(rows, **kwargs)
+
+    micro_batches.pack = counting_pack
     packed = ["trainer.val_before_train=false", "actor.max_tokens_per_microbatch=24",
               "critic.max_tokens_per_microbatch=24"]
     ppo = ["algo.advantage.kind=gae", "mesh.critic.cp=2"]
@@ -143,6 +154,7 @@ def _loop_world(paths: dict, root: str) -> dict:
     out["ppo_cp2"] = run_trainer(paths, root, resumable)
     out["ppo_cp2_resumed"] = run_trainer(paths, root, resumable + [f"checkpoint.resume={root}/ppo2/checkpoints/"
                                                                    "step_1"])
+    out["packs_at"] = packs_at
     return out
 
 
@@ -152,6 +164,7 @@ def test_rl_loop_at_cp2_matches_cp1_and_resumes_exactly(tmp_path):
     from step 1 gives step 2 exactly."""
     paths = make_tiny_setup(tmp_path / "tiny", num_train=16, num_val=4)
     world = run_distributed(_loop_world, 2, paths, str(tmp_path / "runs"), timeout_s=900)[0]
+    assert world["packs_at"][1] > 0 and world["packs_at"][2] > 0
     for algo in ("grpo", "ppo"):
         cp1, cp2 = world[f"{algo}_cp1"], world[f"{algo}_cp2"]
         assert [row["step"] for row in cp2] == [row["step"] for row in cp1] == [1, 2]
