@@ -71,7 +71,8 @@ class ModelRole:
             self.model = base_of.model
             return
         model = build_gpt(hf_config, mesh.pgs, value_head=value_head, recompute=recompute, seed=seed,
-                          params_dtype=params_dtype, moe_kwargs=moe_kwargs, transformer_engine=lora is None)
+                          params_dtype=params_dtype, moe_kwargs=moe_kwargs,
+                          transformer_engine=lora is None and mesh.layout.cp == 1)  # cp: rlhf's own core
         if mesh.layout.cp > 1 and model.config.num_moe_experts:
             raise ConfigError(f"the {name} role's model has {model.config.num_moe_experts} experts: context "
                               f"parallelism (cp={mesh.layout.cp}) runs on dense models only; set its mesh cp=1")
