@@ -69,19 +69,39 @@ def test_cp_pack_pads_each_sequence_and_keeps_the_rows():
     assert torch.equal(packed.tokens_bs[0], packed.tokens_1t[0, local_positions(packed.cu_seqlens_n, 2, 1)])
 
 
-def _cp_world(paths: dict) -> dict:
+def _cp_world(paths: dict, moe_model: str) -> dict:
     import test_packing
+
+    from rlhf.parallel.groups import build_layout_groups
+    from rlhf.parallel.meshes import RoleMesh
+    from rlhf.stages.policy_role import PolicyRole
 
     test_packing.fixed_batch = short_batch  # `_roles` runs every forward and update on the short batch
     cache = GroupCache()
-    return {"cp1": _roles(paths, cache, ParallelLayout(), BUDGET, MODES, clip_grad=0.0),  # grads as they come
-            "cp2": _roles(paths, cache, ParallelLayout(cp=2), BUDGET, MODES, clip_grad=0.0)}
+    out = {"cp1": _roles(paths, cache, ParallelLayout(), BUDGET, MODES, clip_grad=0.0),  # grads as they come
+           "cp2": _roles(paths, cache, ParallelLayout(cp=2), BUDGET, MODES, clip_grad=0.0)}
+    layout = ParallelLayout(cp=2)
+    try:
+        PolicyRole("ref", RoleMesh("ref", layout, build_layout_groups(layout, cache)), moe_model, update=None,
+                   total_steps=0, micro_batch_size=2)
+    except ConfigError as error:
+        out["moe_error"] = str(error)
+    return out
 
 
 @pytest.fixture(scope="module")
 def cp_world(tmp_path_factory):
+    from fixtures import make_moe_setup
+
     paths = make_tiny_setup(tmp_path_factory.mktemp("tiny"), num_train=8, num_val=4)
-    return run_distributed(_cp_world, 2, paths, timeout_s=900)
+    moe = make_moe_setup(tmp_path_factory.mktemp("moe"))
+    return run_distributed(_cp_world, 2, paths, moe["model"], timeout_s=900)
+
+
+def test_cp_refuses_an_moe_model(cp_world):
+    for rank in cp_world:
+        assert rank["moe_error"] == ("the ref role's model has 4 experts: context parallelism (cp=2) runs on dense "
+                                     "models only; set its mesh cp=1")
 
 
 def test_cp2_equals_cp1_on_every_forward_and_update(cp_world):
