@@ -170,18 +170,41 @@ def _loop_world(paths: dict, root: str) -> dict:
     out = {"grpo_cp1": run_trainer(paths, root, packed + ["run.name=grpo1"]),
            "grpo_cp2": run_trainer(paths, root, packed + ["run.name=grpo2", "mesh.actor.cp=2"]),
            "ppo_cp1": run_trainer(paths, root, packed + ["run.name=ppo1", "algo.advantage.kind=gae"])}
-    resumable = packed + ppo + ["run.name=ppo2", "mesh.actor.cp=2", "checkpoint.every=1"]
+    resumable = packed + ppo + ["run.name=ppo2", "mesh.actor.cp=2", "checkpoint.every=1",
+                                "actor.optim.use_distributed_optimizer=true"]  # its shards span dp x cp
     out["ppo_cp2"] = run_trainer(paths, root, resumable)
     out["ppo_cp2_resumed"] = run_trainer(paths, root, resumable + [f"checkpoint.resume={root}/ppo2/checkpoints/"
                                                                    "step_1"])
     out["packs_at"] = packs_at
+    out["sft_cp1"], out["sft_cp2"] = (_sft_losses(paths, root, cp) for cp in (1, 2))
     return out
+
+
+def _sft_losses(paths: dict, root: str, cp: int) -> list[float]:
+    """`rlhf sft`'s per-step losses with the actor at `cp` (packed micro-batches)."""
+    import json
+
+    from fixtures import trainer_config
+
+    from rlhf.orchestration.sft import run_sft, sft_preflight
+    from rlhf.run_dir import close_run, setup_run
+
+    cfg = trainer_config(paths, root, [f"mesh.actor.cp={cp}", "actor.max_tokens_per_microbatch=64", "sft.steps=2",
+                                       "sft.batch_size=8", f"run.name=sft{cp}", f"sft.out_dir={root}/sft{cp}_out"])
+    sft_preflight(cfg, 2)
+    run_dir = setup_run(cfg.run, cfg, prefix="sft")
+    try:
+        run_sft(cfg, cfg.sft, run_dir)
+    finally:
+        close_run()
+    rows = [json.loads(line) for line in (run_dir.path / "metrics.jsonl").read_text().splitlines()]
+    return [row["sft/loss"] for row in rows if "sft/loss" in row]
 
 
 @pytest.mark.slow
 def test_rl_loop_at_cp2_matches_cp1_and_resumes_exactly(tmp_path):
     """GRPO (actor at cp=2) and PPO (actor and critic at cp=2), 2 ranks: the first step equals cp=1's, and a resume
-    from step 1 gives step 2 exactly."""
+    from step 1 gives step 2 exactly; `rlhf sft` at cp=2 gives cp=1's losses."""
     paths = make_tiny_setup(tmp_path / "tiny", num_train=16, num_val=4)
     world = run_distributed(_loop_world, 2, paths, str(tmp_path / "runs"), timeout_s=900)[0]
     assert world["packs_at"][1] > 0 and world["packs_at"][2] > 0
@@ -192,6 +215,7 @@ def test_rl_loop_at_cp2_matches_cp1_and_resumes_exactly(tmp_path):
                 not k.endswith(("_s", "/lr")) and isinstance(cp1[0][k], float)]
         assert "actor/pg_loss" in keys and (algo == "grpo" or "critic/vf_loss" in keys)
         assert {k: cp2[0][k] for k in keys} == pytest.approx({k: cp1[0][k] for k in keys}, rel=1e-5, abs=1e-5)
+    assert len(world["sft_cp1"]) == 2 and world["sft_cp2"] == pytest.approx(world["sft_cp1"], abs=1e-5)
     resumed = world["ppo_cp2_resumed"]
     assert [row["step"] for row in resumed] == [2]
     assert _comparable(resumed[0]) == _comparable(world["ppo_cp2"][1])
