@@ -1,6 +1,7 @@
 """Context parallelism: the chunk layout, and CP=2 = CP=1 on every role forward and update of packed micro-batches
-(logprobs, entropy, values, scores, losses in every aggregation mode, gradients), with a sequence of length 1 and
-sequences shorter than 2·cp chunks in the batch; the one-line ConfigErrors of settings cp cannot run."""
+(logprobs from the fused head with sum pi^2 and from full logits, entropy, values, scores, losses in every
+aggregation mode, gradients), with a sequence of length 1 and one shorter than 2·cp chunks in the batch; the
+one-line ConfigErrors of settings cp cannot run."""
 
 import dataclasses
 import sys
@@ -78,14 +79,27 @@ def _cp_world(paths: dict, moe_model: str) -> dict:
 
     test_packing.fixed_batch = short_batch  # `_roles` runs every forward and update on the short batch
     cache = GroupCache()
-    out = {"cp1": _roles(paths, cache, ParallelLayout(), BUDGET, MODES, clip_grad=0.0),  # grads as they come
-           "cp2": _roles(paths, cache, ParallelLayout(cp=2), BUDGET, MODES, clip_grad=0.0)}
+    out = {}
+    for name, layout in (("cp1", ParallelLayout()), ("cp2", ParallelLayout(cp=2))):
+        out[name] = _roles(paths, cache, layout, BUDGET, MODES, clip_grad=0.0)  # grads as they come
+        for fused in (True, False):  # the ref: logprobs (+ sum pi^2) from the fused head, and from full logits
+            ref = PolicyRole("ref", RoleMesh("ref", layout, build_layout_groups(layout, cache)), paths["model"],
+                             update=None, total_steps=0, micro_batch_size=2, fused_head=fused,
+                             max_tokens_per_microbatch=(BUDGET, "ref.max_tokens_per_microbatch"))
+            out[name][f"ref_fused_{fused}"] = ref.logprobs(short_batch(), with_sum_pi_squared=fused)
     layout = ParallelLayout(cp=2)
     try:
         PolicyRole("ref", RoleMesh("ref", layout, build_layout_groups(layout, cache)), moe_model, update=None,
                    total_steps=0, micro_batch_size=2)
     except ConfigError as error:
         out["moe_error"] = str(error)
+    rows_ref = PolicyRole("ref", RoleMesh("ref", layout, build_layout_groups(layout, cache)), paths["model"],
+                          update=None, total_steps=0, micro_batch_size=2,
+                          max_tokens_per_microbatch=(0, "ref.max_tokens_per_microbatch"))
+    try:  # a role built outside preflight (a LoRA ref on the actor's cp mesh) still says what to set
+        rows_ref.logprobs(short_batch())
+    except ConfigError as error:
+        out["rows_error"] = str(error)
     return out
 
 
@@ -98,10 +112,12 @@ def cp_world(tmp_path_factory):
     return run_distributed(_cp_world, 2, paths, moe["model"], timeout_s=900)
 
 
-def test_cp_refuses_an_moe_model(cp_world):
+def test_cp_refuses_an_moe_model_and_row_count_micro_batches(cp_world):
     for rank in cp_world:
         assert rank["moe_error"] == ("the ref role's model has 4 experts: context parallelism (cp=2) runs on dense "
                                      "models only; set its mesh cp=1")
+        assert rank["rows_error"] == ("the ref role runs at cp=2, which shards packed micro-batches only; set "
+                                      "ref.max_tokens_per_microbatch > 0")
 
 
 def test_cp2_equals_cp1_on_every_forward_and_update(cp_world):
