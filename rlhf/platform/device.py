@@ -134,13 +134,16 @@ def fused_decode_attention(dtype: torch.dtype, device: torch.device):
     return load()
 
 
+ACCELERATOR_HEAD_BYTES = (8 << 30, 1 << 30)  # fused LM head (chunk, block) on accelerators (`rlhf plan` reads it)
+
+
 def fused_head_bytes() -> tuple[int, int]:
     """(chunk, block) fp32-logit bytes for the fused LM head (`rlhf.models.lm_head`): at most a chunk of logits
     is alive at once (one chunk is kept for the backward, more are recomputed there); elementwise passes run
     over blocks, cache-sized on a CPU. On an H200, 1 GiB chunks (recompute at 8k tokens x 152k vocab) ran
     0.74x the full-logits path's speed, so accelerators get chunks that usually hold a whole micro-batch."""
     if has_accelerator():
-        return 8 << 30, 1 << 30
+        return ACCELERATOR_HEAD_BYTES
     return 1 << 30, 4 << 20
 
 

@@ -6,7 +6,6 @@ import math
 import socket
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from rlhf.ops import alerts as alerts_module  # noqa: E402
 from rlhf.ops.alerts import (Alert, AlertDetectors, AlertMonitor, AlertsConfig, WebhookSender,  # noqa: E402
                              alert_metrics, post_webhook)
 from rlhf.checkpoint.state_file import decode_state, encode_state  # noqa: E402
+from rlhf.testing.webhook import WebhookReceiver  # noqa: E402
 
 
 def _steady(step: int) -> dict[str, float]:
@@ -71,30 +71,6 @@ def test_alerts_config_errors():
     assert from_dict(RlhfConfig, {"alerts": {"nan_policy": "abort"}}).alerts.nan_policy == "abort"
 
 
-class _Hook:
-    """A local webhook receiver that records every JSON body POSTed to it."""
-
-    def __init__(self):
-        received = self.received = []
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def _batch():
     return scored_batch(tokens_bs=torch.arange(12).reshape(2, 6), prompt_lengths_b=torch.tensor([3, 2]),
                         response_lengths_b=torch.tensor([3, 4]), response_mask_bt=torch.ones(2, 4, dtype=torch.bool),
@@ -102,7 +78,7 @@ def _batch():
 
 
 def test_monitor_logs_one_line_posts_the_webhook_and_counts(tmp_path, caplog):
-    hook = _Hook()
+    hook = WebhookReceiver()
     try:
         monitor = AlertMonitor(AlertsConfig(webhook_url=hook.url, reward_flat_steps=0), tmp_path / "myrun",
                                is_rank0=True)
@@ -124,7 +100,7 @@ def test_monitor_logs_one_line_posts_the_webhook_and_counts(tmp_path, caplog):
 
 
 def test_unreachable_webhook_is_one_warning_and_training_goes_on(tmp_path, caplog):
-    hook = _Hook()
+    hook = WebhookReceiver()
     hook.close()  # nothing listens there any more
     monitor = AlertMonitor(AlertsConfig(webhook_url=hook.url), tmp_path, is_rank0=True)
     with caplog.at_level(logging.WARNING, logger="rlhf.alerts"):

@@ -6,9 +6,7 @@ is skipped (no optimizer step, weights bitwise unchanged) or the run aborts with
 import json
 import math
 import sys
-import threading
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from test_prometheus import parse_exposition  # noqa: E402
 
 from rlhf.metrics import read_jsonl  # noqa: E402
 from rlhf.testing.distributed import run_distributed  # noqa: E402
+from rlhf.testing.webhook import WebhookReceiver  # noqa: E402
 
 NAN_STEP = 2
 
@@ -82,24 +81,6 @@ def _runs(paths, root, hook_url):
     return skip, abort
 
 
-class _Hook:
-    def __init__(self):
-        received = self.received = []
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/alerts"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return make_tiny_setup(tmp_path_factory.mktemp("tiny"))
@@ -108,7 +89,7 @@ def tiny(tmp_path_factory):
 def test_nan_skip_and_abort_alerts_and_prometheus_scrape_on_2_ranks(tiny, tmp_path):
     from safetensors.torch import load_file
 
-    hook = _Hook()
+    hook = WebhookReceiver("/alerts")
     try:
         results = run_distributed(_runs, 2, tiny, str(tmp_path), hook.url, timeout_s=400)
     finally:
