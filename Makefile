@@ -106,6 +106,7 @@ bench-memphase: install-bench
 
 bench-packing: install-bench
 	$(PY) benchmarks/bench_packing.py
+	$(PY) benchmarks/bench_context_parallel.py
 
 bench-padding: bench-packing  # the old name (README)
 

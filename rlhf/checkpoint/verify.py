@@ -228,8 +228,8 @@ def replica_problem(role: str, model: torch.nn.Module | None, dp_group: dist.Pro
 
 def check_replicas(roles: dict[str, tuple[torch.nn.Module | None, Any]]) -> None:
     """Collective over the world: CheckpointError (on every rank) if any role's replicas differ; `roles` maps
-    a role to its model and process groups (`dp`, `expt_dp`), both None on ranks outside its mesh."""
-    problems = [replica_problem(role, model, pgs.dp, pgs.expt_dp) if pgs is not None else None
+    a role to its model and process groups (`dp_cp`, `expt_dp`), both None on ranks outside its mesh."""
+    problems = [replica_problem(role, model, pgs.dp_cp, pgs.expt_dp) if pgs is not None else None
                 for role, (model, pgs) in roles.items()]  # every role: its checks are collectives
     problem = agree(next((p for p in problems if p), None))
     if problem:

@@ -21,6 +21,9 @@ from rlhf.platform.compat import megatron as megatron_compat
 from rlhf.platform.packed_attention import packed_seq_params
 
 LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict]]
+# (output_sx, labels_s, wanted_s) -> per-token outputs [s, k] (any leading dims): the model output reduced to
+# what the loss reads, token by token, so that at cp > 1 only those few numbers cross the cp ranks
+TokenFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -98,8 +101,16 @@ def routed_tokens(micro_batch: Any) -> int:
     return micro_batch.tokens_bs.numel() if padding is None else int((~padding).sum())
 
 
-def _forward_step(loss_fn: LossFn, num_micro_batches: int, pg_collection: Any, data_iterator: Any,
-                  model: Any) -> tuple:
+def _wanted_bs(micro_batch: Any) -> torch.Tensor:
+    """True at the positions of a padded micro-batch predicting a real response token."""
+    rows_n, positions_n = micro_batch.response_index()
+    wanted = torch.zeros_like(micro_batch.tokens_bs, dtype=torch.bool)
+    wanted[rows_n, positions_n] = True
+    return wanted
+
+
+def _forward_step(loss_fn: LossFn, num_micro_batches: int, pg_collection: Any, token_fn: TokenFn | None,
+                  data_iterator: Any, model: Any) -> tuple:
     micro_batch = next(data_iterator)
     tokens_bs = micro_batch.tokens_bs
     positions_bs = getattr(micro_batch, "position_ids_bs", None)
@@ -110,7 +121,6 @@ def _forward_step(loss_fn: LossFn, num_micro_batches: int, pg_collection: Any, d
     if packed:  # THD: attention and RoPE restart at every cu_seqlens boundary
         inputs["packed_seq_params"] = packed_seq_params(micro_batch.cu_seqlens_n, micro_batch.max_seqlen,
                                                          pg_collection.cp)
-        positions_bs = micro_batch.position_ids_1t
     replay = getattr(getattr(model, "module", model), "rlhf_routing_replay", None)
     if replay is not None:  # routing replay (rlhf.models.routing_replay): this micro-batch's experts
         replay.begin(micro_batch)
@@ -119,17 +129,25 @@ def _forward_step(loss_fn: LossFn, num_micro_batches: int, pg_collection: Any, d
 
     def loss(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict]:
         if packed:  # the loss reads the rows as a padded forward gives them
+            if token_fn is not None:  # per-token outputs on this cp rank's tokens, then the whole pack's
+                output_tensor = micro_batch.gather_cp(
+                    token_fn(output_tensor, micro_batch.labels_bs, micro_batch.wanted_bs), pg_collection.cp)
+            assert micro_batch.local_index_l is None or token_fn is not None, "cp needs a token_fn"
             value, metrics = loss_fn(micro_batch.unpack(output_tensor), micro_batch.rows)
         else:
+            if token_fn is not None:
+                output_tensor = token_fn(output_tensor, torch.roll(tokens_bs, shifts=-1, dims=1),
+                                         _wanted_bs(micro_batch))
             value, metrics = loss_fn(output_tensor, micro_batch)
-        # megatron divides each micro-batch loss by the micro-batch count; undo it: loss_fn decides scaling
-        return value * num_micro_batches, metrics
+        # megatron divides each micro-batch loss by the micro-batch count and multiplies it by cp (its losses
+        # are local-token means); undo both: loss_fn decides scaling, and every cp rank computes the whole loss
+        return value * num_micro_batches / pg_collection.cp.size(), metrics
 
     return output, loss
 
 
 def forward_backward(model: Any, micro_batches: list, loss_fn: LossFn, pg_collection: Any, *,
-                     forward_only: bool = False) -> list[dict]:
+                     forward_only: bool = False, token_fn: TokenFn | None = None) -> list[dict]:
     """Run `micro_batches` through megatron's schedule (1F1B when pp > 1); returns loss_fn's metrics dicts.
 
     Each micro-batch has `tokens_bs` and optionally `position_ids_bs` and `attention_mask_b1ss` (True =
@@ -137,7 +155,9 @@ def forward_backward(model: Any, micro_batches: list, loss_fn: LossFn, pg_collec
     with the output unpacked to their layout); with pp > 1 all share one shape. `forward_only` runs
     without grad. `loss_fn(output, micro_batch) -> (loss, metrics)` runs on the last stage, `output` being this rank's
     vocab shard of the logits [b, s, v/tp] (or values [b, s, 1]); gradients accumulate into `.grad`
-    (or `.main_grad` under megatron DDP) with `loss` taken as-is. Other stages get an empty list.
+    (or `.main_grad` under megatron DDP) with `loss` taken as-is. Other stages get an empty list. With
+    `token_fn`, `loss_fn` reads `token_fn(output, labels, wanted)` `[b, s, k]` instead of the output (required
+    at cp > 1, where it runs on this cp rank's tokens and is gathered over `pg_collection.cp`).
     """
     megatron_compat.apply()
     pp = pg_collection.pp.size()
@@ -149,7 +169,8 @@ def forward_backward(model: Any, micro_batches: list, loss_fn: LossFn, pg_collec
     p2p = P2PCommunicator(pp_group=pg_collection.pp, config=model.config) if pp > 1 else None
     extra = {"p2p_communicator": p2p} if p2p is not None else {}
     with torch.no_grad() if forward_only else contextlib.nullcontext():
-        return schedule(forward_step_func=partial(_forward_step, loss_fn, len(micro_batches), pg_collection),
+        return schedule(forward_step_func=partial(_forward_step, loss_fn, len(micro_batches), pg_collection,
+                                                  token_fn),
                         data_iterator=iter(micro_batches), model=[model], num_microbatches=len(micro_batches),
                         seq_length=seq_length, micro_batch_size=batch_size, forward_only=forward_only,
                         pg_collection=pg_collection, **extra)

@@ -88,13 +88,13 @@ def export_hf(model: Any, out_dir: str, *, tokenizer_dir: str | None = None, dty
     groups = model.pg_collection
     tp_group, pp_group = groups.tp, groups.pp
     dtype = dtype or next(model.parameters()).dtype
-    is_writer = tp_group.rank() == 0 and groups.dp.rank() == 0
+    is_writer = tp_group.rank() == 0 and groups.dp_cp.rank() == 0  # replicas: dp x cp
     is_expert_writer = tp_group.rank() == 0 and groups.expt_dp.rank() == 0
     staging = out_dir.rstrip("/") + ".partial"
     if is_writer and pp_group.rank() == 0 and os.path.exists(staging):
         shutil.rmtree(staging)
     dist.barrier(group=groups.mp)  # these two barriers: every rank of the layout has checked `out_dir`
-    dist.barrier(group=groups.dp)  # (and the stale staging folder is gone) before anyone writes
+    dist.barrier(group=groups.dp_cp)  # (and the stale staging folder is gone) before anyone writes
     ep_part = f"-ep{groups.ep.rank():03d}" if groups.ep.size() > 1 else ""
     writer = _ShardWriter(staging, f"model-stage{pp_group.rank():03d}{ep_part}", max_shard_bytes)
     if is_writer or is_expert_writer:
@@ -117,4 +117,4 @@ def export_hf(model: Any, out_dir: str, *, tokenizer_dir: str | None = None, dty
                        {k: v for m in maps for k, v in m.items()}, tokenizer_dir)
         os.rename(staging, out_dir)
     dist.barrier(group=groups.mp)  # the folder is in place for every rank of the layout, other dp replicas too
-    dist.barrier(group=groups.dp)
+    dist.barrier(group=groups.dp_cp)

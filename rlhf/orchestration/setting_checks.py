@@ -1,6 +1,6 @@
 """Preflight checks of settings that run but cannot mean anything, or do not run where a run asks for them yet:
-algorithms the step does not feed, multi-turn beyond what is tested, context parallelism (laid out, not yet in
-the forwards), a metrics endpoint that cannot bind. Each
+algorithms the step does not feed, multi-turn beyond what is tested, context parallelism off its packed path, a
+metrics endpoint that cannot bind. Each
 raises one ConfigError naming the setting and the fix (`preflight` collects them)."""
 
 from __future__ import annotations
@@ -55,12 +55,27 @@ def check_optimal_token_baseline(cfg: RlhfConfig) -> None:
 
 
 def check_context_parallel(cfg: RlhfConfig) -> None:
-    """cp > 1 plans (process groups, `rlhf plan`'s memory table) but no forward splits sequences yet."""
+    """cp > 1 splits the packed (THD) forwards of the actor, critic, ref and reward model: it needs their token
+    budgets set (row-count micro-batches are not sharded) and pp = 1; the teachers do not shard. (MoE with cp is
+    refused when the model is built: `ModelRole`.)"""
+    budgets = {"actor": [("actor.max_tokens_per_microbatch", cfg.actor.max_tokens_per_microbatch)],
+               "critic": [("critic.max_tokens_per_microbatch", cfg.critic.max_tokens_per_microbatch)],
+               "ref": [("ref.max_tokens_per_microbatch", cfg.ref.max_tokens_per_microbatch)],
+               "reward": [("reward.model_max_tokens_per_microbatch", cfg.reward.model_max_tokens_per_microbatch)]}
     for role in ROLES:
-        cp = getattr(cfg.mesh, role).cp
-        if cp > 1:
-            raise ConfigError(f"mesh.{role}.cp={cp}: context parallelism is laid out (process groups, rlhf plan) but "
-                              f"no forward splits sequences yet; set mesh.{role}.cp=1")
+        layout = getattr(cfg.mesh, role)
+        if layout.cp == 1 or role == "rollout":  # the rollout's cp is refused with its layout
+            continue
+        if role not in budgets:
+            raise ConfigError(f"mesh.{role}.cp={layout.cp}: the {role} forwards do not split sequences; set "
+                              f"mesh.{role}.cp=1")
+        if layout.pp > 1:
+            raise ConfigError(f"mesh.{role}.cp={layout.cp} with mesh.{role}.pp={layout.pp}: context parallelism "
+                              f"runs without a pipeline; set mesh.{role}.pp=1 or mesh.{role}.cp=1")
+        for key, budget in budgets[role]:
+            if not budget:
+                raise ConfigError(f"mesh.{role}.cp={layout.cp} shards packed micro-batches only, but {key}=0 (row "
+                                  f"counts); set {key} to a token budget or mesh.{role}.cp=1")
 
 
 def check_lora(cfg: RlhfConfig) -> None:

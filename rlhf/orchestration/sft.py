@@ -40,7 +40,8 @@ def sft_run_config(cfg: RlhfConfig) -> RlhfConfig:
     do not apply), `sft.batch_size` records per step, `sft.steps` steps, one sample a row."""
     sft = cfg.sft
     return dataclasses.replace(
-        cfg, mesh=dataclasses.replace(cfg.mesh, placement="colocated", roles=None, rollout=cfg.mesh.actor),
+        cfg, mesh=dataclasses.replace(cfg.mesh, placement="colocated", roles=None,  # engines do not split sequences
+                                      rollout=dataclasses.replace(cfg.mesh.actor, cp=1)),
         algo=AlgoConfig(advantage=AdvantageConfig(kind=AdvantageKind.REINFORCE_PP)),
         reward=dataclasses.replace(cfg.reward, model_path=""),
         data=dataclasses.replace(cfg.data, prompts_per_step=sft.batch_size),

@@ -22,11 +22,11 @@ from rlhf.stages.batch import RolloutBatch
 
 
 def is_contributor(layout: ParallelLayout, rank: int) -> bool:
-    """The rank that speaks for its replica: tp_rank 0 on the last pipeline stage."""
+    """The rank that speaks for its replica: tp_rank 0 and cp_rank 0 on the last pipeline stage."""
     if not layout.contains(rank):
         return False
     coords = layout.coords(rank)
-    return coords.tp_rank == 0 and coords.pp_rank == layout.pp - 1
+    return coords.tp_rank == 0 and coords.cp_rank == 0 and coords.pp_rank == layout.pp - 1
 
 
 def _pad_to(tensor: torch.Tensor, width: int, value) -> torch.Tensor:

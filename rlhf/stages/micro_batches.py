@@ -103,8 +103,12 @@ def pack_plan(lengths_b: torch.Tensor, parts: int, budget: int, key: str) -> lis
 
 def packed_micro_batches(shard: SequenceBatch, bins: list[list[int]], pgs: Any) -> list[PackedMicroBatch]:
     """The rows of each bin of `shard` packed into one micro-batch; with pp > 1 (`pgs.pp`) all filled up to one
-    length (the schedule needs one shape), at ep > 1 (`pgs.ep`) to the longest of the expert-parallel peers'."""
+    length (the schedule needs one shape), at ep > 1 (`pgs.ep`) to the longest of the expert-parallel peers'. At cp > 1
+    (`pgs.cp`; pp = ep = 1, preflight) each cp rank holds its share of every sequence (`packing.pack`)."""
     micro = [shard.select(torch.tensor(rows, dtype=torch.int64)).trimmed() for rows in bins]
+    if pgs.cp.size() > 1:
+        assert pgs.pp.size() == 1 and pgs.ep.size() == 1, "cp with pp/ep is refused by preflight"
+        return [pack(rows, cp_group=pgs.cp) for rows in micro]
     lengths = [int(row_lengths(rows).sum()) for rows in micro]
     if pgs.pp.size() > 1:
         lengths = [max(lengths)] * len(lengths)

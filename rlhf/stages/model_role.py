@@ -15,9 +15,10 @@ import torch
 from transformers import AutoConfig
 
 from rlhf.algo.aggregation import GlobalCounts
+from rlhf.errors import ConfigError
 from rlhf.parallel.meshes import RoleMesh
 from rlhf.models.builder import build_gpt
-from rlhf.models.forward import forward_backward
+from rlhf.models.forward import TokenFn, forward_backward
 from rlhf.models.hf_load import load_hf_weights
 from rlhf.models.config import LoraConfig
 from rlhf.models.lora import (adapter_dtype, adapters_disabled, apply_lora, base_identity, check_same_base,
@@ -32,11 +33,6 @@ from rlhf.stages.config import UpdateConfig
 from rlhf.stages.exchange import gather_rows, is_contributor
 from rlhf.stages.micro_batches import (balanced_order, by_length, micro_batches, pack_plan, packed_micro_batches,
                                        row_lengths)
-
-
-def labels_bs(batch: SequenceBatch) -> torch.Tensor:
-    """The token each position predicts (the last position's label is never read)."""
-    return torch.roll(batch.tokens_bs, shifts=-1, dims=1)
 
 
 class ModelRole:
@@ -76,7 +72,11 @@ class ModelRole:
             self.model = base_of.model
             return
         model = build_gpt(hf_config, mesh.pgs, value_head=value_head, recompute=recompute, seed=seed,
-                          params_dtype=params_dtype, moe_kwargs=moe_kwargs, transformer_engine=lora is None)
+                          params_dtype=params_dtype, moe_kwargs=moe_kwargs,
+                          transformer_engine=lora is None and mesh.layout.cp == 1)  # cp: rlhf's own core
+        if mesh.layout.cp > 1 and model.config.num_moe_experts:
+            raise ConfigError(f"the {name} role's model has {model.config.num_moe_experts} experts: context "
+                              f"parallelism (cp={mesh.layout.cp}) runs on dense models only; set its mesh cp=1")
         load_hf_weights(model, hf_path)
         if lora is not None:
             apply_lora(model, lora, dtype=adapter_dtype(lora))
@@ -125,9 +125,9 @@ class ModelRole:
             self._parked = None
 
     def _forward(self, batch: SequenceBatch, fn: Callable[[torch.Tensor, SequenceBatch], torch.Tensor],
-                 record_routing: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """`fn(output, micro_batch) -> [b, T]` over this rank's DP shard, gathered to the whole batch `[B, T]`;
-        with `record_routing` also the forward's own experts `[B, S, L, k]` (routing replay R2, pp=1)."""
+                 token_fn: TokenFn, record_routing: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`fn(token_fn(output, ...) [b, s, k], micro_batch) -> [b, T]` over this rank's DP shard, gathered to the
+        whole batch `[B, T]`; with `record_routing` also the forward's own experts `[B, S, L, k]` (R2, pp=1)."""
         if self._parked is not None:
             raise RuntimeError(f"the {self.name} model is offloaded; call reload() before using it")
         local: dict[str, torch.Tensor] | None = None
@@ -150,9 +150,10 @@ class ModelRole:
 
             with torch.no_grad(), adapters_disabled(self.model) if self.adapters_off else contextlib.nullcontext():
                 if self.engine is not None:
-                    outputs = self.engine.forward_only(micro, step)
+                    outputs = self.engine.forward_only(micro, step, token_fn)
                 else:
-                    outputs = forward_backward(self.model, micro, step, self.mesh.pgs, forward_only=True)
+                    outputs = forward_backward(self.model, micro, step, self.mesh.pgs, forward_only=True,
+                                               token_fn=token_fn)
             if is_contributor(self.mesh.layout, torch.distributed.get_rank()):
                 unsort = torch.argsort(order)
                 local = {key: torch.cat([o[key] for o in outputs])[unsort].cpu()  # the batch lives on the host
@@ -174,6 +175,9 @@ class ModelRole:
         """(row order, micro-batches) of this rank's DP shard of `balanced` (rows in `balanced_order`): packed by
         the token `budget` (value, config key) when set, else `size` rows sorted by length."""
         shard = balanced.shard(self.dp_rank, self.dp_size).to(current_device())
+        if self.mesh.layout.cp > 1 and not budget[0]:
+            raise ConfigError(f"the {self.name} role runs at cp={self.mesh.layout.cp}, which shards packed "
+                              f"micro-batches only; set {budget[1] or 'its token budget'} > 0")
         if budget[0]:
             bins = pack_plan(row_lengths(balanced).cpu(), self.dp_size, *budget)[self.dp_rank]
             order = torch.tensor([row for rows in bins for row in rows], dtype=torch.int64)
@@ -182,7 +186,7 @@ class ModelRole:
         return order, self._micro_batches(shard.select(order), size, ragged=ragged)
 
     def _train(self, batch: SequenceBatch, loss_fn: Callable[[torch.Tensor, SequenceBatch, GlobalCounts], tuple],
-               prefix: str) -> dict[str, float]:
+               prefix: str, token_fn: TokenFn) -> dict[str, float]:
         """Epochs x mini-batches of optimizer steps; returns this rank's metric sums (contributors only), with
         the routing of the update's forwards (`<prefix>moe/...`, the role's global values) for an MoE model."""
         cfg = self.update_config
@@ -194,7 +198,7 @@ class ModelRole:
         with RoutingRecorder(self.engine.module, keep_experts=False) as routing:
             for _ in range(cfg.epochs):
                 for mini in batch.chunks(batch.size // cfg.mini_batches):
-                    result = self._train_mini_batch(mini, loss_fn)
+                    result = self._train_mini_batch(mini, loss_fn, token_fn)
                     num_steps += 1
                     if contributor:
                         for metrics in result.metrics:
@@ -213,8 +217,10 @@ class ModelRole:
         return out | routing_metrics if contributor else {}
 
     def _train_mini_batch(self, mini: SequenceBatch,
-                          loss_fn: Callable[[torch.Tensor, SequenceBatch, GlobalCounts], tuple]) -> StepResult:
-        """One optimizer step on this rank's DP shard of `mini`."""
+                          loss_fn: Callable[[torch.Tensor, SequenceBatch, GlobalCounts], tuple],
+                          token_fn: TokenFn) -> StepResult:
+        """One optimizer step on this rank's DP shard of `mini`. At cp > 1 the cp ranks of a DP rank share its
+        rows, so the counts are over DP alone; each computes the same loss and DDP sums gradients over dp x cp."""
         balanced = mini.select(balanced_order(row_lengths(mini).cpu(), self.dp_size))
         shard = balanced.shard(self.dp_rank, self.dp_size)
         counts = GlobalCounts.of(shard.response_mask_bt.to(current_device()), group=self.mesh.pgs.dp)
@@ -222,7 +228,7 @@ class ModelRole:
         cfg = self.update_config
         _, micro = self._split(balanced, (cfg.max_tokens_per_microbatch, f"{self.name}.max_tokens_per_microbatch"),
                                cfg.micro_batch_size)
-        return self.engine.train_step(micro, lambda out, mb: loss_fn(out, mb, counts))
+        return self.engine.train_step(micro, lambda out, mb: loss_fn(out, mb, counts), token_fn)
 
     def state_dict(self) -> dict[str, Any]:
         if self.engine is None:

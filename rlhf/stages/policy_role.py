@@ -10,12 +10,12 @@ import torch
 from rlhf.algo.actor_loss import ActorLossInputs, actor_loss
 from rlhf.algo.aggregation import GlobalCounts
 from rlhf.errors import ConfigError
-from rlhf.models.forward import token_entropy, token_logprobs
+from rlhf.models.forward import TokenFn, token_entropy, token_logprobs
 from rlhf.models.lm_head import LMHead, head_logprobs, head_sum_pi_squared, hidden_output
 from rlhf.models.routing_replay import RoutingReplay
-from rlhf.stages.batch import RolloutBatch, ScoredBatch, SequenceBatch, gather_response, scatter_response
+from rlhf.stages.batch import RolloutBatch, ScoredBatch, SequenceBatch, gather_response
 from rlhf.stages.config import AlgoConfig
-from rlhf.stages.model_role import ModelRole, labels_bs
+from rlhf.stages.model_role import ModelRole
 
 
 class PolicyRole(ModelRole):
@@ -46,21 +46,31 @@ class PolicyRole(ModelRole):
     def _output_mode(self) -> contextlib.AbstractContextManager:
         return hidden_output(self.model) if self.fused_head and self.model is not None else contextlib.nullcontext()
 
-    def _token_stats(self, output: torch.Tensor, mb: SequenceBatch, *,
-                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logprobs_bt, entropy_bt) of the response tokens from the model output (hidden states or logits)."""
-        if self.fused_head:
-            rows_n, positions_n = mb.response_index()
-            labels_n = mb.tokens_bs[rows_n, positions_n + 1]
+    def _token_fn(self, *, entropy_grad: bool = False, sum_pi_squared: bool = False) -> TokenFn:
+        """(output, labels, wanted) -> [.., 2] logprob and entropy per position (+ sum_v pi(v)^2: [.., 3]); fused
+        head: on the `wanted` (response-predicting) positions only, 0 elsewhere; any leading dims (`forward`)."""
+        def fn(output_sx: torch.Tensor, labels_s: torch.Tensor, wanted_s: torch.Tensor) -> torch.Tensor:
+            if not self.fused_head:
+                logp_s = token_logprobs(output_sx, labels_s, self.tp_group, self.vocab_size, self.temperature)
+                with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+                    entropy_s = token_entropy(output_sx if entropy_grad else output_sx.detach(), self.tp_group,
+                                              self.vocab_size, self.temperature)
+                return torch.stack([logp_s, entropy_s], dim=-1)
             head = LMHead.of(self.model, self.tp_group, self.vocab_size)
-            logp_n, entropy_n = head_logprobs(output[rows_n, positions_n], labels_n, head,
-                                              temperature=self.temperature, entropy_grad=entropy_grad)
-            return scatter_response(logp_n, mb), scatter_response(entropy_n, mb)
-        logp_bs = token_logprobs(output, labels_bs(mb), self.tp_group, self.vocab_size, self.temperature)
-        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
-            entropy_bs = token_entropy(output if entropy_grad else output.detach(), self.tp_group, self.vocab_size,
-                                       self.temperature)
-        return gather_response(logp_bs, mb), gather_response(entropy_bs, mb)
+            hidden_nh = output_sx[wanted_s]
+            columns = list(head_logprobs(hidden_nh, labels_s[wanted_s], head, temperature=self.temperature,
+                                         entropy_grad=entropy_grad))
+            if sum_pi_squared:
+                columns.append(head_sum_pi_squared(hidden_nh, head, temperature=self.temperature))
+            stats_nk = torch.stack(columns, dim=-1)
+            return stats_nk.new_zeros((*wanted_s.shape, stats_nk.shape[-1])).index_put((wanted_s,), stats_nk)
+
+        return fn
+
+    @staticmethod
+    def _token_stats(stats_bsk: torch.Tensor, mb: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs_bt, entropy_bt) of the response tokens from `_token_fn`'s per-position outputs."""
+        return gather_response(stats_bsk[..., 0], mb), gather_response(stats_bsk[..., 1], mb)
 
     def logprobs(self, batch: RolloutBatch, *, with_sum_pi_squared: bool = False) -> torch.Tensor:
         """Token logprobs `[B, T]` (`with_sum_pi_squared`, fused head only: `[B, T, 2]`, the second the position's
@@ -69,17 +79,11 @@ class PolicyRole(ModelRole):
         the actor routes freely and keeps its routing in `recorded_routing_bslk` for the update to replay."""
         assert self.fused_head or not with_sum_pi_squared, "sum_pi_squared needs the fused head (preflight)"
 
-        def fn(output: torch.Tensor, mb: SequenceBatch) -> torch.Tensor:
-            if not self.fused_head:
-                return gather_response(token_logprobs(output, labels_bs(mb), self.tp_group, self.vocab_size,
-                                                      self.temperature), mb)
-            logp_bt = self._token_stats(output, mb)[0]
+        def fn(stats_bsk: torch.Tensor, mb: SequenceBatch) -> torch.Tensor:
+            logp_bt = gather_response(stats_bsk[..., 0], mb)
             if not with_sum_pi_squared:
                 return logp_bt
-            rows_n, positions_n = mb.response_index()
-            head = LMHead.of(self.model, self.tp_group, self.vocab_size)
-            squared_n = head_sum_pi_squared(output[rows_n, positions_n], head, temperature=self.temperature)
-            return torch.stack([logp_bt, scatter_response(squared_n, mb)], dim=-1)
+            return torch.stack([logp_bt, gather_response(stats_bsk[..., 2], mb)], dim=-1)
 
         replay = self.routing_replay
         if replay is not None:
@@ -87,7 +91,8 @@ class PolicyRole(ModelRole):
             replay.record = self.records_routing
         source = dataclasses.replace(batch, routed_experts_bslk=None) if self.records_routing else batch
         with self._output_mode():
-            result = self._forward(source, fn, record_routing=self.records_routing)
+            result = self._forward(source, fn, self._token_fn(sum_pi_squared=with_sum_pi_squared),
+                                   record_routing=self.records_routing)
         if self.records_routing:
             result, self.recorded_routing_bslk = result
         self.routing_metrics = {}
@@ -103,7 +108,7 @@ class PolicyRole(ModelRole):
         entropy_grad = algo.policy_loss.entropy_coef > 0
 
         def loss_fn(output: torch.Tensor, mb: ScoredBatch, counts: GlobalCounts) -> tuple:
-            logp_bt, entropy_bt = self._token_stats(output, mb, entropy_grad=entropy_grad)
+            logp_bt, entropy_bt = self._token_stats(output, mb)
             old_bt = mb.old_logprobs_bt if mb.old_logprobs_bt is not None else logp_bt.detach()  # on-policy
             inputs = ActorLossInputs(logprobs_bt=logp_bt, old_logprobs_bt=old_bt,
                                      advantages_bt=mb.advantages_bt, response_mask_bt=mb.response_mask_bt,
@@ -116,7 +121,7 @@ class PolicyRole(ModelRole):
         # rejected tokens / filtered rows leave the loss and its counts
         batch = dataclasses.replace(batch, response_mask_bt=batch.loss_mask_bt)
         with self._output_mode():
-            out = self._train(batch, loss_fn, "actor/")
+            out = self._train(batch, loss_fn, "actor/", self._token_fn(entropy_grad=entropy_grad))
         if self.routing_replay is not None:
             self.routing_replay.clear()
         if out and use_kl_loss:
@@ -132,4 +137,4 @@ class PolicyRole(ModelRole):
             return loss, {"sft/loss": float(loss.detach())}
 
         with self._output_mode():
-            return self._train(batch, loss_fn, "actor/")
+            return self._train(batch, loss_fn, "actor/", self._token_fn())

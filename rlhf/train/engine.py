@@ -4,7 +4,9 @@ Loss contract: `loss_fn(output, micro_batch) -> (loss, metrics)` and gradients a
 on every micro-batch and every DP rank). Nothing is averaged: not over micro-batches (the schedule's 1/M is
 undone), not over DP (the model's `calculate_per_token_loss` is set, so megatron DDP sums grads across DP
 instead of pre-scaling them by 1/dp). A loss normalised by the GLOBAL token count therefore gives the same
-gradient for any DP size and micro-batching; a per-micro-batch mean must be divided by the caller. MoE
+gradient for any DP size and micro-batching; a per-micro-batch mean must be divided by the caller. At cp > 1
+every cp rank computes its DP rank's whole loss from gathered per-token outputs, back-propagates through its own
+tokens only, and DDP sums grads over dp x cp (`pg_collection.dp_cp`). MoE
 router losses (megatron's, added inside the forward) enter as their token-weighted mean over the whole step.
 """
 
@@ -22,7 +24,7 @@ from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from rlhf.errors import NonFiniteError
-from rlhf.models.forward import LossFn, forward_backward, routed_tokens
+from rlhf.models.forward import LossFn, TokenFn, forward_backward, routed_tokens
 from rlhf.checkpoint.verify import check_trained_folder
 from rlhf.models.hf_load import HfFolder
 from rlhf.models.routing import has_router_losses
@@ -75,16 +77,17 @@ class TrainEngine:
         """The learning rate the next step will use."""
         return self.optimizer.param_groups[0]["lr"]
 
-    def forward_only(self, micro_batches: list, fn: ForwardFn) -> list[dict]:
+    def forward_only(self, micro_batches: list, fn: ForwardFn, token_fn: TokenFn | None = None) -> list[dict]:
         """`fn(output, micro_batch) -> (unused_scalar, outputs)` per micro-batch, no grad; last pp stage only.
 
         Other pipeline stages return an empty list (the caller broadcasts what it needs).
         """
         self._check_loaded()
         with torch.no_grad():
-            return forward_backward(self.model, micro_batches, fn, self.pg_collection, forward_only=True)
+            return forward_backward(self.model, micro_batches, fn, self.pg_collection, forward_only=True,
+                                    token_fn=token_fn)
 
-    def train_step(self, micro_batches: list, loss_fn: LossFn) -> StepResult:
+    def train_step(self, micro_batches: list, loss_fn: LossFn, token_fn: TokenFn | None = None) -> StepResult:
         """Zero grads, fwd+bwd over `micro_batches`, reduce over DP, check finiteness, clip, step, schedule."""
         self._check_loaded()
         # training mode: a colocated engine sharing these parameters puts the model in eval mode, which turns
@@ -100,7 +103,8 @@ class TrainEngine:
             return value, metrics
 
         with self._router_losses(micro_batches):
-            metrics = forward_backward(self.model, micro_batches, recording_loss, self.pg_collection)
+            metrics = forward_backward(self.model, micro_batches, recording_loss, self.pg_collection,
+                                       token_fn=token_fn)
         finalize_model_grads([self.model], None, pg_collection=self.pg_collection)
         loss = self._global_loss(losses)
         self.optimizer.prepare_grads()

@@ -103,7 +103,7 @@ def _length(slots: dict[int, _Slot], param: torch.Tensor) -> int:
 
 
 def _dp_group(groups: Any, spec: Any) -> dist.ProcessGroup:
-    return groups.expt_dp if spec.expert is not None else groups.dp
+    return groups.expt_dp if spec.expert is not None else groups.dp_cp  # the distributed optimizer's shards
 
 
 def trained_pairs(model: torch.nn.Module) -> list[tuple[ParamSpec, torch.nn.Parameter]]:
@@ -122,7 +122,7 @@ def checkpoint_tensors(model: torch.nn.Module, optimizer: MegatronOptimizer) -> 
     sharded = any(isinstance(part, DistributedOptimizer) for part in _parts(optimizer))
     lengths = {}
     if sharded:
-        lengths = {"dense": _piece_lengths(pairs, slots, groups.dp)}
+        lengths = {"dense": _piece_lengths(pairs, slots, groups.dp_cp)}
         if any(spec.expert is not None for spec, _ in pairs):
             lengths["expert"] = _piece_lengths(pairs, slots, groups.expt_dp)
     out: Tensors = {kind: {} for kind in ("model", *kinds)}

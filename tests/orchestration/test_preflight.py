@@ -40,7 +40,7 @@ def test_roles_that_differ_from_the_run_are_a_config_error(overrides, message):
 
 
 
-def test_context_parallel_plans_but_does_not_train_yet():
+def test_context_parallel_plans_and_trains_packed_micro_batches_only():
     from rlhf.orchestration.setting_checks import check_context_parallel
     from rlhf.parallel.meshes import plan_meshes
 
@@ -48,8 +48,10 @@ def test_context_parallel_plans_but_does_not_train_yet():
     assert plan_meshes(mesh_config(cfg), 4)["actor"].describe() == "tp1 x cp2 x dp2 x pp1 on ranks 0..3"
     with pytest.raises(ConfigError) as error:
         check_context_parallel(cfg)
-    assert str(error.value) == ("mesh.actor.cp=2: context parallelism is laid out (process groups, rlhf plan) but no "
-                                "forward splits sequences yet; set mesh.actor.cp=1")
+    assert str(error.value) == ("mesh.actor.cp=2 shards packed micro-batches only, but actor.max_tokens_per_microbatch"
+                                "=0 (row counts); set actor.max_tokens_per_microbatch to a token budget or "
+                                "mesh.actor.cp=1")
+    check_context_parallel(_config("mesh.actor.cp=2", "actor.max_tokens_per_microbatch=64"))
     with pytest.raises(ConfigError) as error:
         plan_meshes(mesh_config(_config("mesh.rollout.cp=2")), 4)
     assert str(error.value) == ("mesh.rollout.cp=2: rollout engines do not split sequences; set mesh.rollout.cp=1 (cp "

@@ -97,11 +97,12 @@ def _grads(role) -> dict[str, torch.Tensor]:
             if getattr(param, "main_grad", None) is not None}
 
 
-def _roles(paths: dict, cache, layout, budget: int, modes) -> dict:
+def _roles(paths: dict, cache, layout, budget: int, modes, clip_grad: float = 1.0) -> dict:
     """Actor logprobs, entropy, SFT and RL updates (losses and grads per aggregation mode); critic values and
     update; reward-model scores. lr ~0, so one role serves every update."""
     mesh = RoleMesh("actor", layout, build_layout_groups(layout, cache))
-    update = UpdateConfig(micro_batch_size=2, max_tokens_per_microbatch=budget, optim=OptimConfig(lr=1e-12))
+    update = UpdateConfig(micro_batch_size=2, max_tokens_per_microbatch=budget,
+                          optim=OptimConfig(lr=1e-12, clip_grad=clip_grad))
     actor = PolicyRole("actor", mesh, paths["model"], total_steps=1, update=update)
     critic = CriticRole("critic", mesh, paths["model"], total_steps=1, update=update, value_head=True)
     reward = RewardModelRole("reward", mesh, paths["model"], update=None, total_steps=0, micro_batch_size=2,
@@ -109,7 +110,7 @@ def _roles(paths: dict, cache, layout, budget: int, modes) -> dict:
     batch = fixed_batch()
     out = {"logprobs": actor.logprobs(batch), "values": critic.values(batch), "scores": reward.scores(batch)}
     with actor._output_mode():
-        out["entropy"] = actor._forward(batch, lambda output, mb: actor._token_stats(output, mb)[1])
+        out["entropy"] = actor._forward(batch, lambda stats, mb: actor._token_stats(stats, mb)[1], actor._token_fn())
     if mesh.is_member:
         out["packed"] = all(isinstance(mb, PackedMicroBatch) == bool(budget)
                             for mb in actor._split(batch, (budget, "k"), 2)[1])

@@ -1,0 +1,269 @@
+"""Context parallelism: the chunk layout, and CP=2 = CP=1 on every role forward and update of packed micro-batches
+(logprobs from the fused head with sum pi^2 and from full logits, entropy, values, scores, losses in every
+aggregation mode, gradients), with a sequence of length 1 and one shorter than 2·cp chunks in the batch; the
+one-line ConfigErrors of settings cp cannot run."""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "orchestration"))
+sys.path.insert(0, str(Path(__file__).parent))
+from fixtures import make_tiny_setup, trainer_config  # noqa: E402
+from test_packing import BUDGET, MODES, _roles  # noqa: E402
+from test_roles import fixed_batch  # noqa: E402
+
+from rlhf.errors import ConfigError  # noqa: E402
+from rlhf.models.packing import pack  # noqa: E402
+from rlhf.orchestration.preflight import preflight  # noqa: E402
+from rlhf.platform.context_parallel import global_order, local_positions, padded_length  # noqa: E402
+from rlhf.parallel.groups import GroupCache  # noqa: E402
+from rlhf.parallel.layout import ParallelLayout  # noqa: E402
+from rlhf.testing.distributed import run_distributed  # noqa: E402
+
+
+def short_batch():
+    """`fixed_batch` with row 0 one token long (a prompt token, no response) and row 3 three (< 2·cp chunks)."""
+    batch = fixed_batch()
+    prompt_b, response_b = batch.prompt_lengths_b.clone(), batch.response_lengths_b.clone()
+    prompt_b[0], response_b[0] = 1, 0
+    prompt_b[3], response_b[3] = 2, 1
+    mask = torch.arange(batch.response_mask_bt.shape[1])[None, :] < response_b[:, None]
+    return dataclasses.replace(batch, prompt_lengths_b=prompt_b, response_lengths_b=response_b,
+                               response_mask_bt=mask, loss_mask_bt=mask, advantages_bt=batch.advantages_bt * mask,
+                               old_logprobs_bt=batch.old_logprobs_bt * mask)
+
+
+def test_each_cp_rank_holds_chunks_i_and_2cp_minus_1_minus_i():
+    cu = torch.tensor([0, 4, 12], dtype=torch.int32)  # lengths 4 and 8 at cp=2: chunks of 1 and 2 tokens
+    assert local_positions(cu, 2, 0).tolist() == [0, 3, 4, 5, 10, 11]
+    assert local_positions(cu, 2, 1).tolist() == [1, 2, 6, 7, 8, 9]
+    gathered = torch.cat([local_positions(cu, 2, 0), local_positions(cu, 2, 1)])
+    assert gathered[global_order(cu, 2)].tolist() == list(range(12))
+    assert [padded_length(n, 2) for n in (1, 3, 4, 5)] == [4, 4, 4, 8]
+
+
+class _FakeGroup:
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def test_cp_pack_pads_each_sequence_and_keeps_the_rows():
+    rows = short_batch().trimmed()
+    packed = pack(rows, cp_group=_FakeGroup(2, 1))
+    lengths = (rows.prompt_lengths_b + rows.response_lengths_b).tolist()
+    spans = [padded_length(n, 2) for n in lengths]
+    assert packed.cu_seqlens_n.tolist() == [0, *torch.tensor(spans).cumsum(0).tolist()]
+    assert packed.tokens_bs.shape == (1, sum(spans) // 2) and int((~packed.padding_mask_1t).sum()) == sum(lengths)
+    unpacked_bs = packed.unpack(packed.tokens_1t.unsqueeze(-1)).squeeze(-1)
+    valid_bs = ~rows.padding_mask_bs
+    assert torch.equal(unpacked_bs[valid_bs], rows.tokens_bs[valid_bs])
+    assert torch.equal(packed.tokens_bs[0], packed.tokens_1t[0, local_positions(packed.cu_seqlens_n, 2, 1)])
+
+
+def _cp_world(paths: dict, moe_model: str) -> dict:
+    import test_packing
+
+    from rlhf.parallel.groups import build_layout_groups
+    from rlhf.parallel.meshes import RoleMesh
+    from rlhf.stages.policy_role import PolicyRole
+
+    test_packing.fixed_batch = short_batch  # `_roles` runs every forward and update on the short batch
+    cache = GroupCache()
+    out = {}
+    for name, layout in (("cp1", ParallelLayout()), ("cp2", ParallelLayout(cp=2))):
+        out[name] = _roles(paths, cache, layout, BUDGET, MODES, clip_grad=0.0)  # grads as they come
+        for fused in (True, False):  # the ref: logprobs (+ sum pi^2) from the fused head, and from full logits
+            ref = PolicyRole("ref", RoleMesh("ref", layout, build_layout_groups(layout, cache)), paths["model"],
+                             update=None, total_steps=0, micro_batch_size=2, fused_head=fused,
+                             max_tokens_per_microbatch=(BUDGET, "ref.max_tokens_per_microbatch"))
+            out[name][f"ref_fused_{fused}"] = ref.logprobs(short_batch(), with_sum_pi_squared=fused)
+    layout = ParallelLayout(cp=2)
+    try:
+        PolicyRole("ref", RoleMesh("ref", layout, build_layout_groups(layout, cache)), moe_model, update=None,
+                   total_steps=0, micro_batch_size=2)
+    except ConfigError as error:
+        out["moe_error"] = str(error)
+    rows_ref = PolicyRole("ref", RoleMesh("ref", layout, build_layout_groups(layout, cache)), paths["model"],
+                          update=None, total_steps=0, micro_batch_size=2,
+                          max_tokens_per_microbatch=(0, "ref.max_tokens_per_microbatch"))
+    try:  # a role built outside preflight (a LoRA ref on the actor's cp mesh) still says what to set
+        rows_ref.logprobs(short_batch())
+    except ConfigError as error:
+        out["rows_error"] = str(error)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cp_world(tmp_path_factory):
+    from fixtures import make_moe_setup
+
+    paths = make_tiny_setup(tmp_path_factory.mktemp("tiny"), num_train=8, num_val=4)
+    moe = make_moe_setup(tmp_path_factory.mktemp("moe"))
+    return run_distributed(_cp_world, 2, paths, moe["model"], timeout_s=900)
+
+
+def test_cp_refuses_an_moe_model_and_row_count_micro_batches(cp_world):
+    for rank in cp_world:
+        assert rank["moe_error"] == ("the ref role's model has 4 experts: context parallelism (cp=2) runs on dense "
+                                     "models only; set its mesh cp=1")
+        assert rank["rows_error"] == ("the ref role runs at cp=2, which shards packed micro-batches only; set "
+                                      "ref.max_tokens_per_microbatch > 0")
+
+
+def test_cp2_equals_cp1_on_every_forward_and_update(cp_world):
+    """Outputs, metrics and (unclipped) grads within 1e-5 on both cp ranks against the one-rank replica: each cp
+    rank holds the whole replica's grads after DDP's sum over dp x cp."""
+    cp1 = cp_world[0]["cp1"]
+    for cp_rank, rank in enumerate(cp_world):
+        cp2 = rank["cp2"]
+        assert cp1.keys() == cp2.keys()
+        for key, value in cp1.items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(cp2[key], value, atol=1e-5, rtol=0, msg=key)
+            elif "grads" in key:
+                assert value and value.keys() == cp2[key].keys()
+                for name, grad in value.items():
+                    torch.testing.assert_close(cp2[key][name], grad, atol=1e-5, rtol=1e-5, msg=f"{key} {name}")
+            elif isinstance(value, dict):  # metrics: from the replica's contributor (cp rank 0) only
+                assert cp2[key] == (pytest.approx(value, rel=1e-5, abs=1e-5) if cp_rank == 0 else {}), key
+        assert cp2["packed"] is True and cp1["packed"] is True
+
+
+def test_cp_config_errors_name_the_setting(tmp_path):
+    paths = make_tiny_setup(tmp_path / "tiny", num_train=16, num_val=4)
+    cases = [(["mesh.actor.cp=2"], 2, "mesh.actor.cp=2 shards packed micro-batches only, but "
+              "actor.max_tokens_per_microbatch=0 (row counts); set actor.max_tokens_per_microbatch to a token budget "
+              "or mesh.actor.cp=1"),
+             (["mesh.actor.cp=2", "mesh.actor.pp=2", "actor.max_tokens_per_microbatch=64"], 4,
+              "mesh.actor.cp=2 with mesh.actor.pp=2: context parallelism runs without a pipeline; set "
+              "mesh.actor.pp=1 or mesh.actor.cp=1"),
+             (["mesh.teacher.cp=2"], 2, "mesh.teacher.cp=2: the teacher forwards do not split sequences; set "
+              "mesh.teacher.cp=1"),
+             (["mesh.actor.cp=3", "actor.max_tokens_per_microbatch=64"], 2, "mesh.actor: 2 ranks are not divisible "
+              "by tp*cp*pp = 1*3*1 = 3; choose tp, cp and pp whose product divides 2")]
+    for overrides, world_size, message in cases:
+        with pytest.raises(ConfigError) as error:
+            preflight(trainer_config(paths, str(tmp_path), overrides), world_size=world_size)
+        assert str(error.value) == message
+    preflight(trainer_config(paths, str(tmp_path), ["mesh.actor.cp=2", "actor.max_tokens_per_microbatch=64"]),
+              world_size=2)
+
+
+CLOCK_PREFIXES = ("timing_s/", "perf/", "memory/")
+
+
+def _comparable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(CLOCK_PREFIXES)}
+
+
+def _loop_world(paths: dict, root: str) -> dict:
+    from fixtures import run_trainer
+
+    from rlhf.stages import micro_batches
+
+    packs_at: dict[int, int] = {}  # cp size -> packs made: the runs really shard their micro-batches
+    plain_pack = micro_batches.pack
+
+    def counting_pack(rows, **kwargs):
+        size = kwargs["cp_group"].size() if kwargs.get("cp_group") is not None else 1
+        packs_at[size] = packs_at.get(size, 0) + 1
+        return plain_pack(rows, **kwargs)
+
+    micro_batches.pack = counting_pack
+    packed = ["trainer.val_before_train=false", "actor.max_tokens_per_microbatch=24",
+              "critic.max_tokens_per_microbatch=24"]
+    ppo = ["algo.advantage.kind=gae", "mesh.critic.cp=2"]
+    out = {"grpo_cp1": run_trainer(paths, root, packed + ["run.name=grpo1"]),
+           "grpo_cp2": run_trainer(paths, root, packed + ["run.name=grpo2", "mesh.actor.cp=2"]),
+           "ppo_cp1": run_trainer(paths, root, packed + ["run.name=ppo1", "algo.advantage.kind=gae"])}
+    resumable = packed + ppo + ["run.name=ppo2", "mesh.actor.cp=2", "checkpoint.every=1",
+                                "actor.optim.use_distributed_optimizer=true"]  # its shards span dp x cp
+    out["ppo_cp2"] = run_trainer(paths, root, resumable)
+    out["ppo_cp2_resumed"] = run_trainer(paths, root, resumable + [f"checkpoint.resume={root}/ppo2/checkpoints/"
+                                                                   "step_1"])
+    out["packs_at"] = packs_at
+    out["sft_cp1"], out["sft_cp2"] = (_sft_losses(paths, root, cp) for cp in (1, 2))
+    return out
+
+
+def _sft_losses(paths: dict, root: str, cp: int) -> list[float]:
+    """`rlhf sft`'s per-step losses with the actor at `cp` (packed micro-batches)."""
+    import json
+
+    from fixtures import trainer_config
+
+    from rlhf.orchestration.sft import run_sft, sft_preflight
+    from rlhf.run_dir import close_run, setup_run
+
+    cfg = trainer_config(paths, root, [f"mesh.actor.cp={cp}", "actor.max_tokens_per_microbatch=64", "sft.steps=2",
+                                       "sft.batch_size=8", f"run.name=sft{cp}", f"sft.out_dir={root}/sft{cp}_out"])
+    sft_preflight(cfg, 2)
+    run_dir = setup_run(cfg.run, cfg, prefix="sft")
+    try:
+        run_sft(cfg, cfg.sft, run_dir)
+    finally:
+        close_run()
+    rows = [json.loads(line) for line in (run_dir.path / "metrics.jsonl").read_text().splitlines()]
+    return [row["sft/loss"] for row in rows if "sft/loss" in row]
+
+
+@pytest.mark.slow
+def test_rl_loop_at_cp2_matches_cp1_and_resumes_exactly(tmp_path):
+    """GRPO (actor at cp=2) and PPO (actor and critic at cp=2), 2 ranks: the first step equals cp=1's, and a resume
+    from step 1 gives step 2 exactly; `rlhf sft` at cp=2 gives cp=1's losses."""
+    paths = make_tiny_setup(tmp_path / "tiny", num_train=16, num_val=4)
+    world = run_distributed(_loop_world, 2, paths, str(tmp_path / "runs"), timeout_s=900)[0]
+    assert world["packs_at"][1] > 0 and world["packs_at"][2] > 0
+    for algo in ("grpo", "ppo"):
+        cp1, cp2 = world[f"{algo}_cp1"], world[f"{algo}_cp2"]
+        assert [row["step"] for row in cp2] == [row["step"] for row in cp1] == [1, 2]
+        keys = [k for k in cp1[0] if k.startswith(("actor/", "critic/", "rollout/reward")) and
+                not k.endswith(("_s", "/lr")) and isinstance(cp1[0][k], float)]
+        assert "actor/pg_loss" in keys and (algo == "grpo" or "critic/vf_loss" in keys)
+        assert {k: cp2[0][k] for k in keys} == pytest.approx({k: cp1[0][k] for k in keys}, rel=1e-5, abs=1e-5)
+    assert len(world["sft_cp1"]) == 2 and world["sft_cp2"] == pytest.approx(world["sft_cp1"], abs=1e-5)
+    resumed = world["ppo_cp2_resumed"]
+    assert [row["step"] for row in resumed] == [2]
+    assert _comparable(resumed[0]) == _comparable(world["ppo_cp2"][1])
+
+
+def _cp_tp_world(paths: dict) -> dict:
+    import test_packing
+
+    test_packing.fixed_batch = short_batch
+    cache = GroupCache()
+    return {"cp1": _roles(paths, cache, ParallelLayout(tp=2), BUDGET, MODES[:1], clip_grad=0.0),
+            "cp2": _roles(paths, cache, ParallelLayout(tp=2, cp=2), BUDGET, MODES[:1], clip_grad=0.0)}
+
+
+@pytest.mark.slow
+def test_cp2_tp2_equals_tp2_on_four_ranks(tmp_path):
+    """CP=2 x TP=2: every tp rank's vocab / head shards see the same outputs and grads as at cp=1."""
+    paths = make_tiny_setup(tmp_path / "tiny", num_train=8, num_val=4)
+    world = run_distributed(_cp_tp_world, 4, paths, timeout_s=900)
+    for rank in (0, 1):  # tp ranks 0 and 1 of cp rank 0; at cp=1 ranks 2, 3 are outside the layout
+        cp1, cp2 = world[rank]["cp1"], world[rank]["cp2"]
+        for key, value in cp1.items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(cp2[key], value, atol=1e-5, rtol=0, msg=key)
+            elif "grads" in key:
+                assert value and value.keys() == cp2[key].keys()
+                for name, grad in value.items():
+                    torch.testing.assert_close(cp2[key][name], grad, atol=1e-5, rtol=1e-5, msg=f"{key} {name}")
+            elif isinstance(value, dict) and value:
+                assert cp2[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
+    for rank in (2, 3):  # cp rank 1 holds the same shards' grads
+        for key, value in world[rank - 2]["cp1"].items():
+            if "grads" in key:
+                for name, grad in value.items():
+                    torch.testing.assert_close(world[rank]["cp2"][key][name], grad, atol=1e-5, rtol=1e-5)
