@@ -5,6 +5,9 @@ global token count), AdamW with the same hyperparameters, clip 1.0, fp32, one gl
 Sides alternate step by step; the table shows median seconds per step and the largest loss difference
 between the two trajectories (they train the same model the same way, so it stays small).
 Writes benchmarks/results/engine.json (summary: peer step time / rlhf step time, > 1 means rlhf is faster).
+`--ops` profiles one more step of each side afterwards (torch profiler, not timed with the others): achieved
+GFLOP/s against the measured matmul peak and the op table grouped as GEMM / attention / elementwise / optimizer
+/ framework (`rlhf.profiling.ops`). `--model smollm2` trains SmolLM2-135M instead of the random Llama.
 """
 
 from __future__ import annotations
@@ -67,7 +70,20 @@ class PeerTrainer:
         return total
 
 
-def _bench_rank(path: str, args: argparse.Namespace) -> list[dict]:
+def _profiled(step, spec, tokens: torch.Tensor) -> dict:
+    """One `step()` under the torch profiler: its op table and the step's FLOPs from the model shape."""
+    from rlhf.profiling.ops import events_of, op_table, train_flops
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        started = time.perf_counter()
+        step()
+        wall_s = time.perf_counter() - started
+    table = op_table(events_of(profiler), wall_s)
+    table["flops"] = train_flops(spec, tokens.numel(), tokens.shape[1])
+    return table
+
+
+def _bench_rank(path: str, args: argparse.Namespace) -> tuple[list[dict], dict]:
     from transformers import AutoConfig
 
     from rlhf.parallel.groups import build_layout_groups
@@ -92,12 +108,19 @@ def _bench_rank(path: str, args: argparse.Namespace) -> list[dict]:
             started = time.perf_counter()
             if side == "rlhf":
                 batches = sft_micro_batches(tokens, mask, dp_rank=0, dp_size=1, num_micro_batches=args.micro_batches)
-                loss = sft_step(engine, batches).loss
+                loss = sft_step(engine, batches, fused_head=args.head == "fused").loss
             else:
                 loss = peer.step(tokens, mask, args.micro_batches)
             if step > 0:
                 records.append({"side": side, "step": step, "time_s": time.perf_counter() - started, "loss": loss})
-    return records
+    ops = {}
+    if args.ops:
+        tokens, mask = make_batch(args, seed=args.steps + 1)
+        batches = sft_micro_batches(tokens, mask, dp_rank=0, dp_size=1, num_micro_batches=args.micro_batches)
+        ops["rlhf"] = _profiled(lambda: sft_step(engine, batches, fused_head=args.head == "fused"), model.rlhf_spec,
+                                tokens)
+        ops["peer"] = _profiled(lambda: peer.step(tokens, mask, args.micro_batches), model.rlhf_spec, tokens)
+    return records, ops
 
 
 def summarize(records: list[dict], args: argparse.Namespace) -> tuple[list[dict], dict]:
@@ -123,23 +146,49 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--model", choices=("random", "smollm2"), default="random",
+                        help="random: a Llama of --hidden/--layers/--heads/--vocab; smollm2: SmolLM2-135M")
+    parser.add_argument("--head", choices=("fused", "logits"), default="fused",
+                        help="rlhf's loss: the fused LM head on answer tokens (the actor's path) or full logits")
+    parser.add_argument("--ops", action="store_true", help="profile one more step per side: op table, GFLOP/s")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine.json"))
     args = parser.parse_args()
+    load_at_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as path:
-        torch.manual_seed(0)
-        LlamaForCausalLM(model_config(args)).save_pretrained(path)
-        records = run_distributed(_bench_rank, 1, path, args, timeout_s=3600)[0]
+        if args.model == "smollm2":
+            from transformers import AutoConfig
+
+            from rlhf.models.smollm2 import smollm2_hf_folder
+
+            path = str(smollm2_hf_folder())
+            args.vocab = AutoConfig.from_pretrained(path).vocab_size
+        else:
+            torch.manual_seed(0)
+            LlamaForCausalLM(model_config(args)).save_pretrained(path)
+        records, ops = run_distributed(_bench_rank, 1, path, args, timeout_s=3600)[0]
     rows, summary = summarize(records, args)
     print(f"{'side':>6} {'median s/step':>14} {'min s':>8} {'tokens/s':>9}")
     for row in rows:
         print(f"{row['side']:>6} {row['median_s']:>14.3f} {row['min_s']:>8.3f} {row['tokens_per_s']:>9.0f}")
     for key, value in summary.items():
         print(f"{key}: {value:.3g}")
+    if ops:
+        from _machine import matmul_peak_gflops
+
+        from rlhf.profiling.ops import format_op_table
+
+        torch.set_num_threads(1)  # the sides ran on one thread
+        peak = matmul_peak_gflops()
+        for side, table in ops.items():
+            table["peak_gflops"] = peak
+            table["achieved_gflops"] = table["flops"] / table["wall_s"] / 1e9
+            print(format_op_table(f"{side} train step (profiled)", table, table["flops"], peak))
     result = {"name": "engine", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "machine": {"cores": os.cpu_count(), "threads": 1, "torch": torch.__version__,
-                          "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0]},
+                          "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0],
+                          "load_avg_1m_at_start": load_at_start},
               "config": {k: v for k, v in vars(args).items() if k != "out"} | {"lr": LR, "clip": CLIP},
-              "rows": rows, "summary": summary}
+              "rows": rows, "summary": summary, "ops": ops}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 
