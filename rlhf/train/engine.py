@@ -60,6 +60,7 @@ class TrainEngine:
             use_distributed_optimizer=config.use_distributed_optimizer, check_for_nan_in_grad=False)
         self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model,
                                              pg_collection=pg_collection)
+        megatron_compat.fuse_wgrad_accumulation(model)  # weight grads straight into the DDP grad buffer
         self.optimizer = build_optimizer(config, self.model, pg_collection)
         self.scheduler = build_scheduler(config, self.optimizer, config.resolved_total_steps(total_steps))
         self.num_steps = 0

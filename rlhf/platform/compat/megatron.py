@@ -37,6 +37,12 @@ Touch-points (name: what it does; why):
   `calculate_per_token_loss` is set and the config's `moe_aux_loss_coeff` / `moe_z_loss_coeff` are divided by
   the step's routed tokens, so router losses are a token-weighted mean over micro-batches and DP ranks
   (megatron otherwise adds them once per micro-batch and per DP rank).
+- `fuse_wgrad_accumulation`: megatron's `gradient_accumulation_fusion` on the local linears of a DDP-wrapped
+  model: the weight-gradient GEMM accumulates straight into the DDP grad buffer (`main_grad += g^T x`, one GEMM
+  with beta=1) instead of writing a fresh `.grad` the DDP hook then adds in. megatron implements it in apex's
+  CUDA extension `fused_weight_gradient_mlp_cuda`; where that is absent, its module global in
+  `tensor_parallel.layers` is a torch stand-in (`_HostWgradAccumulation`). Set per module after the DDP wrap
+  (megatron reads the flag at build time and would otherwise need `main_grad` on every linear's weight).
 - `silence_unknown_mlp_warning`: a filter on `megatron.core.transformer.transformer_layer`'s logger, which
   warns "Unknown MLP type" for any MLP class it does not list (rlhf's `TensorParallelMoELayer`).
 
@@ -325,6 +331,39 @@ def router_losses_per_token(model: torch.nn.Module, num_tokens: int) -> Iterator
         config.moe_aux_loss_coeff, config.moe_z_loss_coeff = saved[0], saved[1]
         for router, per_token in zip(found, saved[2]):
             router.calculate_per_token_loss = per_token
+
+
+class _HostWgradAccumulation:
+    """Stands in for apex's `fused_weight_gradient_mlp_cuda`: `main_grad += grad_output^T @ input`, in place (one
+    GEMM with beta=1 when the dtypes agree; else the product in the inputs' dtype, then added, as unfused)."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        if total_input.dtype == grad_output.dtype == main_grad.dtype:
+            main_grad.addmm_(grad_output.t(), total_input)
+        else:
+            main_grad.add_(grad_output.t().matmul(total_input))
+
+    wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32
+
+
+def fuse_wgrad_accumulation(model: torch.nn.Module) -> int:
+    """Weight gradients of `model`'s local Column/RowParallelLinears accumulate into their DDP `main_grad`
+    (see the module docstring); returns how many linears were switched. Call after the DDP wrap."""
+    from megatron.core.tensor_parallel import layers
+
+    if not layers._grad_accum_fusion_available or getattr(layers, "fused_weight_gradient_mlp_cuda", None) is None:
+        layers.fused_weight_gradient_mlp_cuda = _HostWgradAccumulation
+        layers._grad_accum_fusion_available = True
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, (layers.ColumnParallelLinear, layers.RowParallelLinear)):
+            weight = getattr(module, "weight", None)
+            if weight is not None and weight.requires_grad and hasattr(weight, "main_grad") \
+                    and weight.main_grad.dtype in (torch.float32, torch.float16, torch.bfloat16):
+                module.gradient_accumulation_fusion = True
+                switched += 1
+    return switched
 
 
 class _UnknownMlpWarning(logging.Filter):
