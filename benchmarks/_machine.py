@@ -31,9 +31,10 @@ def machine_info() -> dict:
             "load_avg_1m_at_start": os.getloadavg()[0]}
 
 
-def matmul_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
-    """Median fp32 GFLOP/s of a size^3 matmul: the best this CPU does on the model's dominant op."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def matmul_peak_gflops(size: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """Median GFLOP/s of a size^3 matmul in `dtype` (fp32 default): the best this CPU does on the model's
+    dominant op."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b
     times = []
     for _ in range(repeats):

@@ -15,6 +15,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
+from rlhf import platform
 from rlhf.errors import ConfigError
 from rlhf.models.packing import PackedMicroBatch
 from rlhf.platform.compat import megatron as megatron_compat
@@ -98,8 +99,8 @@ def routed_tokens(micro_batch: Any) -> int:
     return micro_batch.tokens_bs.numel() if padding is None else int((~padding).sum())
 
 
-def _forward_step(loss_fn: LossFn, num_micro_batches: int, pg_collection: Any, data_iterator: Any,
-                  model: Any) -> tuple:
+def _forward_step(loss_fn: LossFn, num_micro_batches: int, pg_collection: Any, autocast_dtype: Any,
+                  data_iterator: Any, model: Any) -> tuple:
     micro_batch = next(data_iterator)
     tokens_bs = micro_batch.tokens_bs
     positions_bs = getattr(micro_batch, "position_ids_bs", None)
@@ -114,8 +115,11 @@ def _forward_step(loss_fn: LossFn, num_micro_batches: int, pg_collection: Any, d
     replay = getattr(getattr(model, "module", model), "rlhf_routing_replay", None)
     if replay is not None:  # routing replay (rlhf.models.routing_replay): this micro-batch's experts
         replay.begin(micro_batch)
-    output = model(tokens_bs, positions_bs, attention_mask=getattr(micro_batch, "attention_mask_b1ss", None),
-                   **inputs)
+    with platform.autocast(autocast_dtype):  # the model only: loss_fn (and the fused head) stay in fp32
+        output = model(tokens_bs, positions_bs, attention_mask=getattr(micro_batch, "attention_mask_b1ss", None),
+                       **inputs)
+    if autocast_dtype is not None and output.dtype == autocast_dtype:
+        output = output.float()
 
     def loss(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict]:
         if packed:  # the loss reads the rows as a padded forward gives them
@@ -129,7 +133,7 @@ def _forward_step(loss_fn: LossFn, num_micro_batches: int, pg_collection: Any, d
 
 
 def forward_backward(model: Any, micro_batches: list, loss_fn: LossFn, pg_collection: Any, *,
-                     forward_only: bool = False) -> list[dict]:
+                     forward_only: bool = False, autocast_dtype: torch.dtype | None = None) -> list[dict]:
     """Run `micro_batches` through megatron's schedule (1F1B when pp > 1); returns loss_fn's metrics dicts.
 
     Each micro-batch has `tokens_bs` and optionally `position_ids_bs` and `attention_mask_b1ss` (True =
@@ -138,6 +142,7 @@ def forward_backward(model: Any, micro_batches: list, loss_fn: LossFn, pg_collec
     without grad. `loss_fn(output, micro_batch) -> (loss, metrics)` runs on the last stage, `output` being this rank's
     vocab shard of the logits [b, s, v/tp] (or values [b, s, 1]); gradients accumulate into `.grad`
     (or `.main_grad` under megatron DDP) with `loss` taken as-is. Other stages get an empty list.
+    `autocast_dtype` runs the model's forward (and so its matmuls' backward) under autocast to that dtype.
     """
     megatron_compat.apply()
     pp = pg_collection.pp.size()
@@ -149,7 +154,8 @@ def forward_backward(model: Any, micro_batches: list, loss_fn: LossFn, pg_collec
     p2p = P2PCommunicator(pp_group=pg_collection.pp, config=model.config) if pp > 1 else None
     extra = {"p2p_communicator": p2p} if p2p is not None else {}
     with torch.no_grad() if forward_only else contextlib.nullcontext():
-        return schedule(forward_step_func=partial(_forward_step, loss_fn, len(micro_batches), pg_collection),
+        return schedule(forward_step_func=partial(_forward_step, loss_fn, len(micro_batches), pg_collection,
+                                                  autocast_dtype),
                         data_iterator=iter(micro_batches), model=[model], num_microbatches=len(micro_batches),
                         seq_length=seq_length, micro_batch_size=batch_size, forward_only=forward_only,
                         pg_collection=pg_collection, **extra)

@@ -43,6 +43,11 @@ Touch-points (name: what it does; why):
   CUDA extension `fused_weight_gradient_mlp_cuda`; where that is absent, its module global in
   `tensor_parallel.layers` is a torch stand-in (`_HostWgradAccumulation`). Set per module after the DDP wrap
   (megatron reads the flag at build time and would otherwise need `main_grad` on every linear's weight).
+- `_carry_host_autocast` (inside `apply()`): megatron's linear autograd functions
+  (`LinearWithGradAccumulationAndAsyncCommunication`, `LinearWithFrozenWeight`) carry autocast into their
+  backward only for CUDA (`custom_fwd/custom_bwd(device_type="cuda")`); their forward and backward are wrapped
+  to do the same for the host's autocast (`rlhf.platform.autocast` on a CPU), else a bf16 grad_output meets
+  the fp32 weight in backward.
 - `silence_unknown_mlp_warning`: a filter on `megatron.core.transformer.transformer_layer`'s logger, which
   warns "Unknown MLP type" for any MLP class it does not list (rlhf's `TensorParallelMoELayer`).
 
@@ -252,8 +257,28 @@ def apply() -> None:
 
     if not _state["applied"]:
         _patch_torch()
+        _carry_host_autocast()
         _state["applied"] = True
     _patch_megatron_modules()
+
+
+def _carry_host_autocast() -> None:
+    """The forward's CPU autocast state (enabled, dtype) is restored around the backward of megatron's linears."""
+    from megatron.core.tensor_parallel import layers
+
+    for function in (layers.LinearWithGradAccumulationAndAsyncCommunication, layers.LinearWithFrozenWeight):
+        forward, backward = function.forward, function.backward
+
+        def carried_forward(ctx: Any, *args: Any, _forward: Any = forward) -> Any:
+            ctx.rlhf_host_autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+            return _forward(ctx, *args)
+
+        def carried_backward(ctx: Any, *grads: Any, _backward: Any = backward) -> Any:
+            enabled, dtype = getattr(ctx, "rlhf_host_autocast", (False, torch.bfloat16))
+            with torch.autocast("cpu", dtype=dtype, enabled=enabled):
+                return _backward(ctx, *grads)
+
+        function.forward, function.backward = staticmethod(carried_forward), staticmethod(carried_backward)
 
 
 def seed_rng_tracker(seed: int, tp_rank: int) -> None:
