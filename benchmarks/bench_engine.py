@@ -251,9 +251,9 @@ def main() -> None:
         from rlhf.profiling.ops import format_op_table
 
         torch.set_num_threads(1)  # the sides ran on one thread
-        peak = matmul_peak_gflops()
+        peaks = {"fp32": matmul_peak_gflops(), "bf16": matmul_peak_gflops(dtype=torch.bfloat16)}
         for side, table in ops.items():
-            table["peak_gflops"] = peak
+            table["peak_gflops"] = peak = peaks["bf16" if side == "rlhf_bf16" else "fp32"]
             table["achieved_gflops"] = table["flops"] / table["wall_s"] / 1e9
             print(format_op_table(f"{side} train step (profiled)", table, table["flops"], peak))
     result = {"name": "engine", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
