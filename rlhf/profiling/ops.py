@@ -16,8 +16,12 @@ op accounts for: Python between ops).
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from rlhf.models.spec import ModelSpec
 
@@ -36,6 +40,19 @@ _FRAMEWORK = ("autograd::", "aten::view", "aten::reshape", "aten::as_strided", "
               "aten::unbind", "aten::narrow", "aten::broadcast_tensors", "aten::is_nonzero", "aten::item", "aten::_local_scalar_dense",
               "aten::result_type", "aten::set_", "aten::unflatten", "aten::flatten", "aten::stride", "aten::size",
               "[memory]", "ProfilerStep", "torch::autograd::", "detach_", "aten::_reshape_alias")
+
+
+def matmul_peak_gflops(size: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """Median GFLOP/s of a size^3 matmul in `dtype` on this process's threads: the machine's physical limit on
+    the model's dominant op."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times) / 1e9
 
 
 def matmul_params(spec: ModelSpec) -> int:
@@ -141,3 +158,33 @@ def format_op_table(title: str, table: dict, flops: float | None = None, peak_gf
         lines.append(f"  {row['op'][:48]:48} {row['group']:13} {row['calls']:6d} {row['self_s']:8.4f} "
                      f"{row['share']:6.1%}")
     return "\n".join(lines)
+
+
+@dataclass
+class PhaseOps:
+    """A `rlhf.metrics.TIMER_OBSERVERS` member: runs the torch profiler over every occurrence of the named
+    phases (`rlhf profile --ops`) and keeps their events and wall time; `table(phase)` summarises them."""
+
+    phases: tuple[str, ...] = ("gen", "update_actor")
+    events: dict[str, list[OpTime]] = field(default_factory=dict)
+    wall_s: dict[str, float] = field(default_factory=dict)
+    _open: tuple[str, object, float] | None = None
+
+    def enter(self, name: str) -> None:
+        if name in self.phases and self._open is None:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            profiler.__enter__()
+            self._open = (name, profiler, time.perf_counter())
+
+    def exit(self, name: str, seconds: float) -> None:
+        if self._open is None or self._open[0] != name:
+            return
+        _, profiler, started = self._open
+        wall_s = time.perf_counter() - started
+        profiler.__exit__(None, None, None)
+        self._open = None
+        self.events.setdefault(name, []).extend(events_of(profiler))
+        self.wall_s[name] = self.wall_s.get(name, 0.0) + wall_s
+
+    def table(self, phase: str, top: int = 15) -> dict | None:
+        return op_table(self.events[phase], self.wall_s[phase], top=top) if phase in self.events else None
