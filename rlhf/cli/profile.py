@@ -91,7 +91,8 @@ def ops_report(cfg, ops, steps: list[dict]) -> dict:
     for phase, phase_flops in flops.items():
         table = ops.table(phase)
         if table is not None:
-            out["phases"][phase] = table | {"flops": phase_flops, "achieved_gflops": phase_flops / table["wall_s"] / 1e9}
+            achieved = phase_flops / table["wall_s"] / 1e9
+            out["phases"][phase] = table | {"flops": phase_flops, "achieved_gflops": achieved}
     return out
 
 

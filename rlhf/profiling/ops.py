@@ -37,7 +37,8 @@ _FRAMEWORK = ("autograd::", "aten::view", "aten::reshape", "aten::as_strided", "
               "aten::permute", "aten::expand", "aten::unsqueeze", "aten::squeeze", "aten::slice", "aten::select",
               "aten::detach", "aten::empty", "aten::empty_strided", "aten::resolve_", "aten::alias", "aten::lift",
               "aten::_unsafe_view", "aten::contiguous", "aten::numpy_T", "aten::split", "aten::chunk",
-              "aten::unbind", "aten::narrow", "aten::broadcast_tensors", "aten::is_nonzero", "aten::item", "aten::_local_scalar_dense",
+              "aten::unbind", "aten::narrow", "aten::broadcast_tensors", "aten::is_nonzero", "aten::item",
+              "aten::_local_scalar_dense",
               "aten::result_type", "aten::set_", "aten::unflatten", "aten::flatten", "aten::stride", "aten::size",
               "[memory]", "ProfilerStep", "torch::autograd::", "detach_", "aten::_reshape_alias")
 
