@@ -48,6 +48,11 @@ Touch-points (name: what it does; why):
   backward only for CUDA (`custom_fwd/custom_bwd(device_type="cuda")`); their forward and backward are wrapped
   to do the same for the host's autocast (`rlhf.platform.autocast` on a CPU), else a bf16 grad_output meets
   the fp32 weight in backward.
+- `_lean_rope` (inside `apply()`): replaces `rope_utils._apply_rotary_pos_emb_bshd` (private; unfused RoPE, what
+  runs without TE's fused kernel) with the same arithmetic minus its waste: cos/sin of the step's `freqs` once
+  per forward instead of twice per layer (the last `freqs` tensor is remembered), no `* mscale` when it is 1, no
+  concatenation with the empty pass-through part. Bitwise the original's output and gradients; interleaved,
+  MLA and partial rotary keep the original.
 - `silence_unknown_mlp_warning`: a filter on `megatron.core.transformer.transformer_layer`'s logger, which
   warns "Unknown MLP type" for any MLP class it does not list (rlhf's `TensorParallelMoELayer`).
 
@@ -258,8 +263,37 @@ def apply() -> None:
     if not _state["applied"]:
         _patch_torch()
         _carry_host_autocast()
+        _lean_rope()
         _state["applied"] = True
     _patch_megatron_modules()
+
+
+def _lean_rope() -> None:
+    """`_apply_rotary_pos_emb_bshd` without recomputing cos/sin per call and without the empty concatenation."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = rope_utils._apply_rotary_pos_emb_bshd
+    last: dict[str, Any] = {}
+
+    def cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (freqs._version, mscale, dtype, torch.is_inference_mode_enabled())
+        if last.get("freqs") is not freqs or last.get("key") != key:
+            cos, sin = torch.cos(freqs), torch.sin(freqs)
+            if mscale != 1.0:
+                cos, sin = cos * mscale, sin * mscale
+            last.update(freqs=freqs, key=key, cos_sin=(cos.to(dtype), sin.to(dtype)))
+        return last["cos_sin"]
+
+    def lean(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,
+             multi_latent_attention: bool = False, mscale: float = 1.0) -> torch.Tensor:
+        if rotary_interleaved or multi_latent_attention or t.shape[-1] != freqs.shape[-1] or freqs.requires_grad:
+            return original(t, freqs, rotary_interleaved=rotary_interleaved,
+                            multi_latent_attention=multi_latent_attention, mscale=mscale)
+        cos, sin = cos_sin(freqs, mscale, t.dtype)
+        first, second = torch.chunk(t, 2, dim=-1)
+        return (t * cos) + (torch.cat((-second, first), dim=-1) * sin)
+
+    rope_utils._apply_rotary_pos_emb_bshd = lean
 
 
 def _carry_host_autocast() -> None:
