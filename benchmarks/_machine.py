@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
-import time
 
 import torch
+
+from rlhf.profiling.ops import matmul_peak_gflops  # noqa: F401 - defined once, re-exported for the benchmarks
 
 
 def cpu_model() -> str:
@@ -30,14 +30,3 @@ def machine_info() -> dict:
             "megatron_core": megatron.core.__version__, "python": platform.python_version(),
             "load_avg_1m_at_start": os.getloadavg()[0]}
 
-
-def matmul_peak_gflops(size: int = 2048, repeats: int = 5) -> float:
-    """Median fp32 GFLOP/s of a size^3 matmul: the best this CPU does on the model's dominant op."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - start)
-    return 2 * size**3 / statistics.median(times) / 1e9

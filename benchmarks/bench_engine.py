@@ -2,14 +2,20 @@
 
 Same HF weights, same global batch split into the same micro-batches, same loss (answer-token NLL over the
 global token count), AdamW with the same hyperparameters, clip 1.0, fp32, one gloo rank, one thread each.
-Sides alternate step by step; the table shows median seconds per step and the largest loss difference
-between the two trajectories (they train the same model the same way, so it stays small).
+Sides take turns step by step (who goes first rotates); the table shows median seconds per step and the
+largest loss difference between the trajectories (they train the same model the same way, so it stays small).
+`--autocast` adds a side: rlhf with `optim.autocast=bfloat16` (bf16 matmuls, fp32 weights/grads/Adam), and the
+bf16-vs-fp32 answer-token logprob differences of one forward on the same weights.
 Writes benchmarks/results/engine.json (summary: peer step time / rlhf step time, > 1 means rlhf is faster).
+`--ops` profiles one more step of each side afterwards (torch profiler, not timed with the others): achieved
+GFLOP/s against the measured matmul peak and the op table grouped as GEMM / attention / elementwise / optimizer
+/ framework (`rlhf.profiling.ops`). `--model smollm2` trains SmolLM2-135M instead of the random Llama.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -67,50 +73,134 @@ class PeerTrainer:
         return total
 
 
-def _bench_rank(path: str, args: argparse.Namespace) -> list[dict]:
+def _profiled(step, spec, tokens: torch.Tensor) -> dict:
+    """One `step()` under the torch profiler: its op table and the step's FLOPs from the model shape."""
+    from rlhf.profiling.ops import events_of, op_table, train_flops
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        started = time.perf_counter()
+        step()
+        wall_s = time.perf_counter() - started
+    table = op_table(events_of(profiler), wall_s)
+    table["flops"] = train_flops(spec, tokens.numel(), tokens.shape[1])
+    return table
+
+
+def _engine(path: str, groups, args: argparse.Namespace, autocast: str):
     from transformers import AutoConfig
 
-    from rlhf.parallel.groups import build_layout_groups
-    from rlhf.parallel.layout import ParallelLayout
     from rlhf.models.builder import build_gpt
     from rlhf.models.hf_load import load_hf_weights
     from rlhf.train.config import OptimConfig
     from rlhf.train.engine import TrainEngine
+
+    model = build_gpt(AutoConfig.from_pretrained(path), groups)
+    load_hf_weights(model, path)
+    return TrainEngine(model, groups, OptimConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, clip_grad=CLIP,
+                                                  total_steps=args.steps + 1, autocast=autocast))
+
+
+def _logprob_fidelity(engine, args: argparse.Namespace) -> dict:
+    """Answer-token logprobs of one batch with the forward in bf16 autocast vs fp32, on the same weights."""
+    from rlhf.testing.engine_nll import sft_micro_batches
+
+    tokens, mask = make_batch(args, seed=10_000)
+    batches = sft_micro_batches(tokens, mask, dp_rank=0, dp_size=1, num_micro_batches=args.micro_batches)
+    from rlhf.models.lm_head import hidden_output
+
+    fused = args.head == "fused"
+    loss_fn = _answer_logprobs(engine, fused)
+    results = {}
+    for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        engine.autocast_dtype = dtype
+        with hidden_output(engine.module) if fused else contextlib.nullcontext():
+            results[name] = torch.cat([out["logprobs"] for out in engine.forward_only(batches, loss_fn)])
+    engine.autocast_dtype = torch.bfloat16
+    diff = (results["bf16"] - results["fp32"]).abs()
+    ratio = (results["bf16"] - results["fp32"]).exp()  # the PPO ratio bf16 / fp32 per token
+    return {"tokens": diff.numel(), "max_abs_logprob_diff": float(diff.max()),
+            "mean_abs_logprob_diff": float(diff.mean()), "max_abs_ratio_minus_1": float((ratio - 1).abs().max())}
+
+
+def _answer_logprobs(engine, fused_head: bool):
+    """forward_only fn: the answer tokens' logprobs, through the fused head on hidden states or from logits."""
+    from rlhf.models.forward import token_logprobs
+    from rlhf.models.lm_head import LMHead, head_logprobs
+
+    tp_group, vocab_size = engine.pg_collection.tp, engine.module.rlhf_spec.vocab_size
+
+    def fn(output, batch):
+        predicts_bs = torch.roll(batch.answer_mask_bs, -1, dims=1).bool()
+        predicts_bs[:, -1] = False
+        if fused_head:
+            rows_n, positions_n = predicts_bs.nonzero(as_tuple=True)
+            logprobs_n, _ = head_logprobs(output[rows_n, positions_n], batch.tokens_bs[rows_n, positions_n + 1],
+                                          LMHead.of(engine.module, tp_group, vocab_size))
+        else:
+            logprobs_n = token_logprobs(output, torch.roll(batch.tokens_bs, -1, dims=1), tp_group,
+                                        vocab_size)[predicts_bs]
+        return logprobs_n.sum(), {"logprobs": logprobs_n}
+
+    return fn
+
+
+def _bench_rank(path: str, args: argparse.Namespace) -> tuple[list[dict], dict, dict | None]:
+    from rlhf.parallel.groups import build_layout_groups
+    from rlhf.parallel.layout import ParallelLayout
     from rlhf.testing.engine_nll import sft_micro_batches, sft_step
 
     groups = build_layout_groups(ParallelLayout(tp=1, pp=1, dp=1))
-    model = build_gpt(AutoConfig.from_pretrained(path), groups)
-    load_hf_weights(model, path)
-    engine = TrainEngine(model, groups, OptimConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, clip_grad=CLIP,
-                                                    total_steps=args.steps + 1))
+    engines = {"rlhf": _engine(path, groups, args, "none")}
+    if args.autocast:
+        engines["rlhf_bf16"] = _engine(path, groups, args, "bfloat16")
     peer = PeerTrainer(path)
+    spec = engines["rlhf"].module.rlhf_spec
+    order = ["peer", *engines]
+
+    def run(side: str, tokens: torch.Tensor, mask: torch.Tensor) -> float:
+        if side == "peer":
+            return peer.step(tokens, mask, args.micro_batches)
+        batches = sft_micro_batches(tokens, mask, dp_rank=0, dp_size=1, num_micro_batches=args.micro_batches)
+        return sft_step(engines[side], batches, fused_head=args.head == "fused").loss
+
     records = []
     for step in range(args.steps + 1):  # step 0 is warm-up, not recorded
         tokens, mask = make_batch(args, seed=step)
-        sides = ("rlhf", "peer") if step % 2 == 0 else ("peer", "rlhf")
-        for side in sides:
+        for side in order[step % len(order):] + order[:step % len(order)]:  # rotate who goes first
             started = time.perf_counter()
-            if side == "rlhf":
-                batches = sft_micro_batches(tokens, mask, dp_rank=0, dp_size=1, num_micro_batches=args.micro_batches)
-                loss = sft_step(engine, batches).loss
-            else:
-                loss = peer.step(tokens, mask, args.micro_batches)
+            loss = run(side, tokens, mask)
             if step > 0:
                 records.append({"side": side, "step": step, "time_s": time.perf_counter() - started, "loss": loss})
-    return records
+    ops = {}
+    if args.ops:
+        tokens, mask = make_batch(args, seed=args.steps + 1)
+        for side in reversed(order):
+            ops[side] = _profiled(lambda: run(side, tokens, mask), spec, tokens)
+    fidelity = _logprob_fidelity(engines["rlhf_bf16"], args) if args.autocast else None
+    return records, ops, fidelity
 
 
 def summarize(records: list[dict], args: argparse.Namespace) -> tuple[list[dict], dict]:
     tokens_per_step = args.batch * args.seq
     rows = []
-    for side in ("peer", "rlhf"):
+    sides = list(dict.fromkeys(r["side"] for r in records))
+    for side in sorted(sides, key=lambda s: s != "peer"):
         times = [r["time_s"] for r in records if r["side"] == side]
         rows.append({"side": side, "median_s": statistics.median(times), "min_s": min(times),
                      "tokens_per_s": tokens_per_step / statistics.median(times), "times_s": times,
                      "losses": [r["loss"] for r in records if r["side"] == side]})
-    peer, rlhf = rows
-    loss_diff = max(abs(a - b) for a, b in zip(peer["losses"], rlhf["losses"]))
-    return rows, {"step_time_peer_over_rlhf": peer["median_s"] / rlhf["median_s"], "max_loss_diff": loss_diff}
+    by_side = {row["side"]: row for row in rows}
+    peer, rlhf = by_side["peer"], by_side["rlhf"]
+    summary = {"step_time_peer_over_rlhf": peer["median_s"] / rlhf["median_s"],
+               "step_time_peer_over_rlhf_min": peer["min_s"] / rlhf["min_s"],
+               "max_loss_diff": max(abs(a - b) for a, b in zip(peer["losses"], rlhf["losses"]))}
+    if "rlhf_bf16" in by_side:
+        bf16 = by_side["rlhf_bf16"]
+        summary |= {"step_time_peer_over_rlhf_bf16": peer["median_s"] / bf16["median_s"],
+                    "step_time_peer_over_rlhf_bf16_min": peer["min_s"] / bf16["min_s"],
+                    "step_time_rlhf_over_rlhf_bf16": rlhf["median_s"] / bf16["median_s"],
+                    "max_loss_diff_bf16_vs_fp32": max(abs(a - b) for a, b in zip(rlhf["losses"], bf16["losses"]))}
+    return rows, summary
 
 
 def main() -> None:
@@ -123,23 +213,55 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--model", choices=("random", "smollm2"), default="random",
+                        help="random: a Llama of --hidden/--layers/--heads/--vocab; smollm2: SmolLM2-135M")
+    parser.add_argument("--head", choices=("fused", "logits"), default="fused",
+                        help="rlhf's loss: the fused LM head on answer tokens (the actor's path) or full logits")
+    parser.add_argument("--autocast", action="store_true",
+                        help="a third side: rlhf with optim.autocast=bfloat16, and its logprob fidelity vs fp32")
+    parser.add_argument("--ops", action="store_true", help="profile one more step per side: op table, GFLOP/s")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine.json"))
     args = parser.parse_args()
+    load_at_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as path:
-        torch.manual_seed(0)
-        LlamaForCausalLM(model_config(args)).save_pretrained(path)
-        records = run_distributed(_bench_rank, 1, path, args, timeout_s=3600)[0]
+        if args.model == "smollm2":
+            from transformers import AutoConfig
+
+            from rlhf.models.smollm2 import smollm2_hf_folder
+
+            path = str(smollm2_hf_folder())
+            args.vocab = AutoConfig.from_pretrained(path).vocab_size
+        else:
+            torch.manual_seed(0)
+            LlamaForCausalLM(model_config(args)).save_pretrained(path)
+        records, ops, fidelity = run_distributed(_bench_rank, 1, path, args, timeout_s=3600)[0]
     rows, summary = summarize(records, args)
-    print(f"{'side':>6} {'median s/step':>14} {'min s':>8} {'tokens/s':>9}")
+    print(f"{'side':>9} {'median s/step':>14} {'min s':>8} {'tokens/s':>9}")
     for row in rows:
-        print(f"{row['side']:>6} {row['median_s']:>14.3f} {row['min_s']:>8.3f} {row['tokens_per_s']:>9.0f}")
+        print(f"{row['side']:>9} {row['median_s']:>14.3f} {row['min_s']:>8.3f} {row['tokens_per_s']:>9.0f}")
     for key, value in summary.items():
         print(f"{key}: {value:.3g}")
+    print(f"load average (1 min) at start {load_at_start:.2f}, at end {os.getloadavg()[0]:.2f}")
+    if fidelity:
+        summary["bf16_logprob_fidelity"] = fidelity
+        print("bf16 autocast vs fp32 logprobs: " + ", ".join(f"{k} {v:.3g}" for k, v in fidelity.items()))
+    if ops:
+        from _machine import matmul_peak_gflops
+
+        from rlhf.profiling.ops import format_op_table
+
+        torch.set_num_threads(1)  # the sides ran on one thread
+        peaks = {"fp32": matmul_peak_gflops(), "bf16": matmul_peak_gflops(dtype=torch.bfloat16)}
+        for side, table in ops.items():
+            table["peak_gflops"] = peak = peaks["bf16" if side == "rlhf_bf16" else "fp32"]
+            table["achieved_gflops"] = table["flops"] / table["wall_s"] / 1e9
+            print(format_op_table(f"{side} train step (profiled)", table, table["flops"], peak))
     result = {"name": "engine", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "machine": {"cores": os.cpu_count(), "threads": 1, "torch": torch.__version__,
-                          "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0]},
+                          "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0],
+                          "load_avg_1m_at_start": load_at_start},
               "config": {k: v for k, v in vars(args).items() if k != "out"} | {"lr": LR, "clip": CLIP},
-              "rows": rows, "summary": summary}
+              "rows": rows, "summary": summary, "ops": ops}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 

@@ -2,7 +2,9 @@
 
 Rank 0 prints a table (phase seconds and share of the step, peak memory, collectives per phase), on split
 placement how much of each phase overlapped the other side's work (async RL), and writes `profile.json` in the
-run folder; `--trace` adds a torch profiler chrome trace per rank.
+run folder; `--trace` adds a torch profiler chrome trace per rank. `--ops` profiles the actor update and the
+generation phase op by op on rank 0 (`rlhf.profiling.ops`): achieved GFLOP/s from the model shape against the
+measured matmul peak, and the top-15 op table grouped as GEMM / attention / elementwise / optimizer / framework.
 """
 
 from __future__ import annotations
@@ -22,23 +24,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--steps", type=int, default=3, help="timed steps (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     parser.add_argument("--trace", action="store_true", help="write a torch profiler trace per rank")
+    parser.add_argument("--ops", action="store_true",
+                        help="op table and achieved GFLOP/s of the actor update and generation (rank 0)")
     return parser
 
 
-def check_steps(steps: int, warmup: int) -> None:
+def check_steps(steps: int, warmup: int, trace: bool = False, ops: bool = False) -> None:
     if steps < 1 or warmup < 0:
         raise ConfigError(f"--steps={steps} must be >= 1 and --warmup={warmup} >= 0")
+    if trace and ops:
+        raise ConfigError("--trace and --ops both run the torch profiler; pass one of them")
 
 
 def run(args: argparse.Namespace) -> int:
-    check_steps(args.steps, args.warmup)
+    check_steps(args.steps, args.warmup, args.trace, args.ops)
     cfg = diagnostic_config(config_from_args(args), "profile")  # config errors before torch is imported
     from rlhf.profiling.runner import run_profiled_steps
     from rlhf.orchestration.preflight import preflight
 
     def body(cfg, run_dir) -> None:
+        from rlhf.profiling.ops import PhaseOps
+
+        ops = PhaseOps() if args.ops and run_dir.is_rank0 else None
         profile = run_profiled_steps(cfg, run_dir, steps=args.steps, warmup=args.warmup, counters=True,
-                                     trace_dir=run_dir.path if args.trace else None)
+                                     trace_dir=run_dir.path if args.trace else None, ops=ops)
         from rlhf.parallel.wire import all_gather_json
 
         per_rank = all_gather_json({"memory": profile.memory.peak_bytes, "comm": profile.comm.rows(),
@@ -46,12 +55,52 @@ def run(args: argparse.Namespace) -> int:
                                     "timeline": profile.timeline.steps, "side": profile.side})
         if run_dir.is_rank0:
             report = build_report(profile.steps, per_rank, args.steps)
+            if ops is not None:
+                report["ops"] = ops_report(cfg, ops, profile.steps)
             (run_dir.path / "profile.json").write_text(json.dumps(report, indent=1) + "\n")
             print(format_report(report))
+            if ops is not None:
+                print(format_ops(report["ops"]))
             print(f"wrote {run_dir.path / 'profile.json'}")
 
     run_in_world(cfg, "profile", body, preflight)
     return 0
+
+
+def ops_report(cfg, ops, steps: list[dict]) -> dict:
+    """Rank 0's op tables of the actor update and generation, with the FLOPs the timed steps' token counts give
+    (update: every token of the batch, `actor.epochs` times; generation: the prompts' prefill and each generated
+    token over its mean context) and the fp32 matmul peak of this process's threads."""
+    import statistics
+
+    from transformers import AutoConfig
+
+    from rlhf.models.spec import ModelSpec
+    from rlhf.profiling.ops import decode_flops, matmul_peak_gflops, train_flops
+
+    spec = ModelSpec.from_hf(AutoConfig.from_pretrained(cfg.model.path))
+    rollouts = cfg.data.prompts_per_step * cfg.sampling.n
+    total = sum(s["perf/total_num_tokens"] for s in steps)
+    prompt_mean = statistics.mean(s["prompt_length/mean"] for s in steps)
+    response_mean = statistics.mean(s["response_length/mean"] for s in steps)
+    flops = {"update_actor": train_flops(spec, int(total * cfg.actor.epochs), round(total / len(steps) / rollouts)),
+             "gen": decode_flops(spec, round(rollouts * response_mean * len(steps)), prompt_mean + response_mean / 2)
+             + decode_flops(spec, round(rollouts * prompt_mean * len(steps)), prompt_mean / 2)}
+    peak = matmul_peak_gflops()
+    out = {"peak_gflops": peak, "phases": {}}
+    for phase, phase_flops in flops.items():
+        table = ops.table(phase)
+        if table is not None:
+            achieved = phase_flops / table["wall_s"] / 1e9
+            out["phases"][phase] = table | {"flops": phase_flops, "achieved_gflops": achieved}
+    return out
+
+
+def format_ops(ops: dict) -> str:
+    from rlhf.profiling.ops import format_op_table
+
+    return "\n".join(format_op_table(f"{phase} (rank 0, profiled)", table, table["flops"], ops["peak_gflops"])
+                     for phase, table in ops["phases"].items())
 
 
 def build_report(steps: list[dict], per_rank: list[dict], timed_steps: int) -> dict:

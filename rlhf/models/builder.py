@@ -1,7 +1,7 @@
 """Build a megatron-core `GPTModel` (or its value-head variant) from an HF config on explicit process groups.
 
 The layer spec is chosen here and only here: Transformer-Engine when it is importable and a GPU is present,
-megatron's local spec otherwise (its attention core rlhf's `PackedDotProductAttention`, for packed micro-batches).
+megatron's local spec otherwise (its attention core rlhf's `FusedDotProductAttention`: fused, packed-aware).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from rlhf.models.spec import ModelSpec
 from rlhf.models.value_head import ValueHead
 from rlhf.platform import current_device, has_accelerator
 from rlhf.platform.compat import megatron as megatron_compat
-from rlhf.platform.packed_attention import PackedDotProductAttention
+from rlhf.platform.fused_attention import FusedDotProductAttention
 
 
 def moe_config(spec: ModelSpec, *, ep: int = 1, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
@@ -92,9 +92,10 @@ def layer_spec(config: TransformerConfig, pp_rank: int, pg_collection: ProcessGr
 
 
 def _with_packed_attention(layer: ModuleSpec) -> ModuleSpec:
-    """A local layer spec whose attention core also takes packed (THD) micro-batches (`rlhf.models.packing`);
-    TE's core takes them natively."""
-    layer.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    """A local layer spec whose attention core also takes packed (THD) micro-batches (`rlhf.models.packing`)
+    and runs torch's fused attention on unpacked ones (`rlhf.platform.fused_attention`); TE's core takes packed
+    micro-batches natively."""
+    layer.submodules.self_attention.submodules.core_attention = FusedDotProductAttention
     return layer
 
 

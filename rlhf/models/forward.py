@@ -15,6 +15,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
+from rlhf import platform
 from rlhf.errors import ConfigError
 from rlhf.models.packing import PackedMicroBatch
 from rlhf.platform.compat import megatron as megatron_compat
@@ -110,7 +111,7 @@ def _wanted_bs(micro_batch: Any) -> torch.Tensor:
 
 
 def _forward_step(loss_fn: LossFn, num_micro_batches: int, pg_collection: Any, token_fn: TokenFn | None,
-                  data_iterator: Any, model: Any) -> tuple:
+                  autocast_dtype: Any, data_iterator: Any, model: Any) -> tuple:
     micro_batch = next(data_iterator)
     tokens_bs = micro_batch.tokens_bs
     positions_bs = getattr(micro_batch, "position_ids_bs", None)
@@ -124,8 +125,11 @@ def _forward_step(loss_fn: LossFn, num_micro_batches: int, pg_collection: Any, t
     replay = getattr(getattr(model, "module", model), "rlhf_routing_replay", None)
     if replay is not None:  # routing replay (rlhf.models.routing_replay): this micro-batch's experts
         replay.begin(micro_batch)
-    output = model(tokens_bs, positions_bs, attention_mask=getattr(micro_batch, "attention_mask_b1ss", None),
-                   **inputs)
+    with platform.autocast(autocast_dtype):  # the model only: loss_fn (and the fused head) stay in fp32
+        output = model(tokens_bs, positions_bs, attention_mask=getattr(micro_batch, "attention_mask_b1ss", None),
+                       **inputs)
+    if autocast_dtype is not None and output.dtype == autocast_dtype:
+        output = output.float()
 
     def loss(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict]:
         if packed:  # the loss reads the rows as a padded forward gives them
@@ -147,7 +151,8 @@ def _forward_step(loss_fn: LossFn, num_micro_batches: int, pg_collection: Any, t
 
 
 def forward_backward(model: Any, micro_batches: list, loss_fn: LossFn, pg_collection: Any, *,
-                     forward_only: bool = False, token_fn: TokenFn | None = None) -> list[dict]:
+                     forward_only: bool = False, token_fn: TokenFn | None = None,
+                     autocast_dtype: torch.dtype | None = None) -> list[dict]:
     """Run `micro_batches` through megatron's schedule (1F1B when pp > 1); returns loss_fn's metrics dicts.
 
     Each micro-batch has `tokens_bs` and optionally `position_ids_bs` and `attention_mask_b1ss` (True =
@@ -158,6 +163,7 @@ def forward_backward(model: Any, micro_batches: list, loss_fn: LossFn, pg_collec
     (or `.main_grad` under megatron DDP) with `loss` taken as-is. Other stages get an empty list. With
     `token_fn`, `loss_fn` reads `token_fn(output, labels, wanted)` `[b, s, k]` instead of the output (required
     at cp > 1, where it runs on this cp rank's tokens and is gathered over `pg_collection.cp`).
+    `autocast_dtype` runs the model's forward (and so its matmuls' backward) under autocast to that dtype.
     """
     megatron_compat.apply()
     pp = pg_collection.pp.size()
@@ -170,7 +176,7 @@ def forward_backward(model: Any, micro_batches: list, loss_fn: LossFn, pg_collec
     extra = {"p2p_communicator": p2p} if p2p is not None else {}
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         return schedule(forward_step_func=partial(_forward_step, loss_fn, len(micro_batches), pg_collection,
-                                                  token_fn),
+                                                  token_fn, autocast_dtype),
                         data_iterator=iter(micro_batches), model=[model], num_microbatches=len(micro_batches),
                         seq_length=seq_length, micro_batch_size=batch_size, forward_only=forward_only,
                         pg_collection=pg_collection, **extra)

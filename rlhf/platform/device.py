@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -32,6 +33,26 @@ def device_for_local_rank(local_rank: int) -> torch.device:
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def host_supports_bf16() -> bool:
+    """The CPU has native bf16 matmul instructions (AVX-512-BF16 or AMX-BF16), read from /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def autocast(dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """torch autocast to `dtype` on the current device's type (None: no autocast, the weights' dtype)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=current_device().type, dtype=dtype)
 
 
 def current_device() -> torch.device:

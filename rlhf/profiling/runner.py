@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,8 +37,9 @@ class StepProfile:
 
 
 def run_profiled_steps(cfg: RlhfConfig, run_dir: RunDir, *, steps: int, warmup: int, counters: bool,
-                       trace_dir: Path | None = None) -> StepProfile:
-    """Build the trainer, run `warmup` untimed and `steps` timed RL steps; collectives (world-wide)."""
+                       trace_dir: Path | None = None, ops: Any = None) -> StepProfile:
+    """Build the trainer, run `warmup` untimed and `steps` timed RL steps; collectives (world-wide). `ops`, a
+    `rlhf.profiling.ops.PhaseOps`, profiles its phases' ops during the timed steps."""
     from rlhf.orchestration.loop import Trainer
 
     trainer = Trainer(cfg, run_dir)
@@ -53,6 +55,9 @@ def run_profiled_steps(cfg: RlhfConfig, run_dir: RunDir, *, steps: int, warmup: 
             stack.enter_context(profile.comm.active())
             TIMER_OBSERVERS.append(profile.timeline)
             stack.callback(TIMER_OBSERVERS.remove, profile.timeline)
+        if ops is not None:
+            TIMER_OBSERVERS.append(ops)
+            stack.callback(TIMER_OBSERVERS.remove, ops)
         tracer = stack.enter_context(torch.profiler.profile(
             activities=list(torch.profiler.supported_activities()))) if trace_dir else None
         for index in range(warmup + 1, warmup + steps + 1):

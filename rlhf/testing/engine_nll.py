@@ -59,6 +59,31 @@ def sft_loss(tp_group: dist.ProcessGroup, vocab_size: int) -> Callable:
     return loss_fn
 
 
-def sft_step(engine: TrainEngine, micro_batches: list[SftMicroBatch]) -> StepResult:
-    """One optimizer step of SFT; `StepResult.loss` is the global batch's token-mean answer NLL."""
-    return engine.train_step(micro_batches, sft_loss(engine.pg_collection.tp, engine.module.rlhf_spec.vocab_size))
+def sft_fused_loss(model: torch.nn.Module, tp_group: dist.ProcessGroup, vocab_size: int) -> Callable:
+    """`sft_loss` through the fused LM head (`rlhf.models.lm_head`, the actor's path) on the answer tokens only;
+    the model must hand back hidden states (`hidden_output`)."""
+    from rlhf.models.lm_head import LMHead, head_logprobs
+
+    def loss_fn(hidden_bsh: torch.Tensor, batch: SftMicroBatch) -> tuple[torch.Tensor, dict]:
+        predicts_bs = torch.roll(batch.answer_mask_bs, shifts=-1, dims=1).bool()
+        predicts_bs[:, -1] = False
+        rows_n, positions_n = predicts_bs.nonzero(as_tuple=True)
+        labels_n = batch.tokens_bs[rows_n, positions_n + 1]
+        logprobs_n, _ = head_logprobs(hidden_bsh[rows_n, positions_n], labels_n, LMHead.of(model, tp_group, vocab_size))
+        nll_sum = -logprobs_n.sum()
+        return nll_sum / batch.num_global_answer_tokens, {"sft/nll_sum": nll_sum.detach(),
+                                                          "sft/num_tokens": float(len(labels_n))}
+
+    return loss_fn
+
+
+def sft_step(engine: TrainEngine, micro_batches: list[SftMicroBatch], *, fused_head: bool = False) -> StepResult:
+    """One optimizer step of SFT; `StepResult.loss` is the global batch's token-mean answer NLL. `fused_head`:
+    through the fused LM head on the answer tokens (the actor's path) instead of the full logits."""
+    vocab_size = engine.module.rlhf_spec.vocab_size
+    if not fused_head:
+        return engine.train_step(micro_batches, sft_loss(engine.pg_collection.tp, vocab_size))
+    from rlhf.models.lm_head import hidden_output
+
+    with hidden_output(engine.module):
+        return engine.train_step(micro_batches, sft_fused_loss(engine.module, engine.pg_collection.tp, vocab_size))

@@ -8,6 +8,7 @@ from rlhf.errors import ConfigError
 
 DECAY_STYLES = ("constant", "linear", "cosine")
 NAN_POLICIES = ("skip", "abort")
+AUTOCASTS = ("none", "bfloat16")
 
 
 @dataclass(kw_only=True)
@@ -26,6 +27,7 @@ class OptimConfig:
     nan_policy: str = "skip"  # a non-finite gradient: skip the step or abort the run
     use_distributed_optimizer: bool = False  # shard optimizer state over DP ranks (megatron's distributed optimizer)
     offload: bool = False  # move params, grads and optimizer state to the host outside this role's phase
+    autocast: str = "none"  # bfloat16: the model's matmuls in bf16 autocast (fp32 weights, grads, Adam, loss)
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)
@@ -50,6 +52,8 @@ class OptimConfig:
                               f"{self.total_steps}")
         if self.clip_grad < 0:
             raise ConfigError(f"optim.clip_grad={self.clip_grad} must be >= 0 (0 disables clipping)")
+        if self.autocast not in AUTOCASTS:
+            raise ConfigError(f"optim.autocast={self.autocast!r} is not one of {', '.join(AUTOCASTS)}")
         if self.nan_policy not in NAN_POLICIES:
             raise ConfigError(f"optim.nan_policy={self.nan_policy!r} is not one of {', '.join(NAN_POLICIES)}")
 

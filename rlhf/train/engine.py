@@ -23,7 +23,8 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from rlhf.errors import NonFiniteError
+from rlhf import platform
+from rlhf.errors import ConfigError, NonFiniteError
 from rlhf.models.forward import LossFn, TokenFn, forward_backward, routed_tokens
 from rlhf.checkpoint.verify import check_trained_folder
 from rlhf.models.hf_load import HfFolder
@@ -49,6 +50,19 @@ class StepResult:
     metrics: list[dict] = field(default_factory=list)
 
 
+def _autocast_dtype(config: OptimConfig, params_dtype: torch.dtype) -> torch.dtype | None:
+    """`optim.autocast`'s dtype; bf16 autocast needs fp32 weights and, on a CPU, native bf16 instructions."""
+    if config.autocast == "none":
+        return None
+    if params_dtype != torch.float32:
+        raise ConfigError(f"optim.autocast={config.autocast!r} needs fp32 weights (model.dtype=float32), got "
+                          f"{params_dtype}; set optim.autocast=none")
+    if not platform.has_accelerator() and not platform.host_supports_bf16():
+        raise ConfigError(f"optim.autocast={config.autocast!r}: this CPU has neither AVX-512-BF16 nor AMX-BF16 "
+                          "(/proc/cpuinfo flags), so bf16 matmuls would be emulated and slower; set optim.autocast=none")
+    return getattr(torch, config.autocast)
+
+
 class TrainEngine:
     """Trains one role's model chunk (actor, critic) on its explicit process groups."""
 
@@ -56,12 +70,14 @@ class TrainEngine:
                  name: str = "actor", total_steps: int | None = None) -> None:
         megatron_compat.apply()
         self.name, self.config, self.pg_collection = name, config, pg_collection
+        self.autocast_dtype = _autocast_dtype(config, model.config.params_dtype)
         model.config.calculate_per_token_loss = True  # DDP sums grads over DP (see module docstring)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, average_in_collective=False,
             use_distributed_optimizer=config.use_distributed_optimizer, check_for_nan_in_grad=False)
         self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model,
                                              pg_collection=pg_collection)
+        megatron_compat.fuse_wgrad_accumulation(model)  # weight grads straight into the DDP grad buffer
         self.optimizer = build_optimizer(config, self.model, pg_collection)
         self.scheduler = build_scheduler(config, self.optimizer, config.resolved_total_steps(total_steps))
         self.num_steps = 0
@@ -85,7 +101,7 @@ class TrainEngine:
         self._check_loaded()
         with torch.no_grad():
             return forward_backward(self.model, micro_batches, fn, self.pg_collection, forward_only=True,
-                                    token_fn=token_fn)
+                                    token_fn=token_fn, autocast_dtype=self.autocast_dtype)
 
     def train_step(self, micro_batches: list, loss_fn: LossFn, token_fn: TokenFn | None = None) -> StepResult:
         """Zero grads, fwd+bwd over `micro_batches`, reduce over DP, check finiteness, clip, step, schedule."""
@@ -104,7 +120,7 @@ class TrainEngine:
 
         with self._router_losses(micro_batches):
             metrics = forward_backward(self.model, micro_batches, recording_loss, self.pg_collection,
-                                       token_fn=token_fn)
+                                       token_fn=token_fn, autocast_dtype=self.autocast_dtype)
         finalize_model_grads([self.model], None, pg_collection=self.pg_collection)
         loss = self._global_loss(losses)
         self.optimizer.prepare_grads()

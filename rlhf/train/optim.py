@@ -9,6 +9,7 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from rlhf.platform import has_accelerator
 from rlhf.platform.compat.megatron import default_group_as
 from rlhf.train.config import OptimConfig
 
@@ -18,7 +19,9 @@ def build_optimizer(config: OptimConfig, model: DistributedDataParallel,
     """AdamW (decoupled weight decay; none on biases and norms) over `model`'s params, megatron-wrapped.
 
     Clipping is done by the engine (after its non-finite check), so megatron's own clip is left at its
-    value only for the record; the engine never calls `optimizer.step()`.
+    value only for the record; the engine never calls `optimizer.step()`. Without TE/apex megatron falls back
+    to torch's AdamW, which on a CPU defaults to its per-tensor loop (six elementwise passes per parameter);
+    on a CPU host it runs torch's fused kernel instead (one pass; `use_fused_adam`).
     """
     params_dtype = model.config.params_dtype
     megatron_config = OptimizerConfig(
@@ -27,8 +30,23 @@ def build_optimizer(config: OptimConfig, model: DistributedDataParallel,
         clip_grad=config.clip_grad, use_distributed_optimizer=config.use_distributed_optimizer,
         params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16)
     with default_group_as(pg_collection.layout_all):
-        return get_megatron_optimizer(megatron_config, [model], use_gloo_process_groups=False,
-                                      pg_collection=pg_collection)
+        optimizer = get_megatron_optimizer(megatron_config, [model], use_gloo_process_groups=False,
+                                           pg_collection=pg_collection)
+    if not has_accelerator():
+        use_fused_adam(optimizer)
+    return optimizer
+
+
+def use_fused_adam(optimizer: MegatronOptimizer) -> None:
+    """Every torch AdamW inside `optimizer` steps with torch's fused kernel (the `fused=True` constructor flag,
+    set on its param groups). CPU only: there the `step` counters rlhf restores are host tensors, as fused
+    wants them; on an accelerator torch's default (foreach) stays."""
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(part, "optimizer", None)
+        if isinstance(inner, torch.optim.Adam):
+            inner.defaults.update(fused=True, foreach=False)
+            for group in inner.param_groups:
+                group.update(fused=True, foreach=False)
 
 
 def build_scheduler(config: OptimConfig, optimizer: MegatronOptimizer, total_steps: int) -> OptimizerParamScheduler:

@@ -40,6 +40,7 @@ def _run_all(profile_cfg: str, bench_cfg: str, async_cfg: str) -> int:
     # Both are given the training run's config (run.name=p): they write to p-profile and p-bench, never to p.
     assert main(["profile", "--config", profile_cfg, "--steps", "2", "--warmup", "1", "--trace"]) == 0
     assert main(["profile", "--config", async_cfg, "--steps", "2", "--warmup", "1"]) == 0
+    assert main(["profile", "--config", bench_cfg, "--steps", "1", "--warmup", "0", "--ops", "run.name=o"]) == 0
     return main(["bench", "--config", bench_cfg, "--steps", "2", "--warmup", "0"])
 
 
@@ -50,7 +51,7 @@ def outputs(tmp_path_factory):
     codes = run_distributed(_run_all, 2, _config_file(paths, root, 0.1), _config_file(paths, root, 0.0),
                             _config_file(paths, root, 0.0, split_async=True), timeout_s=300)
     assert codes == [0, 0]
-    assert sorted(p.name for p in (root / "runs").iterdir()) == ["a-profile", "p-bench", "p-profile"]
+    assert sorted(p.name for p in (root / "runs").iterdir()) == ["a-profile", "o-profile", "p-bench", "p-profile"]
     assert not list((root / "runs").rglob("checkpoints"))  # diagnostics neither resume nor save
     return root / "runs"
 
@@ -108,6 +109,30 @@ def test_profile_writes_a_trace_per_rank(outputs):
     for rank in (0, 1):
         trace = json.loads((outputs / "p-profile" / f"trace_rank{rank}.json").read_text())
         assert trace["traceEvents"]
+
+
+def test_profile_ops_tables_of_update_and_generation(outputs):
+    from transformers import AutoConfig
+
+    from rlhf.models.spec import ModelSpec
+    from rlhf.profiling.ops import GROUPS, decode_flops
+
+    report = json.loads((outputs / "o-profile" / "profile.json").read_text())
+    ops = report["ops"]
+    assert set(ops["phases"]) == {"gen", "update_actor"} and ops["peak_gflops"] > 0
+    for table in ops["phases"].values():
+        assert list(table["groups"]) == list(GROUPS) and 0 < len(table["top"]) <= 15
+        assert sum(g["s"] for g in table["groups"].values()) == pytest.approx(table["wall_s"])
+        assert table["achieved_gflops"] == pytest.approx(table["flops"] / table["wall_s"] / 1e9)
+    assert ops["phases"]["update_actor"]["groups"]["gemm"]["s"] > 0
+    assert any(row["group"] == "optimizer" for row in ops["phases"]["update_actor"]["top"]) or \
+        ops["phases"]["update_actor"]["groups"]["optimizer"]["s"] > 0
+    # 16 rollouts x 6 generated tokens (EOS ignored) over their mean context, plus the prompts' prefill
+    config = yaml.safe_load((outputs / "o-profile" / "config.yaml").read_text())
+    spec = ModelSpec.from_hf(AutoConfig.from_pretrained(config["model"]["path"]))
+    prompt = report["steps"][0]["prompt_length/mean"]
+    assert ops["phases"]["gen"]["flops"] == pytest.approx(decode_flops(spec, 96, prompt + 3)
+                                                          + decode_flops(spec, round(16 * prompt), prompt / 2))
 
 
 def test_bench_reports_both_throughputs(outputs):

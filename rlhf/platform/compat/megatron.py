@@ -37,6 +37,22 @@ Touch-points (name: what it does; why):
   `calculate_per_token_loss` is set and the config's `moe_aux_loss_coeff` / `moe_z_loss_coeff` are divided by
   the step's routed tokens, so router losses are a token-weighted mean over micro-batches and DP ranks
   (megatron otherwise adds them once per micro-batch and per DP rank).
+- `fuse_wgrad_accumulation`: megatron's `gradient_accumulation_fusion` on the local linears of a DDP-wrapped
+  model: the weight-gradient GEMM accumulates straight into the DDP grad buffer (`main_grad += g^T x`, one GEMM
+  with beta=1) instead of writing a fresh `.grad` the DDP hook then adds in. megatron implements it in apex's
+  CUDA extension `fused_weight_gradient_mlp_cuda`; where that is absent, its module global in
+  `tensor_parallel.layers` is a torch stand-in (`_HostWgradAccumulation`). Set per module after the DDP wrap
+  (megatron reads the flag at build time and would otherwise need `main_grad` on every linear's weight).
+- `_carry_host_autocast` (inside `apply()`): megatron's linear autograd functions
+  (`LinearWithGradAccumulationAndAsyncCommunication`, `LinearWithFrozenWeight`) carry autocast into their
+  backward only for CUDA (`custom_fwd/custom_bwd(device_type="cuda")`); their forward and backward are wrapped
+  to do the same for the host's autocast (`rlhf.platform.autocast` on a CPU), else a bf16 grad_output meets
+  the fp32 weight in backward.
+- `_lean_rope` (inside `apply()`): replaces `rope_utils._apply_rotary_pos_emb_bshd` (private; unfused RoPE, what
+  runs without TE's fused kernel) with the same arithmetic minus its waste: cos/sin of the step's `freqs` once
+  per forward instead of twice per layer (the last `freqs` tensor is remembered), no `* mscale` when it is 1, no
+  concatenation with the empty pass-through part. Bitwise the original's output and gradients; interleaved,
+  MLA and partial rotary keep the original.
 - `silence_unknown_mlp_warning`: a filter on `megatron.core.transformer.transformer_layer`'s logger, which
   warns "Unknown MLP type" for any MLP class it does not list (rlhf's `TensorParallelMoELayer`).
 
@@ -246,8 +262,57 @@ def apply() -> None:
 
     if not _state["applied"]:
         _patch_torch()
+        _carry_host_autocast()
+        _lean_rope()
         _state["applied"] = True
     _patch_megatron_modules()
+
+
+def _lean_rope() -> None:
+    """`_apply_rotary_pos_emb_bshd` without recomputing cos/sin per call and without the empty concatenation."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = rope_utils._apply_rotary_pos_emb_bshd
+    last: dict[str, Any] = {}
+
+    def cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (freqs._version, mscale, dtype, torch.is_inference_mode_enabled())
+        if last.get("freqs") is not freqs or last.get("key") != key:
+            cos, sin = torch.cos(freqs), torch.sin(freqs)
+            if mscale != 1.0:
+                cos, sin = cos * mscale, sin * mscale
+            last.update(freqs=freqs, key=key, cos_sin=(cos.to(dtype), sin.to(dtype)))
+        return last["cos_sin"]
+
+    def lean(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,
+             multi_latent_attention: bool = False, mscale: float = 1.0) -> torch.Tensor:
+        if rotary_interleaved or multi_latent_attention or t.shape[-1] != freqs.shape[-1] or freqs.requires_grad:
+            return original(t, freqs, rotary_interleaved=rotary_interleaved,
+                            multi_latent_attention=multi_latent_attention, mscale=mscale)
+        cos, sin = cos_sin(freqs, mscale, t.dtype)
+        first, second = torch.chunk(t, 2, dim=-1)
+        return (t * cos) + (torch.cat((-second, first), dim=-1) * sin)
+
+    rope_utils._apply_rotary_pos_emb_bshd = lean
+
+
+def _carry_host_autocast() -> None:
+    """The forward's CPU autocast state (enabled, dtype) is restored around the backward of megatron's linears."""
+    from megatron.core.tensor_parallel import layers
+
+    for function in (layers.LinearWithGradAccumulationAndAsyncCommunication, layers.LinearWithFrozenWeight):
+        forward, backward = function.forward, function.backward
+
+        def carried_forward(ctx: Any, *args: Any, _forward: Any = forward) -> Any:
+            ctx.rlhf_host_autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+            return _forward(ctx, *args)
+
+        def carried_backward(ctx: Any, *grads: Any, _backward: Any = backward) -> Any:
+            enabled, dtype = getattr(ctx, "rlhf_host_autocast", (False, torch.bfloat16))
+            with torch.autocast("cpu", dtype=dtype, enabled=enabled):
+                return _backward(ctx, *grads)
+
+        function.forward, function.backward = staticmethod(carried_forward), staticmethod(carried_backward)
 
 
 def seed_rng_tracker(seed: int, tp_rank: int) -> None:
@@ -325,6 +390,39 @@ def router_losses_per_token(model: torch.nn.Module, num_tokens: int) -> Iterator
         config.moe_aux_loss_coeff, config.moe_z_loss_coeff = saved[0], saved[1]
         for router, per_token in zip(found, saved[2]):
             router.calculate_per_token_loss = per_token
+
+
+class _HostWgradAccumulation:
+    """Stands in for apex's `fused_weight_gradient_mlp_cuda`: `main_grad += grad_output^T @ input`, in place (one
+    GEMM with beta=1 when the dtypes agree; else the product in the inputs' dtype, then added, as unfused)."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        if total_input.dtype == grad_output.dtype == main_grad.dtype:
+            main_grad.addmm_(grad_output.t(), total_input)
+        else:
+            main_grad.add_(grad_output.t().matmul(total_input))
+
+    wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32
+
+
+def fuse_wgrad_accumulation(model: torch.nn.Module) -> int:
+    """Weight gradients of `model`'s local Column/RowParallelLinears accumulate into their DDP `main_grad`
+    (see the module docstring); returns how many linears were switched. Call after the DDP wrap."""
+    from megatron.core.tensor_parallel import layers
+
+    if not layers._grad_accum_fusion_available or getattr(layers, "fused_weight_gradient_mlp_cuda", None) is None:
+        layers.fused_weight_gradient_mlp_cuda = _HostWgradAccumulation
+        layers._grad_accum_fusion_available = True
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, (layers.ColumnParallelLinear, layers.RowParallelLinear)):
+            weight = getattr(module, "weight", None)
+            if weight is not None and weight.requires_grad and hasattr(weight, "main_grad") \
+                    and weight.main_grad.dtype in (torch.float32, torch.float16, torch.bfloat16):
+                module.gradient_accumulation_fusion = True
+                switched += 1
+    return switched
 
 
 class _UnknownMlpWarning(logging.Filter):

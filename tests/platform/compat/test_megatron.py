@@ -64,3 +64,32 @@ def _import_generation_after_compat() -> bool:
 def test_host_stream_is_a_type_so_later_imports_still_work():
     """Regression: a lambda for torch.cuda.Stream broke transformers' generation import (`Stream | None`)."""
     assert run_distributed(_import_generation_after_compat, 1, backend="none", timeout_s=300) == [True]
+
+
+def _rope_probe() -> dict:
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from rlhf.platform.compat import megatron as megatron_compat
+
+    original = rope_utils._apply_rotary_pos_emb_bshd
+    megatron_compat.apply()
+    lean = rope_utils._apply_rotary_pos_emb_bshd
+    generator = torch.Generator().manual_seed(0)
+    out = {"patched": lean is not original}
+    for case, (mscale, rotary_dim) in {"plain": (1.0, 16), "mscale": (1.5, 16), "partial": (1.0, 8)}.items():
+        freqs = torch.randn(6, 1, 1, rotary_dim, generator=generator)
+        for repeat in range(2):  # the second call reads the remembered cos/sin
+            t = torch.randn(6, 2, 3, 16, generator=generator, requires_grad=True)
+            upstream = torch.randn(6, 2, 3, 16, generator=generator)
+            results = []
+            for fn in (lean, original):
+                y = fn(t, freqs, mscale=mscale)
+                results.append((y, torch.autograd.grad((y * upstream).sum(), t)[0]))
+            out[f"{case}{repeat}"] = all(torch.equal(a, b) for a, b in zip(*results))
+    return out
+
+
+def test_lean_rope_is_bitwise_megatrons():
+    probe = run_distributed(_rope_probe, 1, backend="none", timeout_s=120)[0]
+    assert probe == {"patched": True, "plain0": True, "plain1": True, "mscale0": True, "mscale1": True,
+                     "partial0": True, "partial1": True}
