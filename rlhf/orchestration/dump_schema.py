@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.errors import ConfigError
+from rlhf.stages.batch import PADDING_UID
 
 FORMAT = "rlhf.rollouts/1"
 FIX = "point --rollouts at the rollouts/ folder of a run trained with trainer.dump_rollouts=true"
@@ -114,8 +115,9 @@ def _check_row(path: Path, row: int, values: dict[str, Any], vocab_size: int, ma
     if bad is not None:
         _fail(path, row, "policy_version", f"policy version {bad} is outside [0, {INT32_MAX}]", FIX)
     check_score(path, row, values["score"])
-    if not 0 <= values["uid"] <= INT64_MAX:
-        _fail(path, row, "uid", f"uid {values['uid']} is not a dataset index in [0, {INT64_MAX}]", FIX)
+    if not (0 <= values["uid"] <= INT64_MAX or values["uid"] == PADDING_UID):
+        _fail(path, row, "uid", f"uid {values['uid']} is not a dataset index in [0, {INT64_MAX}] (or "
+              f"{PADDING_UID}: a padding row)", FIX)
     for name in ("group", "trajectory"):
         if name in values and not -INT64_MAX - 1 <= values[name] <= INT64_MAX:
             _fail(path, row, name, f"{name} {values[name]} does not fit int64", FIX)

@@ -3,7 +3,7 @@
 
 One row per rollout: prompt and response ids and text, the rollout's token logprobs, the sequence score, the
 advantages, each token's policy version and staleness (versions behind the actor at step N, N - 1), data_source,
-uid (the prompt's dataset index) and group; where responses have interior zeros (multi-turn: tool output and
+uid (the prompt's dataset index; -1 and data_source "" on a padding row) and group; where responses have interior zeros (multi-turn: tool output and
 template tokens) the loss mask (1 on the tokens the policy sampled); with the multi-turn `fork` history each row's
 trajectory in its group (a forked trajectory's rows share it). The step's batch is already gathered on every rank that trains
 (`gather_global_batch`), so one of them (rank 0; async: the first training rank) writes it, no collective.
@@ -24,7 +24,7 @@ import torch
 from rlhf.data.records import PromptRecord
 from rlhf.errors import ConfigError
 from rlhf.run_dir import check_inside
-from rlhf.stages.batch import RolloutBatch, ScoredBatch
+from rlhf.stages.batch import PADDING_UID, RolloutBatch, ScoredBatch
 from rlhf.orchestration.dump_schema import FIX, FORMAT, check_footer, check_rows, check_score
 
 
@@ -60,7 +60,8 @@ def batch_table(batch: ScoredBatch, step: int, records: dict[int, PromptRecord],
                               pa.list_(pa.int64())),
         "uid": pa.array(uids, pa.int64()),
         "group": pa.array(batch.group_index_b.tolist(), pa.int64()),
-        "data_source": pa.array([records[uid].data_source for uid in uids], pa.string()),
+        "data_source": pa.array(["" if uid == PADDING_UID else records[uid].data_source for uid in uids],
+                                pa.string()),
         "prompt": pa.array([tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids], pa.string()),
         "response": pa.array([tokenizer.decode(ids, skip_special_tokens=True) for ids in response_ids],
                              pa.string()),

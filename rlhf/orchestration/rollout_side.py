@@ -167,30 +167,31 @@ class RolloutSide:
 
     def _agent_batch(self, prompts: PromptStep, result: MultiTurnResult) -> RolloutBatch:
         """Trajectories as rows (loss, KL and advantages on sampled tokens only), scored on their last turn (or
-        by their environment); a dropped group keeps its rows with nothing to train on."""
+        by their environment) and overlong-shaped on the whole trajectory's length; a dropped group keeps its
+        rows with nothing to train on."""
         rows = to_rows(result, self.pad_token_id, num_samples=self.sampling.n)
-        scores_b = None
-        if not self.scored_by_model:
-            texts = self.multiturn.final_texts(result)
-            rule = self.scorer.score_texts([record for record, _ in texts], [text for _, text in texts])
-            own = [t.reward for group in result.kept for t in group.trajectories]
-            kept_b = torch.tensor([own_reward if own_reward is not None else float(score)
-                                   for own_reward, score in zip(own, rule.tolist())], dtype=torch.float32)
-            scores_b = torch.zeros(rows.size, dtype=torch.float32)
-            scores_b[rows.kept_b] = kept_b[rows.rollout_index_b[rows.kept_b]]
-            scores_b = shaped_scores(scores_b, rows.response_lengths_b, self.sampling.max_new_tokens,
-                                     self.algo.overlong_buffer)
         sample_index_b = torch.tensor([record.index for record in prompts.records],
                                       dtype=torch.long)[rows.group_index_b]
         forks = self.multiturn.limits.history is HistoryPolicy.FORK  # a trajectory may be several rows
-        return RolloutBatch(tokens_bs=rows.tokens_bs, prompt_lengths_b=rows.prompt_lengths_b,
-                            response_lengths_b=rows.response_lengths_b, response_mask_bt=rows.loss_mask_bt,
-                            pad_token_id=self.pad_token_id, group_index_b=rows.group_index_b,
-                            sample_index_b=sample_index_b, loss_mask_bt=rows.loss_mask_bt,
-                            trajectory_index_b=rows.trajectory_index_b if forks else None,
-                            rollout_logprobs_bt=rows.rollout_logprobs_bt, policy_version_bt=rows.policy_version_bt,
-                            truncated_b=rows.truncated_b, scores_b=scores_b, baseline_scores_b=None,
-                            routed_experts_bslk=None)
+        batch = RolloutBatch(tokens_bs=rows.tokens_bs, prompt_lengths_b=rows.prompt_lengths_b,
+                             response_lengths_b=rows.response_lengths_b, response_mask_bt=rows.loss_mask_bt,
+                             pad_token_id=self.pad_token_id, group_index_b=rows.group_index_b,
+                             sample_index_b=sample_index_b, loss_mask_bt=rows.loss_mask_bt,
+                             trajectory_index_b=rows.trajectory_index_b if forks else None,
+                             rollout_logprobs_bt=rows.rollout_logprobs_bt, policy_version_bt=rows.policy_version_bt,
+                             truncated_b=rows.truncated_b, scores_b=None, baseline_scores_b=None,
+                             routed_experts_bslk=None)
+        if self.scored_by_model:
+            return batch
+        texts = self.multiturn.final_texts(result)
+        rule = self.scorer.score_texts([record for record, _ in texts], [text for _, text in texts])
+        own = [t.reward for group in result.kept for t in group.trajectories]
+        kept_b = torch.tensor([own_reward if own_reward is not None else float(score)
+                               for own_reward, score in zip(own, rule.tolist())], dtype=torch.float32)
+        scores_b = torch.zeros(rows.size, dtype=torch.float32)
+        scores_b[rows.kept_b] = kept_b[rows.rollout_index_b[rows.kept_b]]
+        return dataclasses.replace(batch, scores_b=shaped_scores(
+            scores_b, batch.trajectory_lengths_b, self.sampling.max_new_tokens, self.algo.overlong_buffer))
 
     def _fill(self, first: RolloutShare, index: int, first_extra_round: int, metrics: StepMetrics) -> RolloutShare:
         """DAPO dynamic sampling: rounds of prompts (gathered over `round_group`, so its ranks agree on them) until

@@ -35,7 +35,7 @@ from rlhf.metrics import StepMetrics
 from rlhf.orchestration.rollout_side import shaped_scores
 from rlhf.orchestration.schema import RlhfConfig
 from rlhf.parallel.meshes import RoleMeshes
-from rlhf.stages.batch import RolloutBatch, ScoredBatch, pad_to_multiple
+from rlhf.stages.batch import PADDING_UID, RolloutBatch, ScoredBatch, pad_to_multiple
 from rlhf.stages.config import AlgoConfig, UpdateConfig
 from rlhf.stages.distill import DistillStage
 from rlhf.stages.memory import MemoryPhases
@@ -139,7 +139,7 @@ class TrainSide:
         if self.reward_model is not None:
             with metrics.timer("reward"):
                 batch = dataclasses.replace(batch, scores_b=shaped_scores(
-                    self.reward_model.scores(batch), batch.response_lengths_b, self.max_new_tokens,
+                    self.reward_model.scores(batch), batch.trajectory_lengths_b, self.max_new_tokens,
                     algo.overlong_buffer))
         old_bt = sum_pi_squared_bt = None
         if needs_old_logprobs(algo, self.actor_update):
@@ -246,7 +246,11 @@ def _masked_mean(x_bt: torch.Tensor, mask_bt: torch.Tensor) -> float:
 def record_batch_metrics(metrics: StepMetrics, batch: ScoredBatch, algo: AlgoConfig, max_new_tokens: int,
                          actor_version: int) -> None:
     """Metrics of the global batch (identical on every rank, so rank 0 reports them); staleness is how many
-    updates the sampling policy is behind `actor_version` (the updates before this step's)."""
+    updates the sampling policy is behind `actor_version` (the updates before this step's). Padding rows
+    (`pad_to_multiple`) are left out: they are no rollouts."""
+    padding_b = batch.sample_index_b == PADDING_UID
+    if padding_b.any():
+        batch = batch.select(~padding_b)
     mask = batch.response_mask_bt
     lengths = batch.response_lengths_b.float()
     num_tokens = int(batch.prompt_lengths_b.sum() + batch.response_lengths_b.sum())
@@ -272,7 +276,7 @@ def record_batch_metrics(metrics: StepMetrics, batch: ScoredBatch, algo: AlgoCon
     }
     if algo.overlong_buffer.len:
         values["critic/overlong_penalty/mean"] = float(overlong_penalty(
-            batch.response_lengths_b, max_new_tokens, algo.overlong_buffer).mean())
+            batch.trajectory_lengths_b, max_new_tokens, algo.overlong_buffer).mean())
     if batch.old_logprobs_bt is not None and not bypasses_old_logprobs(algo):
         diff_bt = (batch.rollout_logprobs_bt - batch.old_logprobs_bt).abs() * mask
         values["rollout/logprob_diff_mean"] = _masked_mean(diff_bt, mask)

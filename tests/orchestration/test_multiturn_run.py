@@ -3,7 +3,8 @@
 only the sampled tokens (interior zeros), and its recompute of their logprobs matches the rollout's. At tp2 the
 agent's observations name the rank that rendered them: only TP rank 0 runs agents, the other follows; split
 placement (actor on rank 0, rollout on rank 1) runs the same loop, synchronous and one step off; the fork
-history, and a replay of its dump."""
+history (with overlong shaping on the whole trajectory), a replay of its dump, and fork with DAPO dynamic
+sampling."""
 
 import json
 
@@ -109,12 +110,15 @@ def _runs(setup, root):
     agent = f"multiturn.agent={setup['agent']}:three_turns"
     split = ["mesh.placement=split", "mesh.actor={ranks: [0, 1]}", "mesh.rollout={ranks: [1, 2]}"]
     fork = [f"multiturn.agent={setup['agent']}:forking", "multiturn.limits.history=fork", "data.shuffle=false",
-            "trainer.total_steps=1", "algo.rollout_correction.enable=true"]
+            "trainer.total_steps=1", "algo.rollout_correction.enable=true", "sampling.max_new_tokens=64",
+            "algo.overlong_buffer.len=60"]
     for name, overrides in (("agent", [agent]),
                             ("tp2", [agent, "mesh.actor.tp=2", "mesh.rollout.tp=2", "trainer.total_steps=1"]),
                             ("split", [agent, *split, "trainer.total_steps=1"]),
                             ("async", [agent, *split, "trainer.async_mode=one_step_off", "comm.verify=true"]),
                             ("fork", fork + ["trainer.dump_rollouts=true"]),
+                            ("fork_dapo", fork + ["algo.filter_groups.enable=true",
+                                                  "algo.filter_groups.max_num_gen_batches=3"]),
                             ("tools", ["multiturn.agent=tools", f"multiturn.tool_config={setup['tools']}",
                                        "multiturn.list_tools=false"])):
         cfg = multiturn_config(setup, f"{root}/{name}", overrides)
@@ -155,6 +159,7 @@ def test_multiturn_grpo_trains_on_sampled_tokens_only(setup, tmp_path):
         assert ((batch.advantages_bt != 0) <= batch.loss_mask_bt).all()
     assert "val/score/mean@1" in agent["history"][0]
     _check_forks(world[0]["fork"])
+    _check_fork_dapo(world[0]["fork_dapo"])
     _check_replay(world[0]["fork"], world[0]["replay"], f"{tmp_path}/fork/m/rollouts/step_000001.parquet")
     for row in tools["history"][1:]:
         assert row["multiturn/dropped_groups"] == 0.0 and "multiturn/engine_idle_share" in row
@@ -185,6 +190,34 @@ def _check_forks(fork):
         groups=Groups.from_index(batch.group_index_b[own]))).advantages_bt[:, 0]
     assert torch.equal(advantage_b[[0, 2] + list(range(4, 10))], expected) and expected.abs().sum() > 0
     assert not batch.advantages_bt[~real_b].any()
+    # overlong shaping reads the whole trajectory (both rows: 4 sampled + observation tokens each), so the rows
+    # of one trajectory share a penalty; the agent's reward is an integer, the penalty -(total - 4) / 60
+    total_b = batch.trajectory_lengths_b[:10]
+    assert total_b[0] == batch.response_lengths_b[:2].sum() and batch.response_lengths_b[0] != total_b[0]
+    reward_b = batch.scores_b[:10] + (total_b - 4).clamp(min=0) / 60
+    torch.testing.assert_close(reward_b, reward_b.round())
+    # the 6 padding rows are marked and left out of the batch's metrics
+    assert batch.sample_index_b[10:].tolist() == [-1] * 6 and batch.sample_index_b[:10].min() >= 0
+    assert row["response_length/mean"] == pytest.approx(float(batch.response_lengths_b[:10].float().mean()))
+    assert row["critic/score/mean"] == pytest.approx(float(batch.scores_b[:10].mean()))
+
+
+def _check_fork_dapo(run):
+    """Dynamic sampling over forked trajectories: the kept groups are the ones whose trajectories' scores differ
+    (every row of a trajectory carries its score), whole, with every row of each trajectory."""
+    row, (batch,) = run["history"][1], run["batches"]
+    assert row["dynamic_sampling/gen_rounds"] >= 1
+    real_b = batch.sample_index_b >= 0
+    assert batch.size % 8 == 0 and batch.group_index_b[real_b].unique().numel() == 4
+    for group in batch.group_index_b[real_b].unique().tolist():
+        rows_b = real_b & (batch.group_index_b == group)
+        per_trajectory = {}
+        for trajectory, score in zip(batch.trajectory_index_b[rows_b].tolist(), batch.scores_b[rows_b].tolist()):
+            per_trajectory.setdefault(trajectory, set()).add(score)
+        assert sorted(per_trajectory) == [0, 1] and all(len(scores) == 1 for scores in per_trajectory.values())
+        kept = row["dynamic_sampling/kept_groups"]
+        if group < kept:  # the informative ones come first; a short step is filled with uninformative groups
+            assert len(set().union(*per_trajectory.values())) == 2
 
 
 def _check_replay(fork, replay, dump):
@@ -194,6 +227,7 @@ def _check_replay(fork, replay, dump):
     (batch,), (replayed,) = fork["batches"], replay["batches"]
     table = pq.read_table(dump).to_pydict()
     assert len(table["loss_mask"]) == 16 and table["trajectory"][:4] == [0, 0, 1, 1]
+    assert table["uid"][10:] == [-1] * 6 and table["data_source"][10:] == [""] * 6  # the padding rows
     for row, mask in enumerate(table["loss_mask"]):
         assert mask == batch.response_mask_bt[row, :int(batch.response_lengths_b[row])].tolist()
     assert any(False in mask[mask.index(True):] for mask in table["loss_mask"] if True in mask)  # interior zeros
