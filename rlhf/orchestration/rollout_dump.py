@@ -191,10 +191,12 @@ def read_dump(path: Path, vocab_size: int, max_positions: int) -> RolloutBatch:
 
 
 def read_scores(path: Path) -> torch.Tensor:
-    """The dump's sequence scores (float32 [B]) alone, each checked (`dump_schema.check_score`)."""
+    """The dump's rollouts' sequence scores (float32, padding rows left out) alone, each checked
+    (`dump_schema.check_score`)."""
     parquet = _open(path)
     check_footer(path, parquet.schema_arrow)
-    scores = parquet.read(columns=["score"]).column("score").to_pylist()
-    for row, score in enumerate(scores):
+    table = parquet.read(columns=["score", "uid"]).to_pydict()
+    for row, score in enumerate(table["score"]):
         check_score(path, row, score)
-    return torch.tensor(scores, dtype=torch.float32)
+    return torch.tensor([score for score, uid in zip(table["score"], table["uid"]) if uid != PADDING_UID],
+                        dtype=torch.float32)

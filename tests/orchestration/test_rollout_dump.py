@@ -85,6 +85,7 @@ def test_a_dump_reads_back_as_the_batch_it_trained_on(tmp_path):
     rows = pq.read_table(path).to_pylist()
     assert [(row["uid"], row["data_source"]) for row in rows[3:]] == [(2, "src0"), (-1, ""), (-1, "")]
     assert back.group_index_b.tolist() == [0, 0, 1, 1, 2, 3]  # each padding row a group of its own
+    assert torch.equal(read_scores(path), multiturn.scores_b[:4])  # replay's reward_norm folds rollouts only
 
 
 def test_bad_dump_folders_are_one_line_config_errors(tmp_path):
