@@ -5,7 +5,8 @@ One row per rollout: prompt and response ids and text, the rollout's token logpr
 advantages, each token's policy version and staleness (versions behind the actor at step N, N - 1), data_source,
 uid (the prompt's dataset index; -1 and data_source "" on a padding row) and group; where responses have interior zeros (multi-turn: tool output and
 template tokens) the loss mask (1 on the tokens the policy sampled); with the multi-turn `fork` history each row's
-trajectory in its group (a forked trajectory's rows share it). The step's batch is already gathered on every rank that trains
+trajectory in its group (a forked trajectory's rows share it); with `multiturn.credit=turn` each token's turn
+return-to-go. The step's batch is already gathered on every rank that trains
 (`gather_global_batch`), so one of them (rank 0; async: the first training rank) writes it, no collective.
 Plain parquet columns only (never pickle); the file's metadata holds the format name, the pad token and the
 response width.
@@ -75,6 +76,9 @@ def batch_table(batch: ScoredBatch, step: int, records: dict[int, PromptRecord],
         columns["loss_mask"] = pa.array(_rows(batch.response_mask_bt, batch.response_lengths_b), pa.list_(pa.bool_()))
     if batch.trajectory_index_b is not None:
         columns["trajectory"] = pa.array(batch.trajectory_index_b.tolist(), pa.int64())
+    if batch.turn_returns_bt is not None:
+        columns["turn_returns"] = pa.array(_rows(batch.turn_returns_bt, batch.response_lengths_b),
+                                           pa.list_(pa.float32()))
     for name, field in (("rollout_logprobs", "rollout_logprobs_bt"), ("old_logprobs", "old_logprobs_bt"),
                         ("ref_logprobs", "ref_logprobs_bt"), ("values", "values_bt"), ("advantages", "advantages_bt")):
         values_bt = getattr(batch, field)
@@ -176,6 +180,7 @@ def read_dump(path: Path, vocab_size: int, max_positions: int) -> RolloutBatch:
     mask_bt = (_padded(table["loss_mask"], width, torch.bool) if "loss_mask" in table  # absent: no interior zeros
                else _length_mask(lengths_b, width))
     trajectory_b = torch.tensor(table["trajectory"], dtype=torch.long) if "trajectory" in table else None
+    turn_returns_bt = _padded(table["turn_returns"], width, torch.float32) if "turn_returns" in table else None
     pad = int(meta["pad_token_id"])
     return RolloutBatch(
         tokens_bs=_padded(sequences, max(2, max(map(len, sequences))), torch.long, pad),
@@ -187,7 +192,7 @@ def read_dump(path: Path, vocab_size: int, max_positions: int) -> RolloutBatch:
         scores_b=torch.tensor(table["score"], dtype=torch.float32),
         sample_index_b=torch.tensor(table["uid"], dtype=torch.long), trajectory_index_b=trajectory_b,
         policy_version_bt=_padded(table["policy_version"], width, torch.int32),
-        baseline_scores_b=None, routed_experts_bslk=None, pad_token_id=pad)
+        baseline_scores_b=None, routed_experts_bslk=None, pad_token_id=pad, turn_returns_bt=turn_returns_bt)
 
 
 def read_scores(path: Path) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlhf.agents.batch import to_rows
+from rlhf.agents.batch import to_rows, turn_returns_bt
 from rlhf.agents.config import HistoryPolicy
 from rlhf.agents.rollout import TOTALS, MultiTurnResult, MultiTurnRollout
 from rlhf.agents.scheduler import TpRelay
@@ -190,8 +190,11 @@ class RolloutSide:
                                for own_reward, score in zip(own, rule.tolist())], dtype=torch.float32)
         scores_b = torch.zeros(rows.size, dtype=torch.float32)
         scores_b[rows.kept_b] = kept_b[rows.rollout_index_b[rows.kept_b]]
-        return dataclasses.replace(batch, scores_b=shaped_scores(
-            scores_b, batch.trajectory_lengths_b, self.sampling.max_new_tokens, self.algo.overlong_buffer))
+        penalty_b = overlong_penalty(batch.trajectory_lengths_b, self.sampling.max_new_tokens,
+                                     self.algo.overlong_buffer)
+        turn_returns = (turn_returns_bt(rows, kept_b, penalty_b, self.multiturn.limits.turn_discount)
+                        if self.multiturn.credit == "turn" else None)
+        return dataclasses.replace(batch, scores_b=scores_b + penalty_b, turn_returns_bt=turn_returns)
 
     def _fill(self, first: RolloutShare, index: int, first_extra_round: int, metrics: StepMetrics) -> RolloutShare:
         """DAPO dynamic sampling: rounds of prompts (gathered over `round_group`, so its ranks agree on them) until

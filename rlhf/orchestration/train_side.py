@@ -29,6 +29,7 @@ from rlhf.algo.groups import Groups
 from rlhf.algo.kl import KLController, apply_kl_in_reward
 from rlhf.algo.policy_loss_cov import COVARIANCE_KINDS, covariance_selection
 from rlhf.algo.rollout_correction import rollout_correction
+from rlhf.algo.turn_credit import turn_advantages
 from rlhf.algo.value_loss import explained_variance
 from rlhf.data.records import PromptRecord
 from rlhf.metrics import StepMetrics
@@ -167,8 +168,12 @@ class TrainSide:
                                      values_bt=values_bt, baseline_scores_b=batch.baseline_scores_b,
                                      groups=Groups.from_index(batch.group_index_b), old_logprobs_bt=old_bt,
                                      sum_pi_squared_bt=sum_pi_squared_bt, is_weights_bt=is_weights_bt)
-            result = (compute_advantages(algo.advantage, inputs) if batch.trajectory_index_b is None
-                      else trajectory_advantages(algo.advantage, inputs, batch.trajectory_index_b))
+            if batch.turn_returns_bt is not None:  # multi-turn credit=turn
+                result = turn_advantages(algo.advantage, inputs, batch.turn_returns_bt, batch.trajectory_index_b)
+            elif batch.trajectory_index_b is not None:
+                result = trajectory_advantages(algo.advantage, inputs, batch.trajectory_index_b)
+            else:
+                result = compute_advantages(algo.advantage, inputs)
         teacher_bt, advantages_bt = None, result.advantages_bt
         if self.distill is not None:
             teacher_bt, advantages_bt = self.distill.advantages(batch, old_bt, advantages_bt, metrics)

@@ -117,6 +117,9 @@ class RolloutBatch(SequenceBatch):
     baseline_scores_b: torch.Tensor | None  # fp32 [B] greedy-rollout reward of the prompt (ReMax only)
     # int16 [B, S, L, K] experts of each input token per routed layer (-1 unknown): MoE routing replay only
     routed_experts_bslk: torch.Tensor | None
+    # fp32 [B, T] multi-turn `credit=turn`: each sampled token's turn return-to-go (0 elsewhere); None: the score
+    # is the trajectory's on every token (the default, so single-turn builders need not name it)
+    turn_returns_bt: torch.Tensor | None = None
 
     @property
     def trajectory_lengths_b(self) -> torch.Tensor:
@@ -155,7 +158,8 @@ ROLLOUT_SCHEMA = {"tokens_bs": torch.int64, "prompt_lengths_b": torch.int64, "re
                   "response_mask_bt": torch.bool, "group_index_b": torch.int64, "sample_index_b": torch.int64,
                   "trajectory_index_b": torch.int64, "loss_mask_bt": torch.bool, "rollout_logprobs_bt": torch.float32,
                   "policy_version_bt": torch.int32, "truncated_b": torch.bool, "scores_b": torch.float32,
-                  "baseline_scores_b": torch.float32, "routed_experts_bslk": torch.int16}
+                  "baseline_scores_b": torch.float32, "routed_experts_bslk": torch.int16,
+                  "turn_returns_bt": torch.float32}
 
 
 def rollout_state(batch: RolloutBatch) -> dict[str, Any]:
@@ -166,7 +170,7 @@ def rollout_state(batch: RolloutBatch) -> dict[str, Any]:
 def rollout_from_state(state: dict[str, Any]) -> RolloutBatch:
     """Inverse of `rollout_state`; a tree of another schema is a CheckpointError naming the difference."""
     expected = set(ROLLOUT_SCHEMA) | {"pad_token_id"}
-    state = {"trajectory_index_b": None} | state  # absent: written before it existed
+    state = {"trajectory_index_b": None, "turn_returns_bt": None} | state  # absent: written before they existed
     if set(state) != expected:
         raise CheckpointError(f"the checkpoint's in-flight batch has fields {sorted(set(state) ^ expected)} this "
                               "version does not expect; resume it with the version that wrote it")

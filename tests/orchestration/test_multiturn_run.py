@@ -43,6 +43,23 @@ async def forking(ctx, sample):
     # prompt 0 rewrites its history (as a template dropping old reasoning does): a fork
     builder = await _turns(ctx, sample, 2, lambda text: "[summary]" if sample.index == 0 else text)
     return ctx.finish(builder, Termination.MAX_TURNS, 2, reward=float(sum(builder.tokens) % 3))
+
+
+async def stepping(ctx, sample):
+    """Two turns, each rewarded by its digits mod 3 (per-turn rewards, as an environment gives them)."""
+    messages = list(sample.prompt)
+    builder = TrajectoryBuilder(prompt=ctx.renderer.prompt(messages), token_budget=ctx.limits.token_budget)
+    rewards = []
+    for turn in range(2):
+        generation = await ctx.generate(builder.tokens, 4)
+        builder.add_sampled(generation.token_ids, generation.logprobs, generation.policy_version)
+        text = ctx.renderer.tokenizer.decode(generation.token_ids)
+        rewards.append(float(sum(c.isdigit() for c in text) % 3))
+        if turn == 0:
+            messages.append({"role": "assistant", "content": text})
+            ctx.advance(builder, messages, [{"role": "user", "content": "step 1"}])
+    reward = rewards[0] + ctx.limits.turn_discount * rewards[1]
+    return ctx.finish(builder, Termination.MAX_TURNS, 2, reward=reward, turn_rewards=tuple(rewards))
 '''
 
 
@@ -119,6 +136,9 @@ def _runs(setup, root):
                             ("fork", fork + ["trainer.dump_rollouts=true"]),
                             ("fork_dapo", fork + ["algo.filter_groups.enable=true",
                                                   "algo.filter_groups.max_num_gen_batches=3"]),
+                            ("turn", [f"multiturn.agent={setup['agent']}:stepping", "multiturn.credit=turn",
+                                      "multiturn.limits.turn_discount=0.5", "trainer.total_steps=1",
+                                      "trainer.dump_rollouts=true"]),
                             ("tools", ["multiturn.agent=tools", f"multiturn.tool_config={setup['tools']}",
                                        "multiturn.list_tools=false"])):
         cfg = multiturn_config(setup, f"{root}/{name}", overrides)
@@ -160,6 +180,7 @@ def test_multiturn_grpo_trains_on_sampled_tokens_only(setup, tmp_path):
     assert "val/score/mean@1" in agent["history"][0]
     _check_forks(world[0]["fork"])
     _check_fork_dapo(world[0]["fork_dapo"])
+    _check_turn_credit(world[0]["turn"], f"{tmp_path}/turn/m/rollouts/step_000001.parquet")
     _check_replay(world[0]["fork"], world[0]["replay"], f"{tmp_path}/fork/m/rollouts/step_000001.parquet")
     for row in tools["history"][1:]:
         assert row["multiturn/dropped_groups"] == 0.0 and "multiturn/engine_idle_share" in row
@@ -220,6 +241,36 @@ def _check_fork_dapo(run):
             assert len(set().union(*per_trajectory.values())) == 2
 
 
+def _check_turn_credit(run, dump):
+    """`credit=turn`: each turn's tokens carry its return-to-go (the environment's per-turn rewards, gamma 0.5),
+    the advantages are GRPO per (prompt, turn), and the dump holds the returns."""
+    from rlhf.algo.advantage_base import AdvantageInputs
+    from rlhf.algo.config import AdvantageConfig
+    from rlhf.algo.groups import Groups
+    from rlhf.algo.turn_credit import turn_advantages, turn_numbers_bt
+    from rlhf.orchestration.rollout_dump import read_dump
+
+    (batch,), tokenizer = run["batches"], build_chat_char_tokenizer()
+    turns_bt = turn_numbers_bt(batch.loss_mask_bt, Groups.from_index(torch.arange(batch.size)))
+    assert int(turns_bt.max()) == 2
+    for row in range(batch.size):
+        rewards = []
+        for turn in (1, 2):
+            cols = (turns_bt[row] == turn).nonzero().squeeze(1)
+            ids = batch.tokens_bs[row, batch.prompt_lengths_b[row] + cols].tolist()
+            rewards.append(sum(c.isdigit() for c in tokenizer.decode(ids)) % 3)
+        expected = {1: rewards[0] + 0.5 * rewards[1], 2: rewards[1]}
+        for col in batch.loss_mask_bt[row].nonzero().squeeze(1).tolist():
+            assert batch.turn_returns_bt[row, col] == expected[int(turns_bt[row, col])]
+        assert batch.scores_b[row] == expected[1]  # the trajectory's score: the whole discounted return
+    inputs = AdvantageInputs(token_rewards_bt=torch.zeros(batch.response_mask_bt.shape),
+                             response_mask_bt=batch.response_mask_bt, groups=Groups.from_index(batch.group_index_b))
+    expected_bt = turn_advantages(AdvantageConfig(kind="grpo"), inputs, batch.turn_returns_bt, None).advantages_bt
+    assert torch.equal(batch.advantages_bt, expected_bt) and expected_bt.abs().sum() > 0
+    back = read_dump(dump, vocab_size=len(tokenizer), max_positions=256)
+    assert torch.equal(back.turn_returns_bt, batch.turn_returns_bt[:, :back.response_width])
+
+
 def _check_replay(fork, replay, dump):
     """The dump holds the loss mask with its interior zeros and the trajectories; replay trains on it exactly."""
     import pyarrow.parquet as pq
@@ -249,6 +300,14 @@ def test_multiturn_refusals(setup, tmp_path):
                                           r"algo\.advantage\.kind=reinforce_plus_plus cannot score as one; use one "
                                           r"of grpo, rloo, gpg, grpo_passk or multiturn\.limits\.history=append$"):
         preflight(cfg, world_size=1)
+    cfg = multiturn_config(setup, str(tmp_path), tools + ["multiturn.credit=turn", "algo.advantage.kind=gae"])
+    with pytest.raises(ConfigError, match=r"^multiturn\.credit=turn does not run with algo\.advantage\.kind=gae: its "
+                                          r"turns are scored on the rollout side; use one of grpo, rloo, gpg, "
+                                          r"grpo_passk or multiturn\.credit=trajectory$"):
+        preflight(cfg, world_size=1)
+    with pytest.raises(ConfigError, match=r"^multiturn\.credit='step': use 'trajectory' \(one score per trajectory\) "
+                                          r"or 'turn' \(each turn scored by its discounted return-to-go\)$"):
+        multiturn_config(setup, str(tmp_path), tools + ["multiturn.credit=step"])
     cfg = multiturn_config(setup, str(tmp_path), tools + [
         "mesh.placement=split", "mesh.actor={ranks: [0, 1]}", "mesh.rollout={ranks: [1, 2]}",
         "trainer.async_mode=one_step_off", "trainer.max_staleness=2", "trainer.partial_rollout_tokens=2"])
