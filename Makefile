@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlhf-installed
 NPROC ?= 4
 DEMO_NPROC ?= 2
-BENCHES := collectives reshard engine rollout e2e memphase packing exchange checkpoint rollout-corr async moe-rl lora
+BENCHES := collectives reshard engine rollout e2e memphase packing exchange checkpoint rollout-corr async moe-rl lora multiturn
 PYTEST_FLAGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -126,6 +126,9 @@ bench-moe-rl: install
 
 bench-lora: install
 	$(PY) benchmarks/bench_lora.py
+
+bench-multiturn: install
+	$(PY) benchmarks/bench_multiturn.py
 
 bench: install-bench
 	$(PY) benchmarks/bench_all.py
