@@ -128,7 +128,7 @@ def _runs(setup, root):
     split = ["mesh.placement=split", "mesh.actor={ranks: [0, 1]}", "mesh.rollout={ranks: [1, 2]}"]
     fork = [f"multiturn.agent={setup['agent']}:forking", "multiturn.limits.history=fork", "data.shuffle=false",
             "trainer.total_steps=1", "algo.rollout_correction.enable=true", "sampling.max_new_tokens=64",
-            "algo.overlong_buffer.len=60"]
+            "algo.overlong_buffer.len=60", "multiturn.limits.token_budget=160"]
     for name, overrides in (("agent", [agent]),
                             ("tp2", [agent, "mesh.actor.tp=2", "mesh.rollout.tp=2", "trainer.total_steps=1"]),
                             ("split", [agent, *split, "trainer.total_steps=1"]),
@@ -299,6 +299,12 @@ def test_multiturn_refusals(setup, tmp_path):
     with pytest.raises(ConfigError, match=r"^multiturn\.limits\.history=fork gives a trajectory several rows, which "
                                           r"algo\.advantage\.kind=reinforce_plus_plus cannot score as one; use one "
                                           r"of grpo, rloo, gpg, grpo_passk or multiturn\.limits\.history=append$"):
+        preflight(cfg, world_size=1)
+    cfg = multiturn_config(setup, str(tmp_path), tools + ["sampling.max_new_tokens=64"])
+    with pytest.raises(ConfigError, match=r"^a turn's prompt may reach multiturn\.limits\.token_budget - 1 = 199 "
+                                          r"tokens; with sampling\.max_new_tokens=64 it needs 263 KV-cache positions "
+                                          r"but rollout\.native\.max_seq_len=256; raise max_seq_len or lower "
+                                          r"token_budget$"):
         preflight(cfg, world_size=1)
     cfg = multiturn_config(setup, str(tmp_path), tools + ["multiturn.credit=turn", "algo.advantage.kind=gae"])
     with pytest.raises(ConfigError, match=r"^multiturn\.credit=turn does not run with algo\.advantage\.kind=gae: its "
