@@ -38,6 +38,15 @@ class MultiTurnResult:
     groups: tuple[GroupResult, ...]
     stats: TurnStats
 
+    @classmethod
+    def merged(cls, results: list[MultiTurnResult]) -> MultiTurnResult:
+        """One step's rollout calls (DAPO's generation rounds) as one result: their groups and summed timings."""
+        stats = TurnStats(generate_calls=sum(r.stats.generate_calls for r in results),
+                          generate_s=sum(r.stats.generate_s for r in results),
+                          total_s=sum(r.stats.total_s for r in results),
+                          rows_per_call=[rows for r in results for rows in r.stats.rows_per_call])
+        return cls(tuple(group for r in results for group in r.groups), stats)
+
     @property
     def kept(self) -> list[GroupResult]:
         return [group for group in self.groups if group.dropped is None]

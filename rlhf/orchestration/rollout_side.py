@@ -70,6 +70,7 @@ class RolloutSide:
     multiturn: MultiTurnRollout | None = None  # multiturn.enable: agent loops instead of one response per sample
     started: StartedBatch | None = None  # partial rollouts: the next batch, begun
     held_metrics: deque[dict[str, float]] = field(default_factory=deque)  # dynamic_sampling/* of untrained batches
+    agent_rounds: list[MultiTurnResult] = field(default_factory=list)  # this step's multi-turn calls (metrics)
 
     @classmethod
     def from_config(cls, cfg: RlhfConfig, algo: AlgoConfig, meshes: RoleMeshes, *, engine: RolloutEngine | None,
@@ -100,6 +101,10 @@ class RolloutSide:
             share = RolloutShare(local, len(prompts.records))
             if self.algo.filter_groups.enable:
                 share = self._fill(share, index, first_extra_round, metrics)
+        if self.agent_rounds:  # multiturn/* over every round the step generated (DAPO: several)
+            for name, value in MultiTurnResult.merged(self.agent_rounds).metrics().items():
+                metrics.add(name, value, "sum" if name in TOTALS else "mean")
+            self.agent_rounds.clear()
         return share
 
     def start(self, index: int, metrics: StepMetrics) -> None:
@@ -130,8 +135,7 @@ class RolloutSide:
                 result = self.multiturn.collect(self.engine, prompts.records, params, self.pad_token_id)
                 if result is None:  # a TP rank that followed its leader's engine calls
                     return None
-                for name, value in result.metrics().items():
-                    metrics.add(name, value, "sum" if name in TOTALS else "mean")
+                self.agent_rounds.append(result)
                 return self._agent_batch(prompts, result)
             prompt_batch = self._prompt_batch(prompts)
             rollouts = self.engine.generate(prompt_batch, params)

@@ -225,9 +225,11 @@ def _check_forks(fork):
 
 def _check_fork_dapo(run):
     """Dynamic sampling over forked trajectories: the kept groups are the ones whose trajectories' scores differ
-    (every row of a trajectory carries its score), whole, with every row of each trajectory."""
+    (every row of a trajectory carries its score), whole, with every row of each trajectory; the multi-turn
+    metrics cover every generation round."""
     row, (batch,) = run["history"][1], run["batches"]
-    assert row["dynamic_sampling/gen_rounds"] >= 1
+    # multiturn/* count every round's trajectories: two turns, so two batched calls a round on each replica
+    assert row["multiturn/generate_calls"] == 2 * row["dynamic_sampling/gen_rounds"] and row["multiturn/forks_mean"] > 0
     real_b = batch.sample_index_b >= 0
     assert batch.size % 8 == 0 and batch.group_index_b[real_b].unique().numel() == 4
     for group in batch.group_index_b[real_b].unique().tolist():
