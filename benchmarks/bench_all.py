@@ -25,6 +25,7 @@ BENCHMARKS = {
     "exchange": ("bench_exchange.py", [], ["--repeats", "3"]),
     "checkpoint": ("bench_checkpoint.py", [], ["--repeats", "1"]),
     "async": ("bench_async.py", [], ["--shapes", "tiny", "--steps", "6", "--curve-steps", "8"]),
+    "multiturn": ("bench_multiturn.py", [], ["--steps", "4", "--warmup", "1"]),
     "e2e_smollm2": ("bench_e2e_vs_trl.py", ["--model", "smollm2", "--rounds", "3", "--steps-per-round", "1"], None),
 }
 RESULT_FILE = {"e2e_smollm2": "e2e"}

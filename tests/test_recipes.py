@@ -18,7 +18,7 @@ from rlhf.testing.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "configs" / "recipes"
-NAMES = ("grpo_smollm2_gsm8k", "multi_node", "ppo_critic", "reward_model", "split_8rank")
+NAMES = ("agent_smollm2_calculator", "grpo_smollm2_gsm8k", "multi_node", "ppo_critic", "reward_model", "split_8rank")
 ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz +-=#?.,"
 NO_WARMUP = ["actor.optim.warmup_steps=0", "critic.optim.warmup_steps=0"]  # warmup must fit in the 1-step run
 

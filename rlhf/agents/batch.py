@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.agents.rollout import MultiTurnResult
+from rlhf.algo.groups import Groups
+from rlhf.algo.turn_credit import turn_numbers_bt, turn_returns
 from rlhf.agents.trajectory import Row, Termination, Trajectory
 
 TERMINATIONS = tuple(Termination)
@@ -87,3 +89,19 @@ def to_rows(result: MultiTurnResult, pad_token_id: int, num_samples: int) -> Age
                      group_index_b=as_long(groups), rollout_index_b=as_long(rollouts),
                      trajectory_index_b=as_long(own), termination_b=as_long(ends),
                      kept_b=as_long(rollouts) >= 0, trajectories=tuple(trajectories))
+
+
+def turn_returns_bt(rows: AgentRows, scores_r: torch.Tensor, penalty_b: torch.Tensor, discount: float) -> torch.Tensor:
+    """fp32 [B, T] (`multiturn.credit=turn`): each sampled token's turn return-to-go from its trajectory's
+    `turn_rewards` (none given: its score `scores_r` is the last turn's reward), plus the row's overlong penalty;
+    0 on every other token and on a dropped group's rows."""
+    turns_bt = turn_numbers_bt(rows.loss_mask_bt, Groups.from_index(rows.rollout_index_b))
+    returns_bt = torch.zeros(rows.loss_mask_bt.shape)
+    for row in rows.kept_b.nonzero().squeeze(1).tolist():
+        rollout = int(rows.rollout_index_b[row])
+        trajectory = rows.trajectories[rollout]
+        num_turns = int(turns_bt[rows.rollout_index_b == rollout].max())
+        rewards = trajectory.turn_rewards or [0.0] * (num_turns - 1) + [float(scores_r[rollout])]
+        returns_t = torch.tensor([0.0] + turn_returns(rewards, num_turns, discount))
+        returns_bt[row] = (returns_t[turns_bt[row]] + penalty_b[row]) * rows.loss_mask_bt[row]
+    return returns_bt

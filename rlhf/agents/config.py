@@ -67,6 +67,9 @@ class MultiTurnConfig:
     tool_config: str = ""  # YAML tool config (tools: [{class_name, config, tool_schema}]); needed by agent=tools
     list_tools: bool = True  # render the tool schemas into the prompt (the chat template's `tools`)
     tool_threads: int = 8  # tool calls running at once on a rollout rank
+    # trajectory: one score per trajectory on all its tokens; turn: each turn's tokens scored by its discounted
+    # return-to-go (limits.turn_discount), the advantage estimated per (prompt, turn) (rlhf.algo.turn_credit)
+    credit: str = "trajectory"
     limits: TurnLimits = field(default_factory=TurnLimits)
 
     def __post_init__(self) -> None:
@@ -77,5 +80,8 @@ class MultiTurnConfig:
                               "or set multiturn.agent=path/to/file.py:function for an agent of your own")
         if self.agent != "tools" and ".py:" not in self.agent:
             raise ConfigError(f"multiturn.agent={self.agent!r}: use 'tools' or path/to/file.py:function")
+        if self.credit not in ("trajectory", "turn"):
+            raise ConfigError(f"multiturn.credit={self.credit!r}: use 'trajectory' (one score per trajectory) or "
+                              "'turn' (each turn scored by its discounted return-to-go)")
         if self.tool_threads < 1:
             raise ConfigError(f"multiturn.tool_threads={self.tool_threads} must be >= 1")

@@ -38,6 +38,15 @@ class MultiTurnResult:
     groups: tuple[GroupResult, ...]
     stats: TurnStats
 
+    @classmethod
+    def merged(cls, results: list[MultiTurnResult]) -> MultiTurnResult:
+        """One step's rollout calls (DAPO's generation rounds) as one result: their groups and summed timings."""
+        stats = TurnStats(generate_calls=sum(r.stats.generate_calls for r in results),
+                          generate_s=sum(r.stats.generate_s for r in results),
+                          total_s=sum(r.stats.total_s for r in results),
+                          rows_per_call=[rows for r in results for rows in r.stats.rows_per_call])
+        return cls(tuple(group for r in results for group in r.groups), stats)
+
     @property
     def kept(self) -> list[GroupResult]:
         return [group for group in self.groups if group.dropped is None]
@@ -70,10 +79,11 @@ class MultiTurnRollout:
 
     def __init__(self, tokenizer: Any, limits: TurnLimits, toolbox: ToolBox | None = None,
                  agent: AgentFunction = tool_agent, tool_threads: int = 8, list_tools: bool = True,
-                 relay: TpRelay | None = None) -> None:
+                 relay: TpRelay | None = None, credit: str = "trajectory") -> None:
         """`list_tools=False` keeps the tool schemas out of the prompt (a policy trained to call them without);
-        `relay` is the rollout TP group's (None at tp=1)."""
+        `relay` is the rollout TP group's (None at tp=1); `credit` is `MultiTurnConfig.credit`."""
         self.tokenizer, self.limits, self.toolbox, self.agent = tokenizer, limits, toolbox, agent
+        self.credit = credit
         self.relay = relay
         self.renderer = ChatRenderer(tokenizer, tools=toolbox.schemas if toolbox and list_tools else None)
         self.parser = ToolCallParser(tokenizer) if toolbox else None
@@ -86,7 +96,7 @@ class MultiTurnRollout:
         toolbox = load_toolbox(config.tool_config) if config.tool_config else None
         agent = tool_agent if config.agent == "tools" else load_user_function(config.agent, "multiturn.agent")
         return cls(tokenizer, config.limits, toolbox, agent, tool_threads=config.tool_threads,
-                   list_tools=config.list_tools, relay=relay)
+                   list_tools=config.list_tools, relay=relay, credit=config.credit)
 
     def final_texts(self, result: MultiTurnResult) -> list[tuple[PromptRecord, str]]:
         """(record, the last turn's text) of every kept trajectory, in row-group order (what a rule reward

@@ -49,20 +49,20 @@ def compute_advantages(config: AdvantageConfig, inputs: AdvantageInputs, *,
 def trajectory_advantages(config: AdvantageConfig, inputs: AdvantageInputs,
                           trajectory_index_b: Tensor) -> AdvantageResult:
     """An outcome estimator over trajectories of several rows (multi-turn `fork` history): group statistics
-    count each trajectory once (its first row stands for it) and every row of a trajectory gets its advantage."""
+    count each trajectory once (its last row, which holds the final turn, stands for it) and every row of a
+    trajectory gets its advantage."""
     if config.kind not in TRAJECTORY_KINDS:
         raise ConfigError(f"algo.advantage.kind={config.kind.value} cannot score trajectories of several rows; use "
                           f"one of {', '.join(kind.value for kind in TRAJECTORY_KINDS)}")
     assert inputs.groups is not None and trajectory_index_b.shape == inputs.groups.ids_b.shape
-    keys_b = inputs.groups.ids_b * (int(trajectory_index_b.max()) + 1) + trajectory_index_b.to(inputs.groups.ids_b)
-    trajectories = Groups.from_index(keys_b)
-    rows_b = torch.arange(keys_b.shape[0])
-    first_r = torch.full((trajectories.num_groups,), keys_b.shape[0], dtype=torch.long).scatter_reduce(
-        0, trajectories.ids_b, rows_b, "amin")
-    mask_rt = inputs.response_mask_bt[first_r]
-    own = compute_advantages(config, AdvantageInputs(token_rewards_bt=inputs.token_rewards_bt[first_r],
+    trajectories = Groups.trajectories(inputs.groups.ids_b, trajectory_index_b)
+    rows_b = torch.arange(trajectory_index_b.shape[0])
+    last_r = torch.full((trajectories.num_groups,), -1, dtype=torch.long).scatter_reduce(
+        0, trajectories.ids_b, rows_b, "amax")
+    mask_rt = inputs.response_mask_bt[last_r]
+    own = compute_advantages(config, AdvantageInputs(token_rewards_bt=inputs.token_rewards_bt[last_r],
                                                      response_mask_bt=mask_rt,
-                                                     groups=Groups.from_index(inputs.groups.ids_b[first_r])))
+                                                     groups=Groups.from_index(inputs.groups.ids_b[last_r])))
     # outcome estimators spread one value over a row's response: read it at its first token (0 if it has none)
     value_r = own.advantages_bt.gather(1, mask_rt.int().argmax(-1, keepdim=True)).squeeze(1)
     advantages = spread(value_r[trajectories.ids_b], inputs)

@@ -39,6 +39,13 @@ class Groups:
         uniques, ids_b = torch.unique(group_index_b, return_inverse=True)
         return cls(ids_b=ids_b.to(torch.int64), num_groups=int(uniques.numel()))
 
+    @classmethod
+    def trajectories(cls, group_index_b: Tensor, trajectory_index_b: Tensor) -> Groups:
+        """Rows sharing (group, trajectory in it) form one: the rows of a forked multi-turn trajectory."""
+        keys_b = (cls.from_index(group_index_b).ids_b * (int(trajectory_index_b.max()) + 1)
+                  + trajectory_index_b.to(torch.int64))
+        return cls.from_index(keys_b)
+
     def sum_g(self, x_b: Tensor) -> Tensor:
         """Per-group sums [G] of a per-sample tensor [B]."""
         return torch.zeros(self.num_groups, dtype=x_b.dtype, device=x_b.device).index_add_(

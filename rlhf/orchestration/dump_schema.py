@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.errors import ConfigError
+from rlhf.stages.batch import PADDING_UID
 
 FORMAT = "rlhf.rollouts/1"
 FIX = "point --rollouts at the rollouts/ folder of a run trained with trainer.dump_rollouts=true"
@@ -20,8 +21,10 @@ COLUMNS = {"step": ("integers", False), "policy_version": ("integers", True), "u
            "response_ids": ("integers", True), "rollout_logprobs": ("floats", True), "score": ("floats", False),
            "truncated": ("booleans", False)}
 # multi-turn columns (checked where present): the loss mask per response token (absent: no interior zeros, every
-# response token), the trajectory of a row in its group (the `fork` history only)
-OPTIONAL_COLUMNS = {"loss_mask": ("booleans", True), "trajectory": ("integers", False)}
+# response token), the trajectory of a row in its group (the `fork` history only), each token's turn return-to-go
+# (`multiturn.credit=turn` only)
+OPTIONAL_COLUMNS = {"loss_mask": ("booleans", True), "trajectory": ("integers", False),
+                    "turn_returns": ("floats", True)}
 INT32_MAX = 2 ** 31 - 1  # policy versions are int32 in the batch
 INT64_MAX = 2 ** 63 - 1  # uids and groups are int64
 FLOAT32_MAX = 3.4028234663852886e38  # scores and log-probabilities are float32
@@ -104,18 +107,22 @@ def _check_row(path: Path, row: int, values: dict[str, Any], vocab_size: int, ma
     if len(prompt) + len(response) > max_positions:
         _fail(path, row, "response_ids", f"{len(prompt)} prompt + {len(response)} response tokens exceed "
               f"model.path's max_position_embeddings={max_positions}", MODEL_FIX)
-    for name in ("rollout_logprobs", "policy_version", "loss_mask"):
+    for name in ("rollout_logprobs", "policy_version", "loss_mask", "turn_returns"):
         if name in values and len(values[name]) != len(response):
             _fail(path, row, name, f"{len(values[name])} values for a response of {len(response)} tokens", FIX)
     bad = next((v for v in values["rollout_logprobs"] if not (_finite32(v) and v <= LOGPROB_SLACK)), None)
     if bad is not None:
         _fail(path, row, "rollout_logprobs", f"log-probability {bad!r} is not a finite number <= 0", FIX)
+    bad = next((v for v in values.get("turn_returns", ()) if not _finite32(v)), None)
+    if bad is not None:
+        _fail(path, row, "turn_returns", f"return {bad!r} is not a finite float32", FIX)
     bad = next((v for v in values["policy_version"] if not 0 <= v <= INT32_MAX), None)
     if bad is not None:
         _fail(path, row, "policy_version", f"policy version {bad} is outside [0, {INT32_MAX}]", FIX)
     check_score(path, row, values["score"])
-    if not 0 <= values["uid"] <= INT64_MAX:
-        _fail(path, row, "uid", f"uid {values['uid']} is not a dataset index in [0, {INT64_MAX}]", FIX)
+    if not (0 <= values["uid"] <= INT64_MAX or values["uid"] == PADDING_UID):
+        _fail(path, row, "uid", f"uid {values['uid']} is not a dataset index in [0, {INT64_MAX}] (or "
+              f"{PADDING_UID}: a padding row)", FIX)
     for name in ("group", "trajectory"):
         if name in values and not -INT64_MAX - 1 <= values[name] <= INT64_MAX:
             _fail(path, row, name, f"{name} {values[name]} does not fit int64", FIX)

@@ -21,7 +21,7 @@ from rlhf.orchestration.schema import RlhfConfig
 from rlhf.errors import ConfigError
 from rlhf.metrics import StepMetrics
 from rlhf.run_dir import RunDir, get_logger
-from rlhf.stages.batch import RolloutBatch
+from rlhf.stages.batch import PADDING_UID, RolloutBatch
 from rlhf.orchestration.checks import read_hf_config
 from rlhf.orchestration.loop import Trainer
 from rlhf.orchestration.preflight import preflight
@@ -88,17 +88,18 @@ class Replayer(Trainer):
 
     def _batch(self, step: int, raw: dict) -> RolloutBatch:
         batch = read_dump(self.dumps[step - 1], self.vocab_size, self.max_positions)
-        raw["mean"] = float(batch.scores_b.mean())
+        rollouts_b = batch.sample_index_b != PADDING_UID  # a forked batch's padding rows are no rollouts
+        raw["mean"] = float(batch.scores_b[rollouts_b].mean())
         if self.cfg.replay.reward_norm:
-            batch = dataclasses.replace(batch, scores_b=self._normalized(batch.scores_b, step))
+            batch = dataclasses.replace(batch, scores_b=self._normalized(batch.scores_b, rollouts_b, step))
         return batch
 
-    def _normalized(self, scores_b: torch.Tensor, step: int) -> torch.Tensor:
-        """Scores divided by the running std of every score replayed through `step` (a resumed replay first
-        folds in the dumps its checkpoint had trained on)."""
+    def _normalized(self, scores_b: torch.Tensor, rollouts_b: torch.Tensor, step: int) -> torch.Tensor:
+        """Scores divided by the running std of every rollout's score replayed through `step` (a resumed replay
+        first folds in the dumps its checkpoint had trained on)."""
         while self._folded < step - 1:
             self.reward_stats.update(read_scores(self.dumps[self._folded]))
             self._folded += 1
-        self.reward_stats.update(scores_b)
+        self.reward_stats.update(scores_b[rollouts_b])
         self._folded = step
         return self.reward_stats.normalize(scores_b, center=False)

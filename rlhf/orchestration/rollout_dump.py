@@ -3,9 +3,10 @@
 
 One row per rollout: prompt and response ids and text, the rollout's token logprobs, the sequence score, the
 advantages, each token's policy version and staleness (versions behind the actor at step N, N - 1), data_source,
-uid (the prompt's dataset index) and group; where responses have interior zeros (multi-turn: tool output and
+uid (the prompt's dataset index; -1 and data_source "" on a padding row) and group; where responses have interior zeros (multi-turn: tool output and
 template tokens) the loss mask (1 on the tokens the policy sampled); with the multi-turn `fork` history each row's
-trajectory in its group (a forked trajectory's rows share it). The step's batch is already gathered on every rank that trains
+trajectory in its group (a forked trajectory's rows share it); with `multiturn.credit=turn` each token's turn
+return-to-go. The step's batch is already gathered on every rank that trains
 (`gather_global_batch`), so one of them (rank 0; async: the first training rank) writes it, no collective.
 Plain parquet columns only (never pickle); the file's metadata holds the format name, the pad token and the
 response width.
@@ -24,7 +25,7 @@ import torch
 from rlhf.data.records import PromptRecord
 from rlhf.errors import ConfigError
 from rlhf.run_dir import check_inside
-from rlhf.stages.batch import RolloutBatch, ScoredBatch
+from rlhf.stages.batch import PADDING_UID, RolloutBatch, ScoredBatch
 from rlhf.orchestration.dump_schema import FIX, FORMAT, check_footer, check_rows, check_score
 
 
@@ -60,7 +61,8 @@ def batch_table(batch: ScoredBatch, step: int, records: dict[int, PromptRecord],
                               pa.list_(pa.int64())),
         "uid": pa.array(uids, pa.int64()),
         "group": pa.array(batch.group_index_b.tolist(), pa.int64()),
-        "data_source": pa.array([records[uid].data_source for uid in uids], pa.string()),
+        "data_source": pa.array(["" if uid == PADDING_UID else records[uid].data_source for uid in uids],
+                                pa.string()),
         "prompt": pa.array([tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids], pa.string()),
         "response": pa.array([tokenizer.decode(ids, skip_special_tokens=True) for ids in response_ids],
                              pa.string()),
@@ -74,6 +76,9 @@ def batch_table(batch: ScoredBatch, step: int, records: dict[int, PromptRecord],
         columns["loss_mask"] = pa.array(_rows(batch.response_mask_bt, batch.response_lengths_b), pa.list_(pa.bool_()))
     if batch.trajectory_index_b is not None:
         columns["trajectory"] = pa.array(batch.trajectory_index_b.tolist(), pa.int64())
+    if batch.turn_returns_bt is not None:
+        columns["turn_returns"] = pa.array(_rows(batch.turn_returns_bt, batch.response_lengths_b),
+                                           pa.list_(pa.float32()))
     for name, field in (("rollout_logprobs", "rollout_logprobs_bt"), ("old_logprobs", "old_logprobs_bt"),
                         ("ref_logprobs", "ref_logprobs_bt"), ("values", "values_bt"), ("advantages", "advantages_bt")):
         values_bt = getattr(batch, field)
@@ -175,6 +180,7 @@ def read_dump(path: Path, vocab_size: int, max_positions: int) -> RolloutBatch:
     mask_bt = (_padded(table["loss_mask"], width, torch.bool) if "loss_mask" in table  # absent: no interior zeros
                else _length_mask(lengths_b, width))
     trajectory_b = torch.tensor(table["trajectory"], dtype=torch.long) if "trajectory" in table else None
+    turn_returns_bt = _padded(table["turn_returns"], width, torch.float32) if "turn_returns" in table else None
     pad = int(meta["pad_token_id"])
     return RolloutBatch(
         tokens_bs=_padded(sequences, max(2, max(map(len, sequences))), torch.long, pad),
@@ -186,14 +192,16 @@ def read_dump(path: Path, vocab_size: int, max_positions: int) -> RolloutBatch:
         scores_b=torch.tensor(table["score"], dtype=torch.float32),
         sample_index_b=torch.tensor(table["uid"], dtype=torch.long), trajectory_index_b=trajectory_b,
         policy_version_bt=_padded(table["policy_version"], width, torch.int32),
-        baseline_scores_b=None, routed_experts_bslk=None, pad_token_id=pad)
+        baseline_scores_b=None, routed_experts_bslk=None, pad_token_id=pad, turn_returns_bt=turn_returns_bt)
 
 
 def read_scores(path: Path) -> torch.Tensor:
-    """The dump's sequence scores (float32 [B]) alone, each checked (`dump_schema.check_score`)."""
+    """The dump's rollouts' sequence scores (float32, padding rows left out) alone, each checked
+    (`dump_schema.check_score`)."""
     parquet = _open(path)
     check_footer(path, parquet.schema_arrow)
-    scores = parquet.read(columns=["score"]).column("score").to_pylist()
-    for row, score in enumerate(scores):
+    table = parquet.read(columns=["score", "uid"]).to_pydict()
+    for row, score in enumerate(table["score"]):
         check_score(path, row, score)
-    return torch.tensor(scores, dtype=torch.float32)
+    return torch.tensor([score for score, uid in zip(table["score"], table["uid"]) if uid != PADDING_UID],
+                        dtype=torch.float32)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlhf.agents.batch import to_rows
+from rlhf.agents.batch import to_rows, turn_returns_bt
 from rlhf.agents.config import HistoryPolicy
 from rlhf.agents.rollout import TOTALS, MultiTurnResult, MultiTurnRollout
 from rlhf.agents.scheduler import TpRelay
@@ -70,6 +70,7 @@ class RolloutSide:
     multiturn: MultiTurnRollout | None = None  # multiturn.enable: agent loops instead of one response per sample
     started: StartedBatch | None = None  # partial rollouts: the next batch, begun
     held_metrics: deque[dict[str, float]] = field(default_factory=deque)  # dynamic_sampling/* of untrained batches
+    agent_rounds: list[MultiTurnResult] = field(default_factory=list)  # this step's multi-turn calls (metrics)
 
     @classmethod
     def from_config(cls, cfg: RlhfConfig, algo: AlgoConfig, meshes: RoleMeshes, *, engine: RolloutEngine | None,
@@ -100,6 +101,10 @@ class RolloutSide:
             share = RolloutShare(local, len(prompts.records))
             if self.algo.filter_groups.enable:
                 share = self._fill(share, index, first_extra_round, metrics)
+        if self.agent_rounds:  # multiturn/* over every round the step generated (DAPO: several)
+            for name, value in MultiTurnResult.merged(self.agent_rounds).metrics().items():
+                metrics.add(name, value, "sum" if name in TOTALS else "mean")
+            self.agent_rounds.clear()
         return share
 
     def start(self, index: int, metrics: StepMetrics) -> None:
@@ -130,8 +135,7 @@ class RolloutSide:
                 result = self.multiturn.collect(self.engine, prompts.records, params, self.pad_token_id)
                 if result is None:  # a TP rank that followed its leader's engine calls
                     return None
-                for name, value in result.metrics().items():
-                    metrics.add(name, value, "sum" if name in TOTALS else "mean")
+                self.agent_rounds.append(result)
                 return self._agent_batch(prompts, result)
             prompt_batch = self._prompt_batch(prompts)
             rollouts = self.engine.generate(prompt_batch, params)
@@ -167,30 +171,34 @@ class RolloutSide:
 
     def _agent_batch(self, prompts: PromptStep, result: MultiTurnResult) -> RolloutBatch:
         """Trajectories as rows (loss, KL and advantages on sampled tokens only), scored on their last turn (or
-        by their environment); a dropped group keeps its rows with nothing to train on."""
+        by their environment) and overlong-shaped on the whole trajectory's length; a dropped group keeps its
+        rows with nothing to train on."""
         rows = to_rows(result, self.pad_token_id, num_samples=self.sampling.n)
-        scores_b = None
-        if not self.scored_by_model:
-            texts = self.multiturn.final_texts(result)
-            rule = self.scorer.score_texts([record for record, _ in texts], [text for _, text in texts])
-            own = [t.reward for group in result.kept for t in group.trajectories]
-            kept_b = torch.tensor([own_reward if own_reward is not None else float(score)
-                                   for own_reward, score in zip(own, rule.tolist())], dtype=torch.float32)
-            scores_b = torch.zeros(rows.size, dtype=torch.float32)
-            scores_b[rows.kept_b] = kept_b[rows.rollout_index_b[rows.kept_b]]
-            scores_b = shaped_scores(scores_b, rows.response_lengths_b, self.sampling.max_new_tokens,
-                                     self.algo.overlong_buffer)
         sample_index_b = torch.tensor([record.index for record in prompts.records],
                                       dtype=torch.long)[rows.group_index_b]
         forks = self.multiturn.limits.history is HistoryPolicy.FORK  # a trajectory may be several rows
-        return RolloutBatch(tokens_bs=rows.tokens_bs, prompt_lengths_b=rows.prompt_lengths_b,
-                            response_lengths_b=rows.response_lengths_b, response_mask_bt=rows.loss_mask_bt,
-                            pad_token_id=self.pad_token_id, group_index_b=rows.group_index_b,
-                            sample_index_b=sample_index_b, loss_mask_bt=rows.loss_mask_bt,
-                            trajectory_index_b=rows.trajectory_index_b if forks else None,
-                            rollout_logprobs_bt=rows.rollout_logprobs_bt, policy_version_bt=rows.policy_version_bt,
-                            truncated_b=rows.truncated_b, scores_b=scores_b, baseline_scores_b=None,
-                            routed_experts_bslk=None)
+        batch = RolloutBatch(tokens_bs=rows.tokens_bs, prompt_lengths_b=rows.prompt_lengths_b,
+                             response_lengths_b=rows.response_lengths_b, response_mask_bt=rows.loss_mask_bt,
+                             pad_token_id=self.pad_token_id, group_index_b=rows.group_index_b,
+                             sample_index_b=sample_index_b, loss_mask_bt=rows.loss_mask_bt,
+                             trajectory_index_b=rows.trajectory_index_b if forks else None,
+                             rollout_logprobs_bt=rows.rollout_logprobs_bt, policy_version_bt=rows.policy_version_bt,
+                             truncated_b=rows.truncated_b, scores_b=None, baseline_scores_b=None,
+                             routed_experts_bslk=None)
+        if self.scored_by_model:
+            return batch
+        texts = self.multiturn.final_texts(result)
+        rule = self.scorer.score_texts([record for record, _ in texts], [text for _, text in texts])
+        own = [t.reward for group in result.kept for t in group.trajectories]
+        kept_b = torch.tensor([own_reward if own_reward is not None else float(score)
+                               for own_reward, score in zip(own, rule.tolist())], dtype=torch.float32)
+        scores_b = torch.zeros(rows.size, dtype=torch.float32)
+        scores_b[rows.kept_b] = kept_b[rows.rollout_index_b[rows.kept_b]]
+        penalty_b = overlong_penalty(batch.trajectory_lengths_b, self.sampling.max_new_tokens,
+                                     self.algo.overlong_buffer)
+        turn_returns = (turn_returns_bt(rows, kept_b, penalty_b, self.multiturn.limits.turn_discount)
+                        if self.multiturn.credit == "turn" else None)
+        return dataclasses.replace(batch, scores_b=scores_b + penalty_b, turn_returns_bt=turn_returns)
 
     def _fill(self, first: RolloutShare, index: int, first_extra_round: int, metrics: StepMetrics) -> RolloutShare:
         """DAPO dynamic sampling: rounds of prompts (gathered over `round_group`, so its ranks agree on them) until

@@ -100,7 +100,8 @@ def check_lora(cfg: RlhfConfig) -> None:
 
 def check_multiturn(cfg: RlhfConfig) -> None:
     """Multi-turn rollouts run where they are tested: native or vLLM engine (any rollout tp, colocated or split,
-    sync or one step off without partial rollouts); the `fork` history with an outcome estimator, no KL in reward."""
+    sync or one step off without partial rollouts); the `fork` history and `credit=turn` with an outcome estimator,
+    no KL in reward (`credit=turn`: no reward model either)."""
     if not cfg.multiturn.enable:
         return
     not_yet = [(cfg.trainer.partial_rollout_tokens > 0, f"trainer.partial_rollout_tokens="
@@ -111,6 +112,13 @@ def check_multiturn(cfg: RlhfConfig) -> None:
     for refused, setting, fix in not_yet:
         if refused:
             raise ConfigError(f"multiturn.enable=true does not run with {setting} yet; use {fix}")
+    budget, native = cfg.multiturn.limits.token_budget, cfg.rollout.native
+    needed = budget - 1 + cfg.sampling.max_new_tokens  # a turn's prompt may hold budget - 1 tokens
+    if cfg.rollout.engine == "native" and needed > native.max_seq_len:
+        raise ConfigError(f"a turn's prompt may reach multiturn.limits.token_budget - 1 = {budget - 1} tokens; with "
+                          f"sampling.max_new_tokens={cfg.sampling.max_new_tokens} it needs {needed} KV-cache "
+                          f"positions but rollout.native.max_seq_len={native.max_seq_len}; raise max_seq_len or "
+                          "lower token_budget")
     if cfg.multiturn.limits.history is HistoryPolicy.FORK:  # one advantage for all rows of a trajectory
         kind = cfg.algo.advantage.kind
         if kind not in TRAJECTORY_KINDS:
@@ -121,6 +129,17 @@ def check_multiturn(cfg: RlhfConfig) -> None:
             raise ConfigError("multiturn.limits.history=fork with algo.kl.use_in_reward=true would give the rows "
                               "of one trajectory different rewards; use the KL loss (algo.kl.use_in_reward=false) "
                               "or multiturn.limits.history=append")
+    if cfg.multiturn.credit == "turn":  # per-turn scores come from the rollout side, one per turn
+        kind = cfg.algo.advantage.kind
+        refused = [(kind not in TRAJECTORY_KINDS, f"algo.advantage.kind={kind.value}",
+                    f"one of {', '.join(k.value for k in TRAJECTORY_KINDS)}"),
+                   (cfg.algo.kl.use_in_reward, "algo.kl.use_in_reward=true",
+                    "the KL loss (algo.kl.use_in_reward=false)"),
+                   (bool(cfg.reward.model_path), "a reward model (reward.model_path)", "rule or environment rewards")]
+        for bad, setting, fix in refused:
+            if bad:
+                raise ConfigError(f"multiturn.credit=turn does not run with {setting}: its turns are scored on the "
+                                  f"rollout side; use {fix} or multiturn.credit=trajectory")
 
 
 def check_metrics_endpoint(cfg: RlhfConfig) -> None:

@@ -29,13 +29,14 @@ from rlhf.algo.groups import Groups
 from rlhf.algo.kl import KLController, apply_kl_in_reward
 from rlhf.algo.policy_loss_cov import COVARIANCE_KINDS, covariance_selection
 from rlhf.algo.rollout_correction import rollout_correction
+from rlhf.algo.turn_credit import turn_advantages
 from rlhf.algo.value_loss import explained_variance
 from rlhf.data.records import PromptRecord
 from rlhf.metrics import StepMetrics
 from rlhf.orchestration.rollout_side import shaped_scores
 from rlhf.orchestration.schema import RlhfConfig
 from rlhf.parallel.meshes import RoleMeshes
-from rlhf.stages.batch import RolloutBatch, ScoredBatch, pad_to_multiple
+from rlhf.stages.batch import PADDING_UID, RolloutBatch, ScoredBatch, pad_to_multiple
 from rlhf.stages.config import AlgoConfig, UpdateConfig
 from rlhf.stages.distill import DistillStage
 from rlhf.stages.memory import MemoryPhases
@@ -140,7 +141,7 @@ class TrainSide:
         if self.reward_model is not None:
             with metrics.timer("reward"):
                 batch = dataclasses.replace(batch, scores_b=shaped_scores(
-                    self.reward_model.scores(batch), batch.response_lengths_b, self.max_new_tokens,
+                    self.reward_model.scores(batch), batch.trajectory_lengths_b, self.max_new_tokens,
                     algo.overlong_buffer))
         old_bt = sum_pi_squared_bt = None
         if needs_old_logprobs(algo, self.actor_update):
@@ -168,8 +169,12 @@ class TrainSide:
                                      values_bt=values_bt, baseline_scores_b=batch.baseline_scores_b,
                                      groups=Groups.from_index(batch.group_index_b), old_logprobs_bt=old_bt,
                                      sum_pi_squared_bt=sum_pi_squared_bt, is_weights_bt=is_weights_bt)
-            result = (compute_advantages(algo.advantage, inputs) if batch.trajectory_index_b is None
-                      else trajectory_advantages(algo.advantage, inputs, batch.trajectory_index_b))
+            if batch.turn_returns_bt is not None:  # multi-turn credit=turn
+                result = turn_advantages(algo.advantage, inputs, batch.turn_returns_bt, batch.trajectory_index_b)
+            elif batch.trajectory_index_b is not None:
+                result = trajectory_advantages(algo.advantage, inputs, batch.trajectory_index_b)
+            else:
+                result = compute_advantages(algo.advantage, inputs)
         teacher_bt, advantages_bt = None, result.advantages_bt
         if self.distill is not None:
             teacher_bt, advantages_bt = self.distill.advantages(batch, old_bt, advantages_bt, metrics)
@@ -247,7 +252,11 @@ def _masked_mean(x_bt: torch.Tensor, mask_bt: torch.Tensor) -> float:
 def record_batch_metrics(metrics: StepMetrics, batch: ScoredBatch, algo: AlgoConfig, max_new_tokens: int,
                          actor_version: int) -> None:
     """Metrics of the global batch (identical on every rank, so rank 0 reports them); staleness is how many
-    updates the sampling policy is behind `actor_version` (the updates before this step's)."""
+    updates the sampling policy is behind `actor_version` (the updates before this step's). Padding rows
+    (`pad_to_multiple`) are left out: they are no rollouts."""
+    padding_b = batch.sample_index_b == PADDING_UID
+    if padding_b.any():
+        batch = batch.select(~padding_b)
     mask = batch.response_mask_bt
     lengths = batch.response_lengths_b.float()
     num_tokens = int(batch.prompt_lengths_b.sum() + batch.response_lengths_b.sum())
@@ -273,7 +282,7 @@ def record_batch_metrics(metrics: StepMetrics, batch: ScoredBatch, algo: AlgoCon
     }
     if algo.overlong_buffer.len:
         values["critic/overlong_penalty/mean"] = float(overlong_penalty(
-            batch.response_lengths_b, max_new_tokens, algo.overlong_buffer).mean())
+            batch.trajectory_lengths_b, max_new_tokens, algo.overlong_buffer).mean())
     if batch.old_logprobs_bt is not None and not bypasses_old_logprobs(algo):
         diff_bt = (batch.rollout_logprobs_bt - batch.old_logprobs_bt).abs() * mask
         values["rollout/logprob_diff_mean"] = _masked_mean(diff_bt, mask)

@@ -14,8 +14,11 @@ from typing import Any, Self
 
 import torch
 
+from rlhf.algo.groups import Groups
 from rlhf.errors import CheckpointError
 from rlhf.rollout.types import FinishReason, PromptBatch, Rollouts
+
+PADDING_UID = -1  # sample_index_b of a padding row (`pad_to_multiple`): no dataset prompt, no data_source
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,7 +105,7 @@ class RolloutBatch(SequenceBatch):
     """What the rollout side knows about its samples (`RolloutSide.generate`); None only where a run has none."""
 
     group_index_b: torch.Tensor  # int64 [B] the prompt each row answers (GRPO/RLOO groups, contiguous)
-    sample_index_b: torch.Tensor  # int64 [B] dataset index of the row's prompt (rollout dumps, replay)
+    sample_index_b: torch.Tensor  # int64 [B] dataset index of the row's prompt (PADDING_UID: a padding row)
     # int64 [B] the row's trajectory among its group's (multi-turn `fork` history: the rows of one trajectory
     # share it, and its advantage); None: every row is a trajectory of its own
     trajectory_index_b: torch.Tensor | None
@@ -114,6 +117,18 @@ class RolloutBatch(SequenceBatch):
     baseline_scores_b: torch.Tensor | None  # fp32 [B] greedy-rollout reward of the prompt (ReMax only)
     # int16 [B, S, L, K] experts of each input token per routed layer (-1 unknown): MoE routing replay only
     routed_experts_bslk: torch.Tensor | None
+    # fp32 [B, T] multi-turn `credit=turn`: each sampled token's turn return-to-go (0 elsewhere); None: the score
+    # is the trajectory's on every token (the default, so single-turn builders need not name it)
+    turn_returns_bt: torch.Tensor | None = None
+
+    @property
+    def trajectory_lengths_b(self) -> torch.Tensor:
+        """int64 [B] response tokens of each row's whole trajectory (a forked one's rows summed: what its one
+        `append` row would hold); overlong shaping reads it, so a trajectory's rows share one penalty."""
+        if self.trajectory_index_b is None:
+            return self.response_lengths_b
+        trajectories = Groups.trajectories(self.group_index_b, self.trajectory_index_b)
+        return trajectories.broadcast_b(trajectories.sum_g(self.response_lengths_b))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,7 +158,8 @@ ROLLOUT_SCHEMA = {"tokens_bs": torch.int64, "prompt_lengths_b": torch.int64, "re
                   "response_mask_bt": torch.bool, "group_index_b": torch.int64, "sample_index_b": torch.int64,
                   "trajectory_index_b": torch.int64, "loss_mask_bt": torch.bool, "rollout_logprobs_bt": torch.float32,
                   "policy_version_bt": torch.int32, "truncated_b": torch.bool, "scores_b": torch.float32,
-                  "baseline_scores_b": torch.float32, "routed_experts_bslk": torch.int16}
+                  "baseline_scores_b": torch.float32, "routed_experts_bslk": torch.int16,
+                  "turn_returns_bt": torch.float32}
 
 
 def rollout_state(batch: RolloutBatch) -> dict[str, Any]:
@@ -154,7 +170,7 @@ def rollout_state(batch: RolloutBatch) -> dict[str, Any]:
 def rollout_from_state(state: dict[str, Any]) -> RolloutBatch:
     """Inverse of `rollout_state`; a tree of another schema is a CheckpointError naming the difference."""
     expected = set(ROLLOUT_SCHEMA) | {"pad_token_id"}
-    state = {"trajectory_index_b": None} | state  # absent: written before it existed
+    state = {"trajectory_index_b": None, "turn_returns_bt": None} | state  # absent: written before they existed
     if set(state) != expected:
         raise CheckpointError(f"the checkpoint's in-flight batch has fields {sorted(set(state) ^ expected)} this "
                               "version does not expect; resume it with the version that wrote it")
@@ -167,11 +183,12 @@ def rollout_from_state(state: dict[str, Any]) -> RolloutBatch:
 
 def pad_to_multiple(batch: RolloutBatch, multiple: int) -> RolloutBatch:
     """`batch` with empty rows appended up to a multiple of `multiple` rows (a multi-turn batch whose forked
-    trajectories added rows): a pad token each, nothing to train on, each in a group of its own."""
+    trajectories added rows): a pad token each, nothing to train on, each in a group of its own, uid PADDING_UID."""
     extra = -batch.size % multiple
     if not extra:
         return batch
-    fill = {"tokens_bs": batch.pad_token_id, "prompt_lengths_b": 1, "response_lengths_b": 1, "routed_experts_bslk": -1}
+    fill = {"tokens_bs": batch.pad_token_id, "prompt_lengths_b": 1, "response_lengths_b": 1, "routed_experts_bslk": -1,
+            "sample_index_b": PADDING_UID}
     updates = {}
     for field in dataclasses.fields(batch):
         value = getattr(batch, field.name)

@@ -16,7 +16,7 @@ from rlhf.data.records import PromptRecord
 from rlhf.errors import ConfigError
 from rlhf.metrics import StepMetrics
 from rlhf.parallel.meshes import RoleMesh
-from rlhf.stages.batch import RolloutBatch
+from rlhf.stages.batch import PADDING_UID, RolloutBatch
 from rlhf.stages.config import DistillConfig, DistillMode
 from rlhf.stages.policy_role import PolicyRole
 
@@ -62,7 +62,8 @@ class DistillStage:
         teacher runs on the rows routed to it, padded by repeating one to a multiple of the mesh's dp)."""
         if len(self.teachers) == 1:
             return self.teachers[0].logprobs(batch)
-        teacher_b = self.teacher_of_sample[batch.sample_index_b]
+        teacher_b = self.teacher_of_sample[batch.sample_index_b.clamp(min=0)]
+        teacher_b[batch.sample_index_b == PADDING_UID] = -1  # a padding row: no teacher, nothing to train on
         logprobs_bt = torch.zeros(batch.response_mask_bt.shape)
         for number, teacher in enumerate(self.teachers):
             rows = (teacher_b == number).nonzero().squeeze(1)

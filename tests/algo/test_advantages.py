@@ -61,10 +61,12 @@ def test_grpo_hand_computed_and_dr_grpo():
 
 
 def test_trajectory_advantages_count_each_trajectory_once():
-    # group 0: trajectories a (3 rows, score 1), b (score 0), c (score 0); group 1: d (2 rows, score 2), e (score 0)
+    # group 0: trajectories a (3 rows, score 1), b (score 0), c (score 0); group 1: d (2 rows, score 2), e (score 0);
+    # a trajectory's last row (its final turn: what a reward model scores) stands for it, its earlier rows' scores
+    # (5, 7) are not read
     groups = Groups.from_index(T([0, 0, 0, 0, 0, 1, 1, 1]))
     trajectory_b = T([0, 0, 0, 1, 2, 0, 0, 1])
-    inputs = _outcome_inputs([1, 1, 1, 0, 0, 2, 2, 0], [2, 3, 1, 3, 2, 1, 3, 2], 3, groups=groups)
+    inputs = _outcome_inputs([5, 5, 1, 0, 0, 7, 2, 0], [2, 3, 1, 3, 2, 1, 3, 2], 3, groups=groups)
     once = _outcome_inputs([1, 0, 0, 2, 0], [2, 3, 2, 1, 2], 3, groups=Groups.from_index(T([0, 0, 0, 1, 1])))
     for kind in ("grpo", "rloo"):
         config = AdvantageConfig(kind=kind)

@@ -3,7 +3,8 @@
 only the sampled tokens (interior zeros), and its recompute of their logprobs matches the rollout's. At tp2 the
 agent's observations name the rank that rendered them: only TP rank 0 runs agents, the other follows; split
 placement (actor on rank 0, rollout on rank 1) runs the same loop, synchronous and one step off; the fork
-history, and a replay of its dump."""
+history (with overlong shaping on the whole trajectory), a replay of its dump, and fork with DAPO dynamic
+sampling."""
 
 import json
 
@@ -42,6 +43,23 @@ async def forking(ctx, sample):
     # prompt 0 rewrites its history (as a template dropping old reasoning does): a fork
     builder = await _turns(ctx, sample, 2, lambda text: "[summary]" if sample.index == 0 else text)
     return ctx.finish(builder, Termination.MAX_TURNS, 2, reward=float(sum(builder.tokens) % 3))
+
+
+async def stepping(ctx, sample):
+    """Two turns, each rewarded by its digits mod 3 (per-turn rewards, as an environment gives them)."""
+    messages = list(sample.prompt)
+    builder = TrajectoryBuilder(prompt=ctx.renderer.prompt(messages), token_budget=ctx.limits.token_budget)
+    rewards = []
+    for turn in range(2):
+        generation = await ctx.generate(builder.tokens, 4)
+        builder.add_sampled(generation.token_ids, generation.logprobs, generation.policy_version)
+        text = ctx.renderer.tokenizer.decode(generation.token_ids)
+        rewards.append(float(sum(c.isdigit() for c in text) % 3))
+        if turn == 0:
+            messages.append({"role": "assistant", "content": text})
+            ctx.advance(builder, messages, [{"role": "user", "content": "step 1"}])
+    reward = rewards[0] + ctx.limits.turn_discount * rewards[1]
+    return ctx.finish(builder, Termination.MAX_TURNS, 2, reward=reward, turn_rewards=tuple(rewards))
 '''
 
 
@@ -109,12 +127,18 @@ def _runs(setup, root):
     agent = f"multiturn.agent={setup['agent']}:three_turns"
     split = ["mesh.placement=split", "mesh.actor={ranks: [0, 1]}", "mesh.rollout={ranks: [1, 2]}"]
     fork = [f"multiturn.agent={setup['agent']}:forking", "multiturn.limits.history=fork", "data.shuffle=false",
-            "trainer.total_steps=1", "algo.rollout_correction.enable=true"]
+            "trainer.total_steps=1", "algo.rollout_correction.enable=true", "sampling.max_new_tokens=64",
+            "algo.overlong_buffer.len=60", "multiturn.limits.token_budget=160"]
     for name, overrides in (("agent", [agent]),
                             ("tp2", [agent, "mesh.actor.tp=2", "mesh.rollout.tp=2", "trainer.total_steps=1"]),
                             ("split", [agent, *split, "trainer.total_steps=1"]),
                             ("async", [agent, *split, "trainer.async_mode=one_step_off", "comm.verify=true"]),
                             ("fork", fork + ["trainer.dump_rollouts=true"]),
+                            ("fork_dapo", fork + ["algo.filter_groups.enable=true",
+                                                  "algo.filter_groups.max_num_gen_batches=3"]),
+                            ("turn", [f"multiturn.agent={setup['agent']}:stepping", "multiturn.credit=turn",
+                                      "multiturn.limits.turn_discount=0.5", "trainer.total_steps=1",
+                                      "trainer.dump_rollouts=true"]),
                             ("tools", ["multiturn.agent=tools", f"multiturn.tool_config={setup['tools']}",
                                        "multiturn.list_tools=false"])):
         cfg = multiturn_config(setup, f"{root}/{name}", overrides)
@@ -155,6 +179,8 @@ def test_multiturn_grpo_trains_on_sampled_tokens_only(setup, tmp_path):
         assert ((batch.advantages_bt != 0) <= batch.loss_mask_bt).all()
     assert "val/score/mean@1" in agent["history"][0]
     _check_forks(world[0]["fork"])
+    _check_fork_dapo(world[0]["fork_dapo"])
+    _check_turn_credit(world[0]["turn"], f"{tmp_path}/turn/m/rollouts/step_000001.parquet")
     _check_replay(world[0]["fork"], world[0]["replay"], f"{tmp_path}/fork/m/rollouts/step_000001.parquet")
     for row in tools["history"][1:]:
         assert row["multiturn/dropped_groups"] == 0.0 and "multiturn/engine_idle_share" in row
@@ -185,6 +211,66 @@ def _check_forks(fork):
         groups=Groups.from_index(batch.group_index_b[own]))).advantages_bt[:, 0]
     assert torch.equal(advantage_b[[0, 2] + list(range(4, 10))], expected) and expected.abs().sum() > 0
     assert not batch.advantages_bt[~real_b].any()
+    # overlong shaping reads the whole trajectory (both rows: 4 sampled + observation tokens each), so the rows
+    # of one trajectory share a penalty; the agent's reward is an integer, the penalty -(total - 4) / 60
+    total_b = batch.trajectory_lengths_b[:10]
+    assert total_b[0] == batch.response_lengths_b[:2].sum() and batch.response_lengths_b[0] != total_b[0]
+    reward_b = batch.scores_b[:10] + (total_b - 4).clamp(min=0) / 60
+    torch.testing.assert_close(reward_b, reward_b.round())
+    # the 6 padding rows are marked and left out of the batch's metrics
+    assert batch.sample_index_b[10:].tolist() == [-1] * 6 and batch.sample_index_b[:10].min() >= 0
+    assert row["response_length/mean"] == pytest.approx(float(batch.response_lengths_b[:10].float().mean()))
+    assert row["critic/score/mean"] == pytest.approx(float(batch.scores_b[:10].mean()))
+
+
+def _check_fork_dapo(run):
+    """Dynamic sampling over forked trajectories: the kept groups are the ones whose trajectories' scores differ
+    (every row of a trajectory carries its score), whole, with every row of each trajectory; the multi-turn
+    metrics cover every generation round."""
+    row, (batch,) = run["history"][1], run["batches"]
+    # multiturn/* count every round's trajectories: two turns, so two batched calls a round on each replica
+    assert row["multiturn/generate_calls"] == 2 * row["dynamic_sampling/gen_rounds"] and row["multiturn/forks_mean"] > 0
+    real_b = batch.sample_index_b >= 0
+    assert batch.size % 8 == 0 and batch.group_index_b[real_b].unique().numel() == 4
+    for group in batch.group_index_b[real_b].unique().tolist():
+        rows_b = real_b & (batch.group_index_b == group)
+        per_trajectory = {}
+        for trajectory, score in zip(batch.trajectory_index_b[rows_b].tolist(), batch.scores_b[rows_b].tolist()):
+            per_trajectory.setdefault(trajectory, set()).add(score)
+        assert sorted(per_trajectory) == [0, 1] and all(len(scores) == 1 for scores in per_trajectory.values())
+        kept = row["dynamic_sampling/kept_groups"]
+        if group < kept:  # the informative ones come first; a short step is filled with uninformative groups
+            assert len(set().union(*per_trajectory.values())) == 2
+
+
+def _check_turn_credit(run, dump):
+    """`credit=turn`: each turn's tokens carry its return-to-go (the environment's per-turn rewards, gamma 0.5),
+    the advantages are GRPO per (prompt, turn), and the dump holds the returns."""
+    from rlhf.algo.advantage_base import AdvantageInputs
+    from rlhf.algo.config import AdvantageConfig
+    from rlhf.algo.groups import Groups
+    from rlhf.algo.turn_credit import turn_advantages, turn_numbers_bt
+    from rlhf.orchestration.rollout_dump import read_dump
+
+    (batch,), tokenizer = run["batches"], build_chat_char_tokenizer()
+    turns_bt = turn_numbers_bt(batch.loss_mask_bt, Groups.from_index(torch.arange(batch.size)))
+    assert int(turns_bt.max()) == 2
+    for row in range(batch.size):
+        rewards = []
+        for turn in (1, 2):
+            cols = (turns_bt[row] == turn).nonzero().squeeze(1)
+            ids = batch.tokens_bs[row, batch.prompt_lengths_b[row] + cols].tolist()
+            rewards.append(sum(c.isdigit() for c in tokenizer.decode(ids)) % 3)
+        expected = {1: rewards[0] + 0.5 * rewards[1], 2: rewards[1]}
+        for col in batch.loss_mask_bt[row].nonzero().squeeze(1).tolist():
+            assert batch.turn_returns_bt[row, col] == expected[int(turns_bt[row, col])]
+        assert batch.scores_b[row] == expected[1]  # the trajectory's score: the whole discounted return
+    inputs = AdvantageInputs(token_rewards_bt=torch.zeros(batch.response_mask_bt.shape),
+                             response_mask_bt=batch.response_mask_bt, groups=Groups.from_index(batch.group_index_b))
+    expected_bt = turn_advantages(AdvantageConfig(kind="grpo"), inputs, batch.turn_returns_bt, None).advantages_bt
+    assert torch.equal(batch.advantages_bt, expected_bt) and expected_bt.abs().sum() > 0
+    back = read_dump(dump, vocab_size=len(tokenizer), max_positions=256)
+    assert torch.equal(back.turn_returns_bt, batch.turn_returns_bt[:, :back.response_width])
 
 
 def _check_replay(fork, replay, dump):
@@ -194,6 +280,7 @@ def _check_replay(fork, replay, dump):
     (batch,), (replayed,) = fork["batches"], replay["batches"]
     table = pq.read_table(dump).to_pydict()
     assert len(table["loss_mask"]) == 16 and table["trajectory"][:4] == [0, 0, 1, 1]
+    assert table["uid"][10:] == [-1] * 6 and table["data_source"][10:] == [""] * 6  # the padding rows
     for row, mask in enumerate(table["loss_mask"]):
         assert mask == batch.response_mask_bt[row, :int(batch.response_lengths_b[row])].tolist()
     assert any(False in mask[mask.index(True):] for mask in table["loss_mask"] if True in mask)  # interior zeros
@@ -215,6 +302,20 @@ def test_multiturn_refusals(setup, tmp_path):
                                           r"algo\.advantage\.kind=reinforce_plus_plus cannot score as one; use one "
                                           r"of grpo, rloo, gpg, grpo_passk or multiturn\.limits\.history=append$"):
         preflight(cfg, world_size=1)
+    cfg = multiturn_config(setup, str(tmp_path), tools + ["sampling.max_new_tokens=64"])
+    with pytest.raises(ConfigError, match=r"^a turn's prompt may reach multiturn\.limits\.token_budget - 1 = 199 "
+                                          r"tokens; with sampling\.max_new_tokens=64 it needs 263 KV-cache positions "
+                                          r"but rollout\.native\.max_seq_len=256; raise max_seq_len or lower "
+                                          r"token_budget$"):
+        preflight(cfg, world_size=1)
+    cfg = multiturn_config(setup, str(tmp_path), tools + ["multiturn.credit=turn", "algo.advantage.kind=gae"])
+    with pytest.raises(ConfigError, match=r"^multiturn\.credit=turn does not run with algo\.advantage\.kind=gae: its "
+                                          r"turns are scored on the rollout side; use one of grpo, rloo, gpg, "
+                                          r"grpo_passk or multiturn\.credit=trajectory$"):
+        preflight(cfg, world_size=1)
+    with pytest.raises(ConfigError, match=r"^multiturn\.credit='step': use 'trajectory' \(one score per trajectory\) "
+                                          r"or 'turn' \(each turn scored by its discounted return-to-go\)$"):
+        multiturn_config(setup, str(tmp_path), tools + ["multiturn.credit=step"])
     cfg = multiturn_config(setup, str(tmp_path), tools + [
         "mesh.placement=split", "mesh.actor={ranks: [0, 1]}", "mesh.rollout={ranks: [1, 2]}",
         "trainer.async_mode=one_step_off", "trainer.max_staleness=2", "trainer.partial_rollout_tokens=2"])

@@ -17,7 +17,7 @@ from fixtures import scored_batch  # noqa: E402
 from rlhf.data.char_tokenizer import build_char_tokenizer  # noqa: E402
 from rlhf.data.records import PromptRecord  # noqa: E402
 from rlhf.errors import ConfigError  # noqa: E402
-from rlhf.stages.batch import RolloutBatch  # noqa: E402
+from rlhf.stages.batch import RolloutBatch, pad_to_multiple  # noqa: E402
 from rlhf.orchestration.rollout_dump import RolloutDumper, check_dumps, dump_path, read_dump, read_scores  # noqa: E402
 
 VOCAB = 18  # the char tokenizer: 4 special tokens + "0123456789+-= "
@@ -73,12 +73,19 @@ def test_a_dump_reads_back_as_the_batch_it_trained_on(tmp_path):
     _write(tmp_path, 9)
     _write(tmp_path, 4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000004.parquet"]
-    # multi-turn: the loss mask's interior zeros and the rows' trajectories come back
-    multiturn = dataclasses.replace(_batch(interior_zero=True), trajectory_index_b=torch.tensor([0, 1, 0, 1]))
-    back = read_dump(_write(tmp_path / "multiturn", 5, multiturn), VOCAB, POSITIONS)
-    for name in ("response_mask_bt", "loss_mask_bt", "trajectory_index_b"):
+    # multi-turn: the loss mask's interior zeros and the rows' trajectories come back; the padding rows of a
+    # forked batch are marked (uid -1, no data_source), not shown under the first prompt's
+    multiturn = pad_to_multiple(dataclasses.replace(_batch(interior_zero=True),
+                                                    trajectory_index_b=torch.tensor([0, 1, 0, 1])), 3)
+    path = _write(tmp_path / "multiturn", 5, multiturn)
+    back = read_dump(path, VOCAB, POSITIONS)
+    for name in ("response_mask_bt", "loss_mask_bt", "trajectory_index_b", "sample_index_b"):
         assert torch.equal(getattr(back, name), getattr(multiturn, name if name != "loss_mask_bt" else
                                                         "response_mask_bt")), name
+    rows = pq.read_table(path).to_pylist()
+    assert [(row["uid"], row["data_source"]) for row in rows[3:]] == [(2, "src0"), (-1, ""), (-1, "")]
+    assert back.group_index_b.tolist() == [0, 0, 1, 1, 2, 3]  # each padding row a group of its own
+    assert torch.equal(read_scores(path), multiturn.scores_b[:4])  # replay's reward_norm folds rollouts only
 
 
 def test_bad_dump_folders_are_one_line_config_errors(tmp_path):
@@ -152,7 +159,7 @@ def _crafted(folder, name, column, row, value, arrow_type=None):
     ("score", float("nan"), None, "score nan is not a finite float32"),
     ("score", None, None, "a null value"),
     ("truncated", None, None, "a null value"),
-    ("uid", -1, None, "uid -1 is not a dataset index in [0, 9223372036854775807]"),
+    ("uid", -2, None, "uid -2 is not a dataset index in [0, 9223372036854775807] (or -1: a padding row)"),
     ("loss_mask", [True, True], None, "2 values for a response of 3 tokens"),
     ("loss_mask", [True, None, True], None, "a null value"),
 ])
