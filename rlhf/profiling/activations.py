@@ -29,12 +29,14 @@ keeps `pp - stage` micro-batches in flight on a stage (at most the micro-batch c
 (`rlhf.models.forward`); the value head keeps its input. MoE layers count `top_k` experts' SwiGLU per token
 plus the permuted copies and fp32 router logits (an estimate; the dense terms are checked against autograd).
 
-The CPU path (megatron's local layers, torch SDPA's math kernel behind `PackedDotProductAttention`) keeps
-more, and `cpu_path_extra_bytes` says how much, storage by storage: the decomposed RMSNorm's `x * rstd` (`+h`
-per norm, also for the q/k norms and the final norm); SDPA's scaled q and, with GQA, K and V expanded to every
-query head (`+2 (hq - hkv)`), or without GQA V itself, a view that keeps the fused QKV output whole (as the
-k norm's input does); the `heads x s^2` softmax probabilities of each attention call instead of the lse; and a
-padded batch's boolean mask. `tests/profiling/test_activations.py` finds estimate + extra equal to the bytes
+The CPU path (megatron's local layers; `PackedDotProductAttention` for packed batches, SDPA's math kernel;
+`FusedDotProductAttention` for padded ones, SDPA's flash kernel) keeps more, and `cpu_path_extra_bytes` says how
+much, storage by storage: the decomposed RMSNorm's `x * rstd` (`+h` per norm, also for the q/k norms and the
+final norm); SDPA's q and, with GQA, K and V expanded to every query head (`+2 (hq - hkv)`), or without GQA V
+itself, a view that keeps the fused QKV output whole (as the k norm's input does); packed: the `heads x s^2`
+softmax probabilities of each attention call instead of the lse; padded: per layer SDPA's float copy of the
+`[b, 1, s, s]` mask, and one RoPE cos/sin pair for the whole model instead of four tables per layer.
+`tests/profiling/test_activations.py` finds estimate + extra equal to the bytes
 autograd saves, to the byte. Not checked (no GPU here): whether TE keeps V as a view of the fused QKV output
 too, which would add `hq + hkv` per layer (~6% for Qwen3-8B).
 """
@@ -184,22 +186,30 @@ def activation_bytes(spec: ModelSpec, shape: MicroBatchShape) -> ActivationEstim
 
 def cpu_path_extra_bytes(spec: ModelSpec, attention_calls: list[int], *, tp: int = 1, dtype_bytes: int = 4,
                          batch: int = 1, padded: bool = False) -> int:
-    """What the CPU path (local layers, SDPA math kernel) keeps beyond `activation_bytes` for one micro-batch
-    of a whole model (no pp, cp, recompute): `attention_calls` are the token counts of its attention calls
-    (each of the `batch` rows of a padded batch, or the blocks of `PackedDotProductAttention`); a `padded` batch
-    also keeps its `[b, 1, s, s]` boolean mask (`rlhf.models.forward.padded_inputs`)."""
+    """What the CPU path (local layers) keeps beyond `activation_bytes` for one micro-batch of a whole model (no
+    pp, cp, recompute): `attention_calls` are the token counts of its attention calls (each of the `batch` rows
+    of a `padded` batch, or the blocks of `PackedDotProductAttention`'s math kernel, which keeps `heads x n^2`
+    probabilities instead of the lse). A padded batch runs `FusedDotProductAttention` (SDPA's flash kernel): it
+    keeps the lse, no probabilities, and per layer SDPA's float copy of the `[b, 1, s, s]` mask; its output is
+    the out-projection's input (a view, no copy); the step's RoPE cos/sin are one `[s, head_dim]` pair for every
+    layer and both q and k (`compat.megatron._lean_rope`) instead of the flash model's per-layer four."""
     tokens = sum(attention_calls) * batch
     heads, kv_heads = spec.num_heads // tp, spec.num_kv_heads // tp
     q_dim, kv_dim = heads * spec.head_dim, kv_heads * spec.head_dim
     grouped = heads > kv_heads
-    # SDPA keeps q scaled, and K and V expanded to every query head (GQA) or k and V itself, a view that keeps
-    # the fused QKV output whole (as does the k norm's input); the q/k norms keep q's input and both x * rstd
+    # SDPA keeps q, and K and V expanded to every query head (GQA) or k and V itself, a view that keeps the fused
+    # QKV output whole (as does the k norm's input); the q/k norms keep q's input and both x * rstd
     cpu = q_dim + (2 * q_dim if grouped else kv_dim) + (q_dim + 2 * kv_dim if not grouped or spec.qk_norm else 0)
     flash = q_dim + 2 * kv_dim
     if spec.qk_norm:
         cpu, flash = cpu + 2 * q_dim + kv_dim, flash + q_dim + kv_dim
     elements = 2 * spec.hidden_size + cpu - flash  # + each norm's x * rstd
-    per_layer = tokens * (elements * dtype_bytes - 4 * heads)  # no lse: the math kernel keeps probabilities
-    probs = batch * heads * sum(n * n for n in attention_calls) * dtype_bytes
-    mask = batch * sum(n * n for n in attention_calls) if padded else 0
-    return spec.num_layers * (per_layer + probs) + tokens * spec.hidden_size * dtype_bytes + mask
+    squares = batch * sum(n * n for n in attention_calls)
+    final_norm = tokens * spec.hidden_size * dtype_bytes  # its x * rstd
+    if not padded:
+        per_layer = tokens * (elements * dtype_bytes - 4 * heads) + heads * squares * dtype_bytes
+        return spec.num_layers * per_layer + final_norm
+    per_layer = tokens * elements * dtype_bytes + squares * dtype_bytes
+    positions = max(attention_calls)  # the rows' length; the flash model counts 4 tables per layer, here 2 in all
+    rope = (2 - 4 * spec.num_layers) * positions * spec.head_dim * dtype_bytes
+    return spec.num_layers * per_layer + rope + final_norm
