@@ -42,7 +42,8 @@ def _batch(replica: int) -> RolloutBatch:
                         rollout_logprobs_bt=-torch.rand(ROWS, RESP, generator=gen),
                         policy_version_bt=torch.zeros(ROWS, RESP, dtype=torch.int32),
                         truncated_b=torch.zeros(ROWS, dtype=torch.bool), scores_b=torch.rand(ROWS, generator=gen),
-                        baseline_scores_b=None, routed_experts_bslk=None, pad_token_id=0)
+                        baseline_scores_b=None, reward_components_bk=None, routed_experts_bslk=None,
+                        pad_token_id=0)
 
 
 def _pickled_exchange(local: RolloutBatch | None) -> RolloutBatch:

@@ -48,7 +48,8 @@ def variable_length_batch(vocab: int, max_response: int):
                        rollout_logprobs_bt=zeros_bt,
                        policy_version_bt=torch.zeros(mask.shape, dtype=torch.int32),
                        truncated_b=torch.zeros(ROWS, dtype=torch.bool), scores_b=torch.zeros(ROWS),
-                       baseline_scores_b=None, routed_experts_bslk=None, pad_token_id=0, old_logprobs_bt=None,
+                       baseline_scores_b=None, reward_components_bk=None, routed_experts_bslk=None, pad_token_id=0,
+                       old_logprobs_bt=None,
                        ref_logprobs_bt=None, values_bt=None, token_rewards_bt=zeros_bt,
                        advantages_bt=torch.randn(mask.shape, generator=gen) * mask, returns_bt=None,
                        is_weights_bt=None, teacher_logprobs_bt=None, cov_selected_bt=None)

@@ -60,7 +60,8 @@ class AdvantageConfig:
     norm_by_std: bool = True  # GRPO: divide by the group std; False is Dr.GRPO
     whiten: bool = True  # batch-whiten advantages (GAE, REINFORCE++, REINFORCE++-baseline)
     eps: float = 1e-6  # GRPO std epsilon
-    # GDPO: names of the reward components the scorer returns (verl's algorithm.gdpo_reward_keys)
+    # GDPO: reward components, keys of the dict the rule reward returns beside its total "score" (a plain float is
+    # the component "score"); verl's algorithm.gdpo_reward_keys
     gdpo_reward_keys: list[str] | None = None
     gdpo_reward_weights: list[float] | None = None  # GDPO: weight per component; null: all 1
 

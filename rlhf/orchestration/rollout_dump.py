@@ -192,7 +192,8 @@ def read_dump(path: Path, vocab_size: int, max_positions: int) -> RolloutBatch:
         scores_b=torch.tensor(table["score"], dtype=torch.float32),
         sample_index_b=torch.tensor(table["uid"], dtype=torch.long), trajectory_index_b=trajectory_b,
         policy_version_bt=_padded(table["policy_version"], width, torch.int32),
-        baseline_scores_b=None, routed_experts_bslk=None, pad_token_id=pad, turn_returns_bt=turn_returns_bt)
+        baseline_scores_b=None, reward_components_bk=None, routed_experts_bslk=None, pad_token_id=pad,
+        turn_returns_bt=turn_returns_bt)
 
 
 def read_scores(path: Path) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The rollout side of an RL step (DESIGN.md §2): `generate(k)` turns batch k's prompts into its `RolloutBatch`.
 
-  prompts (loader) ──► engine.generate (batch k's own seed) ──► rule rewards (+ overlong shaping) ──► RolloutBatch
+  prompts (loader) ──► engine.generate (batch k's own seed) ──► rule rewards (+ overlong shaping; GDPO: and
+                                                                   their named components) ──► RolloutBatch
                    multi-turn (`multiturn.enable`): agent loops, turn-batched on the engine, one row per trajectory
                    DAPO dynamic sampling: rounds of prompts, gathered over `round_group`, until the groups fill it
                    partial rollouts (async): `start(k+1)` samples its first tokens, `generate(k+1)` finishes them
@@ -160,14 +161,20 @@ class RolloutSide:
     def _batch(self, prompts: PromptStep, prompt_batch: PromptBatch, rollouts: Rollouts,
                greedy: Rollouts | None = None, versions_rt: torch.Tensor | None = None) -> RolloutBatch:
         """The rollouts as a batch with their rule rewards (none when a reward model scores them)."""
-        scores_b = baseline_b = None
+        scores_b = baseline_b = components_bk = None
         if not self.scored_by_model:
-            scores_b = shaped_scores(self.scorer.score(prompts.records, rollouts), rollouts.response_lengths_r,
-                                     self.sampling.max_new_tokens, self.algo.overlong_buffer)
+            if self.algo.advantage.kind == AdvantageKind.GDPO:
+                rewards_b, components_bk = self.scorer.score_components(prompts.records, rollouts,
+                                                                        self.algo.advantage.gdpo_reward_keys)
+            else:
+                rewards_b = self.scorer.score(prompts.records, rollouts)
+            scores_b = shaped_scores(rewards_b, rollouts.response_lengths_r, self.sampling.max_new_tokens,
+                                     self.algo.overlong_buffer)
             if greedy is not None:
                 baseline_b = self.scorer.score(prompts.records, greedy)[rollouts.prompt_index_r]
         return build_rollout_batch(prompt_batch, rollouts, sample_index_b=sample_indices(prompts, rollouts),
-                                   scores_b=scores_b, baseline_scores_b=baseline_b, policy_version_rt=versions_rt)
+                                   scores_b=scores_b, baseline_scores_b=baseline_b,
+                                   reward_components_bk=components_bk, policy_version_rt=versions_rt)
 
     def _agent_batch(self, prompts: PromptStep, result: MultiTurnResult) -> RolloutBatch:
         """Trajectories as rows (loss, KL and advantages on sampled tokens only), scored on their last turn (or
@@ -184,7 +191,7 @@ class RolloutSide:
                              trajectory_index_b=rows.trajectory_index_b if forks else None,
                              rollout_logprobs_bt=rows.rollout_logprobs_bt, policy_version_bt=rows.policy_version_bt,
                              truncated_b=rows.truncated_b, scores_b=None, baseline_scores_b=None,
-                             routed_experts_bslk=None)
+                             reward_components_bk=None, routed_experts_bslk=None)
         if self.scored_by_model:
             return batch
         texts = self.multiturn.final_texts(result)

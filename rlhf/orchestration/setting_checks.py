@@ -15,20 +15,13 @@ from rlhf.orchestration.schema import RlhfConfig
 from rlhf.parallel.config import ROLES
 from rlhf.parallel.wire import broadcast_json
 
-# registered (and verl-parity tested) but fed by inputs the RL step does not compute yet: refused before anything
-# starts, not at the first update. (key, kind, what it needs)
-UNWIRED = (("algo.advantage.kind", "gdpo", "per-component rewards from the scorer"),)
-
 
 def check_algo_settings(cfg: RlhfConfig) -> None:
     """Settings that run but cannot mean anything: dynamic sampling without groups, an overlong buffer longer than
-    any response; algorithms whose inputs the step does not produce yet."""
+    any response; algorithms whose inputs the step does not produce."""
     algo, sampling = cfg.algo, cfg.sampling
-    chosen = {"algo.policy_loss.kind": str(algo.policy_loss.kind), "algo.advantage.kind": str(algo.advantage.kind)}
-    for key, kind, needs in UNWIRED:
-        if chosen[key] == kind:
-            raise ConfigError(f"{key}={kind} is not usable in the RL step yet: it needs {needs}, which the step does "
-                              "not compute; choose another kind")
+    if algo.advantage.kind is AdvantageKind.GDPO:
+        check_gdpo(cfg)
     if algo.advantage.kind is AdvantageKind.OPTIMAL_TOKEN_BASELINE:
         check_optimal_token_baseline(cfg)
     if algo.filter_groups.enable and sampling.n < 2:
@@ -39,6 +32,23 @@ def check_algo_settings(cfg: RlhfConfig) -> None:
         raise ConfigError(f"algo.overlong_buffer.len={algo.overlong_buffer.len} > sampling.max_new_tokens="
                           f"{sampling.max_new_tokens}: the penalty would start before the first token and hit every "
                           f"response; set algo.overlong_buffer.len <= {sampling.max_new_tokens}")
+
+
+def check_gdpo(cfg: RlhfConfig) -> None:
+    """GDPO reads the named components of the rule reward's dict (a key it lacks is a RewardError at the first
+    step, naming the sample); its advantage ignores the scalar score, so what only shapes that score is refused."""
+    key = "algo.advantage.kind=gdpo"
+    not_fed = [(cfg.reward.remote is not None, "reward.remote (the service answers one score per sample)"),
+               (bool(cfg.reward.model_path), "reward.model_path (a reward model gives one score per sample)"),
+               (cfg.multiturn.enable, "multiturn.enable=true (trajectories are scored as one number)"),
+               (cfg.algo.overlong_buffer.len > 0, f"algo.overlong_buffer.len={cfg.algo.overlong_buffer.len} "
+                                                   "(its penalty shapes only the score)"),
+               (cfg.algo.kl.use_in_reward, "algo.kl.use_in_reward=true (the penalty enters only the token rewards)")]
+    for refused, setting in not_fed:
+        if refused:
+            raise ConfigError(f"{key} reads the named reward components of a rule reward (reward.function / "
+                              f"by_source returning a dict), which {setting} does not feed; drop it or choose "
+                              "another estimator")
 
 
 def check_optimal_token_baseline(cfg: RlhfConfig) -> None:

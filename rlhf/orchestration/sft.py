@@ -87,7 +87,7 @@ def sft_batch(prompts: TokenizedPrompts, rows: list[int], tokenizer: Any, pad_to
                         loss_mask_bt=mask_bt, rollout_logprobs_bt=torch.zeros(mask_bt.shape),
                         policy_version_bt=torch.zeros(mask_bt.shape, dtype=torch.int32),
                         truncated_b=torch.zeros(num_rows, dtype=torch.bool), scores_b=None, baseline_scores_b=None,
-                        routed_experts_bslk=None)
+                        reward_components_bk=None, routed_experts_bslk=None)
 
 
 class SftSide(TrainSide):

@@ -4,8 +4,8 @@
                ──► actor old logprobs (or the rollout's, bypass) · ref logprobs · critic values
                ──► KL in reward · rollout correction weights / rejection, overlong filtering (the actor's final
                    loss mask)
-               ──► advantages (GAE | GRPO | RLOO | REINFORCE++ | ReMax | OPO | GPG | pass@k | optimal token
-                   baseline: old logprobs, sum_v pi^2 and correction weights)
+               ──► advantages (GAE | GRPO | RLOO | REINFORCE++ | ReMax | OPO | GPG | pass@k | GDPO: the reward
+                   components | optimal token baseline: old logprobs, sum_v pi^2 and correction weights)
                ──► distillation: teacher logprobs, + coef x (teacher - student) per sampled token
                ──► Clip-Cov / KL-Cov: the step's high-covariance tokens (global batch, old logprobs)
                ──► ScoredBatch ──► actor.update · critic.update
@@ -167,6 +167,7 @@ class TrainSide:
             is_weights_bt, loss_mask_bt = loss_filters(batch, old_bt, algo, metrics)
             inputs = AdvantageInputs(token_rewards_bt=token_rewards_bt, response_mask_bt=batch.response_mask_bt,
                                      values_bt=values_bt, baseline_scores_b=batch.baseline_scores_b,
+                                     reward_components_bk=batch.reward_components_bk,
                                      groups=Groups.from_index(batch.group_index_b), old_logprobs_bt=old_bt,
                                      sum_pi_squared_bt=sum_pi_squared_bt, is_weights_bt=is_weights_bt)
             if batch.turn_returns_bt is not None:  # multi-turn credit=turn

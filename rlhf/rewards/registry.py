@@ -1,8 +1,10 @@
 """Rule rewards dispatched on each sample's `data_source`; every sample is scored exactly once.
 
 A scorer has verl's `compute_score` signature: `fn(data_source, solution_str, ground_truth, extra_info) ->
-float` (or a dict with a "score"). A scorer that raises, or returns NaN/inf or a non-number, is a
-`RewardError` naming the sample — never a silent 0.
+float` (or a dict with the total under "score" and, as verl's reward_extra_info, named reward components beside
+it: what GDPO's `gdpo_reward_keys` name; a plain float is the one component "score"). A scorer that raises, or
+returns NaN/inf or a non-number, or lacks a component asked for, is a `RewardError` naming the sample — never a
+silent 0.
 """
 
 from __future__ import annotations
@@ -94,17 +96,42 @@ class RuleReward:
 
     def score(self, samples: Sequence[PromptRecord] | RewardInputs, responses: Sequence[str]) -> torch.Tensor:
         """One float32 reward per response (`rewards_b`); sample i pairs `samples[i]` with `responses[i]`."""
+        return self.score_components(samples, responses, ())[0]
+
+    def score_components(self, samples: Sequence[PromptRecord] | RewardInputs, responses: Sequence[str],
+                         keys: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`rewards_b`, `components_bk`): each response's reward and the float32 components named `keys`, in
+        that order, from the scorer's dict (a plain float is the component "score")."""
         inputs = samples if isinstance(samples, RewardInputs) else RewardInputs.from_records(samples)
         if len(inputs.data_sources) != len(responses):
             raise RewardError(f"got {len(responses)} responses for {len(inputs.data_sources)} samples")
         rewards_b = torch.empty(len(responses), dtype=torch.float32)
+        components_bk = torch.empty(len(responses), len(keys), dtype=torch.float32)
         for i, response in enumerate(responses):
-            rewards_b[i] = self._score_one(inputs, i, response)
-        return rewards_b
+            value, rewards_b[i] = self._score_one(inputs, i, response)
+            for k, key in enumerate(keys):
+                components_bk[i, k] = self._component(inputs, i, value, key)
+        return rewards_b, components_bk
 
-    def _score_one(self, inputs: RewardInputs, i: int, response: str) -> float:
+    def _where(self, inputs: RewardInputs, i: int) -> str:
+        return f"reward for sample {i} (index {inputs.indices[i]}, data_source {inputs.data_sources[i]!r})"
+
+    def _component(self, inputs: RewardInputs, i: int, value: Any, key: str) -> float:
+        named = value if isinstance(value, dict) else {"score": value}
+        if key not in named:
+            raise RewardError(f"{self._where(inputs, i)} has no component {key!r} (algo.advantage.gdpo_reward_keys):"
+                              f" the scorer returned {_one_line(repr(sorted(named)), 120)}; return a dict with every "
+                              "gdpo_reward_keys entry, or list only the keys it returns")
+        component = _as_float(named[key])
+        if component is None or not math.isfinite(component):
+            raise RewardError(f"{self._where(inputs, i)} returned component {key!r} = "
+                              f"{_one_line(repr(named[key]), 80)}, not a finite number")
+        return component
+
+    def _score_one(self, inputs: RewardInputs, i: int, response: str) -> tuple[Any, float]:
+        """The scorer's raw value and its reward."""
         data_source = inputs.data_sources[i]
-        where = f"reward for sample {i} (index {inputs.indices[i]}, data_source {data_source!r})"
+        where = self._where(inputs, i)
         scorer = self._load(self.scorer_name(data_source))
         try:
             value = scorer(data_source, response, inputs.ground_truths[i], inputs.extra_infos[i])
@@ -115,4 +142,4 @@ class RuleReward:
             raise RewardError(f"{where} returned {_one_line(repr(value), 80)} ({type(value).__name__}), not a number")
         if not math.isfinite(reward):
             raise RewardError(f"{where} returned {reward}")
-        return reward
+        return value, reward

@@ -115,6 +115,8 @@ class RolloutBatch(SequenceBatch):
     truncated_b: torch.Tensor  # bool [B] the response hit max_new_tokens (finish reason `length`)
     scores_b: torch.Tensor | None  # fp32 [B] sequence reward; None: a reward model scores it on the training side
     baseline_scores_b: torch.Tensor | None  # fp32 [B] greedy-rollout reward of the prompt (ReMax only)
+    # fp32 [B, K] the scorer's components named by algo.advantage.gdpo_reward_keys, in that order (GDPO only)
+    reward_components_bk: torch.Tensor | None
     # int16 [B, S, L, K] experts of each input token per routed layer (-1 unknown): MoE routing replay only
     routed_experts_bslk: torch.Tensor | None
     # fp32 [B, T] multi-turn `credit=turn`: each sampled token's turn return-to-go (0 elsewhere); None: the score
@@ -158,7 +160,8 @@ ROLLOUT_SCHEMA = {"tokens_bs": torch.int64, "prompt_lengths_b": torch.int64, "re
                   "response_mask_bt": torch.bool, "group_index_b": torch.int64, "sample_index_b": torch.int64,
                   "trajectory_index_b": torch.int64, "loss_mask_bt": torch.bool, "rollout_logprobs_bt": torch.float32,
                   "policy_version_bt": torch.int32, "truncated_b": torch.bool, "scores_b": torch.float32,
-                  "baseline_scores_b": torch.float32, "routed_experts_bslk": torch.int16,
+                  "baseline_scores_b": torch.float32, "reward_components_bk": torch.float32,
+                  "routed_experts_bslk": torch.int16,
                   "turn_returns_bt": torch.float32}
 
 
@@ -170,7 +173,8 @@ def rollout_state(batch: RolloutBatch) -> dict[str, Any]:
 def rollout_from_state(state: dict[str, Any]) -> RolloutBatch:
     """Inverse of `rollout_state`; a tree of another schema is a CheckpointError naming the difference."""
     expected = set(ROLLOUT_SCHEMA) | {"pad_token_id"}
-    state = {"trajectory_index_b": None, "turn_returns_bt": None} | state  # absent: written before they existed
+    state = {"trajectory_index_b": None, "turn_returns_bt": None,
+             "reward_components_bk": None} | state  # absent: written before they existed
     if set(state) != expected:
         raise CheckpointError(f"the checkpoint's in-flight batch has fields {sorted(set(state) ^ expected)} this "
                               "version does not expect; resume it with the version that wrote it")
@@ -221,6 +225,7 @@ def _sampled_logprobs(rollouts: Rollouts) -> torch.Tensor:
 
 def build_rollout_batch(prompts: PromptBatch, rollouts: Rollouts, *, sample_index_b: torch.Tensor,
                         scores_b: torch.Tensor | None, baseline_scores_b: torch.Tensor | None = None,
+                        reward_components_bk: torch.Tensor | None = None,
                         policy_version_rt: torch.Tensor | None = None) -> RolloutBatch:
     """Join each rollout with its prompt into right-padded sequences; `policy_version_rt` (partial rollouts): the
     version of every token, else the engine's for all."""
@@ -244,7 +249,8 @@ def build_rollout_batch(prompts: PromptBatch, rollouts: Rollouts, *, sample_inde
                         trajectory_index_b=None, loss_mask_bt=mask_rt,
                         rollout_logprobs_bt=_sampled_logprobs(rollouts).float() * mask_rt, truncated_b=truncated_r,
                         policy_version_bt=versions_rt, pad_token_id=rollouts.pad_token_id, scores_b=scores_b,
-                        baseline_scores_b=baseline_scores_b, routed_experts_bslk=_routing(rollouts, width))
+                        baseline_scores_b=baseline_scores_b, reward_components_bk=reward_components_bk,
+                        routed_experts_bslk=_routing(rollouts, width))
 
 
 def _routing(rollouts: Rollouts, width: int) -> torch.Tensor | None:

@@ -32,6 +32,13 @@ class Scorer:
         samples = [records[int(i)] for i in rollouts.prompt_index_r]
         return self.reward.score(samples, self.decode(rollouts))
 
+    def score_components(self, records: Sequence[PromptRecord], rollouts: Rollouts,
+                         keys: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`rewards_r`, `components_rk`): the rewards and the named components of each (GDPO; rule rewards only,
+        which preflight checks)."""
+        samples = [records[int(i)] for i in rollouts.prompt_index_r]
+        return self.reward.score_components(samples, self.decode(rollouts), keys)
+
     def score_texts(self, samples: Sequence[PromptRecord], texts: list[str]) -> torch.Tensor:
         """One reward per (sample, decoded response) pair (multi-turn: each trajectory's final turn)."""
         return self.reward.score(list(samples), texts)

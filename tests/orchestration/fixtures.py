@@ -113,7 +113,8 @@ def rollout_batch(**fields):
     defaults = dict(response_lengths_b=mask_bt.sum(-1), loss_mask_bt=mask_bt, sample_index_b=fields["group_index_b"],
                     rollout_logprobs_bt=torch.zeros(mask_bt.shape), truncated_b=torch.zeros(size, dtype=torch.bool),
                     policy_version_bt=torch.zeros(mask_bt.shape, dtype=torch.int32), scores_b=None,
-                    baseline_scores_b=None, routed_experts_bslk=None, trajectory_index_b=None, pad_token_id=0)
+                    baseline_scores_b=None, reward_components_bk=None, routed_experts_bslk=None, trajectory_index_b=None,
+                    pad_token_id=0)
     return RolloutBatch(**(defaults | fields))
 
 

@@ -278,6 +278,7 @@ def test_an_in_flight_batch_round_trips_bitwise_and_a_foreign_one_is_refused():
                           response_mask_bt=mask_bt, group_index_b=torch.tensor([0, 0]),
                           rollout_logprobs_bt=-torch.rand(2, 3) * mask_bt, policy_version_bt=mask_bt.int() * 7,
                           scores_b=torch.tensor([1.0, 0.0]), pad_token_id=3,
+                          reward_components_bk=torch.tensor([[1.0, 0.5, 0.0], [0.0, 0.25, 1.0]]),
                           routed_experts_bslk=torch.randint(-1, 4, (2, 7, 2, 2), dtype=torch.int16))
     back = rollout_from_state(decode_state(encode_state(rollout_state(batch)), "in-flight batch"))
     for field in dataclasses.fields(RolloutBatch):

@@ -227,10 +227,13 @@ def test_settings_that_cannot_mean_anything_are_one_line_errors(tiny, tmp_path):
                                           r"algo\.overlong_buffer\.len <= 5$"):
         preflight(cfg, world_size=1)
     preflight(trainer_config(tiny, str(tmp_path), ["algo.overlong_buffer.len=5"]), world_size=1)
-    cfg = trainer_config(tiny, str(tmp_path), ["algo.advantage.kind=gdpo", "algo.advantage.gdpo_reward_keys=[a, b]"])
-    with pytest.raises(ConfigError, match=r"^algo\.advantage\.kind=gdpo is not usable in the RL step yet: it "
-                                          r"needs per-component rewards from the scorer, which the step does "
-                                          r"not compute; choose another kind$"):
+    gdpo = ["algo.advantage.kind=gdpo", "algo.advantage.gdpo_reward_keys=[a, b]"]
+    preflight(trainer_config(tiny, str(tmp_path), gdpo), world_size=1)
+    cfg = trainer_config(tiny, str(tmp_path), gdpo + ["algo.overlong_buffer.len=2"])
+    with pytest.raises(ConfigError, match=r"^algo\.advantage\.kind=gdpo reads the named reward components of a rule "
+                                          r"reward \(reward\.function / by_source returning a dict\), which "
+                                          r"algo\.overlong_buffer\.len=2 \(its penalty shapes only the score\) does "
+                                          r"not feed; drop it or choose another estimator$"):
         preflight(cfg, world_size=1)
     cfg = trainer_config(tiny, str(tmp_path), ["model.moe.aux_loss_coeff=0.01", "model.moe.token_dispatcher=alltoall"])
     with pytest.raises(ConfigError, match=rf"^model\.moe\.aux_loss_coeff=0\.01, model\.moe\.token_dispatcher="

@@ -23,6 +23,8 @@ def length_score(data_source, solution_str, ground_truth, extra_info):
         return {"score": -math.inf}
     if solution_str == "text":
         return "high"
+    if solution_str == "bad component":
+        return {"score": 1.0, "extra": "yes"}
     return {"score": len(solution_str), "extra": 1} if solution_str.startswith("d") else len(solution_str)
 '''
 
@@ -62,6 +64,27 @@ def test_user_function_for_every_source_runs_once_per_sample(user_fn):
     rewards_b = reward.score([rec("anything", index=i) for i in range(4)], responses)
     assert rewards_b.tolist() == [1.0, 2.0, 4.0, 1.0]
     assert calls == responses
+
+
+def test_components_are_the_dict_entries_and_a_float_is_the_component_score(user_fn):
+    """GDPO's contract: the scorer's dict holds the total under "score" and the named components beside it."""
+    reward = RuleReward(RewardConfig(function=user_fn))
+    records = [rec("src", index=i) for i in range(3)]
+    rewards_b, components_bk = reward.score_components(records, ["dd", "ddd", "dddd"], ["extra", "score"])
+    assert rewards_b.tolist() == [2.0, 3.0, 4.0]
+    assert components_bk.dtype == torch.float32 and components_bk.tolist() == [[1.0, 2.0], [1.0, 3.0], [1.0, 4.0]]
+    rewards_b, components_bk = reward.score_components(records[:2], ["a", "bb"], ["score"])
+    assert components_bk.tolist() == [[1.0], [2.0]] and rewards_b.tolist() == [1.0, 2.0]
+    assert reward.score_components(records[:1], ["a"], [])[1].shape == (1, 0)
+    with pytest.raises(RewardError) as info:
+        reward.score_components(records[:2], ["dd", "a"], ["extra"])
+    assert str(info.value) == ("reward for sample 1 (index 1, data_source 'src') has no component 'extra' "
+                               "(algo.advantage.gdpo_reward_keys): the scorer returned ['score']; return a dict with "
+                               "every gdpo_reward_keys entry, or list only the keys it returns")
+    with pytest.raises(RewardError) as info:
+        reward.score_components(records[:1], ["bad component"], ["extra"])
+    assert str(info.value) == ("reward for sample 0 (index 0, data_source 'src') returned component 'extra' = 'yes', "
+                               "not a finite number")
 
 
 @pytest.mark.parametrize("response, cause", [

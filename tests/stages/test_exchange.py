@@ -25,6 +25,7 @@ def _batch(replica: int) -> RolloutBatch:
                         rollout_logprobs_bt=-torch.rand(rows, resp, generator=gen),
                         policy_version_bt=mask.int() * replica, truncated_b=mask.all(-1),
                         scores_b=torch.rand(rows, generator=gen, dtype=torch.float32), baseline_scores_b=None,
+                        reward_components_bk=torch.rand(rows, 3, generator=gen, dtype=torch.float32),
                         routed_experts_bslk=torch.randint(-1, 4, (rows, seq, 2, 2), generator=gen,
                                                           dtype=torch.int16),
                         pad_token_id=7)
@@ -52,7 +53,8 @@ def test_global_batch_and_rows_without_pickle():
     for batch, rows, _ in results:
         assert type(batch) is RolloutBatch and batch.pad_token_id == 7 and batch.baseline_scores_b is None
         for name in ("tokens_bs", "response_mask_bt", "loss_mask_bt", "group_index_b", "sample_index_b",
-                     "rollout_logprobs_bt", "policy_version_bt", "truncated_b", "scores_b", "routed_experts_bslk"):
+                     "rollout_logprobs_bt", "policy_version_bt", "truncated_b", "scores_b", "reward_components_bk",
+                     "routed_experts_bslk"):
             got, expected = getattr(batch, name), getattr(want, name)
             assert got.dtype == expected.dtype and torch.equal(got, expected), name
         assert batch.group_index_b.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]

@@ -38,7 +38,7 @@ def fixed_batch(size: int = 8) -> ScoredBatch:
                        rollout_logprobs_bt=torch.zeros(mask.shape),
                        policy_version_bt=torch.zeros(mask.shape, dtype=torch.int32),
                        truncated_b=torch.zeros(size, dtype=torch.bool), scores_b=torch.zeros(size),
-                       baseline_scores_b=None, routed_experts_bslk=None, pad_token_id=0,
+                       baseline_scores_b=None, reward_components_bk=None, routed_experts_bslk=None, pad_token_id=0,
                        old_logprobs_bt=-torch.rand(mask.shape, generator=gen) * 3 * mask, ref_logprobs_bt=None,
                        values_bt=None, token_rewards_bt=torch.zeros(mask.shape),
                        advantages_bt=torch.randn(mask.shape, generator=gen) * mask, returns_bt=None,
