@@ -26,7 +26,7 @@ PYTHON=$PYTHON bash "$HERE/launch/torchrun.sh" "$NPROC" sft --config "$CONFIG" "
 echo "== multi-turn GRPO with the calculator from the SFT policy ($NPROC ranks)"
 PYTHON=$PYTHON bash "$HERE/launch/torchrun.sh" "$NPROC" train --config "$CONFIG" "run.output_dir=$OUT" \
   run.name=grpo "model.path=$OUT/sft_model" "data.train_files=[$OUT/data/rl.jsonl]" \
-  "data.val_files=[$OUT/data/val.jsonl]" "multiturn.tool_config=$HERE/configs/tools_calculator.yaml" \
+  "data.val_files=[$OUT/data/val.jsonl]" "multiturn.tool_config=$HERE/configs/tools/calculator.yaml" \
   "trainer.total_steps=${RL_STEPS:-60}"
 "$PYTHON" - "$OUT" <<'PY'
 import json

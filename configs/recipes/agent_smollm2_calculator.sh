@@ -13,4 +13,4 @@ SYSTEM='You can call a calculator. To use it, reply with exactly <tool_call>{"na
 MODEL=$("$PYTHON" -c 'from rlhf.models.smollm2 import smollm2_hf_folder; print(smollm2_hf_folder())')
 PYTHON=$PYTHON bash "$HERE/launch/torchrun.sh" $NPROC train --config "$HERE/configs/recipes/agent_smollm2_calculator.yaml" \
   "run.output_dir=$OUT" "model.path=$MODEL" "data.train_files=[$OUT/data/rl.jsonl]" \
-  "data.val_files=[$OUT/data/val.jsonl]" "multiturn.tool_config=$HERE/configs/tools_calculator.yaml" "$@"
+  "data.val_files=[$OUT/data/val.jsonl]" "multiturn.tool_config=$HERE/configs/tools/calculator.yaml" "$@"

@@ -15,7 +15,7 @@ from pathlib import Path
 from rlhf.cli.main import main
 from rlhf.config import load_config
 from rlhf.orchestration.schema import RlhfConfig
-for path in sorted(Path("configs").rglob("*.yaml")):
+for path in sorted(p for p in Path("configs").rglob("*.yaml") if p.parent.name != "tools"):  # tools/: tool configs
     load_config(RlhfConfig, path)
 err = io.StringIO()
 with contextlib.redirect_stderr(err):
