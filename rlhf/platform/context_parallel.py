@@ -51,38 +51,30 @@ def _all_gather(local_tx: torch.Tensor, group: dist.ProcessGroup) -> torch.Tenso
     return torch.cat(parts)
 
 
-class _GatherKeysValues(torch.autograd.Function):
+class _GatherRows(torch.autograd.Function):
+    """All-gather of rows; backward sums the gradient over ranks first (`summed`) or takes it as is (every rank
+    repeated the same computation), then keeps this rank's slice."""
+
     @staticmethod
-    def forward(ctx, local_tx: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group, ctx.rows = group, local_tx.shape[0]
+    def forward(ctx, local_tx: torch.Tensor, group: dist.ProcessGroup, summed: bool) -> torch.Tensor:
+        ctx.group, ctx.rows, ctx.summed = group, local_tx.shape[0], summed
         return _all_gather(local_tx, group)
 
     @staticmethod
     def backward(ctx, grad_gx: torch.Tensor):
-        grad_gx = grad_gx.contiguous()
-        dist.all_reduce(grad_gx, group=ctx.group)
+        if ctx.summed:
+            grad_gx = grad_gx.contiguous()
+            dist.all_reduce(grad_gx, group=ctx.group)
         start = ctx.group.rank() * ctx.rows
-        return grad_gx[start:start + ctx.rows], None
-
-
-class _GatherReplicated(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, local_tx: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group, ctx.rows = group, local_tx.shape[0]
-        return _all_gather(local_tx, group)
-
-    @staticmethod
-    def backward(ctx, grad_gx: torch.Tensor):
-        start = ctx.group.rank() * ctx.rows
-        return grad_gx[start:start + ctx.rows], None
+        return grad_gx[start:start + ctx.rows], None, None
 
 
 def gather_keys_values(local_tx: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """[cp·t, ...] every rank's rows in rank order; backward sums the gradient over ranks (reduce-scatter)."""
-    return _GatherKeysValues.apply(local_tx, group)
+    return _GatherRows.apply(local_tx, group, True)
 
 
 def gather_replicated(local_tx: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """[cp·t, ...] every rank's rows in rank order, for a computation every rank repeats identically: backward
     keeps this rank's slice of the (identical) gradient."""
-    return _GatherReplicated.apply(local_tx, group)
+    return _GatherRows.apply(local_tx, group, False)

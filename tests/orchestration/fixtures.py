@@ -48,6 +48,15 @@ def hf_response_logprobs(path: str, batch):
     return logp_bsv.gather(1, positions_bt[..., None].expand(-1, -1, logp_bsv.shape[-1]))
 
 
+def hf_sampled_logprobs(path: str, batch):
+    """Each sampled response token's logprob under the HF model at `path` (transformers, full logits), `[B, T]`,
+    zero off the response mask."""
+    positions_bt = batch.response_positions_bt()
+    labels_bt = batch.tokens_bs.gather(1, (positions_bt + 1).clamp(max=batch.tokens_bs.shape[1] - 1))
+    picked_bt = hf_response_logprobs(path, batch).gather(2, labels_bt[..., None]).squeeze(-1)
+    return picked_bt * batch.response_mask_bt
+
+
 def shared_engine_algo(**fields):
     """An `AlgoConfig` resolved as the trainer resolves it for an engine on the actor's own weights (rollout
     correction `auto` -> off): roles are only ever handed resolved configs."""

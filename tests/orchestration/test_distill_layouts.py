@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fixtures import hf_response_logprobs, length_reward, make_moe_setup, make_tiny_setup, run_trainer  # noqa: E402
+from fixtures import hf_sampled_logprobs, length_reward, make_moe_setup, make_tiny_setup, run_trainer  # noqa: E402
 
 from rlhf.testing.distributed import run_distributed  # noqa: E402
 
@@ -34,14 +34,6 @@ def setup(tmp_path_factory):
     return paths
 
 
-def _hf_logprobs(path: str, batch):
-    """Each sampled token's logprob under the HF model at `path` (transformers, full logits), `[B, T]`."""
-    positions_bt = batch.response_positions_bt()
-    labels_bt = batch.tokens_bs.gather(1, (positions_bt + 1).clamp(max=batch.tokens_bs.shape[1] - 1))
-    picked_bt = hf_response_logprobs(path, batch).gather(2, labels_bt[..., None]).squeeze(-1)
-    return picked_bt * batch.response_mask_bt
-
-
 def _layouts_world(paths: dict, root: str) -> dict:
     import torch
     import torch.distributed as dist
@@ -61,11 +53,13 @@ def _layouts_world(paths: dict, root: str) -> dict:
         base = scored[("tp1", 1)]
         for name in ("tp2", "pp2"):
             out[f"{name}_same_tokens"] = torch.equal(scored[(name, 1)].tokens_bs, base.tokens_bs)
-            out[f"{name}_vs_tp1"] = float((scored[(name, 1)].teacher_logprobs_bt - base.teacher_logprobs_bt).abs().max())
+            diff_bt = scored[(name, 1)].teacher_logprobs_bt - base.teacher_logprobs_bt
+            out[f"{name}_vs_tp1"] = float(diff_bt.abs().max())
         for name, step, teacher in (("tp1", 1, "teacher"), ("tp2", 1, "teacher"), ("pp2", 1, "teacher"),
                                     ("moe", 1, "moe_teacher"), ("async", 2, "teacher")):
             batch = scored[(name, step)]
-            out[f"{name}_vs_hf"] = float((batch.teacher_logprobs_bt - _hf_logprobs(paths[teacher], batch)).abs().max())
+            hf_bt = hf_sampled_logprobs(paths[teacher], batch)
+            out[f"{name}_vs_hf"] = float((batch.teacher_logprobs_bt - hf_bt).abs().max())
             out[f"{name}_nonzero"] = bool(batch.teacher_logprobs_bt.abs().sum() > 0)
         async_batch = scored[("async", 2)]
         out["async_stale"] = int(async_batch.policy_version_bt[async_batch.response_mask_bt].max())
@@ -95,7 +89,7 @@ def _four_rank_world(paths: dict, root: str) -> dict:
                     on_scored=lambda batch, step, name=name: scored.__setitem__(name, batch))
     if dist.get_rank() == 0:
         for name, batch in scored.items():
-            out[name] = float((batch.teacher_logprobs_bt - _hf_logprobs(paths["teacher"], batch)).abs().max())
+            out[name] = float((batch.teacher_logprobs_bt - hf_sampled_logprobs(paths["teacher"], batch)).abs().max())
     return out
 
 

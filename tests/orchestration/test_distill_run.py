@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fixtures import hf_response_logprobs, length_reward, make_tiny_setup, run_trainer  # noqa: E402
+from fixtures import hf_sampled_logprobs, length_reward, make_tiny_setup, run_trainer  # noqa: E402
 
 from rlhf.testing.distributed import run_distributed  # noqa: E402
 
@@ -36,14 +36,6 @@ def setup(tmp_path_factory):
                                         build_char_tokenizer(), root / name))
     paths["reward"] = length_reward(root)
     return paths
-
-
-def _hf_logprobs(path: str, batch):
-    """Each sampled token's logprob under the HF model at `path` (transformers, full logits), `[B, T]`."""
-    positions_bt = batch.response_positions_bt()
-    labels_bt = batch.tokens_bs.gather(1, (positions_bt + 1).clamp(max=batch.tokens_bs.shape[1] - 1))
-    picked_bt = hf_response_logprobs(path, batch).gather(2, labels_bt[..., None]).squeeze(-1)
-    return picked_bt * batch.response_mask_bt
 
 
 def _comparable(row: dict) -> dict:
@@ -83,12 +75,12 @@ def _distill_world(paths: dict, root: str) -> dict:
     if dist.get_rank() == 0:
         batch = scored[("multi", 2)]
         other_b = torch.tensor([i % 2 == 1 for i in batch.sample_index_b.tolist()])
-        hf_bt = torch.where(other_b[:, None], _hf_logprobs(paths["teacher_b"], batch),
-                            _hf_logprobs(paths["teacher_a"], batch))
+        hf_bt = torch.where(other_b[:, None], hf_sampled_logprobs(paths["teacher_b"], batch),
+                            hf_sampled_logprobs(paths["teacher_a"], batch))
         out["teacher_parity"] = float((batch.teacher_logprobs_bt - hf_bt).abs().max())
         split_batch = scored[("split", 1)]  # the teacher alone on rank 1, the actor and rollout on rank 0
         out["split_parity"] = float((split_batch.teacher_logprobs_bt
-                                     - _hf_logprobs(paths["teacher_a"], split_batch)).abs().max())
+                                     - hf_sampled_logprobs(paths["teacher_a"], split_batch)).abs().max())
         out["rows_per_teacher"] = [int((~other_b).sum()), int(other_b.sum())]
         expected_bt = 0.5 * (batch.teacher_logprobs_bt - batch.old_logprobs_bt).clamp(-1.0, 1.0) * batch.loss_mask_bt
         out["advantage_hand_check"] = torch.equal(batch.advantages_bt, expected_bt)

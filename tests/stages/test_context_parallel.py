@@ -120,6 +120,21 @@ def test_cp_refuses_an_moe_model_and_row_count_micro_batches(cp_world):
                                       "ref.max_tokens_per_microbatch > 0")
 
 
+def _assert_tensors_and_grads_close(cp1: dict, cp2: dict) -> dict:
+    """Outputs within 1e-5 and grads within 1e-5 (abs and rel); returns cp1's other dict entries (metrics)."""
+    metrics = {}
+    for key, value in cp1.items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(cp2[key], value, atol=1e-5, rtol=0, msg=key)
+        elif "grads" in key:
+            assert value and value.keys() == cp2[key].keys()
+            for name, grad in value.items():
+                torch.testing.assert_close(cp2[key][name], grad, atol=1e-5, rtol=1e-5, msg=f"{key} {name}")
+        elif isinstance(value, dict):
+            metrics[key] = value
+    return metrics
+
+
 def test_cp2_equals_cp1_on_every_forward_and_update(cp_world):
     """Outputs, metrics and (unclipped) grads within 1e-5 on both cp ranks against the one-rank replica: each cp
     rank holds the whole replica's grads after DDP's sum over dp x cp."""
@@ -127,15 +142,9 @@ def test_cp2_equals_cp1_on_every_forward_and_update(cp_world):
     for cp_rank, rank in enumerate(cp_world):
         cp2 = rank["cp2"]
         assert cp1.keys() == cp2.keys()
-        for key, value in cp1.items():
-            if isinstance(value, torch.Tensor):
-                torch.testing.assert_close(cp2[key], value, atol=1e-5, rtol=0, msg=key)
-            elif "grads" in key:
-                assert value and value.keys() == cp2[key].keys()
-                for name, grad in value.items():
-                    torch.testing.assert_close(cp2[key][name], grad, atol=1e-5, rtol=1e-5, msg=f"{key} {name}")
-            elif isinstance(value, dict):  # metrics: from the replica's contributor (cp rank 0) only
-                assert cp2[key] == (pytest.approx(value, rel=1e-5, abs=1e-5) if cp_rank == 0 else {}), key
+        for key, value in _assert_tensors_and_grads_close(cp1, cp2).items():
+            # metrics: from the replica's contributor (cp rank 0) only
+            assert cp2[key] == (pytest.approx(value, rel=1e-5, abs=1e-5) if cp_rank == 0 else {}), key
         assert cp2["packed"] is True and cp1["packed"] is True
 
 
@@ -253,14 +262,8 @@ def test_cp2_tp2_equals_tp2_on_four_ranks(tmp_path):
     world = run_distributed(_cp_tp_world, 4, paths, timeout_s=900)
     for rank in (0, 1):  # tp ranks 0 and 1 of cp rank 0; at cp=1 ranks 2, 3 are outside the layout
         cp1, cp2 = world[rank]["cp1"], world[rank]["cp2"]
-        for key, value in cp1.items():
-            if isinstance(value, torch.Tensor):
-                torch.testing.assert_close(cp2[key], value, atol=1e-5, rtol=0, msg=key)
-            elif "grads" in key:
-                assert value and value.keys() == cp2[key].keys()
-                for name, grad in value.items():
-                    torch.testing.assert_close(cp2[key][name], grad, atol=1e-5, rtol=1e-5, msg=f"{key} {name}")
-            elif isinstance(value, dict) and value:
+        for key, value in _assert_tensors_and_grads_close(cp1, cp2).items():
+            if value:
                 assert cp2[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
     for rank in (2, 3):  # cp rank 1 holds the same shards' grads
         for key, value in world[rank - 2]["cp1"].items():
