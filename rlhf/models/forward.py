@@ -157,8 +157,8 @@ def forward_backward(model: Any, micro_batches: list, loss_fn: LossFn, pg_collec
 
     Each micro-batch has `tokens_bs` and optionally `position_ids_bs` and `attention_mask_b1ss` (True =
     blocked; see `padded_inputs`; default: plain causal), or is a `PackedMicroBatch` (its rows reach loss_fn
-    with the output unpacked to their layout); with pp > 1 all share one shape. `forward_only` runs
-    without grad. `loss_fn(output, micro_batch) -> (loss, metrics)` runs on the last stage, `output` being this rank's
+    with the output unpacked to their layout); with pp > 1 all share one shape (at cp > 1 the local shard's: the
+    p2p tensors are `[T / cp, b, h]`). `forward_only` runs without grad. `loss_fn(output, micro_batch) -> (loss, metrics)` runs on the last stage, `output` being this rank's
     vocab shard of the logits [b, s, v/tp] (or values [b, s, 1]); gradients accumulate into `.grad`
     (or `.main_grad` under megatron DDP) with `loss` taken as-is. Other stages get an empty list. With
     `token_fn`, `loss_fn` reads `token_fn(output, labels, wanted)` `[b, s, k]` instead of the output (required
@@ -171,6 +171,8 @@ def forward_backward(model: Any, micro_batches: list, loss_fn: LossFn, pg_collec
     if pp > 1 and len(shapes) != 1:
         raise ConfigError(f"micro-batches must share one [batch, seq] shape for the pipeline, got {sorted(shapes)}")
     batch_size, seq_length = max(shapes)  # without a pipeline, shapes may differ (nothing is preallocated)
+    # megatron's p2p shapes are [seq_length / cp, b, h]: at cp > 1 `tokens_bs` is already this cp rank's shard
+    seq_length *= pg_collection.cp.size()
     schedule = get_forward_backward_func(pp_size=pp, vp_size=None)
     p2p = P2PCommunicator(pp_group=pg_collection.pp, config=model.config) if pp > 1 else None
     extra = {"p2p_communicator": p2p} if p2p is not None else {}

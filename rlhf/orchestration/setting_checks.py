@@ -66,7 +66,7 @@ def check_optimal_token_baseline(cfg: RlhfConfig) -> None:
 
 def check_context_parallel(cfg: RlhfConfig) -> None:
     """cp > 1 splits the packed (THD) forwards of the actor, critic, ref and reward model: it needs their token
-    budgets set (row-count micro-batches are not sharded) and pp = 1; the teachers do not shard. (MoE with cp is
+    budgets set (row-count micro-batches are not sharded); the teachers do not shard. (MoE with cp is
     refused when the model is built: `ModelRole`.)"""
     budgets = {"actor": [("actor.max_tokens_per_microbatch", cfg.actor.max_tokens_per_microbatch)],
                "critic": [("critic.max_tokens_per_microbatch", cfg.critic.max_tokens_per_microbatch)],
@@ -79,9 +79,6 @@ def check_context_parallel(cfg: RlhfConfig) -> None:
         if role not in budgets:
             raise ConfigError(f"mesh.{role}.cp={layout.cp}: the {role} forwards do not split sequences; set "
                               f"mesh.{role}.cp=1")
-        if layout.pp > 1:
-            raise ConfigError(f"mesh.{role}.cp={layout.cp} with mesh.{role}.pp={layout.pp}: context parallelism "
-                              f"runs without a pipeline; set mesh.{role}.pp=1 or mesh.{role}.cp=1")
         for key, budget in budgets[role]:
             if not budget:
                 raise ConfigError(f"mesh.{role}.cp={layout.cp} shards packed micro-batches only, but {key}=0 (row "

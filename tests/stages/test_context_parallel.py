@@ -20,6 +20,7 @@ from rlhf.errors import ConfigError  # noqa: E402
 from rlhf.models.packing import pack  # noqa: E402
 from rlhf.orchestration.preflight import preflight  # noqa: E402
 from rlhf.platform.context_parallel import global_order, local_positions, padded_length  # noqa: E402
+from rlhf.stages.micro_batches import row_lengths, schedule_lengths  # noqa: E402
 from rlhf.parallel.groups import GroupCache  # noqa: E402
 from rlhf.parallel.layout import ParallelLayout  # noqa: E402
 from rlhf.testing.distributed import run_distributed  # noqa: E402
@@ -68,6 +69,31 @@ def test_cp_pack_pads_each_sequence_and_keeps_the_rows():
     valid_bs = ~rows.padding_mask_bs
     assert torch.equal(unpacked_bs[valid_bs], rows.tokens_bs[valid_bs])
     assert torch.equal(packed.tokens_bs[0], packed.tokens_1t[0, local_positions(packed.cu_seqlens_n, 2, 1)])
+
+
+def test_cp_pipeline_packs_share_one_local_length_with_a_filler_sequence():
+    """cp=2 x pp=2: every pack of a schedule is the longest's length (a multiple of 2·cp), so every cp rank and
+    stage sees one local length `T / cp`; the filler is a sequence of its own that no row reads."""
+    rows = short_batch().trimmed()
+    packs = [rows.select(torch.tensor(bin_rows)).trimmed() for bin_rows in ([0, 3], [1, 2, 4])]
+    per_pack = [row_lengths(pack_rows).tolist() for pack_rows in packs]
+    assert per_pack[0] == [1, 3]
+    assert schedule_lengths(per_pack, 1, 1) == [4, sum(per_pack[1])]
+    own = [sum(padded_length(n, 2) for n in lengths) for lengths in per_pack]
+    assert schedule_lengths(per_pack, 2, 1) == own and schedule_lengths(per_pack, 2, 2) == [max(own)] * 2
+    length = max(own)
+    assert own[0] < length and length % 4 == 0
+    for cp_rank in (0, 1):
+        packed = [pack(pack_rows, length=length, cp_group=_FakeGroup(2, cp_rank)) for pack_rows in packs]
+        assert {mb.tokens_bs.shape for mb in packed} == {(1, length // 2)}
+        short = packed[0]  # [1, 3] padded to 4 + 4, then a filler sequence of length - 8 tokens
+        assert short.cu_seqlens_n.tolist() == [0, 4, 8, length]
+        assert int((~short.padding_mask_1t).sum()) == 4 and bool(short.padding_mask_1t[0, 8:].all())
+        unpacked_bs = short.unpack(short.tokens_1t.unsqueeze(-1)).squeeze(-1)
+        valid_bs = ~packs[0].padding_mask_bs
+        assert torch.equal(unpacked_bs[valid_bs], packs[0].tokens_bs[valid_bs])
+        assert torch.equal(short.tokens_bs[0], short.tokens_1t[0, local_positions(short.cu_seqlens_n, 2, cp_rank)])
+        assert not short.wanted_bs[0, short.padding_mask_bs[0]].any()  # no loss reads padding or filler
 
 
 def _cp_world(paths: dict, moe_model: str) -> dict:
@@ -153,9 +179,6 @@ def test_cp_config_errors_name_the_setting(tmp_path):
     cases = [(["mesh.actor.cp=2"], 2, "mesh.actor.cp=2 shards packed micro-batches only, but "
               "actor.max_tokens_per_microbatch=0 (row counts); set actor.max_tokens_per_microbatch to a token budget "
               "or mesh.actor.cp=1"),
-             (["mesh.actor.cp=2", "mesh.actor.pp=2", "actor.max_tokens_per_microbatch=64"], 4,
-              "mesh.actor.cp=2 with mesh.actor.pp=2: context parallelism runs without a pipeline; set "
-              "mesh.actor.pp=1 or mesh.actor.cp=1"),
              (["mesh.teacher.cp=2"], 2, "mesh.teacher.cp=2: the teacher forwards do not split sequences; set "
               "mesh.teacher.cp=1"),
              (["mesh.actor.cp=3", "actor.max_tokens_per_microbatch=64"], 2, "mesh.actor: 2 ranks are not divisible "
@@ -166,6 +189,8 @@ def test_cp_config_errors_name_the_setting(tmp_path):
         assert str(error.value) == message
     preflight(trainer_config(paths, str(tmp_path), ["mesh.actor.cp=2", "actor.max_tokens_per_microbatch=64"]),
               world_size=2)
+    preflight(trainer_config(paths, str(tmp_path), ["mesh.actor.cp=2", "mesh.actor.pp=2",
+                                                    "actor.max_tokens_per_microbatch=64"]), world_size=4)
 
 
 CLOCK_PREFIXES = ("timing_s/", "perf/", "memory/")
@@ -270,3 +295,72 @@ def test_cp2_tp2_equals_tp2_on_four_ranks(tmp_path):
             if "grads" in key:
                 for name, grad in value.items():
                     torch.testing.assert_close(world[rank]["cp2"][key][name], grad, atol=1e-5, rtol=1e-5)
+
+
+def _cp_pp_world(paths: dict) -> dict:
+    import test_packing
+
+    from rlhf.parallel.groups import build_layout_groups
+    from rlhf.parallel.meshes import RoleMesh
+    from rlhf.stages.micro_batches import pack_plan, packed_micro_batches
+    from rlhf.stages.policy_role import PolicyRole
+
+    test_packing.fixed_batch = short_batch
+    cache = GroupCache()
+    out = {}
+    for name, layout in (("cp1", ParallelLayout()), ("cp2pp2", ParallelLayout(cp=2, pp=2))):
+        out[name] = _roles(paths, cache, layout, BUDGET, MODES, clip_grad=0.0)
+        ref = PolicyRole("ref", RoleMesh("ref", layout, build_layout_groups(layout, cache)), paths["model"],
+                         update=None, total_steps=0, micro_batch_size=2, fused_head=False,
+                         max_tokens_per_microbatch=(BUDGET, "ref.max_tokens_per_microbatch"))
+        out[name]["ref_full_logits"] = ref.logprobs(short_batch())
+    layout = ParallelLayout(cp=2, pp=2)
+    out["stage"] = layout.coords(torch.distributed.get_rank()).pp_rank
+    bins = pack_plan(row_lengths(short_batch()), 1, BUDGET, "k")[0]
+    micro = packed_micro_batches(short_batch(), bins, build_layout_groups(layout, cache))
+    out["local_lengths"] = [mb.tokens_bs.shape[1] for mb in micro]
+    out["fillers"] = sum(len(mb.cu_seqlens_n) - 1 > mb.rows.size for mb in micro)
+    return out
+
+
+def _global_names(grads: dict, stage: int, layers_per_stage: int, names: set) -> dict:
+    """A pipeline stage's grads under the one-stage model's names (its layers offset; the tied output layer, whose
+    grad the embedding group summed, as the embedding's)."""
+    out = {}
+    for name, grad in grads.items():
+        if name.startswith("decoder.layers."):
+            index, rest = name[len("decoder.layers."):].split(".", 1)
+            name = f"decoder.layers.{int(index) + stage * layers_per_stage}.{rest}"
+        elif name == "output_layer.weight" and name not in names:
+            name = "embedding.word_embeddings.weight"
+        out[name] = grad
+    return out
+
+
+@pytest.mark.slow
+def test_cp2_pp2_equals_cp1_on_four_ranks(tmp_path):
+    """CP=2 x PP=2 (packs of one length per schedule, p2p of the local shard): outputs, metrics and every
+    stage's grads (on both cp ranks) within 1e-5 of the one-rank run, in all four aggregation modes."""
+    paths = make_tiny_setup(tmp_path / "tiny", num_train=8, num_val=4)
+    world = run_distributed(_cp_pp_world, 4, paths, timeout_s=1500)
+    cp1 = world[0]["cp1"]
+    lengths = world[0]["local_lengths"]  # one local length for every pack, cp rank and stage
+    assert len(lengths) > 1 and all(rank["local_lengths"] == lengths[:1] * len(lengths) for rank in world)
+    assert world[0]["fillers"] > 0  # some pack was filled up to the schedule's length
+    covered: set[str] = set()
+    for rank in world:
+        cp2 = rank["cp2pp2"]
+        assert cp1.keys() == cp2.keys() and cp2["packed"] is True
+        for key, value in cp1.items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(cp2[key], value, atol=1e-5, rtol=0, msg=key)
+            elif "grads" in key:
+                grads = _global_names(cp2[key], rank["stage"], 1, set(value))
+                assert grads and set(grads) <= set(value), key
+                covered |= {f"{key} {name}" for name in grads}
+                for name, grad in grads.items():
+                    torch.testing.assert_close(grad, value[name], atol=1e-5, rtol=1e-5, msg=f"{key} {name}")
+            elif isinstance(value, dict) and cp2[key]:  # metrics: the last stage's cp rank 0 (rank 2)
+                assert cp2[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
+    assert all(world[2]["cp2pp2"][key] for key in cp1 if key.startswith(("actor/", "critic/")))
+    assert covered == {f"{key} {name}" for key, value in cp1.items() if "grads" in key for name in value}
