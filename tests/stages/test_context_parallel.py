@@ -364,3 +364,45 @@ def test_cp2_pp2_equals_cp1_on_four_ranks(tmp_path):
                 assert cp2[key] == pytest.approx(value, rel=1e-5, abs=1e-5), key
     assert all(world[2]["cp2pp2"][key] for key in cp1 if key.startswith(("actor/", "critic/")))
     assert covered == {f"{key} {name}" for key, value in cp1.items() if "grads" in key for name in value}
+
+
+def _loop_pp_world(paths: dict, root: str) -> dict:
+    from fixtures import run_trainer
+
+    from rlhf.stages import micro_batches
+
+    local_lengths: set[int] = set()  # cp=2 packs' local lengths, all of one schedule's alike
+    plain_pack = micro_batches.pack
+
+    def recording_pack(rows, **kwargs):
+        packed = plain_pack(rows, **kwargs)
+        if packed.local_index_l is not None:
+            local_lengths.add(packed.tokens_bs.shape[1])
+        return packed
+
+    micro_batches.pack = recording_pack
+    packed = ["trainer.val_before_train=false", "actor.max_tokens_per_microbatch=24"]
+    resumable = packed + ["run.name=grpo_cp2pp2", "mesh.actor.cp=2", "mesh.actor.pp=2", "checkpoint.every=1",
+                          "actor.optim.use_distributed_optimizer=true"]
+    out = {"cp1": run_trainer(paths, root, packed + ["run.name=grpo_cp1"]),
+           "cp2pp2": run_trainer(paths, root, resumable)}
+    out["resumed"] = run_trainer(paths, root, resumable + [f"checkpoint.resume={root}/grpo_cp2pp2/checkpoints/step_1"])
+    out["cp_packs"] = bool(local_lengths)
+    return out
+
+
+@pytest.mark.slow
+def test_grpo_loop_at_cp2_pp2_matches_cp1_and_resumes_exactly(tmp_path):
+    """GRPO with the actor at cp=2 x pp=2 on 4 ranks: the first step equals the actor at dp=4's, and a resume from
+    step 1 gives step 2 exactly."""
+    paths = make_tiny_setup(tmp_path / "tiny", num_train=16, num_val=4)
+    world = run_distributed(_loop_pp_world, 4, paths, str(tmp_path / "runs"), timeout_s=1500)[0]
+    cp1, cp2 = world["cp1"], world["cp2pp2"]
+    assert world["cp_packs"]  # the actor's micro-batches really were split over cp
+    assert [row["step"] for row in cp2] == [row["step"] for row in cp1] == [1, 2]
+    keys = [k for k in cp1[0] if k.startswith(("actor/", "critic/", "rollout/reward")) and
+            not k.endswith(("_s", "/lr")) and isinstance(cp1[0][k], float)]
+    assert "actor/pg_loss" in keys
+    assert {k: cp2[0][k] for k in keys} == pytest.approx({k: cp1[0][k] for k in keys}, rel=1e-5, abs=1e-5)
+    assert [row["step"] for row in world["resumed"]] == [2]
+    assert _comparable(world["resumed"][0]) == _comparable(cp2[1])
