@@ -158,12 +158,13 @@ def forward_backward(model: Any, micro_batches: list, loss_fn: LossFn, pg_collec
     Each micro-batch has `tokens_bs` and optionally `position_ids_bs` and `attention_mask_b1ss` (True =
     blocked; see `padded_inputs`; default: plain causal), or is a `PackedMicroBatch` (its rows reach loss_fn
     with the output unpacked to their layout); with pp > 1 all share one shape (at cp > 1 the local shard's: the
-    p2p tensors are `[T / cp, b, h]`). `forward_only` runs without grad. `loss_fn(output, micro_batch) -> (loss, metrics)` runs on the last stage, `output` being this rank's
-    vocab shard of the logits [b, s, v/tp] (or values [b, s, 1]); gradients accumulate into `.grad`
-    (or `.main_grad` under megatron DDP) with `loss` taken as-is. Other stages get an empty list. With
-    `token_fn`, `loss_fn` reads `token_fn(output, labels, wanted)` `[b, s, k]` instead of the output (required
-    at cp > 1, where it runs on this cp rank's tokens and is gathered over `pg_collection.cp`).
-    `autocast_dtype` runs the model's forward (and so its matmuls' backward) under autocast to that dtype.
+    p2p tensors are `[T / cp, b, h]`). `forward_only` runs without grad. `loss_fn(output, micro_batch) -> (loss,
+    metrics)` runs on the last stage, `output` being this rank's vocab shard of the logits [b, s, v/tp] (or values
+    [b, s, 1]); gradients accumulate into `.grad` (or `.main_grad` under megatron DDP) with `loss` taken as-is.
+    Other stages get an empty list. With `token_fn`, `loss_fn` reads `token_fn(output, labels, wanted)`
+    `[b, s, k]` instead of the output (required at cp > 1, where it runs on this cp rank's tokens and is gathered
+    over `pg_collection.cp`). `autocast_dtype` runs the model's forward (and so its matmuls' backward) under
+    autocast to that dtype.
     """
     megatron_compat.apply()
     pp = pg_collection.pp.size()
