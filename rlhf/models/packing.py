@@ -74,7 +74,8 @@ class PackedMicroBatch:
 
     @property
     def routed_experts_bslk(self) -> torch.Tensor | None:
-        """The rows' replayed experts in pack order `[1, T, L, k]` (filler: UNKNOWN, the router's own choice)."""
+        """The rows' replayed experts at the model's input positions `[1, T, L, k]` in pack order (this cp rank's
+        `[1, T / cp, L, k]`: a token's experts go where the token goes); filler: UNKNOWN, the router's own choice."""
         routed = getattr(self.rows, "routed_experts_bslk", None)
         if routed is None:
             return None
@@ -84,7 +85,7 @@ class PackedMicroBatch:
                                                          *routed.shape[2:]), UNKNOWN)], dim=1)
         packed = routed.new_full((self.tokens_1t.shape[1] + 1, *routed.shape[2:]), UNKNOWN)
         packed[self.source_bs.reshape(-1)] = routed[:, :width].reshape(-1, *routed.shape[2:])
-        return packed[:-1].unsqueeze(0)
+        return self._local(packed[:-1].unsqueeze(0))
 
     def unpack(self, output_1tx: torch.Tensor, fill: float = 0) -> torch.Tensor:
         """A model output `[1, T, ...]` in the rows' layout `[b, s, ...]`, `fill` on padding; differentiable."""
@@ -93,16 +94,23 @@ class PackedMicroBatch:
         return extended[self.source_bs]
 
 
+def packed_length(rows: Any, cp_size: int = 1) -> int:
+    """Tokens of `rows` packed without filler: each sequence padded to a multiple of 2·cp when `cp_size` > 1."""
+    lengths = (rows.prompt_lengths_b + rows.response_lengths_b).tolist()
+    return sum(padded_length(n, cp_size) for n in lengths) if cp_size > 1 else sum(lengths)
+
+
 def pack(rows: Any, *, length: int | None = None,
          cp_group: torch.distributed.ProcessGroup | None = None) -> PackedMicroBatch:
     """The sequences of `rows` (right-padded, `prompt + response` long) end to end, then filler up to `length`;
-    with a `cp_group` of size > 1 each sequence padded to a multiple of 2·cp and this cp rank's share marked."""
+    with a `cp_group` of size > 1 each sequence padded to a multiple of 2·cp and this cp rank's share marked
+    (the filler, a sequence of its own, then a multiple of 2·cp too)."""
     cp_size = 1 if cp_group is None else cp_group.size()
     lengths = (rows.prompt_lengths_b + rows.response_lengths_b).tolist()
     spans = [padded_length(n, cp_size) for n in lengths] if cp_size > 1 else lengths
     total = sum(spans)
     length = total if length is None else length
-    assert length >= total and (cp_size == 1 or length == total), (length, total, cp_size)
+    assert length >= total and (cp_size == 1 or (length - total) % (2 * cp_size) == 0), (length, total, cp_size)
     device = rows.tokens_bs.device
     width = rows.tokens_bs.shape[1]
     valid_bs = torch.arange(width, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from rlhf.errors import ConfigError
-from rlhf.models.packing import PackedMicroBatch, pack
+from rlhf.models.packing import PackedMicroBatch, pack, packed_length
 from rlhf.platform import current_device
 from rlhf.stages.batch import SequenceBatch
 
@@ -104,16 +104,16 @@ def pack_plan(lengths_b: torch.Tensor, parts: int, budget: int, key: str) -> lis
 def packed_micro_batches(shard: SequenceBatch, bins: list[list[int]], pgs: Any) -> list[PackedMicroBatch]:
     """The rows of each bin of `shard` packed into one micro-batch; with pp > 1 (`pgs.pp`) all filled up to one
     length (the schedule needs one shape), at ep > 1 (`pgs.ep`) to the longest of the expert-parallel peers'. At cp > 1
-    (`pgs.cp`; pp = ep = 1, preflight) each cp rank holds its share of every sequence (`packing.pack`)."""
+    (`pgs.cp`; pp = 1, preflight) each cp rank holds its share of every sequence (`packing.pack`)."""
     micro = [shard.select(torch.tensor(rows, dtype=torch.int64)).trimmed() for rows in bins]
-    if pgs.cp.size() > 1:
-        assert pgs.pp.size() == 1 and pgs.ep.size() == 1, "cp with pp/ep is refused by preflight"
-        return [pack(rows, cp_group=pgs.cp) for rows in micro]
-    lengths = [int(row_lengths(rows).sum()) for rows in micro]
+    cp_size = pgs.cp.size()
+    assert cp_size == 1 or pgs.pp.size() == 1, "cp with pp is refused by preflight"
+    lengths = [packed_length(rows, cp_size) for rows in micro]
     if pgs.pp.size() > 1:
         lengths = [max(lengths)] * len(lengths)
     if pgs.ep.size() > 1:
         widths = torch.tensor(lengths, dtype=torch.int64, device=current_device())
         torch.distributed.all_reduce(widths, op=torch.distributed.ReduceOp.MAX, group=pgs.ep)
         lengths = widths.tolist()
-    return [pack(rows, length=length) for rows, length in zip(micro, lengths)]
+    return [pack(rows, length=length, cp_group=pgs.cp if cp_size > 1 else None)
+            for rows, length in zip(micro, lengths)]
