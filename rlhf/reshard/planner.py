@@ -2,8 +2,9 @@
 
 Each destination rank gets exactly the canonical slices its shards need (padding rows are zero-filled, never
 sent). A slice is taken from the destination rank itself whenever it already holds it (colocated), otherwise
-the ranks that need a source shard take its holders (DP replicas; any tp rank for replicated tensors; for an
-expert's weights only the dp ranks of the expert-parallel rank holding it) in turn, so send load spreads over the source ranks and the rule is a function of the two layouts alone:
+the ranks that need a source shard take its holders (DP and CP replicas; any tp rank for replicated tensors; for
+an expert's weights only the cp x dp ranks of the expert-parallel rank holding it) in turn, so send load spreads
+over the source ranks and the rule is a function of the two layouts alone:
 `plan_rank` lists one rank's sends and receives without planning the others (0.2 s at 1024 ranks).
 No torch.distributed here: plans are unit-tested on 64+ fake ranks.
 """
@@ -123,11 +124,10 @@ class _Planner:
         if key not in self._holders:
             tp_ranks = range(self.src.tp) if is_replicated(spec) else [tp_rank]
             stage, cp = spec.pp_stage, self.src.cp
-            if ep_rank is None:  # dense: cp rank 0 of every dp rank
-                self._holders[key] = [self.src.rank_of(t, d, stage) for d in range(self.src.dp) for t in tp_ranks]
-            else:  # an expert: the stage's cp x dp indices e with e % ep == its ep rank (`ParallelLayout`)
-                indices = [e for e in range(cp * self.src.dp) if e % self.src.ep == ep_rank]
-                self._holders[key] = [self.src.rank_of(t, e // cp, stage, e % cp) for e in indices for t in tp_ranks]
+            # the stage's cp x dp indices e = cp_rank + cp * dp_rank (cp ranks hold the weights as dp ranks do);
+            # an expert's only where e % ep is its ep rank (`ParallelLayout`)
+            indices = [e for e in range(cp * self.src.dp) if ep_rank is None or e % self.src.ep == ep_rank]
+            self._holders[key] = [self.src.rank_of(t, e // cp, stage, e % cp) for e in indices for t in tp_ranks]
         return self._holders[key]
 
     def src_segments(self, spec: ParamSpec) -> list[tuple[int, Segment]]:
