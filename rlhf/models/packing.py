@@ -3,7 +3,8 @@ positions restarting per sequence and `cu_seqlens` marking the boundaries attent
 
 `PackedMicroBatch.unpack` puts a model output back into the rows' `[b, s, ...]` layout (zeros on padding), so
 every loss reads a packed forward exactly as a padded one. A pack may end in filler tokens (a sequence of their
-own, `padding_mask_bs` True) to reach a length every pipeline stage or expert-parallel peer shares.
+own, `padding_mask_bs` True) to reach a length every pipeline stage or expert-parallel peer shares (at cp > 1
+a multiple of 2·cp, so it splits into chunks as any sequence and every cp rank holds an equal share).
 
 Context parallelism (`rlhf.platform.context_parallel`): every sequence is padded at its end to a multiple of
 2·cp (causal, so its real tokens never see the padding) and each cp rank holds `local_index_l`; the model reads
@@ -94,23 +95,22 @@ class PackedMicroBatch:
         return extended[self.source_bs]
 
 
-def packed_length(rows: Any, cp_size: int = 1) -> int:
-    """Tokens of `rows` packed without filler: each sequence padded to a multiple of 2·cp when `cp_size` > 1."""
-    lengths = (rows.prompt_lengths_b + rows.response_lengths_b).tolist()
+def packed_length(lengths: list[int], cp_size: int = 1) -> int:
+    """Tokens of a pack of sequences this long, before any filler: at cp > 1 each padded to a multiple of 2·cp."""
     return sum(padded_length(n, cp_size) for n in lengths) if cp_size > 1 else sum(lengths)
 
 
 def pack(rows: Any, *, length: int | None = None,
          cp_group: torch.distributed.ProcessGroup | None = None) -> PackedMicroBatch:
-    """The sequences of `rows` (right-padded, `prompt + response` long) end to end, then filler up to `length`;
-    with a `cp_group` of size > 1 each sequence padded to a multiple of 2·cp and this cp rank's share marked
-    (the filler, a sequence of its own, then a multiple of 2·cp too)."""
+    """The sequences of `rows` (right-padded, `prompt + response` long) end to end, then filler up to `length`
+    (`packed_length` or more); with a `cp_group` of size > 1 each sequence padded to a multiple of 2·cp, the
+    filler too (so `length` must be one), and this cp rank's share marked."""
     cp_size = 1 if cp_group is None else cp_group.size()
     lengths = (rows.prompt_lengths_b + rows.response_lengths_b).tolist()
     spans = [padded_length(n, cp_size) for n in lengths] if cp_size > 1 else lengths
     total = sum(spans)
     length = total if length is None else length
-    assert length >= total and (cp_size == 1 or (length - total) % (2 * cp_size) == 0), (length, total, cp_size)
+    assert length >= total and (cp_size == 1 or length % (2 * cp_size) == 0), (length, total, cp_size)
     device = rows.tokens_bs.device
     width = rows.tokens_bs.shape[1]
     valid_bs = torch.arange(width, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]

@@ -101,19 +101,23 @@ def pack_plan(lengths_b: torch.Tensor, parts: int, budget: int, key: str) -> lis
         count += 1
 
 
+def schedule_lengths(lengths_per_pack: list[list[int]], cp_size: int, pp_size: int) -> list[int]:
+    """The length of each pack (its sequences' lengths given): its own (`packed_length`: at cp > 1 each sequence
+    padded to 2·cp), or with pp > 1 the longest pack's for all (the schedule needs one shape; at cp > 1 one local
+    length `T / cp` on every cp rank and stage, the difference filled by a filler sequence, a multiple of 2·cp)."""
+    lengths = [packed_length(pack_lengths, cp_size) for pack_lengths in lengths_per_pack]
+    return [max(lengths)] * len(lengths) if pp_size > 1 else lengths
+
+
 def packed_micro_batches(shard: SequenceBatch, bins: list[list[int]], pgs: Any) -> list[PackedMicroBatch]:
-    """The rows of each bin of `shard` packed into one micro-batch; with pp > 1 (`pgs.pp`) all filled up to one
-    length (the schedule needs one shape), at ep > 1 (`pgs.ep`) to the longest of the expert-parallel peers'. At cp > 1
-    (`pgs.cp`; pp = 1, preflight) each cp rank holds its share of every sequence (`packing.pack`)."""
+    """The rows of each bin of `shard` packed into one micro-batch, at the `schedule_lengths` (pp > 1: one for
+    all), at ep > 1 (`pgs.ep`) filled up to the longest of the expert-parallel peers'. At cp > 1 (`pgs.cp`) each
+    cp rank holds its share of every sequence (`packing.pack`)."""
     micro = [shard.select(torch.tensor(rows, dtype=torch.int64)).trimmed() for rows in bins]
-    cp_size = pgs.cp.size()
-    assert cp_size == 1 or pgs.pp.size() == 1, "cp with pp is refused by preflight"
-    lengths = [packed_length(rows, cp_size) for rows in micro]
-    if pgs.pp.size() > 1:
-        lengths = [max(lengths)] * len(lengths)
+    cp_group = pgs.cp if pgs.cp.size() > 1 else None
+    lengths = schedule_lengths([row_lengths(rows).tolist() for rows in micro], pgs.cp.size(), pgs.pp.size())
     if pgs.ep.size() > 1:
         widths = torch.tensor(lengths, dtype=torch.int64, device=current_device())
         torch.distributed.all_reduce(widths, op=torch.distributed.ReduceOp.MAX, group=pgs.ep)
         lengths = widths.tolist()
-    return [pack(rows, length=length, cp_group=pgs.cp if cp_size > 1 else None)
-            for rows, length in zip(micro, lengths)]
+    return [pack(rows, length=length, cp_group=cp_group) for rows, length in zip(micro, lengths)]

@@ -157,3 +157,49 @@ def test_moe_cp2_on_four_ranks_equals_cp1(tmp_path):
             _check_replay(run)
             torch.testing.assert_close(run["r2_routing"], base["r2_routing"], atol=0, rtol=0)
             _assert_close(base, run, contributor=(rank // 2 if name == "tp2_cp2" else rank % 2) == 0)
+
+
+def test_moe_cp_layouts_pass_preflight_and_bad_ones_name_the_numbers(tmp_path):
+    """ep carved out of cp x dp passes; an ep that does not divide cp x dp is one line naming the numbers."""
+    from fixtures import trainer_config
+
+    from rlhf.errors import ConfigError
+    from rlhf.orchestration.preflight import preflight
+
+    paths = make_moe_setup(tmp_path / "moe")
+    budget = "actor.max_tokens_per_microbatch=64"
+    preflight(trainer_config(paths, str(tmp_path), ["mesh.actor.cp=2", "mesh.actor.ep=2", budget]), world_size=2)
+    with pytest.raises(ConfigError) as error:
+        preflight(trainer_config(paths, str(tmp_path), ["mesh.actor.cp=2", "mesh.actor.ep=4", budget]), world_size=2)
+    assert str(error.value) == ("mesh.actor: 2 ranks are not divisible by tp*ep*pp = 1*4*1 = 4; choose ep among "
+                                "the divisors of cp*dp = 2")
+
+
+def _grpo_runs(paths: dict, run_root: str) -> dict:
+    from fixtures import run_trainer
+
+    common = ["mesh.actor.ep=2", "algo.routing_replay=r3", "actor.recompute_old_logprobs=true",
+              "trainer.val_before_train=false", "actor.max_tokens_per_microbatch=64"]
+    return {name: run_trainer(paths, f"{run_root}/{name}", common + extra)
+            for name, extra in (("dp2", []), ("cp2", ["mesh.actor.cp=2"]))}
+
+
+@pytest.mark.slow
+def test_grpo_with_an_moe_actor_at_cp2_ep2(tmp_path):
+    """The trainer end to end with the actor at cp=2 x ep=2 (the experts split over its cp ranks; its resharded
+    engine at dp=2 takes each expert from the cp rank holding it) and R3: the old-logprob forward replays the
+    engine's routing everywhere (agreement 1, the first update exactly on policy), and the first step equals the
+    actor at dp=2 x ep=2's (but the routing statistics, which are per micro-batch: dp=2 packs each half apart)."""
+    runs = run_distributed(_grpo_runs, 2, make_moe_setup(tmp_path / "moe"), str(tmp_path / "runs"),
+                           timeout_s=1200)[0]
+    for name, history in runs.items():
+        steps = [row for row in history if row["step"] > 0]
+        assert len(steps) == 2, name
+        for row in steps:
+            assert row["actor/ppo_kl"] == 0.0 and row["rollout/router_agreement"] == 1.0, name
+            assert row["rollout/logprob_diff_max"] < 1e-5 and "actor/moe/aux_loss" in row, name
+    first = {name: next(row for row in history if row["step"] == 1) for name, history in runs.items()}
+    keys = [k for k in first["dp2"] if k.startswith(("actor/", "rollout/reward")) and isinstance(first["dp2"][k], float)
+            and not k.endswith(("_s", "/lr")) and "/moe/" not in k]
+    assert "actor/pg_loss" in keys and "actor/grad_norm" in keys
+    assert {k: first["cp2"][k] for k in keys} == pytest.approx({k: first["dp2"][k] for k in keys}, rel=1e-5, abs=1e-5)
