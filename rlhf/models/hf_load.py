@@ -96,9 +96,11 @@ def check_folder(folder: HfFolder, spec: ModelSpec, *, value_head: bool = False)
 
 
 def model_layout(model: Any) -> tuple[ParallelLayout, int, int]:
-    """(tp x dp x pp layout with its ep, tp rank, pp rank) of a model built by `build_gpt`, read from its groups."""
+    """(tp x cp x dp x pp layout with its ep, tp rank, pp rank) of a model built by `build_gpt`, read from its
+    groups."""
     groups = model.pg_collection
-    layout = ParallelLayout(tp=groups.tp.size(), pp=groups.pp.size(), dp=groups.dp.size(), ep=groups.ep.size())
+    layout = ParallelLayout(tp=groups.tp.size(), pp=groups.pp.size(), dp=groups.dp.size(), ep=groups.ep.size(),
+                            cp=groups.cp.size())
     return layout, groups.tp.rank(), groups.pp.rank()
 
 

@@ -28,10 +28,12 @@ from rlhf.platform.compat import megatron as megatron_compat
 
 
 def _replicated_router(router_class: Any, *, config: Any, pg_collection: ProcessGroupCollection) -> Any:
-    """The router on groups without tp: it sees every token, so nothing of it is reduced over tp."""
-    single = pg_collection.cp
-    assert single.size() == 1, "context parallelism is not supported"
-    groups = ProcessGroupCollection(tp=single, cp=single, tp_cp=single, tp_dp_cp=pg_collection.dp_cp)
+    """The router on groups without tp: it sees every token of this cp rank, so nothing of it is reduced over
+    tp (its load-balancing counts are over cp alone)."""
+    single = pg_collection.inter_dist_opt  # this rank alone (`rlhf.parallel.groups`)
+    assert single.size() == 1
+    cp = pg_collection.cp
+    groups = ProcessGroupCollection(tp=single, cp=cp, tp_cp=cp, tp_dp_cp=pg_collection.dp_cp)
     return router_class(config=config, pg_collection=groups)
 
 

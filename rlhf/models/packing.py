@@ -75,7 +75,8 @@ class PackedMicroBatch:
 
     @property
     def routed_experts_bslk(self) -> torch.Tensor | None:
-        """The rows' replayed experts in pack order `[1, T, L, k]` (filler: UNKNOWN, the router's own choice)."""
+        """The rows' replayed experts at the model's input positions `[1, T, L, k]` in pack order (this cp rank's
+        `[1, T / cp, L, k]`: a token's experts go where the token goes); filler: UNKNOWN, the router's own choice."""
         routed = getattr(self.rows, "routed_experts_bslk", None)
         if routed is None:
             return None
@@ -85,7 +86,7 @@ class PackedMicroBatch:
                                                          *routed.shape[2:]), UNKNOWN)], dim=1)
         packed = routed.new_full((self.tokens_1t.shape[1] + 1, *routed.shape[2:]), UNKNOWN)
         packed[self.source_bs.reshape(-1)] = routed[:, :width].reshape(-1, *routed.shape[2:])
-        return packed[:-1].unsqueeze(0)
+        return self._local(packed[:-1].unsqueeze(0))
 
     def unpack(self, output_1tx: torch.Tensor, fill: float = 0) -> torch.Tensor:
         """A model output `[1, T, ...]` in the rows' layout `[b, s, ...]`, `fill` on padding; differentiable."""

@@ -35,6 +35,18 @@ class LayerRouting:
     aux_loss_sum: float = 0.0  # switch load-balancing loss of each forward times its token count
 
 
+def _micro_batch_load(router: torch.nn.Module, load: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, int]:
+    """The micro-batch's tokens per expert and token count: this rank's, summed over the router's cp group
+    (collective there) when context parallelism splits the micro-batch's tokens."""
+    cp_group = getattr(router, "cp_group", None)
+    if cp_group is None or cp_group.size() == 1:
+        return load, num_tokens
+    counts = torch.cat([load, torch.tensor([num_tokens], dtype=load.dtype)]).to(router.weight.device)
+    torch.distributed.all_reduce(counts, group=cp_group)
+    counts = counts.cpu()
+    return counts[:-1], int(counts[-1])
+
+
 class RoutingRecorder:
     """Records every router's choices of `model` while open (`with RoutingRecorder(model) as routing:`);
     `keep_experts=False` keeps only the load and entropy sums (for metrics)."""
@@ -74,9 +86,10 @@ class RoutingRecorder:
         layer.entropy_sum += float(-(logprobs.exp() * logprobs).sum())
         num_tokens, num_experts = routing_map.shape
         layer.num_tokens += num_tokens
-        if num_tokens:
+        shared_load, shared_tokens = _micro_batch_load(router, load, num_tokens)
+        if shared_tokens:  # this rank's share of the micro-batch's switch loss (times its tokens)
             probs_sum = logprobs.exp().sum(0).cpu()
-            layer.aux_loss_sum += num_experts / (router.topk * num_tokens) * float((probs_sum * load).sum())
+            layer.aux_loss_sum += num_experts / (router.topk * shared_tokens) * float((probs_sum * shared_load).sum())
 
     def topk_experts(self) -> dict[int, torch.Tensor]:
         """Per MoE layer: the experts of every recorded token `[tokens, top_k]`, forwards in call order."""

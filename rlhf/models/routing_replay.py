@@ -92,15 +92,20 @@ class RoutingReplay:
             hook.target_nk, hook.recorded, hook.agreed, hook.known = None, [], [], []
         self.micro_batches = []
 
-    def last_recorded_bslk(self) -> torch.Tensor:
+    def last_recorded_bslk(self, cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """The experts the last forward used per routed layer `[b, s, L, k]` (recorded with `record=True`); a
-        packed micro-batch's (`rlhf.models.packing`) in its rows' layout, UNKNOWN on padding."""
+        packed micro-batch's (`rlhf.models.packing`) in its rows' layout, UNKNOWN on padding, its cp ranks'
+        shares gathered over `cp_group` (collective there)."""
         micro_batch = self.micro_batches[-1]
         batch, seq = micro_batch.tokens_bs.shape
         routed = torch.full((batch, seq, self.num_layers, self.top_k), UNKNOWN, dtype=ROUTING_DTYPE)
         for number, hook in self.hooks.items():
             routed[:, :, self.index[number]] = hook.recorded[-1].view(seq, batch, -1).transpose(0, 1)
-        return micro_batch.unpack(routed, fill=UNKNOWN) if hasattr(micro_batch, "unpack") else routed
+        if not hasattr(micro_batch, "unpack"):
+            return routed
+        if cp_group is not None:  # gloo gathers no int16
+            routed = micro_batch.gather_cp(routed.to(torch.int32), cp_group).to(ROUTING_DTYPE)
+        return micro_batch.unpack(routed, fill=UNKNOWN)
 
     def agreement(self, group: dist.ProcessGroup) -> dict[str, float]:
         """Over every forward since `clear` on all ranks of `group`: the fraction of (token, layer) routing

@@ -66,8 +66,7 @@ def check_optimal_token_baseline(cfg: RlhfConfig) -> None:
 
 def check_context_parallel(cfg: RlhfConfig) -> None:
     """cp > 1 splits the packed (THD) forwards of the actor, critic, ref and reward model: it needs their token
-    budgets set (row-count micro-batches are not sharded); the teachers do not shard. (MoE with cp is
-    refused when the model is built: `ModelRole`.)"""
+    budgets set (row-count micro-batches are not sharded); the teachers do not shard."""
     budgets = {"actor": [("actor.max_tokens_per_microbatch", cfg.actor.max_tokens_per_microbatch)],
                "critic": [("critic.max_tokens_per_microbatch", cfg.critic.max_tokens_per_microbatch)],
                "ref": [("ref.max_tokens_per_microbatch", cfg.ref.max_tokens_per_microbatch)],

@@ -2,8 +2,9 @@
 
 Each destination rank gets exactly the canonical slices its shards need (padding rows are zero-filled, never
 sent). A slice is taken from the destination rank itself whenever it already holds it (colocated), otherwise
-the ranks that need a source shard take its holders (DP replicas; any tp rank for replicated tensors; for an
-expert's weights only the dp ranks of the expert-parallel rank holding it) in turn, so send load spreads over the source ranks and the rule is a function of the two layouts alone:
+the ranks that need a source shard take its holders (DP and CP replicas; any tp rank for replicated tensors; for
+an expert's weights only the cp x dp ranks of the expert-parallel rank holding it) in turn, so send load spreads
+over the source ranks and the rule is a function of the two layouts alone:
 `plan_rank` lists one rank's sends and receives without planning the others (0.2 s at 1024 ranks).
 No torch.distributed here: plans are unit-tested on 64+ fake ranks.
 """
@@ -122,9 +123,11 @@ class _Planner:
         key = (spec.pp_stage, None if is_replicated(spec) else tp_rank, ep_rank)
         if key not in self._holders:
             tp_ranks = range(self.src.tp) if is_replicated(spec) else [tp_rank]
-            dp_ranks = [d for d in range(self.src.dp) if ep_rank is None or d % self.src.ep == ep_rank]
-            stage = spec.pp_stage
-            self._holders[key] = [self.src.rank_of(t, d, stage) for d in dp_ranks for t in tp_ranks]
+            stage, cp = spec.pp_stage, self.src.cp
+            # the stage's cp x dp indices e = cp_rank + cp * dp_rank (cp ranks hold the weights as dp ranks do);
+            # an expert's only where e % ep is its ep rank (`ParallelLayout`)
+            indices = [e for e in range(cp * self.src.dp) if ep_rank is None or e % self.src.ep == ep_rank]
+            self._holders[key] = [self.src.rank_of(t, e // cp, stage, e % cp) for e in indices for t in tp_ranks]
         return self._holders[key]
 
     def src_segments(self, spec: ParamSpec) -> list[tuple[int, Segment]]:
@@ -238,10 +241,11 @@ def _experts_per_rank(specs: Sequence[ParamSpec], ep: int) -> int:
     return num_experts // ep
 
 
-def _holds(spec: ParamSpec, layout: ParallelLayout, experts_per_rank: int, dp_rank: int) -> bool:
-    """Whether the ranks of dp rank `dp_rank` of `layout` hold `spec` (all do, but for other ep ranks' experts)."""
+def _holds(spec: ParamSpec, layout: ParallelLayout, experts_per_rank: int, cp_dp_index: int) -> bool:
+    """Whether the ranks at a stage's cp x dp index `cp_rank + cp * dp_rank` (the dp rank at cp = 1) of `layout`
+    hold `spec` (all do, but for other ep ranks' experts)."""
     ep_rank = spec.ep_rank(experts_per_rank)
-    return ep_rank is None or dp_rank % layout.ep == ep_rank
+    return ep_rank is None or cp_dp_index % layout.ep == ep_rank
 
 
 def _check_compatible(src_specs: Sequence[ParamSpec], dst_specs: Sequence[ParamSpec]) -> None:
@@ -332,7 +336,7 @@ def min_received_numel(src_layout: ParallelLayout, dst_layout: ParallelLayout, s
         source = src_by_name[TIED_SOURCE if spec.tied_copy else spec.name]
         held = []
         if (held_coords is not None and source.pp_stage == held_coords.pp_rank
-                and _holds(source, src_layout, src_experts, held_coords.dp_rank)):
+                and _holds(source, src_layout, src_experts, held_coords.cp_rank + src_layout.cp * held_coords.dp_rank)):
             held = shard_segments(source, src_layout.tp, held_coords.tp_rank, vocab_size)
         row_numel = 1
         for dim, size in enumerate(spec.full_shape):

@@ -74,9 +74,6 @@ class ModelRole:
         model = build_gpt(hf_config, mesh.pgs, value_head=value_head, recompute=recompute, seed=seed,
                           params_dtype=params_dtype, moe_kwargs=moe_kwargs,
                           transformer_engine=lora is None and mesh.layout.cp == 1)  # cp: rlhf's own core
-        if mesh.layout.cp > 1 and model.config.num_moe_experts:
-            raise ConfigError(f"the {name} role's model has {model.config.num_moe_experts} experts: context "
-                              f"parallelism (cp={mesh.layout.cp}) runs on dense models only; set its mesh cp=1")
         load_hf_weights(model, hf_path)
         if lora is not None:
             apply_lora(model, lora, dtype=adapter_dtype(lora))
@@ -143,7 +140,7 @@ class ModelRole:
                                                   + (0, batch.response_width - out.shape[1]))
                 outs = {"out": out}
                 if record_routing:  # this micro-batch's experts, at the batch's sequence width
-                    routed = self.routing_replay.last_recorded_bslk()[:, :batch.tokens_bs.shape[1]]
+                    routed = self.routing_replay.last_recorded_bslk(self.mesh.pgs.cp)[:, :batch.tokens_bs.shape[1]]
                     outs["routing"] = torch.nn.functional.pad(
                         routed, (0, 0, 0, 0, 0, batch.tokens_bs.shape[1] - routed.shape[1]), value=UNKNOWN)
                 return output.new_zeros(()), outs

@@ -137,12 +137,13 @@ class TrainEngine:
 
     def _router_losses(self, micro_batches: list) -> contextlib.AbstractContextManager:
         """MoE router losses as a token-weighted mean over the step's micro-batches and DP ranks (see
-        `router_losses_per_token`), so their gradient does not grow with either count."""
+        `router_losses_per_token`), so their gradient does not grow with either count. At cp > 1 each cp rank
+        routes its own share of every micro-batch's tokens, so the count sums over dp x cp."""
         if not has_router_losses(self.module):
             return contextlib.nullcontext()
         num_tokens = torch.tensor(sum(routed_tokens(mb) for mb in micro_batches), dtype=torch.int64,
                                   device=current_device())
-        dist.all_reduce(num_tokens, group=self.pg_collection.dp)
+        dist.all_reduce(num_tokens, group=self.pg_collection.dp_cp)
         return megatron_compat.router_losses_per_token(self.module, int(num_tokens))
 
     def _global_loss(self, losses: list[torch.Tensor]) -> float:

@@ -202,6 +202,10 @@ EXPERT_PAIRS = {
     "dp4ep4_to_dp4ep2": (ParallelLayout(dp=4, ep=4), ParallelLayout(dp=4, ep=2)),
     "split_dp2ep2_to_dp2": (ParallelLayout(dp=2, ep=2), ParallelLayout(dp=2, first_rank=2)),
     "dp8ep8_to_dp16ep2": (ParallelLayout(dp=8, ep=8), ParallelLayout(dp=16, ep=2)),
+    # ep carved out of cp x dp: an expert's holders include cp ranks other than 0
+    "cp2ep2_to_dp2": (ParallelLayout(cp=2, ep=2), ParallelLayout(dp=2)),
+    "cp2dp2ep4_to_dp4ep2": (ParallelLayout(cp=2, dp=2, ep=4), ParallelLayout(dp=4, ep=2)),
+    "tp2cp2dp2ep2_to_tp2dp4": (ParallelLayout(tp=2, cp=2, dp=2, ep=2), ParallelLayout(tp=2, dp=4)),
 }
 
 

@@ -96,7 +96,7 @@ def test_cp_pipeline_packs_share_one_local_length_with_a_filler_sequence():
         assert not short.wanted_bs[0, short.padding_mask_bs[0]].any()  # no loss reads padding or filler
 
 
-def _cp_world(paths: dict, moe_model: str) -> dict:
+def _cp_world(paths: dict) -> dict:
     import test_packing
 
     from rlhf.parallel.groups import build_layout_groups
@@ -114,11 +114,6 @@ def _cp_world(paths: dict, moe_model: str) -> dict:
                              max_tokens_per_microbatch=(BUDGET, "ref.max_tokens_per_microbatch"))
             out[name][f"ref_fused_{fused}"] = ref.logprobs(short_batch(), with_sum_pi_squared=fused)
     layout = ParallelLayout(cp=2)
-    try:
-        PolicyRole("ref", RoleMesh("ref", layout, build_layout_groups(layout, cache)), moe_model, update=None,
-                   total_steps=0, micro_batch_size=2)
-    except ConfigError as error:
-        out["moe_error"] = str(error)
     rows_ref = PolicyRole("ref", RoleMesh("ref", layout, build_layout_groups(layout, cache)), paths["model"],
                           update=None, total_steps=0, micro_batch_size=2,
                           max_tokens_per_microbatch=(0, "ref.max_tokens_per_microbatch"))
@@ -131,17 +126,13 @@ def _cp_world(paths: dict, moe_model: str) -> dict:
 
 @pytest.fixture(scope="module")
 def cp_world(tmp_path_factory):
-    from fixtures import make_moe_setup
-
     paths = make_tiny_setup(tmp_path_factory.mktemp("tiny"), num_train=8, num_val=4)
-    moe = make_moe_setup(tmp_path_factory.mktemp("moe"))
-    return run_distributed(_cp_world, 2, paths, moe["model"], timeout_s=900)
+    return run_distributed(_cp_world, 2, paths, timeout_s=900)
 
 
-def test_cp_refuses_an_moe_model_and_row_count_micro_batches(cp_world):
+def test_cp_refuses_row_count_micro_batches(cp_world):
+    """(MoE models run at cp > 1: `test_context_parallel_moe`.)"""
     for rank in cp_world:
-        assert rank["moe_error"] == ("the ref role's model has 4 experts: context parallelism (cp=2) runs on dense "
-                                     "models only; set its mesh cp=1")
         assert rank["rows_error"] == ("the ref role runs at cp=2, which shards packed micro-batches only; set "
                                       "ref.max_tokens_per_microbatch > 0")
 

@@ -36,7 +36,11 @@ Touch-points (name: what it does; why):
 - `routers` / `router_losses_per_token`: megatron's `TopKRouter`s by class name; while open, each router's
   `calculate_per_token_loss` is set and the config's `moe_aux_loss_coeff` / `moe_z_loss_coeff` are divided by
   the step's routed tokens, so router losses are a token-weighted mean over micro-batches and DP ranks
-  (megatron otherwise adds them once per micro-batch and per DP rank).
+  (megatron otherwise adds them once per micro-batch and per DP rank). At cp > 1 each cp rank's router sees
+  its own tokens: the z-loss coefficient is multiplied back by tp x cp (megatron divides it by that), and the
+  load-balancing loss needs nothing: each rank's is its share of the micro-batch's (local probabilities, loads
+  summed over tp x cp), weighted by the micro-batch's tokens over tp x cp (megatron's "local" count, read after
+  its in-place all-reduce of the loads), so the cp ranks' gradients add up to the cp = 1 ones (tested).
 - `fuse_wgrad_accumulation`: megatron's `gradient_accumulation_fusion` on the local linears of a DDP-wrapped
   model: the weight-gradient GEMM accumulates straight into the DDP grad buffer (`main_grad += g^T x`, one GEMM
   with beta=1) instead of writing a fresh `.grad` the DDP hook then adds in. megatron implements it in apex's
@@ -380,10 +384,12 @@ def router_losses_per_token(model: torch.nn.Module, num_tokens: int) -> Iterator
     configured coefficients. Megatron otherwise adds them once per micro-batch and per DP rank."""
     config, found = model.config, routers(model)
     saved = (config.moe_aux_loss_coeff, config.moe_z_loss_coeff, [r.calculate_per_token_loss for r in found])
+    shards = found[0].tp_cp_group.size() if found else 1  # ranks splitting a micro-batch's tokens (cp)
     for router in found:
         router.calculate_per_token_loss = True  # megatron multiplies each forward's losses by its token count
     config.moe_aux_loss_coeff = saved[0] / num_tokens if saved[0] else saved[0]
-    config.moe_z_loss_coeff = saved[1] / num_tokens if saved[1] else saved[1]
+    # megatron divides the z-loss by its tp x cp size; each cp rank's router sees its own tokens, so undo it
+    config.moe_z_loss_coeff = saved[1] * shards / num_tokens if saved[1] else saved[1]
     try:
         yield
     finally:
