@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -76,6 +77,7 @@ def run_spread(role, batch, budget: int, repeats: int) -> dict:
                 "packed": (dataclasses.replace(rows_cfg, max_tokens_per_microbatch=budget), split)}
     times: dict[str, list[float]] = {name: [] for name in variants}
     cpu: dict[str, list[float]] = {name: [] for name in variants}  # CPU seconds: steadier on a shared host
+    load_start = os.getloadavg()[0]
     for repeat in range(repeats + 1):  # the first round warms up
         for name, (cfg, micro_split) in variants.items():
             role.update_config, role._micro_batches = cfg, micro_split
@@ -90,7 +92,7 @@ def run_spread(role, batch, budget: int, repeats: int) -> dict:
               for name in variants}
     median = {name: statistics.median(values) for name, values in times.items()}
     cpu_median = {name: statistics.median(values) for name, values in cpu.items()}
-    return {"budget": budget, "real_tokens": real, "useful_fraction": useful, "seconds": times, "median_s": median,
+    return {"budget": budget, "real_tokens": real, "load_avg_1m": [load_start, os.getloadavg()[0]], "useful_fraction": useful, "seconds": times, "median_s": median,
             "cpu_seconds": cpu, "median_cpu_s": cpu_median,
             "sorted_over_packed_cpu": cpu_median["sorted"] / cpu_median["packed"],
             "padded_over_packed_cpu": cpu_median["padded"] / cpu_median["packed"],
