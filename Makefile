@@ -110,7 +110,8 @@ bench-memphase: install-bench
 	$(PY) benchmarks/bench_memphase.py
 
 bench-packing: install-bench
-	$(PY) benchmarks/bench_packing.py
+	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_packing.py --model tiny --repeats 3
+	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_packing.py --model smollm2 --spreads 128 --repeats 2 --out benchmarks/results/packing_smollm2.json
 	$(PY) benchmarks/bench_context_parallel.py
 
 bench-padding: bench-packing  # the old name (README)

@@ -6,8 +6,8 @@ the same code, alternating repeats: `padded` (micro-batches of 8 rows at the ste
 by length, each micro-batch cut to its longest row; the row-count default) and `packed` (rows bin-packed into
 micro-batches of at most `--budget` tokens; default: the tokens of 8 rows at the mean length). Reports the
 useful-token fraction (real tokens / tokens the model computes), median wall and CPU s/update (CPU time is
-steadier on a shared host) and ratios; writes
-benchmarks/results/packing.json. `--model tiny` runs in a minute.
+steadier on a shared host, and at OMP_NUM_THREADS=1 free of spinning workers) and ratios, with the 1-minute load
+at each spread's start and end; writes benchmarks/results/packing.json. `--model tiny` runs in a minute.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -76,6 +77,7 @@ def run_spread(role, batch, budget: int, repeats: int) -> dict:
                 "packed": (dataclasses.replace(rows_cfg, max_tokens_per_microbatch=budget), split)}
     times: dict[str, list[float]] = {name: [] for name in variants}
     cpu: dict[str, list[float]] = {name: [] for name in variants}  # CPU seconds: steadier on a shared host
+    load_start = os.getloadavg()[0]
     for repeat in range(repeats + 1):  # the first round warms up
         for name, (cfg, micro_split) in variants.items():
             role.update_config, role._micro_batches = cfg, micro_split
@@ -90,7 +92,8 @@ def run_spread(role, batch, budget: int, repeats: int) -> dict:
               for name in variants}
     median = {name: statistics.median(values) for name, values in times.items()}
     cpu_median = {name: statistics.median(values) for name, values in cpu.items()}
-    return {"budget": budget, "real_tokens": real, "useful_fraction": useful, "seconds": times, "median_s": median,
+    return {"budget": budget, "real_tokens": real, "load_avg_1m": [load_start, os.getloadavg()[0]],  # start, end
+            "useful_fraction": useful, "seconds": times, "median_s": median,
             "cpu_seconds": cpu, "median_cpu_s": cpu_median,
             "sorted_over_packed_cpu": cpu_median["sorted"] / cpu_median["packed"],
             "padded_over_packed_cpu": cpu_median["padded"] / cpu_median["packed"],

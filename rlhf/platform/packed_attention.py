@@ -2,10 +2,14 @@
 on `cu_seqlens`, so a packed row never attends across a sequence boundary.
 
 megatron's local `DotProductAttention` refuses `packed_seq_params`; `PackedDotProductAttention` takes them and
-runs torch's fused scaled_dot_product_attention over blocks of whole sequences: short sequences share one call
-under a block-diagonal causal mask (blocks of at most BLOCK_TOKENS, bounding the per-call overhead), a longer
-one is a call of its own, so compute never grows with the pack's square. Without `packed_seq_params` it is
-megatron's core unchanged. On CUDA with TE, `TEDotProductAttention` takes the same `PackedSeqParams` natively.
+runs torch's fused causal scaled_dot_product_attention (flash on the CPU) per length bucket: the pack's
+sequences, longest first, grouped while padding a shorter one to its group's longest costs little
+(`length_buckets`, `BUCKET_WASTE`), each group gathered into one right-padded `[b, L]` batch and the real
+tokens' outputs gathered back. Causal attention keeps the right padding out of every real query, no mask is
+built, compute never grows with the pack's square, and a pack of short sequences is one or two calls (the
+per-sequence overhead is what made packing slower than padded rows on short spreads). Without
+`packed_seq_params` it is megatron's core unchanged. On CUDA with TE, `TEDotProductAttention` takes the same
+`PackedSeqParams` natively.
 
 Context parallelism (`_forward_packed_cp`, layout in `context_parallel`): each rank's chunks of a sequence attend
 to the K/V of every rank's chunks, all-gathered over `packed_seq_params.cp_group` (one collective per layer, K
@@ -17,6 +21,9 @@ one layer, small next to the activations the sharding saves.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -24,7 +31,8 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from rlhf.platform.context_parallel import gather_keys_values, global_order, local_positions
 
-BLOCK_TOKENS = 512  # sequences share one masked attention call up to this many tokens
+BLOCK_TOKENS = 512  # cp: sequences share one masked attention call up to this many tokens
+BUCKET_WASTE = 64 * 64  # a sequence shares a longer one's call while L² - l² <= this (token²)
 
 
 def packed_seq_params(cu_seqlens_n: torch.Tensor, max_seqlen: int,
@@ -79,19 +87,21 @@ class PackedDotProductAttention(DotProductAttention):
 
     def _forward_packed(self, query_tnd: torch.Tensor, key_tnd: torch.Tensor, value_tnd: torch.Tensor,
                         cu_seqlens_n: torch.Tensor) -> torch.Tensor:
-        """Fused attention over blocks of whole sequences (megatron's scale; dropout and q/k layer scaling off)."""
+        """Causal fused attention per length bucket (`length_buckets`): each bucket's sequences gathered into one
+        right-padded `[b, L]` batch, one SDPA call, the real tokens scattered back (megatron's scale; dropout and
+        q/k layer scaling off). Right padding after a causal sequence never reaches its real queries."""
         assert not self.config.attention_dropout and not self.config.apply_query_key_layer_scaling
-        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        if groups > 1:  # grouped-query attention: every query head sees its group's key/value head
-            key_tnd, value_tnd = key_tnd.repeat_interleave(groups, dim=1), value_tnd.repeat_interleave(groups, dim=1)
-        outputs, start = [], 0
-        for block in _blocks((cu_seqlens_n[1:] - cu_seqlens_n[:-1]).tolist(), BLOCK_TOKENS):
-            q, k, v = (t[start:start + sum(block)].transpose(0, 1) for t in (query_tnd, key_tnd, value_tnd))
-            mask = _block_causal_mask(block, q.device) if len(block) > 1 else None
-            outputs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                                          scale=self.softmax_scale).transpose(0, 1))
-            start += sum(block)
-        return torch.cat(outputs).reshape(query_tnd.shape[0], -1)
+        heads, groups = query_tnd.shape[1], key_tnd.shape[1]
+        plan = bucket_plan(tuple(cu_seqlens_n.tolist()))
+        gather_p, scatter_t = plan.gather_p.to(query_tnd.device), plan.scatter_t.to(query_tnd.device)
+        qkv_tnd = torch.cat([query_tnd, key_tnd, value_tnd], dim=1)
+        qkv_tnd = torch.cat([qkv_tnd, qkv_tnd.new_zeros(1, *qkv_tnd.shape[1:])])  # row `tokens`: the padding
+        outputs = []
+        for (rows, width), qkv_pnd in zip(plan.shapes, qkv_tnd[gather_p].split(plan.sizes)):
+            q, k, v = qkv_pnd.view(rows, width, *qkv_pnd.shape[1:]).transpose(1, 2).split(
+                [heads, groups, groups], dim=1)
+            outputs.append(_causal_attention(q, k, v, self.softmax_scale).transpose(1, 2).reshape(rows * width, -1))
+        return (torch.cat(outputs) if len(outputs) > 1 else outputs[0])[scatter_t]
 
 
 def _blocks(lengths: list[int], limit: int) -> list[list[int]]:
@@ -105,12 +115,61 @@ def _blocks(lengths: list[int], limit: int) -> list[list[int]]:
     return blocks
 
 
-def _block_causal_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
-    """[t, t] True where a token may attend: earlier or same position of its own sequence."""
-    sequence_t = torch.repeat_interleave(torch.arange(len(lengths), device=device),
-                                         torch.tensor(lengths, device=device))
-    causal_tt = torch.ones(len(sequence_t), len(sequence_t), dtype=torch.bool, device=device).tril()
-    return causal_tt & (sequence_t[:, None] == sequence_t[None, :])
+def length_buckets(lengths: list[int], waste: int = BUCKET_WASTE) -> list[list[int]]:
+    """Sequence indices in groups that share one attention call, padded to the group's longest: longest first, a
+    sequence joins the current group while padding it costs at most `waste` (token², its L² - l² of causal
+    attention) and opens a new one otherwise. Deterministic from the lengths alone."""
+    buckets: list[list[int]] = []
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if buckets and lengths[buckets[-1][0]] ** 2 - lengths[index] ** 2 <= waste:
+            buckets[-1].append(index)
+        else:
+            buckets.append([index])
+    return buckets
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """How `_forward_packed` lays a pack's tokens out: bucket k is a `shapes[k]` = (rows, width) batch of the
+    `sizes[k]` slots that follow in `gather_p` (each slot's packed token, `tokens` on padding); `scatter_t` is
+    each packed token's slot."""
+
+    shapes: tuple[tuple[int, int], ...]
+    sizes: tuple[int, ...]
+    gather_p: torch.Tensor
+    scatter_t: torch.Tensor
+
+
+@functools.lru_cache(maxsize=16)  # one plan per pack, shared by every layer
+def bucket_plan(cu_seqlens: tuple[int, ...]) -> BucketPlan:
+    """The `BucketPlan` of the pack whose sequence `i` is tokens `[cu[i], cu[i+1])` (`length_buckets`)."""
+    tokens = cu_seqlens[-1]
+    lengths = [stop - start for start, stop in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    shapes, gathers = [], []
+    for bucket in length_buckets(lengths):
+        width = lengths[bucket[0]]
+        offsets = torch.arange(width)
+        slots = torch.tensor([cu_seqlens[i] for i in bucket])[:, None] + offsets[None, :]
+        slots[offsets[None, :] >= torch.tensor([lengths[i] for i in bucket])[:, None]] = tokens
+        shapes.append((len(bucket), width))
+        gathers.append(slots.reshape(-1))
+    gather_p = torch.cat(gathers)
+    scatter_t = torch.empty(tokens, dtype=torch.int64)
+    real = gather_p < tokens
+    scatter_t[gather_p[real]] = torch.nonzero(real).squeeze(1)
+    return BucketPlan(shapes=tuple(shapes), sizes=tuple(rows * width for rows, width in shapes),
+                      gather_p=gather_p, scatter_t=scatter_t)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """torch's fused causal attention on `[b, heads, s, d]` (grouped-query k/v: fewer heads), fp32 under CPU
+    autocast (`fused_attention`'s note: its bf16 CPU kernel is slower)."""
+    grouped = q.shape[1] != k.shape[1]
+    if torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, scale=scale,
+                                                  enable_gqa=grouped)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=grouped)
 
 
 def _global_causal_mask(cu_seqlens_n: torch.Tensor, query_positions_l: torch.Tensor) -> torch.Tensor:

@@ -29,13 +29,14 @@ keeps `pp - stage` micro-batches in flight on a stage (at most the micro-batch c
 (`rlhf.models.forward`); the value head keeps its input. MoE layers count `top_k` experts' SwiGLU per token
 plus the permuted copies and fp32 router logits (an estimate; the dense terms are checked against autograd).
 
-The CPU path (megatron's local layers; `PackedDotProductAttention` for packed batches, SDPA's math kernel;
-`FusedDotProductAttention` for padded ones, SDPA's flash kernel) keeps more, and `cpu_path_extra_bytes` says how
-much, storage by storage: the decomposed RMSNorm's `x * rstd` (`+h` per norm, also for the q/k norms and the
-final norm); SDPA's q and, with GQA, K and V expanded to every query head (`+2 (hq - hkv)`), or without GQA V
-itself, a view that keeps the fused QKV output whole (as the k norm's input does); packed: the `heads x s^2`
-softmax probabilities of each attention call instead of the lse; padded: per layer SDPA's float copy of the
-`[b, 1, s, s]` mask, and one RoPE cos/sin pair for the whole model instead of four tables per layer.
+The CPU path (megatron's local layers; `PackedDotProductAttention` for packed batches, `FusedDotProductAttention`
+for padded ones, both SDPA's flash kernel) keeps more, and `cpu_path_extra_bytes` says how much, storage by
+storage: the decomposed RMSNorm's `x * rstd` (`+h` per norm, also for the q/k norms and the final norm); padded:
+SDPA's q and, with GQA, K and V expanded to every query head (`+2 (hq - hkv)`), or without GQA V itself, a view
+that keeps the fused QKV output whole (as the k norm's input does), per layer SDPA's float copy of the
+`[b, 1, s, s]` mask, and one RoPE cos/sin pair for the whole model instead of four tables per layer; packed:
+q, k and v gathered into each length bucket's padded slots (no expansion) and SDPA's output in those slots besides
+the out-projection's input (`+hq`), and the pack's two slot maps (int64, shared by every layer).
 `tests/profiling/test_activations.py` finds estimate + extra equal to the bytes
 autograd saves, to the byte. Not checked (no GPU here): whether TE keeps V as a view of the fused QKV output
 too, which would add `hq + hkv` per layer (~6% for Qwen3-8B).
@@ -187,16 +188,26 @@ def activation_bytes(spec: ModelSpec, shape: MicroBatchShape) -> ActivationEstim
 def cpu_path_extra_bytes(spec: ModelSpec, attention_calls: list[int], *, tp: int = 1, dtype_bytes: int = 4,
                          batch: int = 1, padded: bool = False) -> int:
     """What the CPU path (local layers) keeps beyond `activation_bytes` for one micro-batch of a whole model (no
-    pp, cp, recompute): `attention_calls` are the token counts of its attention calls (each of the `batch` rows
-    of a `padded` batch, or the blocks of `PackedDotProductAttention`'s math kernel, which keeps `heads x n^2`
-    probabilities instead of the lse). A padded batch runs `FusedDotProductAttention` (SDPA's flash kernel): it
-    keeps the lse, no probabilities, and per layer SDPA's float copy of the `[b, 1, s, s]` mask; its output is
-    the out-projection's input (a view, no copy); the step's RoPE cos/sin are one `[s, head_dim]` pair for every
-    layer and both q and k (`compat.megatron._lean_rope`) instead of the flash model's per-layer four."""
+    pp, cp, recompute): `attention_calls` are the token counts of its rows (each of the `batch` rows of a
+    `padded` batch) or of the sequences of one pack. A padded batch runs `FusedDotProductAttention`: per layer
+    SDPA's float copy of the `[b, 1, s, s]` mask; its output is the out-projection's input (a view, no copy); the
+    step's RoPE cos/sin are one `[s, head_dim]` pair for every layer and both q and k (`compat.megatron._lean_rope`)
+    instead of the flash model's per-layer four. A pack runs `PackedDotProductAttention`: its `length_buckets`
+    padded to `slots` tokens in all, which SDPA keeps for q, k, v, out and lse, the output then gathered back."""
     tokens = sum(attention_calls) * batch
     heads, kv_heads = spec.num_heads // tp, spec.num_kv_heads // tp
     q_dim, kv_dim = heads * spec.head_dim, kv_heads * spec.head_dim
     grouped = heads > kv_heads
+    final_norm = tokens * spec.hidden_size * dtype_bytes  # its x * rstd
+    if not padded:
+        from rlhf.platform.packed_attention import length_buckets  # megatron's import only when asked
+
+        slots = sum(len(bucket) * attention_calls[bucket[0]] for bucket in length_buckets(attention_calls))
+        # q/k norms: q's x * rstd beyond the flash terms, and the fused QKV output kept whole (the k norm's input)
+        per_token = 2 * spec.hidden_size + (2 * q_dim + 2 * kv_dim if spec.qk_norm else 0)
+        padding = (slots - tokens) * ((q_dim + 2 * kv_dim) * dtype_bytes + 4 * heads)  # its q, k, v and lse
+        per_layer = tokens * per_token * dtype_bytes + slots * q_dim * dtype_bytes + padding  # + SDPA's out
+        return spec.num_layers * per_layer + final_norm + 8 * (slots + tokens)
     # SDPA keeps q, and K and V expanded to every query head (GQA) or k and V itself, a view that keeps the fused
     # QKV output whole (as does the k norm's input); the q/k norms keep q's input and both x * rstd
     cpu = q_dim + (2 * q_dim if grouped else kv_dim) + (q_dim + 2 * kv_dim if not grouped or spec.qk_norm else 0)
@@ -205,10 +216,6 @@ def cpu_path_extra_bytes(spec: ModelSpec, attention_calls: list[int], *, tp: int
         cpu, flash = cpu + 2 * q_dim + kv_dim, flash + q_dim + kv_dim
     elements = 2 * spec.hidden_size + cpu - flash  # + each norm's x * rstd
     squares = batch * sum(n * n for n in attention_calls)
-    final_norm = tokens * spec.hidden_size * dtype_bytes  # its x * rstd
-    if not padded:
-        per_layer = tokens * (elements * dtype_bytes - 4 * heads) + heads * squares * dtype_bytes
-        return spec.num_layers * per_layer + final_norm
     per_layer = tokens * elements * dtype_bytes + squares * dtype_bytes
     positions = max(attention_calls)  # the rows' length; the flash model counts 4 tables per layer, here 2 in all
     rope = (2 - 4 * spec.num_layers) * positions * spec.head_dim * dtype_bytes

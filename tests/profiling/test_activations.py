@@ -11,12 +11,12 @@ import torch
 
 from rlhf.errors import ConfigError
 from rlhf.models.spec import ModelSpec
-from rlhf.platform.packed_attention import BLOCK_TOKENS
+from rlhf.platform.packed_attention import length_buckets
 from rlhf.profiling.activations import MicroBatchShape, activation_bytes, cpu_path_extra_bytes
 from rlhf.testing.distributed import run_distributed
 from tests.models.tiny import VOCAB, llama_config, qwen2_config, qwen3_config
 
-PACKED = [300, 250, 90]  # PackedDotProductAttention's blocks of <= BLOCK_TOKENS: [300], [250, 90]
+PACKED = [300, 290, 40, 30]  # PackedDotProductAttention's length buckets: [300], [290], [40, 30 + 10 padding]
 PADDED_ROWS, PADDED_LEN = 3, 96
 
 
@@ -93,8 +93,8 @@ def test_saved_tensors_equal_the_flash_estimate_plus_the_cpu_extra(measured):
         tokens = sum(PACKED) if packed else PADDED_ROWS * PADDED_LEN
         shape = MicroBatchShape(tokens=tokens, padded_rows=0 if packed else PADDED_ROWS, dtype_bytes=4, head=head)
         flash = activation_bytes(spec, shape).total_bytes
-        assert 300 + 250 > BLOCK_TOKENS >= 250 + 90  # the blocks the packed core runs
-        calls = [300, 340] if packed else [PADDED_LEN]
+        assert length_buckets(PACKED) == [[0], [1], [2, 3]]  # the calls the packed core runs
+        calls = PACKED if packed else [PADDED_LEN]
         extra = cpu_path_extra_bytes(spec, calls, batch=1 if packed else PADDED_ROWS, padded=not packed)
         assert got == flash + extra, (name, packed, head, got, flash, extra)
 
