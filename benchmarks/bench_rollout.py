@@ -120,10 +120,11 @@ def bench_model(name: str, args, workdir: str, peaks: list[float]) -> list[dict]
     config = AutoConfig.from_pretrained(path)
     engines = _engines(path, args.batch_size, args.max_seq_len, args.vllm)
     batch = _prompts(config.vocab_size, args.batch_size, seed=0)
-    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, top_p=args.top_p, seed=0,
+                            ignore_eos=True)
     for engine in engines.values():
         engine.generate(batch, SamplingParams(max_new_tokens=2, temperature=1.0, ignore_eos=True))  # warm-up
-    first_token = SamplingParams(max_new_tokens=1, temperature=1.0, seed=0, ignore_eos=True)
+    first_token = SamplingParams(max_new_tokens=1, temperature=1.0, top_p=args.top_p, seed=0, ignore_eos=True)
     times: dict[str, list[float]] = {key: [] for key in engines}
     prefill: dict[str, list[float]] = {key: [] for key in engines}
     tokens = {}
@@ -178,6 +179,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1: the full distribution)")
     parser.add_argument("--max-seq-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1,
