@@ -55,7 +55,7 @@ def _model_folder(name: str, workdir: str) -> str:
     return path
 
 
-def _engines(path: str, batch_size: int, max_seq_len: int, vllm_modes: list[str]) -> dict:
+def _engines(path: str, batch_size: int, max_seq_len: int, vllm_modes: list[str], with_hf: bool = True) -> dict:
     from transformers import AutoModelForCausalLM
 
     from rlhf.parallel.groups import build_layout_groups
@@ -66,8 +66,10 @@ def _engines(path: str, batch_size: int, max_seq_len: int, vllm_modes: list[str]
     pgs = build_layout_groups(ParallelLayout())
     native = build_engine(RolloutConfig(native=NativeEngineConfig(max_batch_size=batch_size,
                                                                   max_seq_len=max_seq_len)), path, pgs)
-    hf = HFEngine(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), eos_token_ids=eos_token_ids(path))
-    engines = {"native": native, "hf": hf}
+    engines = {"native": native}
+    if with_hf:
+        engines["hf"] = HFEngine(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                 eos_token_ids=eos_token_ids(path))
     if vllm_modes:
         from rlhf.rollout.vllm_engine import VllmEngine, VllmEngineConfig
         from rlhf.rollout.vllm_weights import checkpoint_weights
@@ -118,7 +120,7 @@ def bench_model(name: str, args, workdir: str, peaks: list[float]) -> list[dict]
 
     path = _model_folder(name, workdir)
     config = AutoConfig.from_pretrained(path)
-    engines = _engines(path, args.batch_size, args.max_seq_len, args.vllm)
+    engines = _engines(path, args.batch_size, args.max_seq_len, args.vllm, with_hf=not args.no_hf)
     batch = _prompts(config.vocab_size, args.batch_size, seed=0)
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, top_p=args.top_p, seed=0,
                             ignore_eos=True)
@@ -161,9 +163,10 @@ def _summary(rows: list[dict], peak: float) -> dict:
 
     summary = {"matmul_peak_gflop_s": peak}
     for model in sorted({r["model"] for r in rows}):
-        summary[f"native_vs_hf_{model}"] = tok_s(model, "native") / tok_s(model, "hf")
         summary[f"native_tok_s_{model}"] = tok_s(model, "native")
-        summary[f"hf_tok_s_{model}"] = tok_s(model, "hf")
+        if any(r["model"] == model and r["engine"] == "hf" for r in rows):
+            summary[f"native_vs_hf_{model}"] = tok_s(model, "native") / tok_s(model, "hf")
+            summary[f"hf_tok_s_{model}"] = tok_s(model, "hf")
         native = next(r for r in rows if r["model"] == model and r["engine"] == "native")
         summary[f"fraction_of_peak_{model}"] = native["model_gflop_s"] / peak
         modes = [r["engine"] for r in rows if r["model"] == model and r["engine"].startswith("vllm_")]
@@ -179,6 +182,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--no-hf", action="store_true", help="leave transformers.generate out (the slowest side)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1: the full distribution)")
     parser.add_argument("--max-seq-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
