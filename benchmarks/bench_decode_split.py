@@ -31,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _machine import machine_info  # noqa: E402
 
-from bench_rollout import _init_world, _model_folder  # noqa: E402
+from bench_rollout import _init_world, _model_folder, _prompts  # noqa: E402
+
+from rlhf.rollout.sampling_params import SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "decode_split.json"
 
@@ -52,7 +54,6 @@ def peak_cpu_gflops(size: int = 2048) -> float:
 def _parts(engine, slots: int, context: int) -> tuple[dict, float]:
     """Callables of one decode step and its parts, and the step's GEMM FLOPs."""
     from rlhf.rollout.native.sampler import sample
-    from rlhf.rollout.sampling_params import SamplingParams
 
     decoder, cache, geo = engine.decoder, engine.cache, engine.decoder.geometry
     hidden_size = decoder.params.embedding.shape[1]
@@ -116,7 +117,8 @@ def main() -> None:
         path = _model_folder(args.model, workdir)
         engine = build_engine(RolloutConfig(native=NativeEngineConfig(max_batch_size=args.slots, max_seq_len=128)),
                               path, build_layout_groups(ParallelLayout()))
-        engine.decoder.prepare(engine._weights_epoch)
+        engine.generate(_prompts(engine.decoder.geometry.vocab_size, args.slots, seed=0),  # prepares the weights
+                        SamplingParams(max_new_tokens=2, temperature=1.0, ignore_eos=True))
         parts, gemm_flops = _parts(engine, args.slots, args.context)
         times: dict[str, list[float]] = {name: [] for name in [*parts, "matmul_peak_gflop_s"]}
         for repeat in range(args.repeats):
