@@ -15,6 +15,7 @@ import datetime
 import importlib.util
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -108,10 +109,17 @@ def _batch_flops(config, batch: PromptBatch, new_tokens: int) -> float:
     return total
 
 
-def _time_generate(engine, batch: PromptBatch, params: SamplingParams) -> tuple[float, int]:
-    start = time.perf_counter()
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _time_generate(engine, batch: PromptBatch, params: SamplingParams) -> tuple[float, float, int]:
+    """(wall seconds, this process's CPU seconds, tokens): on a shared host the CPU time leaves out the time the
+    process waited for a core (every engine here runs in this process, on one thread)."""
+    start, cpu_start = time.perf_counter(), _cpu_seconds()
     out = engine.generate(batch, params)
-    return time.perf_counter() - start, int(out.response_lengths_r.sum())
+    return time.perf_counter() - start, _cpu_seconds() - cpu_start, int(out.response_lengths_r.sum())
 
 
 def bench_model(name: str, args, workdir: str, peaks: list[float]) -> list[dict]:
@@ -129,14 +137,19 @@ def bench_model(name: str, args, workdir: str, peaks: list[float]) -> list[dict]
     first_token = SamplingParams(max_new_tokens=1, temperature=1.0, top_p=args.top_p, seed=0, ignore_eos=True)
     times: dict[str, list[float]] = {key: [] for key in engines}
     prefill: dict[str, list[float]] = {key: [] for key in engines}
+    cpu: dict[str, list[float]] = {key: [] for key in engines}
+    cpu_prefill: dict[str, list[float]] = {key: [] for key in engines}
     tokens = {}
     order = list(engines)
     for repeat in range(args.repeats):
         peaks.append(matmul_peak_gflops(repeats=3))
         for key in (order if repeat % 2 == 0 else order[::-1]):
-            seconds, tokens[key] = _time_generate(engines[key], batch, params)
+            seconds, cpu_seconds, tokens[key] = _time_generate(engines[key], batch, params)
             times[key].append(seconds)
-            prefill[key].append(_time_generate(engines[key], batch, first_token)[0])
+            cpu[key].append(cpu_seconds)
+            first, cpu_first, _ = _time_generate(engines[key], batch, first_token)
+            prefill[key].append(first)
+            cpu_prefill[key].append(cpu_first)
     if args.mcore:
         from _mcore_static import time_static_decode
 
@@ -154,12 +167,16 @@ def bench_model(name: str, args, workdir: str, peaks: list[float]) -> list[dict]
         rows.append(dict(model=name, engine=key, tokens=tokens[key], seconds=times[key], tok_s=tokens[key] / total,
                          prefill_ms=1e3 * first, ms_per_decode_step=1e3 * (total - first) / (args.new_tokens - 1),
                          model_gflop_s=flops / total / 1e9))
+        if cpu.get(key):
+            cpu_total, cpu_first = statistics.median(cpu[key]), statistics.median(cpu_prefill[key])
+            rows[-1] |= dict(cpu_seconds=cpu[key], cpu_tok_s=tokens[key] / cpu_total, cpu_prefill_ms=1e3 * cpu_first,
+                             cpu_ms_per_decode_step=1e3 * (cpu_total - cpu_first) / (args.new_tokens - 1))
     return rows
 
 
 def _summary(rows: list[dict], peak: float) -> dict:
-    def tok_s(model, engine):
-        return next(r["tok_s"] for r in rows if r["model"] == model and r["engine"] == engine)
+    def tok_s(model, engine, field="tok_s"):
+        return next(r[field] for r in rows if r["model"] == model and r["engine"] == engine)
 
     summary = {"matmul_peak_gflop_s": peak}
     for model in sorted({r["model"] for r in rows}):
@@ -172,6 +189,8 @@ def _summary(rows: list[dict], peak: float) -> dict:
         modes = [r["engine"] for r in rows if r["model"] == model and r["engine"].startswith("vllm_")]
         for mode in modes:
             summary[f"native_vs_{mode}_{model}"] = tok_s(model, "native") / tok_s(model, mode)
+            summary[f"native_vs_{mode}_{model}_cpu_time"] = tok_s(model, "native", "cpu_tok_s") / tok_s(
+                model, mode, "cpu_tok_s")
         if modes:  # against vLLM's faster mode
             summary[f"native_vs_vllm_{model}"] = tok_s(model, "native") / max(tok_s(model, m) for m in modes)
     return summary
@@ -206,10 +225,12 @@ def main() -> None:
     peak = statistics.median(peaks)
     print(f"fp32 matmul peak (2048^3, {args.threads} threads, median of {len(peaks)}): {peak:.1f} GFLOP/s "
           f"(range {min(peaks):.1f}-{max(peaks):.1f})")
-    print(f"{'model':8} {'engine':13} {'tok/s':>9} {'prefill ms':>10} {'ms/decode':>9} {'GFLOP/s':>8} {'of peak':>8}")
+    print(f"{'model':8} {'engine':13} {'tok/s':>9} {'prefill ms':>10} {'ms/decode':>9} {'GFLOP/s':>8} {'of peak':>8} "
+          f"{'CPU tok/s':>9} {'CPU ms/dec':>10}")
     for row in rows:
         print(f"{row['model']:8} {row['engine']:13} {row['tok_s']:9.0f} {row['prefill_ms']:10.1f} "
-              f"{row['ms_per_decode_step']:9.2f} {row['model_gflop_s']:8.2f} {row['model_gflop_s'] / peak:8.1%}")
+              f"{row['ms_per_decode_step']:9.2f} {row['model_gflop_s']:8.2f} {row['model_gflop_s'] / peak:8.1%} "
+              f"{row.get('cpu_tok_s', float('nan')):9.0f} {row.get('cpu_ms_per_decode_step', float('nan')):10.2f}")
     summary = _summary(rows, peak)
     print(json.dumps(summary, indent=1))
     result = {"name": "rollout", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
