@@ -100,9 +100,9 @@ def _top_p(logits_kv: torch.Tensor, top_p: float) -> torch.Tensor:
 
     On CPU, over a large vocabulary, the set is looked for among each row's most likely `NUCLEUS_CANDIDATES`
     tokens first (a partial top-k: 6-20x cheaper than sorting 49k tokens every step); rows whose set reaches past
-    them try more, then are sorted whole (accelerators sort: no host sync per step). A token is kept when the mass strictly above it is below `top_p`, the rule
-    transformers' warper applies to the ascending cumulative sum (the two can differ only where that mass lies
-    within float rounding of `top_p`)."""
+    them try more, then are sorted whole (accelerators sort: no host sync per step). A token is kept when the
+    mass strictly above it is below `top_p`, the rule transformers' warper applies to the ascending cumulative
+    sum (the two can differ only where that mass lies within float rounding of `top_p`)."""
     if top_p >= 1.0:
         return logits_kv
     return _nucleus(logits_kv, top_p, 0) if logits_kv.device.type == "cpu" else _top_p_sorted(logits_kv, top_p)
