@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlhf-installed
 NPROC ?= 4
 DEMO_NPROC ?= 2
-BENCHES := collectives reshard engine rollout e2e memphase packing exchange checkpoint rollout-corr async moe-rl lora multiturn
+BENCHES := collectives reshard engine rollout decode e2e memphase packing exchange checkpoint rollout-corr async moe-rl lora multiturn
 PYTEST_FLAGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -102,6 +102,10 @@ bench-engine: install-bench
 
 bench-rollout: install-bench install-vllm
 	$(PY) benchmarks/bench_rollout.py
+
+bench-decode: install-bench  # the native decode step split (CPU time) and the sampler per filter
+	$(PY) benchmarks/bench_decode_split.py
+	$(PY) benchmarks/bench_sampler.py
 
 bench-e2e: install-bench
 	$(PY) benchmarks/bench_e2e_vs_trl.py

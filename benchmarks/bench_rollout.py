@@ -15,6 +15,7 @@ import datetime
 import importlib.util
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -55,7 +56,7 @@ def _model_folder(name: str, workdir: str) -> str:
     return path
 
 
-def _engines(path: str, batch_size: int, max_seq_len: int, vllm_modes: list[str]) -> dict:
+def _engines(path: str, batch_size: int, max_seq_len: int, vllm_modes: list[str], with_hf: bool = True) -> dict:
     from transformers import AutoModelForCausalLM
 
     from rlhf.parallel.groups import build_layout_groups
@@ -66,8 +67,10 @@ def _engines(path: str, batch_size: int, max_seq_len: int, vllm_modes: list[str]
     pgs = build_layout_groups(ParallelLayout())
     native = build_engine(RolloutConfig(native=NativeEngineConfig(max_batch_size=batch_size,
                                                                   max_seq_len=max_seq_len)), path, pgs)
-    hf = HFEngine(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), eos_token_ids=eos_token_ids(path))
-    engines = {"native": native, "hf": hf}
+    engines = {"native": native}
+    if with_hf:
+        engines["hf"] = HFEngine(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                 eos_token_ids=eos_token_ids(path))
     if vllm_modes:
         from rlhf.rollout.vllm_engine import VllmEngine, VllmEngineConfig
         from rlhf.rollout.vllm_weights import checkpoint_weights
@@ -106,10 +109,17 @@ def _batch_flops(config, batch: PromptBatch, new_tokens: int) -> float:
     return total
 
 
-def _time_generate(engine, batch: PromptBatch, params: SamplingParams) -> tuple[float, int]:
-    start = time.perf_counter()
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _time_generate(engine, batch: PromptBatch, params: SamplingParams) -> tuple[float, float, int]:
+    """(wall seconds, this process's CPU seconds, tokens): on a shared host the CPU time leaves out the time the
+    process waited for a core (every engine here runs in this process, on one thread)."""
+    start, cpu_start = time.perf_counter(), _cpu_seconds()
     out = engine.generate(batch, params)
-    return time.perf_counter() - start, int(out.response_lengths_r.sum())
+    return time.perf_counter() - start, _cpu_seconds() - cpu_start, int(out.response_lengths_r.sum())
 
 
 def bench_model(name: str, args, workdir: str, peaks: list[float]) -> list[dict]:
@@ -118,22 +128,28 @@ def bench_model(name: str, args, workdir: str, peaks: list[float]) -> list[dict]
 
     path = _model_folder(name, workdir)
     config = AutoConfig.from_pretrained(path)
-    engines = _engines(path, args.batch_size, args.max_seq_len, args.vllm)
+    engines = _engines(path, args.batch_size, args.max_seq_len, args.vllm, with_hf=not args.no_hf)
     batch = _prompts(config.vocab_size, args.batch_size, seed=0)
-    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, top_p=args.top_p, seed=0,
+                            ignore_eos=True)
     for engine in engines.values():
         engine.generate(batch, SamplingParams(max_new_tokens=2, temperature=1.0, ignore_eos=True))  # warm-up
-    first_token = SamplingParams(max_new_tokens=1, temperature=1.0, seed=0, ignore_eos=True)
+    first_token = SamplingParams(max_new_tokens=1, temperature=1.0, top_p=args.top_p, seed=0, ignore_eos=True)
     times: dict[str, list[float]] = {key: [] for key in engines}
     prefill: dict[str, list[float]] = {key: [] for key in engines}
+    cpu: dict[str, list[float]] = {key: [] for key in engines}
+    cpu_prefill: dict[str, list[float]] = {key: [] for key in engines}
     tokens = {}
     order = list(engines)
     for repeat in range(args.repeats):
         peaks.append(matmul_peak_gflops(repeats=3))
         for key in (order if repeat % 2 == 0 else order[::-1]):
-            seconds, tokens[key] = _time_generate(engines[key], batch, params)
+            seconds, cpu_seconds, tokens[key] = _time_generate(engines[key], batch, params)
             times[key].append(seconds)
-            prefill[key].append(_time_generate(engines[key], batch, first_token)[0])
+            cpu[key].append(cpu_seconds)
+            first, cpu_first, _ = _time_generate(engines[key], batch, first_token)
+            prefill[key].append(first)
+            cpu_prefill[key].append(cpu_first)
     if args.mcore:
         from _mcore_static import time_static_decode
 
@@ -151,23 +167,30 @@ def bench_model(name: str, args, workdir: str, peaks: list[float]) -> list[dict]
         rows.append(dict(model=name, engine=key, tokens=tokens[key], seconds=times[key], tok_s=tokens[key] / total,
                          prefill_ms=1e3 * first, ms_per_decode_step=1e3 * (total - first) / (args.new_tokens - 1),
                          model_gflop_s=flops / total / 1e9))
+        if cpu.get(key):
+            cpu_total, cpu_first = statistics.median(cpu[key]), statistics.median(cpu_prefill[key])
+            rows[-1] |= dict(cpu_seconds=cpu[key], cpu_tok_s=tokens[key] / cpu_total, cpu_prefill_ms=1e3 * cpu_first,
+                             cpu_ms_per_decode_step=1e3 * (cpu_total - cpu_first) / (args.new_tokens - 1))
     return rows
 
 
 def _summary(rows: list[dict], peak: float) -> dict:
-    def tok_s(model, engine):
-        return next(r["tok_s"] for r in rows if r["model"] == model and r["engine"] == engine)
+    def tok_s(model, engine, field="tok_s"):
+        return next(r[field] for r in rows if r["model"] == model and r["engine"] == engine)
 
     summary = {"matmul_peak_gflop_s": peak}
     for model in sorted({r["model"] for r in rows}):
-        summary[f"native_vs_hf_{model}"] = tok_s(model, "native") / tok_s(model, "hf")
         summary[f"native_tok_s_{model}"] = tok_s(model, "native")
-        summary[f"hf_tok_s_{model}"] = tok_s(model, "hf")
+        if any(r["model"] == model and r["engine"] == "hf" for r in rows):
+            summary[f"native_vs_hf_{model}"] = tok_s(model, "native") / tok_s(model, "hf")
+            summary[f"hf_tok_s_{model}"] = tok_s(model, "hf")
         native = next(r for r in rows if r["model"] == model and r["engine"] == "native")
         summary[f"fraction_of_peak_{model}"] = native["model_gflop_s"] / peak
         modes = [r["engine"] for r in rows if r["model"] == model and r["engine"].startswith("vllm_")]
         for mode in modes:
             summary[f"native_vs_{mode}_{model}"] = tok_s(model, "native") / tok_s(model, mode)
+            summary[f"native_vs_{mode}_{model}_cpu_time"] = tok_s(model, "native", "cpu_tok_s") / tok_s(
+                model, mode, "cpu_tok_s")
         if modes:  # against vLLM's faster mode
             summary[f"native_vs_vllm_{model}"] = tok_s(model, "native") / max(tok_s(model, m) for m in modes)
     return summary
@@ -178,6 +201,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--no-hf", action="store_true", help="leave transformers.generate out (the slowest side)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1: the full distribution)")
     parser.add_argument("--max-seq-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1,
@@ -200,10 +225,12 @@ def main() -> None:
     peak = statistics.median(peaks)
     print(f"fp32 matmul peak (2048^3, {args.threads} threads, median of {len(peaks)}): {peak:.1f} GFLOP/s "
           f"(range {min(peaks):.1f}-{max(peaks):.1f})")
-    print(f"{'model':8} {'engine':13} {'tok/s':>9} {'prefill ms':>10} {'ms/decode':>9} {'GFLOP/s':>8} {'of peak':>8}")
+    print(f"{'model':8} {'engine':13} {'tok/s':>9} {'prefill ms':>10} {'ms/decode':>9} {'GFLOP/s':>8} {'of peak':>8} "
+          f"{'CPU tok/s':>9} {'CPU ms/dec':>10}")
     for row in rows:
         print(f"{row['model']:8} {row['engine']:13} {row['tok_s']:9.0f} {row['prefill_ms']:10.1f} "
-              f"{row['ms_per_decode_step']:9.2f} {row['model_gflop_s']:8.2f} {row['model_gflop_s'] / peak:8.1%}")
+              f"{row['ms_per_decode_step']:9.2f} {row['model_gflop_s']:8.2f} {row['model_gflop_s'] / peak:8.1%} "
+              f"{row.get('cpu_tok_s', float('nan')):9.0f} {row.get('cpu_ms_per_decode_step', float('nan')):10.2f}")
     summary = _summary(rows, peak)
     print(json.dumps(summary, indent=1))
     result = {"name": "rollout", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -60,3 +60,19 @@ def test_two_level_draw_follows_the_distribution_and_never_picks_filtered_tokens
     unfiltered = sample(logits[:2000], SamplingParams(max_new_tokens=1), torch.Generator().manual_seed(4))
     torch.testing.assert_close(unfiltered.logprobs_k,
                                torch.log_softmax(logits[:2000], -1).gather(-1, unfiltered.tokens_k[:, None])[:, 0])
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_top_p_among_candidates_matches_transformers(top_p):
+    # 5000 tokens: rows peaked (the set inside 256 candidates), broader (inside 2048) and flat (sorted whole);
+    # no tied logits (which of two tied tokens a sort keeps is arbitrary).
+    generator = torch.Generator().manual_seed(5)
+    scales = torch.tensor([8.0, 8.0, 3.0, 3.0, 1.0, 0.3, 0.05, 0.01])[:, None]
+    logits = torch.randn(8, 5000, generator=generator) * scales
+    logits[1, :40] = float("-inf")  # already filtered tokens (top-k) stay out
+    ours = _top_p(logits, top_p)
+    theirs = TopPLogitsWarper(top_p)(None, logits.clone())
+    assert torch.equal(ours.isinf(), theirs.isinf())
+    assert torch.equal(ours[~ours.isinf()], logits[~theirs.isinf()])
+    kept = (~ours.isinf()).sum(-1)
+    assert kept.min() >= 1 and (top_p < 0.9 or kept.max() > 2048)  # the sorted fallback is reached
