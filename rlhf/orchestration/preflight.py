@@ -179,7 +179,8 @@ def shares_weights(cfg: RlhfConfig, layouts: dict) -> bool:
 
 
 def resolved_sleep(cfg: RlhfConfig) -> str:
-    return cfg.rollout.resolved_sleep(accelerator=platform.has_accelerator())
+    return cfg.rollout.resolved_sleep(accelerator=platform.has_accelerator(),
+                                      keeps_base=cfg.lora.enabled and cfg.lora.sync == "adapter")
 
 
 def check_routing_replay(cfg: RlhfConfig, layouts: dict) -> None:

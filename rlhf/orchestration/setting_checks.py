@@ -89,14 +89,14 @@ def check_context_parallel(cfg: RlhfConfig) -> None:
 
 
 def check_lora(cfg: RlhfConfig) -> None:
-    """LoRA runs where it is built and tested: adapter-only sync into a native engine that keeps its base, the ref
-    as the actor's base (so no routing replay, whose recorder the two would share), the actor's params resident
-    for the ref's forward."""
+    """LoRA runs where it is built and tested: adapter-only sync into a native or vLLM engine that keeps its base,
+    the ref as the actor's base (so no routing replay, whose recorder the two would share), the actor's params
+    resident for the ref's forward."""
     if not cfg.lora.enabled:
         return
     adapter_sync = cfg.lora.sync == "adapter"
-    not_yet = [(adapter_sync and cfg.rollout.engine != "native", f"rollout.engine={cfg.rollout.engine} and "
-                "lora.sync=adapter (only the native engine takes adapters)", "lora.sync=merged"),
+    not_yet = [(adapter_sync and cfg.rollout.engine == "hf", "rollout.engine=hf and lora.sync=adapter (the hf "
+                "engine takes merged weights only)", "lora.sync=merged"),
                (adapter_sync and cfg.rollout.sleep == "kv_cache_and_weights", "rollout.sleep=kv_cache_and_weights "
                 "and lora.sync=adapter (the engine keeps its base)", "rollout.sleep=kv_cache"),
                (cfg.algo.routing_replay != "none", f"algo.routing_replay={cfg.algo.routing_replay}",

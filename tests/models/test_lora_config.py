@@ -34,8 +34,8 @@ def test_bad_lora_settings_are_one_line_errors(kwargs, message):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["lora.sync=adapter", "rollout.engine=vllm"], "lora.enabled=true does not run with rollout.engine=vllm and "
-     "lora.sync=adapter (only the native engine takes adapters) yet; use lora.sync=merged"),
+    (["lora.sync=adapter", "rollout.engine=hf"], "lora.enabled=true does not run with rollout.engine=hf and "
+     "lora.sync=adapter (the hf engine takes merged weights only) yet; use lora.sync=merged"),
     (["lora.sync=adapter", "rollout.sleep=kv_cache_and_weights"], "lora.enabled=true does not run with "
      "rollout.sleep=kv_cache_and_weights and lora.sync=adapter (the engine keeps its base) yet; use "
      "rollout.sleep=kv_cache"),
@@ -54,6 +54,7 @@ def test_lora_settings_the_trainer_does_not_run_yet_are_refused(overrides, messa
 
     check_lora(config([]))
     check_lora(config(["lora.sync=adapter"]))
+    check_lora(config(["lora.sync=adapter", "rollout.engine=vllm"]))
     with pytest.raises(ConfigError) as error:
         check_lora(config(overrides))
     assert str(error.value) == message
