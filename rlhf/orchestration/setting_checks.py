@@ -10,7 +10,9 @@ import torch.distributed as dist
 from rlhf.agents.config import HistoryPolicy
 from rlhf.algo.advantages import TRAJECTORY_KINDS, AdvantageKind
 from rlhf.errors import ConfigError
+from rlhf.models.lora_peft import check_peft_adapter, read_peft_folder
 from rlhf.ops.prometheus import check_listen
+from rlhf.orchestration.checks import read_hf_config
 from rlhf.orchestration.schema import RlhfConfig
 from rlhf.parallel.config import ROLES
 from rlhf.parallel.wire import broadcast_json
@@ -106,6 +108,13 @@ def check_lora(cfg: RlhfConfig) -> None:
     for refused, setting, fix in not_yet:
         if refused:
             raise ConfigError(f"lora.enabled=true does not run with {setting} yet; use {fix}")
+
+
+def check_lora_adapter(cfg: RlhfConfig) -> None:
+    """`lora.adapter_path`: the PEFT folder fits the lora section and model.path (config and tensor header only)."""
+    if not (cfg.lora.enabled and cfg.lora.adapter_path):
+        return
+    check_peft_adapter(read_peft_folder(cfg.lora.adapter_path), read_hf_config(cfg.model.path), cfg.lora)
 
 
 def check_multiturn(cfg: RlhfConfig) -> None:

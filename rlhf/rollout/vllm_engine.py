@@ -73,6 +73,7 @@ class VllmEngine:
         first_rank = not dist.is_initialized() or dist.get_rank(world) == 0
         self.adapters = None if lora is None else AdapterFolders(lora, is_writer=first_rank)
         self.lora_request: Any = None  # the current policy version's adapter (lora only)
+        self.num_adapters = 0  # adapter pushes so far: each one's vLLM id (policy versions repeat over a resume)
         with rollout_world(self.world):
             self.llm = vllm.LLM(model=hf_path, tensor_parallel_size=layout.tp,
                                 distributed_executor_backend="external_launcher",
@@ -126,19 +127,20 @@ class VllmEngine:
 
     def load_adapter(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """The next policy version's adapter (full PEFT-named A/B tensors, the same on every rank): written as a
-        PEFT folder by one rank, then registered with vLLM on every rank of the engine under a new id."""
+        PEFT folder by one rank, then registered with vLLM on every rank of the engine under a new id (vLLM keeps
+        the adapter it holds under a known id, so an id is never reused)."""
         if self.adapters is None:
             raise RuntimeError("VllmEngine.load_adapter on an engine built without lora=")
-        version = self.policy_version + 1
-        path = self.adapters.write(version, tensors)
+        number = self.num_adapters + 1
+        path = self.adapters.write(number, tensors)
         if dist.is_initialized():
             dist.barrier(group=self.world)  # the folder is complete before any rank's vLLM reads it
-        request = self.vllm.lora.request.LoRARequest(f"policy-v{version}", version, str(path))
+        request = self.vllm.lora.request.LoRARequest(f"adapter-{number}", number, str(path))
         with rollout_world(self.world):
             if not self.llm.llm_engine.add_lora(request):
-                raise WeightSyncError(f"vLLM did not take the adapter of policy version {version} ({path})")
-        self.lora_request = request
-        self.policy_version = version
+                raise WeightSyncError(f"vLLM did not take adapter {number} ({path}); the engine keeps the previous")
+        self.lora_request, self.num_adapters = request, number
+        self.policy_version += 1
 
     def sleep(self, release_weights: bool = False) -> None:
         """Level 1 offloads weights to host and drops the KV cache; level 2 drops both (reload after wake).

@@ -1,11 +1,12 @@
 """`lora.sync: adapter` into vLLM: the engine holds the base once and takes each policy version's adapter
 through vLLM's public LoRA support (`LLM(enable_lora=True, ...)`, one `LoRARequest` per version).
 
-vLLM 0.32 loads a LoRA adapter from a PEFT folder only (no public in-memory route), so every adapter push writes
-`<run>/lora_sync/v<N>/` (`adapter_config.json` + `adapter_model.safetensors`, the exporter's format) on the
-rollout world's first rank, and every rank of the engine registers it under the id N. The engine keeps
-`slots` = trainer.max_staleness + 1 adapters (vLLM's `max_loras`), so a request finishes under the adapter it
-started with; a folder is removed once its version falls out of the slots, and the whole tree at `close()`.
+vLLM 0.32 loads a LoRA adapter from a PEFT folder only (no public in-memory route), so the engine's N-th adapter
+push writes `<run>/lora_sync/v<N>/` (`adapter_config.json` + `adapter_model.safetensors`, the exporter's format)
+on the rollout world's first rank, and every rank of the engine registers it under the id N (never reused: vLLM
+keeps what it holds under a known id). The engine keeps `slots` = trainer.max_staleness + 1 adapters (vLLM's
+`max_loras`), so a request finishes under the adapter it started with; a folder is removed once it falls out of
+the slots, and the whole tree at `close()`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ ADAPTER_FOLDER = "lora_sync"  # under the run folder
 @dataclass(frozen=True)
 class VllmLoraSpec:
     """What a vLLM engine needs to take adapters: their shape (`lora`), the base they sit on (`base_path`, named
-    in each adapter's config), the run's folder for the adapter versions and how many versions stay loaded."""
+    in each adapter's config), the run's folder for the adapters and how many of them stay loaded."""
 
     lora: LoraConfig
     base_path: str
@@ -53,40 +54,40 @@ class VllmLoraSpec:
 
 
 class AdapterFolders:
-    """The PEFT folder of each adapter version under `spec.folder`, written by `is_writer` (one rank of the
+    """The PEFT folder of each adapter push under `spec.folder`, written by `is_writer` (one rank of the
     engine's world; the others read it after the engine's barrier), the newest `spec.slots` kept."""
 
     def __init__(self, spec: VllmLoraSpec, is_writer: bool) -> None:
         self.spec, self.is_writer = spec, is_writer
-        self.versions: list[int] = []
+        self.numbers: list[int] = []
 
-    def path(self, version: int) -> Path:
-        return Path(self.spec.folder) / f"v{version}"
+    def path(self, number: int) -> Path:
+        return Path(self.spec.folder) / f"v{number}"
 
-    def write(self, version: int, tensors: Mapping[str, torch.Tensor]) -> Path:
-        """Write version `version`'s adapter (full PEFT-named tensors) and drop the versions no slot holds."""
+    def write(self, number: int, tensors: Mapping[str, torch.Tensor]) -> Path:
+        """Write push `number`'s adapter (full PEFT-named tensors) and drop the folders no slot holds."""
         from safetensors.torch import save_file
 
-        path = self.path(version)
+        path = self.path(number)
         if self.is_writer:
             staging = path.with_name(path.name + ".partial")
             shutil.rmtree(staging, ignore_errors=True)
-            shutil.rmtree(path, ignore_errors=True)  # a crashed run's leftover of the same version
+            shutil.rmtree(path, ignore_errors=True)  # a crashed run's leftover of the same number
             staging.mkdir(parents=True)
             save_file({name: t.detach().cpu().contiguous() for name, t in tensors.items()},
                       str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
             (staging / "adapter_config.json").write_text(json.dumps(self.spec.lora.peft_config(self.spec.base_path),
                                                                     indent=2))
             os.rename(staging, path)
-        self.versions.append(version)
-        for old in self.versions[:-self.spec.slots]:
+        self.numbers.append(number)
+        for old in self.numbers[:-self.spec.slots]:
             if self.is_writer:
                 shutil.rmtree(self.path(old), ignore_errors=True)
-        self.versions = self.versions[-self.spec.slots:]
+        self.numbers = self.numbers[-self.spec.slots:]
         return path
 
     def remove_all(self) -> None:
-        """At engine close: no request can use any version any more."""
+        """At engine close: no request can use any adapter any more."""
         if self.is_writer:
             shutil.rmtree(self.spec.folder, ignore_errors=True)
-        self.versions = []
+        self.numbers = []

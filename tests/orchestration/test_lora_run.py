@@ -23,6 +23,7 @@ def _runs(paths, root):
     common = LORA + ["reward.by_source={}", f"reward.function={length_reward}:score", "checkpoint.every=1"]
     # the colocated native engine on the actor's own weights (merging the adapters into its packed weights)
     full = run_trainer(paths, f"{root}/full", common + ["trainer.total_steps=2"])
+    imported = _continue_from_export(paths, root, common)
     run_trainer(paths, f"{root}/split", common + ["trainer.total_steps=1"])
     resumed = run_trainer(paths, f"{root}/split", common + ["trainer.total_steps=2"])
     # actor tp2 -> rollout tp1: the merged weights through the resharding path, checked bitwise on every sync
@@ -49,7 +50,38 @@ def _runs(paths, root):
     run_trainer(paths, f"{root}/bf16_split", bf16 + ["trainer.total_steps=1"])
     bf16_resumed = run_trainer(paths, f"{root}/bf16_split", bf16 + ["trainer.total_steps=2"])
     return (full, resumed, resharded, adapter, (ppo_full, ppo_resumed), (bf16_full, bf16_resumed), split_runs,
-            _resume_on_another_base(paths, root, common))
+            _resume_on_another_base(paths, root, common), imported)
+
+
+def _continue_from_export(paths, root, common):
+    """The full run's adapters through `rlhf export`, imported at tp2 (their logits, to compare with PEFT's on the
+    exported folder) and continued by a run that starts from them (`lora.adapter_path`)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from rlhf.cli.main import main
+    from rlhf.models.config import LoraConfig
+    from rlhf.models.forward import forward_backward
+    from rlhf.models.lora import apply_lora
+    from rlhf.models.lora_peft import load_peft_folder
+    from rlhf.parallel.groups import GroupCache
+    from tests.models import world
+
+    folder = f"{root}/exported"
+    if dist.get_rank() == 0:
+        assert main(["export", "--run-dir", f"{root}/full/r", "--out", folder]) == 0
+    dist.barrier()
+    model, groups = world.layout_model(paths["model"], 2, 1, GroupCache())
+    apply_lora(model, LoraConfig(enabled=True, rank=4, alpha=8))
+    load_peft_folder(model, folder)
+    tokens = torch.randint(0, AutoConfig.from_pretrained(paths["model"]).vocab_size, (2, 9),
+                           generator=torch.Generator().manual_seed(0))
+    loss_fn = world.rl_loss(groups, AutoConfig.from_pretrained(paths["model"]).vocab_size)
+    reports = forward_backward(model, [world.MicroBatch(tokens)], loss_fn, groups, forward_only=True)
+    continued = run_trainer(paths, f"{root}/continued", common + ["trainer.total_steps=1",
+                                                                  f"lora.adapter_path={folder}"])
+    return folder, tokens, reports[0]["logits"] if world.is_reporter(groups) else None, continued
 
 
 def _resume_on_another_base(paths, root, common) -> str:
@@ -154,8 +186,21 @@ def test_a_bf16_base_trains_fp32_adapters_and_resumes_exactly(lora_run):
         assert {handle.get_tensor(name).dtype for name in handle.keys()} == {torch.float32}
 
 
+def test_an_exported_adapter_imports_as_peft_loads_it_and_a_run_continues_from_it(lora_run):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    paths, (folder, tokens, logits, continued) = lora_run[1], lora_run[-1]
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(paths["model"]), folder)
+    with torch.no_grad():
+        assert (peft_model(tokens).logits - logits).abs().max() <= 1e-5
+    assert [row["step"] for row in continued] == [1]
+    assert continued[0]["actor/kl_loss"] > 0.0, "it starts from the trained adapters, not from the base (B = 0)"
+
+
 def test_resuming_adapters_on_another_base_is_a_one_line_error(lora_run):
-    root, paths, error = lora_run[0], lora_run[1], lora_run[-1]
+    root, paths, error = lora_run[0], lora_run[1], lora_run[-2]
     import re
 
     assert re.fullmatch(re.escape(f"the actor checkpoint's LoRA adapters were trained on {paths['model']} (sha256 ")

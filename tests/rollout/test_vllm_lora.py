@@ -141,4 +141,4 @@ def test_vllm_generates_with_each_pushed_adapter_as_peft_does(tmp_path, tp):
     assert all(result[1] == responses for result in results), "the TP ranks generate alike"
     assert max(worst) <= 1e-5, worst
     assert responses[0] != responses[1], "the second adapter took effect"
-    assert folders == ["v2", "v3"] and version == 3 and not left
+    assert folders == ["v1", "v2"] and version == 3 and not left  # a version for the base, one per adapter
