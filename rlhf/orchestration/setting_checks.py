@@ -92,8 +92,7 @@ def check_context_parallel(cfg: RlhfConfig) -> None:
 
 def check_lora(cfg: RlhfConfig) -> None:
     """LoRA runs where it is built and tested: adapter-only sync into a native or vLLM engine that keeps its base,
-    the ref as the actor's base (so no routing replay, whose recorder the two would share), the actor's params
-    resident for the ref's forward."""
+    the ref as the actor's base (so no routing replay, whose recorder the two would share)."""
     if not cfg.lora.enabled:
         return
     adapter_sync = cfg.lora.sync == "adapter"
@@ -102,9 +101,7 @@ def check_lora(cfg: RlhfConfig) -> None:
                (adapter_sync and cfg.rollout.sleep == "kv_cache_and_weights", "rollout.sleep=kv_cache_and_weights "
                 "and lora.sync=adapter (the engine keeps its base)", "rollout.sleep=kv_cache"),
                (cfg.algo.routing_replay != "none", f"algo.routing_replay={cfg.algo.routing_replay}",
-                "algo.routing_replay=none"),
-               (cfg.actor.optim.offload, "actor.optim.offload=true (the ref runs on the actor's parameters)",
-                "actor.optim.offload=false")]
+                "algo.routing_replay=none")]
     for refused, setting, fix in not_yet:
         if refused:
             raise ConfigError(f"lora.enabled=true does not run with {setting} yet; use {fix}")

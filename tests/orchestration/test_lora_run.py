@@ -33,6 +33,10 @@ def _runs(paths, root):
     adapter = run_trainer(paths, f"{root}/adapter", common + ["trainer.total_steps=2", "mesh.actor.tp=2",
                                                              "mesh.rollout.tp=1", "comm.verify=true",
                                                              "lora.sync=adapter"])
+    # the same with the actor's params, grads and Adam state parked on the host during each rollout
+    offloaded = run_trainer(paths, f"{root}/offload", common + ["trainer.total_steps=2", "mesh.actor.tp=2",
+                                                               "mesh.rollout.tp=1", "comm.verify=true",
+                                                               "lora.sync=adapter", "actor.optim.offload=true"])
     # split placement (trainer on rank 0, engine on rank 1): the adapter slices cross ranks, both ways compared
     split = common + ["trainer.total_steps=2", "mesh.placement=split", "mesh.actor={ranks: [0, 1]}",
                       "mesh.rollout={ranks: [1, 2]}", "mesh.ref={ranks: [0, 1]}", "comm.verify=true"]
@@ -50,7 +54,7 @@ def _runs(paths, root):
     run_trainer(paths, f"{root}/bf16_split", bf16 + ["trainer.total_steps=1"])
     bf16_resumed = run_trainer(paths, f"{root}/bf16_split", bf16 + ["trainer.total_steps=2"])
     return (full, resumed, resharded, adapter, (ppo_full, ppo_resumed), (bf16_full, bf16_resumed), split_runs,
-            _resume_on_another_base(paths, root, common), imported)
+            _resume_on_another_base(paths, root, common), imported, offloaded)
 
 
 def _continue_from_export(paths, root, common):
@@ -112,7 +116,7 @@ def _resume_on_another_base(paths, root, common) -> str:
 def lora_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_run")
     paths = make_tiny_setup(root / "tiny")
-    return (root, paths, *run_distributed(_runs, 2, paths, str(root), timeout_s=600)[0])
+    return (root, paths, *run_distributed(_runs, 2, paths, str(root), timeout_s=1200)[0])
 
 
 def _comparable(row):
@@ -157,6 +161,11 @@ def test_adapter_sync_runs_as_merged_sync_and_moves_the_adapter_slices_only(lora
     assert split_adapter[0]["sync/bytes_received"] == 4 * adapter_numel, "split: the whole adapter crosses"
 
 
+def test_offloading_the_lora_actor_between_phases_changes_nothing(lora_run):
+    adapter, offloaded = lora_run[5], lora_run[-1]
+    assert [_comparable(r) for r in offloaded] == [_comparable(r) for r in adapter]
+
+
 def test_ppo_with_a_lora_critic_trains_its_adapters_and_head_and_resumes_exactly(lora_run):
     from safetensors import safe_open
 
@@ -191,7 +200,7 @@ def test_an_exported_adapter_imports_as_peft_loads_it_and_a_run_continues_from_i
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    paths, (folder, tokens, logits, continued) = lora_run[1], lora_run[-1]
+    paths, (folder, tokens, logits, continued) = lora_run[1], lora_run[-2]
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(paths["model"]), folder)
     with torch.no_grad():
         assert (peft_model(tokens).logits - logits).abs().max() <= 1e-5
@@ -200,7 +209,7 @@ def test_an_exported_adapter_imports_as_peft_loads_it_and_a_run_continues_from_i
 
 
 def test_resuming_adapters_on_another_base_is_a_one_line_error(lora_run):
-    root, paths, error = lora_run[0], lora_run[1], lora_run[-2]
+    root, paths, error = lora_run[0], lora_run[1], lora_run[-3]
     import re
 
     assert re.fullmatch(re.escape(f"the actor checkpoint's LoRA adapters were trained on {paths['model']} (sha256 ")
