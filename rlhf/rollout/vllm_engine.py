@@ -135,7 +135,9 @@ class VllmEngine:
         path = self.adapters.write(number, tensors)
         if dist.is_initialized():
             dist.barrier(group=self.world)  # the folder is complete before any rank's vLLM reads it
-        request = self.vllm.lora.request.LoRARequest(f"adapter-{number}", number, str(path))
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(f"adapter-{number}", number, str(path))
         with rollout_world(self.world):
             if not self.llm.llm_engine.add_lora(request):
                 raise WeightSyncError(f"vLLM did not take adapter {number} ({path}); the engine keeps the previous")
