@@ -171,8 +171,9 @@ class Trainer:
 
         dtype = rollout_dtype(cfg)
         adapter_sync = cfg.lora.enabled and cfg.lora.sync == "adapter"
-        lora = dict(lora=cfg.lora, adapter_dtype=adapter_dtype(cfg.lora), adapter_slots=cfg.trainer.max_staleness
-                    + 1, adapter_folder=str(self.run_dir.path / ADAPTER_FOLDER)) if adapter_sync else {}
+        lora = dict(lora=cfg.lora, adapter_dtype=adapter_dtype(cfg.lora),
+                    adapter_folder=str(self.run_dir.path / ADAPTER_FOLDER),
+                    adapter_slots=cfg.trainer.max_staleness + 1) if adapter_sync else {}
         engine = build_engine(cfg.rollout, cfg.model.path, mesh.pgs, dtype=dtype, **lora) if mesh.is_member else None
         if cfg.rollout.engine == "vllm":
             from rlhf.rollout.vllm_engine import align_group_names

@@ -64,20 +64,20 @@ def _continue_from_export(paths, root, common):
     import torch.distributed as dist
     from transformers import AutoConfig
 
-    from rlhf.cli.main import main
     from rlhf.models.config import LoraConfig
     from rlhf.models.forward import forward_backward
     from rlhf.models.lora import apply_lora
     from rlhf.models.lora_peft import load_peft_folder
+    from rlhf.orchestration.export import export_lora_checkpoint
     from rlhf.parallel.groups import GroupCache
     from tests.models import world
 
-    folder = f"{root}/exported"
-    if dist.get_rank() == 0:
-        assert main(["export", "--run-dir", f"{root}/full/r", "--out", folder]) == 0
+    folder, lora = f"{root}/exported", LoraConfig(enabled=True, rank=4, alpha=8)
+    if dist.get_rank() == 0:  # what `rlhf export` runs (the CLI starts a world of its own)
+        export_lora_checkpoint(f"{root}/full/r/checkpoints/step_2", folder, lora, paths["model"])
     dist.barrier()
     model, groups = world.layout_model(paths["model"], 2, 1, GroupCache())
-    apply_lora(model, LoraConfig(enabled=True, rank=4, alpha=8))
+    apply_lora(model, lora)
     load_peft_folder(model, folder)
     tokens = torch.randint(0, AutoConfig.from_pretrained(paths["model"]).vocab_size, (2, 9),
                            generator=torch.Generator().manual_seed(0))
