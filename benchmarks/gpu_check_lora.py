@@ -7,6 +7,7 @@ same tokens; push and generation times and the device memory vLLM holds. Skipped
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 from pathlib import Path
 
@@ -57,6 +58,10 @@ def vllm_lora(root: Path, path: str, groups, dtype: torch.dtype, batch: int, new
     from rlhf.rollout.vllm_engine import VllmEngineConfig
     from rlhf.rollout.vllm_weights import checkpoint_weights
 
+    import torch.distributed as dist
+
+    for name, value in (("RANK", dist.get_rank()), ("LOCAL_RANK", 0), ("WORLD_SIZE", dist.get_world_size())):
+        os.environ.setdefault(name, str(value))  # vLLM's external_launcher reads them (torchrun sets them)
     lora = LoraConfig(enabled=True, rank=16, alpha=32.0)
     vocab = AutoConfig.from_pretrained(path).vocab_size
     generator = torch.Generator().manual_seed(3)
