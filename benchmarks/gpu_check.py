@@ -1,7 +1,8 @@
 """Every GPU check in one process (run by benchmarks/gpu_check.sh): model parity on the accelerator in fp32 and
 bf16, native engine vs `transformers.generate` tokens/s on a ~0.5B Qwen2 config, a train step's MFU, the fused
 LM head vs full logits (differences, time, memory), packed (THD) = padded micro-batches (TE's `cu_seqlens`
-attention when installed) and RL trainer steps on the device.
+attention when installed), RL trainer steps on the device (full and LoRA) and LoRA through vLLM
+(`gpu_check_lora.py`).
 
 Each check records its numbers or its error, so one failure does not hide the others; the JSON goes to
 `$OUT/gpu_check.json` (or `--out`). Random weights throughout: these are speed and numerics checks.
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_rollout import _prompts, flops_per_token  # noqa: E402
+from gpu_check_lora import LORA_RL, vllm_lora  # noqa: E402
 from gpu_check_packing import packed_vs_padded  # noqa: E402
 
 from rlhf import platform  # noqa: E402
@@ -261,9 +263,11 @@ def char_model_folder(root: Path, config: dict) -> str:
     return str(root)
 
 
-def rl_steps(root: Path, args, model: str, prompts_per_step: int, new_tokens: int, dtype: str = "float32") -> dict:
+def rl_steps(root: Path, args, model: str, prompts_per_step: int, new_tokens: int, dtype: str = "float32",
+             lora: dict | None = None) -> dict:
     """The RL trainer on the device: GRPO + reference model (kl 0.04), native rollout, colocated memory phases,
-    `--rl-steps` steps with the fused LM head and again with full logits; same seeds, so step-1 metrics agree."""
+    `--rl-steps` steps with the fused LM head and again with full logits; same seeds, so step-1 metrics agree.
+    `lora`: the `lora` section (the ref is then the actor's base)."""
     from rlhf.config import from_dict
     from rlhf.orchestration.schema import RlhfConfig
     from rlhf.run_dir import close_run, setup_run
@@ -288,7 +292,7 @@ def rl_steps(root: Path, args, model: str, prompts_per_step: int, new_tokens: in
             "reward": {"by_source": {"reasoning_gym/*": f"{reward_file}:digits"}},
             "actor": {"optim": {"lr": 1e-5}, "micro_batch_size": rows // 2},
             "rollout": {"native": {"max_batch_size": rows, "max_seq_len": 16 + new_tokens}},
-            "trainer": {"total_steps": args.rl_steps, "tensorboard": False}})
+            "trainer": {"total_steps": args.rl_steps, "tensorboard": False}, "lora": lora or {}})
         preflight(cfg, dist.get_world_size())
         trainer = Trainer(cfg, setup_run(cfg.run, cfg, prefix="gpu"))
         trainer.push_initial_weights()
@@ -348,7 +352,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--head-rows", type=int, default=8192)
     parser.add_argument("--rl-steps", type=int, default=3)
-    parser.add_argument("--only", nargs="+", default=["matmul", "parity", "engine", "train", "head", "packed", "rl"],
+    parser.add_argument("--only", nargs="+", default=["matmul", "parity", "engine", "train", "head", "packed", "rl",
+                                                      "lora"],
                         help="run the checks whose names start with these prefixes")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on any device (tests the script on CPU)")
     args = parser.parse_args()
@@ -392,6 +397,12 @@ def main() -> None:
         rl_model = char_model_folder(root / "rl_05b_model", big_config)
         run_check(results, "rl_steps_qwen2_05b_shape_bf16", rl_steps, root / "rl_05b", args, rl_model, 16,
                   16 if args.smoke else 128, "bfloat16")
+        run_check(results, "lora_rl_steps_qwen2_05b_shape_bf16", rl_steps, root / "rl_lora", args, rl_model, 16,
+                  16 if args.smoke else 128, "bfloat16", LORA_RL)
+        vllm_model = save_model("qwen2", root / "vllm_lora", num_heads=2, num_kv_heads=2) if args.smoke else big
+        for dtype in (torch.float32, torch.bfloat16):
+            run_check(results, f"lora_vllm_{str(dtype)[6:]}", vllm_lora, root / f"vllm_{str(dtype)[6:]}", vllm_model,
+                      groups, dtype, 4 if args.smoke else 64, 8 if args.smoke else 64)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print(f"[gpu_check] wrote {args.out}")
 

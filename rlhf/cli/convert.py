@@ -1,4 +1,5 @@
-"""`rlhf convert hf-to-ckpt | ckpt-to-hf`: HF folder <-> rlhf's sharded model checkpoint.
+"""`rlhf convert hf-to-ckpt | ckpt-to-hf`: HF folder <-> rlhf's sharded model checkpoint; `peft-check`: a PEFT
+LoRA adapter folder checked against its HF base, printing the settings that continue training it.
 
 Run it as one process, or under torchrun/srun for a sharded layout (world = tp * pp * dp; dp replicas
 beyond the first only check). Every rank reads only the slices it owns.
@@ -36,7 +37,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     to_hf.add_argument("--tokenizer-dir", default=None, help="copy tokenizer files from this HF folder")
     to_hf.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                        help="dtype of the exported tensors (default: the dtype of the HF folder converted from)")
+    peft = directions.add_parser("peft-check", help="PEFT LoRA adapter folder: check it against its HF base and "
+                                                    "print the settings that continue training it")
+    peft.add_argument("--adapter", required=True, help="PEFT adapter folder (adapter_config.json + "
+                                                       "adapter_model.safetensors)")
+    peft.add_argument("--hf", required=True, help="the HF base model folder the adapter was trained on")
     return parser
+
+
+def _peft_check(args: argparse.Namespace) -> None:
+    """Reads the adapter's config and tensor header and the base's config only; prints `key=value` settings."""
+    from rlhf.models.config import LoraConfig
+    from rlhf.models.lora_peft import check_peft_adapter, read_peft_folder
+    from rlhf.orchestration.checks import read_hf_config
+
+    adapter = read_peft_folder(args.adapter)
+    lora = LoraConfig(enabled=True, rank=adapter.rank, alpha=adapter.alpha, targets=adapter.targets)
+    check_peft_adapter(adapter, read_hf_config(args.hf, "--hf"), lora)
+    print(" ".join([f"model.path={args.hf}", *adapter.overrides()]))
 
 
 def _checked_layout(config, world_size: int, *, tp: int, pp: int) -> ParallelLayout:
@@ -87,6 +105,9 @@ def _ckpt_to_hf(args: argparse.Namespace, world_size: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.direction == "peft-check":
+        _peft_check(args)
+        return 0
     with distributed("auto") as runtime:
         convert = _hf_to_ckpt if args.direction == "hf-to-ckpt" else _ckpt_to_hf
         convert(args, runtime.env.world_size)

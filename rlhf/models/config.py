@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from rlhf.errors import ConfigError
 
@@ -90,3 +90,10 @@ class LoraConfig:
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+    def peft_config(self, base_path: str) -> dict[str, Any]:
+        """PEFT's `adapter_config.json` for these adapters on `base_path` (targets as HF module names)."""
+        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path, "r": self.rank,
+                "lora_alpha": self.alpha, "lora_dropout": self.dropout, "bias": "none", "fan_in_fan_out": False,
+                "target_modules": sorted(f"{target}_proj" for target in self.targets), "inference_mode": True,
+                "init_lora_weights": True, "use_rslora": False, "modules_to_save": None}

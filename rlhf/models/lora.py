@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import math
 import os
 import zlib
@@ -24,7 +23,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                     reduce_from_tensor_model_parallel_region)
@@ -263,34 +261,6 @@ def load_adapter_tensors(model: Any, tensors: dict[str, torch.Tensor]) -> None:
             raise ConfigError(f"adapter tensor {name!r} has shape {list(tensors[name].shape)}, this model's "
                               f"lora.rank and base need {list(spec.full_shape)} (another base or lora.rank?)")
         param.copy_(read_shard(spec, tensors.__getitem__, model.rlhf_spec, tp_group.rank(), tp_group.size()))
-
-
-def load_peft_folder(model: Any, folder: str) -> None:
-    """Start `model`'s adapters from a PEFT adapter folder; one whose rank, alpha or targets differ from the
-    model's `lora` section is a ConfigError naming both."""
-    config, path = model.rlhf_lora, os.path.join(folder, "adapter_config.json")
-    if not os.path.isfile(path):
-        raise ConfigError(f"lora.adapter_path={folder} has no adapter_config.json; point it at a PEFT adapter folder")
-    with open(path) as f:
-        saved = json.load(f)
-    targets = sorted(f"{target}_proj" for target in config.targets)
-    found = {"r": saved.get("r"), "lora_alpha": saved.get("lora_alpha"),
-             "target_modules": sorted(saved.get("target_modules") or [])}
-    wanted = {"r": config.rank, "lora_alpha": config.alpha, "target_modules": targets}
-    if found != wanted:
-        raise ConfigError(f"lora.adapter_path={folder} holds an adapter with {found}, the lora section asks for "
-                          f"{wanted}; set lora.rank, lora.alpha and lora.targets to the adapter's")
-    tensors = load_file(os.path.join(folder, "adapter_model.safetensors"))
-    spec = model.rlhf_spec
-    routed = spec.moe.moe_layers if spec.moe else (False,) * spec.num_layers
-    wanted_count = 2 * sum(len([t for t in LINEARS[name][1] if t in config.targets])
-                           for layer in range(spec.num_layers) for name in LINEARS
-                           if not (LINEARS[name][0] == "mlp" and routed[layer]))
-    if len(tensors) != wanted_count:
-        raise ConfigError(f"lora.adapter_path={folder} holds {len(tensors)} adapter tensors, this "
-                          f"{spec.num_layers}-layer model.path with lora.targets={list(config.targets)} has "
-                          f"{wanted_count}: it adapts another base ({saved.get('base_model_name_or_path')!r})")
-    load_adapter_tensors(model, tensors)
 
 
 def gathered_adapter_tensors(model: Any) -> dict[str, torch.Tensor]:

@@ -94,7 +94,7 @@ def export_lora_checkpoint(step_dir: str | Path, out_dir: str, lora: LoraConfig,
         write_streamed(os.path.join(staging, "adapter_model.safetensors"), {n: adapter.shape(n) for n in names},
                        dtype or _dtype_of(adapter, names[0]), lambda name: adapter.slice(name)[:])
         with open(os.path.join(staging, "adapter_config.json"), "w") as f:
-            json.dump(peft_adapter_config(lora, base_path), f, indent=2)
+            json.dump(lora.peft_config(base_path), f, indent=2)
         os.rename(staging, out_dir)
         return
     base = HfFolder(base_path)
@@ -111,14 +111,6 @@ def export_lora_checkpoint(step_dir: str | Path, out_dir: str, lora: LoraConfig,
 
     _write_hf(base, names, out_dir, hf_config, False, dtype or _dtype_of(base, names[0]), tokenizer_dir,
               max_shard_bytes, read)
-
-
-def peft_adapter_config(lora: LoraConfig, base_path: str) -> dict[str, Any]:
-    """PEFT's `adapter_config.json` for `lora` (targets as HF module names)."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_path, "r": lora.rank,
-            "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none", "fan_in_fan_out": False,
-            "target_modules": sorted(f"{target}_proj" for target in lora.targets), "inference_mode": True,
-            "init_lora_weights": True, "use_rslora": False, "modules_to_save": None}
 
 
 def _dtype_of(folder: HfFolder, name: str) -> torch.dtype:

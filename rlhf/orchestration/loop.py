@@ -34,6 +34,7 @@ from rlhf.metrics import MetricsSink, StepMetrics, read_jsonl
 from rlhf.ops.alerts import AlertMonitor
 from rlhf.ops.prometheus import PrometheusExporter
 from rlhf.rollout.factory import build_engine, close_engine, engine_layout, eos_token_ids
+from rlhf.rollout.vllm_lora import ADAPTER_FOLDER
 from rlhf.run_dir import RunDir, get_logger, progress
 from rlhf.orchestration.async_schedule import AsyncSchedule, check_async, training_group
 from rlhf.orchestration.boundary import Boundary
@@ -170,7 +171,9 @@ class Trainer:
 
         dtype = rollout_dtype(cfg)
         adapter_sync = cfg.lora.enabled and cfg.lora.sync == "adapter"
-        lora = dict(lora=cfg.lora, adapter_dtype=adapter_dtype(cfg.lora)) if adapter_sync else {}
+        lora = dict(lora=cfg.lora, adapter_dtype=adapter_dtype(cfg.lora),
+                    adapter_folder=str(self.run_dir.path / ADAPTER_FOLDER),
+                    adapter_slots=cfg.trainer.max_staleness + 1) if adapter_sync else {}
         engine = build_engine(cfg.rollout, cfg.model.path, mesh.pgs, dtype=dtype, **lora) if mesh.is_member else None
         if cfg.rollout.engine == "vllm":
             from rlhf.rollout.vllm_engine import align_group_names

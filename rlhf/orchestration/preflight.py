@@ -29,7 +29,7 @@ from rlhf.parallel.meshes import ROLES, ModelDims, RoleMeshes, build_role_meshes
 from rlhf.run_dir import get_logger
 from rlhf.orchestration.async_schedule import check_async
 from rlhf.orchestration.setting_checks import (check_algo_settings, check_context_parallel, check_lora,
-                                               check_metrics_endpoint, check_multiturn)
+                                               check_lora_adapter, check_metrics_endpoint, check_multiturn)
 from rlhf.rollout.vllm_engine import INSTALL_HINT as VLLM_INSTALL_HINT
 from rlhf.orchestration.checks import (check_kv_cache, check_model_folders, check_resume_path, check_reward_tokenizer,
                                        check_teacher_tokenizers, check_writable_folder, load_tokenizer,
@@ -179,7 +179,8 @@ def shares_weights(cfg: RlhfConfig, layouts: dict) -> bool:
 
 
 def resolved_sleep(cfg: RlhfConfig) -> str:
-    return cfg.rollout.resolved_sleep(accelerator=platform.has_accelerator())
+    return cfg.rollout.resolved_sleep(accelerator=platform.has_accelerator(),
+                                      keeps_base=cfg.lora.enabled and cfg.lora.sync == "adapter")
 
 
 def check_routing_replay(cfg: RlhfConfig, layouts: dict) -> None:
@@ -237,6 +238,7 @@ def check_layouts(cfg: RlhfConfig, world_size: int, problems: Problems | None = 
         problems.check(check_multiturn, cfg)
         problems.check(check_algo_settings, cfg)
         problems.check(check_lora, cfg)
+        problems.check(check_lora_adapter, cfg)
     return layouts
 
 

@@ -10,7 +10,9 @@ import torch.distributed as dist
 from rlhf.agents.config import HistoryPolicy
 from rlhf.algo.advantages import TRAJECTORY_KINDS, AdvantageKind
 from rlhf.errors import ConfigError
+from rlhf.models.lora_peft import check_peft_adapter, read_peft_folder
 from rlhf.ops.prometheus import check_listen
+from rlhf.orchestration.checks import read_hf_config
 from rlhf.orchestration.schema import RlhfConfig
 from rlhf.parallel.config import ROLES
 from rlhf.parallel.wire import broadcast_json
@@ -85,23 +87,27 @@ def check_context_parallel(cfg: RlhfConfig) -> None:
 
 
 def check_lora(cfg: RlhfConfig) -> None:
-    """LoRA runs where it is built and tested: adapter-only sync into a native engine that keeps its base, the ref
-    as the actor's base (so no routing replay, whose recorder the two would share), the actor's params resident
-    for the ref's forward."""
+    """LoRA runs where it is built and tested: adapter-only sync into a native or vLLM engine that keeps its base,
+    the ref as the actor's base (so no routing replay, whose recorder the two would share)."""
     if not cfg.lora.enabled:
         return
     adapter_sync = cfg.lora.sync == "adapter"
-    not_yet = [(adapter_sync and cfg.rollout.engine != "native", f"rollout.engine={cfg.rollout.engine} and "
-                "lora.sync=adapter (only the native engine takes adapters)", "lora.sync=merged"),
+    not_yet = [(adapter_sync and cfg.rollout.engine == "hf", "rollout.engine=hf and lora.sync=adapter (the hf "
+                "engine takes merged weights only)", "lora.sync=merged"),
                (adapter_sync and cfg.rollout.sleep == "kv_cache_and_weights", "rollout.sleep=kv_cache_and_weights "
                 "and lora.sync=adapter (the engine keeps its base)", "rollout.sleep=kv_cache"),
                (cfg.algo.routing_replay != "none", f"algo.routing_replay={cfg.algo.routing_replay}",
-                "algo.routing_replay=none"),
-               (cfg.actor.optim.offload, "actor.optim.offload=true (the ref runs on the actor's parameters)",
-                "actor.optim.offload=false")]
+                "algo.routing_replay=none")]
     for refused, setting, fix in not_yet:
         if refused:
             raise ConfigError(f"lora.enabled=true does not run with {setting} yet; use {fix}")
+
+
+def check_lora_adapter(cfg: RlhfConfig) -> None:
+    """`lora.adapter_path`: the PEFT folder fits the lora section and model.path (config and tensor header only)."""
+    if not (cfg.lora.enabled and cfg.lora.adapter_path):
+        return
+    check_peft_adapter(read_peft_folder(cfg.lora.adapter_path), read_hf_config(cfg.model.path), cfg.lora)
 
 
 def check_multiturn(cfg: RlhfConfig) -> None:

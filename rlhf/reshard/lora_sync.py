@@ -7,18 +7,22 @@ re-derives its packed weights as W_base + (alpha / r) B A from it (`NativeEngine
 unmerged and the merged view is recomputed from a pristine base: bitwise the trainer's merged weights when both
 sides hold the base in one dtype. Memory cost on the engine: one merged copy of the adapted linears (the packed
 weights), as the colocated engine pays already.
+
+A vLLM engine (`hf_names`) takes the base once as full HF tensors, then each version's full adapter tensors
+under PEFT's names (`VllmEngine.load_adapter`: vLLM's own LoRA support, no merged copy).
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from rlhf.models.config import LoraConfig
-from rlhf.models.lora import LINEARS, adapters_disabled, geometry_of
+from rlhf.models.lora import LINEARS, adapters_disabled, geometry_of, hf_module
 from rlhf.models.param_specs import ParamSpec
 from rlhf.models.spec import ModelSpec
 from rlhf.parallel.layout import ParallelLayout
@@ -29,6 +33,18 @@ from rlhf.reshard.sync import SyncStats, WeightSync
 def adapter_param_name(layer: int, linear_name: str, which: str, target: str) -> str:
     """The megatron-side name of one adapter tensor (global layer index), as `named_parameters()` spells it."""
     return f"decoder.layers.{layer}.{linear_name}.lora.lora_{which}.{target}"
+
+
+_ADAPTER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)\.lora\.lora_([ab])\.(\w+)")  # as adapter_param_name spells it
+
+
+def peft_named(full_adapters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full (tp=1) adapter tensors under PEFT's names (`base_model.model.<HF module>.lora_A.weight`)."""
+    named = {}
+    for name, tensor in full_adapters.items():
+        layer, linear_name, which, target = _ADAPTER_NAME.fullmatch(name).group(1, 2, 3, 4)
+        named[f"base_model.model.{hf_module(int(layer), linear_name, target)}.lora_{which.upper()}.weight"] = tensor
+    return named
 
 
 def adapter_specs(hf_config: Any, lora: LoraConfig, layout: ParallelLayout) -> list[ParamSpec]:
@@ -105,6 +121,12 @@ class AdapterSync(WeightSync):
                          num_messages=first.num_messages + stats.num_messages,
                          num_collectives=first.num_collectives + stats.num_collectives,
                          num_verified=stats.num_verified)
+
+    def _deliver(self, shards: dict[str, torch.Tensor]) -> None:
+        if self.hf_names:  # vLLM: the full adapters, as PEFT names them
+            self.engine.load_adapter(peft_named(shards))
+        else:
+            super()._deliver(shards)
 
     def reported(self, stats: SyncStats) -> dict[str, float]:
         """The step's sync metrics (summed over ranks): bytes each rank received from others this sync."""

@@ -122,14 +122,18 @@ class WeightSync:
             stats = execute(self.schedule, sources, shards, dtype=self.dtype, device=self.device,
                             method=self.method, group=self.group)
         if self.engine is not None:
-            named = hf_named(self.hf_config, shards, value_head=self.value_head) if self.hf_names else shards.items()
-            self.engine.load_weights(named)
+            self._deliver(shards)
         del shards
         num_verified = self.check() if self.verify else 0
         synchronize()
         return SyncStats(seconds=time.perf_counter() - start, bytes_sent=stats.bytes_sent,
                          bytes_received=stats.bytes_received, num_messages=stats.num_messages,
                          num_collectives=stats.num_collectives, num_verified=num_verified)
+
+    def _deliver(self, shards: dict[str, torch.Tensor]) -> None:
+        """Hand this rank's received shards to the engine in its own naming (megatron, or full HF tensors)."""
+        named = hf_named(self.hf_config, shards, value_head=self.value_head) if self.hf_names else shards.items()
+        self.engine.load_weights(named)
 
     def check(self) -> int:
         """Checksum the engine's live weights against the trainer's (collective); WeightSyncError on mismatch."""

@@ -100,12 +100,13 @@ class RolloutConfig:
             raise ConfigError(f"rollout.sleep={self.sleep!r} is not one of {', '.join(SLEEP_MODES)} (auto: "
                               "kv_cache_and_weights for vllm, kv_cache for native on an accelerator, else none)")
 
-    def resolved_sleep(self, *, accelerator: bool) -> str:
-        """`auto` -> vllm: kv_cache_and_weights (the sync re-pushes every weight, a host copy would be wasted);
-        native: kv_cache on an accelerator, none on CPU (nothing to share there; re-allocating costs time);
-        hf: none (it keeps no KV cache between calls)."""
+    def resolved_sleep(self, *, accelerator: bool, keeps_base: bool = False) -> str:
+        """`auto` -> vllm: kv_cache_and_weights (the sync re-pushes every weight, a host copy would be wasted),
+        kv_cache when it `keeps_base` (lora.sync=adapter pushes the base once); native: kv_cache on an
+        accelerator, none on CPU (nothing to share there; re-allocating costs time); hf: none (it keeps no KV
+        cache between calls)."""
         if self.sleep != "auto":
             return self.sleep
         if self.engine == "vllm":
-            return "kv_cache_and_weights"
+            return "kv_cache" if keeps_base else "kv_cache_and_weights"
         return "kv_cache" if self.engine == "native" and accelerator else "none"

@@ -32,19 +32,24 @@ def eos_token_ids(hf_path: str) -> tuple[int, ...]:
 
 
 def build_engine(config: RolloutConfig, hf_path: str, pg_collection: Any,
-                 dtype: torch.dtype = torch.float32, lora: Any = None,
-                 adapter_dtype: torch.dtype | None = None) -> RolloutEngine:
+                 dtype: torch.dtype = torch.float32, lora: Any = None, adapter_dtype: torch.dtype | None = None,
+                 adapter_folder: str = "", adapter_slots: int = 1) -> RolloutEngine:
     """The engine for this rank; the native one builds the megatron model on `pg_collection` (pp must be 1).
     `dtype`: the engine's weights (the trainer passes `model.dtype`; vllm: unless rollout.vllm.dtype is set);
-    `lora` (native only): the model gets adapters of its own in `adapter_dtype`, fed by `lora.sync=adapter`."""
+    `lora` (a `LoraConfig`, fed by `lora.sync=adapter`): native: the model gets adapters of its own in
+    `adapter_dtype`; vllm: vLLM's LoRA support, `adapter_slots` versions loaded, their folders under
+    `adapter_folder` (`rlhf.rollout.vllm_lora`)."""
     layout = engine_layout(pg_collection)
     eos = eos_token_ids(hf_path)
     if config.engine == "vllm":
         from rlhf.rollout.vllm_engine import VllmEngine
+        from rlhf.rollout.vllm_lora import VllmLoraSpec
 
         world = pg_collection.layout_all  # vLLM's world: the rollout mesh, when it is not every rank
+        spec = None if lora is None else VllmLoraSpec(lora=lora, base_path=hf_path, folder=adapter_folder,
+                                                      slots=adapter_slots)
         return VllmEngine(hf_path, config=config.vllm, layout=layout, eos_token_ids=eos, dtype=dtype,
-                          world=world if dist.get_world_size(world) < dist.get_world_size() else None)
+                          world=world if dist.get_world_size(world) < dist.get_world_size() else None, lora=spec)
     if config.engine == "hf":
         from transformers import AutoModelForCausalLM
 

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rlhf.errors import ConfigError
+from rlhf.errors import ConfigError, WeightSyncError
 from rlhf.parallel.wire import collective_device
 from rlhf.platform import has_accelerator
 from rlhf.platform.compat import torch as torch_compat
@@ -31,6 +31,7 @@ from rlhf.rollout.config import VllmEngineConfig
 from rlhf.rollout.engine import EngineLayout
 from rlhf.rollout.sampling_params import SamplingParams, replica_seed, request_seed
 from rlhf.rollout.types import FinishReason, PromptBatch, Rollouts
+from rlhf.rollout.vllm_lora import AdapterFolders, VllmLoraSpec
 from rlhf.rollout.vllm_weights import check_push, checkpoint_shapes, verify_probe, worker_probe, worker_reload
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,9 @@ class VllmEngine:
 
     def __init__(self, hf_path: str, *, config: VllmEngineConfig = VllmEngineConfig(),
                  layout: EngineLayout = EngineLayout(), eos_token_ids: tuple[int, ...] = (),
-                 dtype: torch.dtype = torch.float32, world: dist.ProcessGroup | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, world: dist.ProcessGroup | None = None,
+                 lora: VllmLoraSpec | None = None) -> None:
+        """`lora`: the engine takes LoRA adapters (`load_adapter`) on the pushed base (`rlhf.rollout.vllm_lora`)."""
         vllm = import_vllm()
         self.world = world  # the rollout mesh's group when it is not the whole world (`rollout_world`)
         from vllm.platforms import current_platform
@@ -67,6 +70,10 @@ class VllmEngine:
         self.shapes = checkpoint_shapes(hf_path)
         self.policy_version = 0
         self.weights_ready = False  # dummy weights until a push succeeds; False again after a failed one
+        first_rank = not dist.is_initialized() or dist.get_rank(world) == 0
+        self.adapters = None if lora is None else AdapterFolders(lora, is_writer=first_rank)
+        self.lora_request: Any = None  # the current policy version's adapter (lora only)
+        self.num_adapters = 0  # adapter pushes so far: each one's vLLM id (policy versions repeat over a resume)
         with rollout_world(self.world):
             self.llm = vllm.LLM(model=hf_path, tensor_parallel_size=layout.tp,
                                 distributed_executor_backend="external_launcher",
@@ -75,7 +82,7 @@ class VllmEngine:
                                 skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
                                 enforce_eager=(not has_accelerator() if config.enforce_eager is None
                                                else config.enforce_eager),
-                                **config.memory_options(has_accelerator()))
+                                **config.memory_options(has_accelerator()), **(lora.llm_options() if lora else {}))
             self.llm.collective_rpc(vllm_compat.unlink_cpu_shm)
         self._asleep: set[str] = set()
 
@@ -85,6 +92,8 @@ class VllmEngine:
                                "partly pushed weights): call load_weights() with the policy's weights")
         if "weights" in self._asleep:
             raise RuntimeError("VllmEngine.generate while the weights sleep: call wake() and load_weights()")
+        if self.adapters is not None and self.lora_request is None:
+            raise RuntimeError("VllmEngine.generate with LoRA before an adapter push: call load_adapter()")
         if "kv_cache" in self._asleep:
             with rollout_world(self.world):
                 self.llm.wake_up(tags=["kv_cache"])
@@ -92,7 +101,7 @@ class VllmEngine:
         requests = [{"prompt_token_ids": prompts.prompt(i)} for i in range(prompts.num_prompts)]
         per_request = [self._sampling_params(params, index) for index in range(prompts.num_prompts)]
         with rollout_world(self.world):
-            outputs = self.llm.generate(requests, per_request, use_tqdm=False)
+            outputs = self.llm.generate(requests, per_request, use_tqdm=False, lora_request=self.lora_request)
         return rollouts_from_outputs(outputs, params, prompts.pad_token_id, self.policy_version)
 
     def _sampling_params(self, params: SamplingParams, index: int) -> Any:
@@ -114,6 +123,25 @@ class VllmEngine:
             probe = self.llm.collective_rpc(worker_probe)[0]
         verify_probe(probe, pushed, self.dtype)
         self.weights_ready = True
+        self.policy_version += 1
+
+    def load_adapter(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """The next policy version's adapter (full PEFT-named A/B tensors, the same on every rank): written as a
+        PEFT folder by one rank, then registered with vLLM on every rank of the engine under a new id (vLLM keeps
+        the adapter it holds under a known id, so an id is never reused)."""
+        if self.adapters is None:
+            raise RuntimeError("VllmEngine.load_adapter on an engine built without lora=")
+        number = self.num_adapters + 1
+        path = self.adapters.write(number, tensors)
+        if dist.is_initialized():
+            dist.barrier(group=self.world)  # the folder is complete before any rank's vLLM reads it
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(f"adapter-{number}", number, str(path))
+        with rollout_world(self.world):
+            if not self.llm.llm_engine.add_lora(request):
+                raise WeightSyncError(f"vLLM did not take adapter {number} ({path}); the engine keeps the previous")
+        self.lora_request, self.num_adapters = request, number
         self.policy_version += 1
 
     def sleep(self, release_weights: bool = False) -> None:
@@ -144,6 +172,8 @@ class VllmEngine:
         with rollout_world(self.world):
             vllm_compat.shutdown(self.llm)
         self.weights_ready = False
+        if self.adapters is not None:
+            self.adapters.remove_all()
 
 
 @contextmanager

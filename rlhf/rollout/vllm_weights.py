@@ -168,7 +168,8 @@ def worker_probe(worker: Any) -> list[ProbeSum]:
     tp_rank = get_tensor_model_parallel_rank()
     owner: dict[int, str] = {}  # parameter -> the first module holding it (a tied head's is the embedding)
     probes, values = [], []
-    for name, module in model.named_modules():
+    for wrapped_name, module in model.named_modules():
+        name = wrapped_name.replace(".base_layer", "")  # with enable_lora, vLLM wraps each layer as `<name>.base_layer`
         own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in owner]
         owner.update({id(p): name for _, p in module.named_parameters(recurse=False) if id(p) not in owner})
         if vllm_compat.is_fused_experts(module):

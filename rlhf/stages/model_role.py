@@ -21,8 +21,8 @@ from rlhf.models.builder import build_gpt
 from rlhf.models.forward import TokenFn, forward_backward
 from rlhf.models.hf_load import load_hf_weights
 from rlhf.models.config import LoraConfig
-from rlhf.models.lora import (adapter_dtype, adapters_disabled, apply_lora, base_identity, check_same_base,
-                              load_peft_folder)
+from rlhf.models.lora import adapter_dtype, adapters_disabled, apply_lora, base_identity, check_same_base
+from rlhf.models.lora_peft import load_peft_folder
 from rlhf.models.routing import RoutingRecorder
 from rlhf.models.routing_replay import UNKNOWN
 from rlhf.platform import current_device

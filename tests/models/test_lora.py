@@ -24,6 +24,7 @@ RANK, ALPHA, STEPS = 4, 8.0, 3
 OPTIM = dict(lr=5e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-4, clip_grad=0.05)
 TOKENS = dict(batch=4, seq=10)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGET_LIST = ["q", "k", "v", "o", "gate", "up", "down"]
 
 
 def _gather(tensor, dim, group):
@@ -55,7 +56,8 @@ def _merged_hf(model, groups) -> dict[str, np.ndarray]:
 def _layout(path: str, adapter_file: str, cache, tp: int, pp: int) -> dict:
     from rlhf.models.config import LoraConfig
     from rlhf.models.forward import forward_backward
-    from rlhf.models.lora import adapter_pairs, adapters_disabled, apply_lora, load_peft_folder
+    from rlhf.models.lora import adapter_pairs, adapters_disabled, apply_lora
+    from rlhf.models.lora_peft import load_peft_folder
     from tests.models import world
 
     model, groups = world.layout_model(path, tp, pp, cache)
@@ -97,7 +99,8 @@ def _bf16(path: str, adapter_file: str, cache) -> dict:
 
     from rlhf.models.config import LoraConfig
     from rlhf.models.forward import forward_backward
-    from rlhf.models.lora import adapter_dtype, adapter_pairs, adapters_disabled, apply_lora, load_peft_folder
+    from rlhf.models.lora import adapter_dtype, adapter_pairs, adapters_disabled, apply_lora
+    from rlhf.models.lora_peft import load_peft_folder
     from rlhf.train.config import OptimConfig
     from rlhf.train.engine import TrainEngine
     from tests.models import world
@@ -130,7 +133,8 @@ def _qv_logits(path: str, folder: str, cache) -> dict:
     """tp1 logits with adapters on q and v only: fused qkv rows of k get no adapter (2 query groups interleave)."""
     from rlhf.models.config import LoraConfig
     from rlhf.models.forward import forward_backward
-    from rlhf.models.lora import apply_lora, load_peft_folder
+    from rlhf.models.lora import apply_lora
+    from rlhf.models.lora_peft import load_peft_folder
     from tests.models import world
 
     model, groups = world.layout_model(path, 1, 1, cache)
@@ -173,7 +177,8 @@ def _load_errors(path: str, folder: str, cache) -> list[str]:
     rank."""
     from rlhf.errors import ConfigError
     from rlhf.models.config import LoraConfig
-    from rlhf.models.lora import apply_lora, load_adapter_tensors, load_peft_folder
+    from rlhf.models.lora import apply_lora, load_adapter_tensors
+    from rlhf.models.lora_peft import load_peft_folder
     from tests.models import world
 
     tensors = load_file(os.path.join(folder, "adapter_model.safetensors"))
@@ -283,13 +288,14 @@ def test_an_adapter_of_another_rank_or_base_is_a_one_line_error(lora_runs):
         "model's lora.rank and base need [8, 64] (another base or lora.rank?)",
         "the adapter has no tensor 'base_model.model.model.layers.1.mlp.up_proj.lora_B.weight'; was it "
         "trained for another base model or other lora.targets?",
-        f"lora.adapter_path={folder} holds an adapter with {{'r': 4, 'lora_alpha': 8.0, 'target_modules': "
-        f"{sorted(TARGETS)}}}, the lora section asks for {{'r': 8, 'lora_alpha': 8.0, 'target_modules': "
-        f"{sorted(TARGETS)}}}; set lora.rank, lora.alpha and lora.targets to the adapter's",
-        f"lora.adapter_path={root}/adapter_deep holds 84 adapter tensors, this 4-layer model.path with lora.targets="
-        f"['q', 'k', 'v', 'o', 'gate', 'up', 'down'] has 56: it adapts another base ({root + '/deep'!r})",
-        "adapter tensor 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' has shape [4, 32], this "
-        "model's lora.rank and base need [4, 64] (another base or lora.rank?)"]
+        f"lora.adapter_path={folder} holds an adapter with {{'r': 4, 'lora_alpha': 8.0, 'targets': {TARGET_LIST}}}, "
+        f"the lora section asks for {{'r': 8, 'lora_alpha': 8.0, 'targets': {TARGET_LIST}}}; set lora.rank=4 "
+        "lora.alpha=8.0 lora.targets=[q,k,v,o,gate,up,down]",
+        f"lora.adapter_path={root}/adapter_deep holds 84 adapter tensors, the 4-layer base (model.path) takes 56 "
+        "(first difference 'base_model.model.model.layers.4.mlp.down_proj.lora_A.weight'): it adapts another base "
+        f"({root + '/deep'!r})",
+        f"lora.adapter_path={root}/adapter_wide: 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' "
+        f"has shape [4, 32], the base (model.path) needs [4, 64]: it adapts another base ({root + '/wide'!r})"]
 
 
 def _peft_steps(model) -> tuple[list[float], dict[str, np.ndarray]]:

@@ -34,15 +34,13 @@ def test_bad_lora_settings_are_one_line_errors(kwargs, message):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["lora.sync=adapter", "rollout.engine=vllm"], "lora.enabled=true does not run with rollout.engine=vllm and "
-     "lora.sync=adapter (only the native engine takes adapters) yet; use lora.sync=merged"),
+    (["lora.sync=adapter", "rollout.engine=hf"], "lora.enabled=true does not run with rollout.engine=hf and "
+     "lora.sync=adapter (the hf engine takes merged weights only) yet; use lora.sync=merged"),
     (["lora.sync=adapter", "rollout.sleep=kv_cache_and_weights"], "lora.enabled=true does not run with "
      "rollout.sleep=kv_cache_and_weights and lora.sync=adapter (the engine keeps its base) yet; use "
      "rollout.sleep=kv_cache"),
     (["algo.routing_replay=r3"],
      "lora.enabled=true does not run with algo.routing_replay=r3 yet; use algo.routing_replay=none"),
-    (["actor.optim.offload=true"], "lora.enabled=true does not run with actor.optim.offload=true (the ref runs on "
-                                   "the actor's parameters) yet; use actor.optim.offload=false"),
 ])
 def test_lora_settings_the_trainer_does_not_run_yet_are_refused(overrides, message):
     from rlhf.config import from_dict
@@ -54,6 +52,8 @@ def test_lora_settings_the_trainer_does_not_run_yet_are_refused(overrides, messa
 
     check_lora(config([]))
     check_lora(config(["lora.sync=adapter"]))
+    check_lora(config(["lora.sync=adapter", "rollout.engine=vllm"]))
+    check_lora(config(["actor.optim.offload=true"]))
     with pytest.raises(ConfigError) as error:
         check_lora(config(overrides))
     assert str(error.value) == message

@@ -23,6 +23,7 @@ def _runs(paths, root):
     common = LORA + ["reward.by_source={}", f"reward.function={length_reward}:score", "checkpoint.every=1"]
     # the colocated native engine on the actor's own weights (merging the adapters into its packed weights)
     full = run_trainer(paths, f"{root}/full", common + ["trainer.total_steps=2"])
+    imported = _continue_from_export(paths, root, common)
     run_trainer(paths, f"{root}/split", common + ["trainer.total_steps=1"])
     resumed = run_trainer(paths, f"{root}/split", common + ["trainer.total_steps=2"])
     # actor tp2 -> rollout tp1: the merged weights through the resharding path, checked bitwise on every sync
@@ -32,6 +33,10 @@ def _runs(paths, root):
     adapter = run_trainer(paths, f"{root}/adapter", common + ["trainer.total_steps=2", "mesh.actor.tp=2",
                                                              "mesh.rollout.tp=1", "comm.verify=true",
                                                              "lora.sync=adapter"])
+    # the same with the actor's params, grads and Adam state parked on the host during each rollout
+    offloaded = run_trainer(paths, f"{root}/offload", common + ["trainer.total_steps=2", "mesh.actor.tp=2",
+                                                               "mesh.rollout.tp=1", "comm.verify=true",
+                                                               "lora.sync=adapter", "actor.optim.offload=true"])
     # split placement (trainer on rank 0, engine on rank 1): the adapter slices cross ranks, both ways compared
     split = common + ["trainer.total_steps=2", "mesh.placement=split", "mesh.actor={ranks: [0, 1]}",
                       "mesh.rollout={ranks: [1, 2]}", "mesh.ref={ranks: [0, 1]}", "comm.verify=true"]
@@ -49,7 +54,38 @@ def _runs(paths, root):
     run_trainer(paths, f"{root}/bf16_split", bf16 + ["trainer.total_steps=1"])
     bf16_resumed = run_trainer(paths, f"{root}/bf16_split", bf16 + ["trainer.total_steps=2"])
     return (full, resumed, resharded, adapter, (ppo_full, ppo_resumed), (bf16_full, bf16_resumed), split_runs,
-            _resume_on_another_base(paths, root, common))
+            _resume_on_another_base(paths, root, common), imported, offloaded)
+
+
+def _continue_from_export(paths, root, common):
+    """The full run's adapters through `rlhf export`, imported at tp2 (their logits, to compare with PEFT's on the
+    exported folder) and continued by a run that starts from them (`lora.adapter_path`)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from rlhf.models.config import LoraConfig
+    from rlhf.models.forward import forward_backward
+    from rlhf.models.lora import apply_lora
+    from rlhf.models.lora_peft import load_peft_folder
+    from rlhf.orchestration.export import export_lora_checkpoint
+    from rlhf.parallel.groups import GroupCache
+    from tests.models import world
+
+    folder, lora = f"{root}/exported", LoraConfig(enabled=True, rank=4, alpha=8)
+    if dist.get_rank() == 0:  # what `rlhf export` runs (the CLI starts a world of its own)
+        export_lora_checkpoint(f"{root}/full/r/checkpoints/step_2", folder, lora, paths["model"])
+    dist.barrier()
+    model, groups = world.layout_model(paths["model"], 2, 1, GroupCache())
+    apply_lora(model, lora)
+    load_peft_folder(model, folder)
+    tokens = torch.randint(0, AutoConfig.from_pretrained(paths["model"]).vocab_size, (2, 9),
+                           generator=torch.Generator().manual_seed(0))
+    loss_fn = world.rl_loss(groups, AutoConfig.from_pretrained(paths["model"]).vocab_size)
+    reports = forward_backward(model, [world.MicroBatch(tokens)], loss_fn, groups, forward_only=True)
+    continued = run_trainer(paths, f"{root}/continued", common + ["trainer.total_steps=1",
+                                                                  f"lora.adapter_path={folder}"])
+    return folder, tokens, reports[0]["logits"] if world.is_reporter(groups) else None, continued
 
 
 def _resume_on_another_base(paths, root, common) -> str:
@@ -80,7 +116,7 @@ def _resume_on_another_base(paths, root, common) -> str:
 def lora_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_run")
     paths = make_tiny_setup(root / "tiny")
-    return (root, paths, *run_distributed(_runs, 2, paths, str(root), timeout_s=600)[0])
+    return (root, paths, *run_distributed(_runs, 2, paths, str(root), timeout_s=1200)[0])
 
 
 def _comparable(row):
@@ -125,6 +161,11 @@ def test_adapter_sync_runs_as_merged_sync_and_moves_the_adapter_slices_only(lora
     assert split_adapter[0]["sync/bytes_received"] == 4 * adapter_numel, "split: the whole adapter crosses"
 
 
+def test_offloading_the_lora_actor_between_phases_changes_nothing(lora_run):
+    adapter, offloaded = lora_run[5], lora_run[-1]
+    assert [_comparable(r) for r in offloaded] == [_comparable(r) for r in adapter]
+
+
 def test_ppo_with_a_lora_critic_trains_its_adapters_and_head_and_resumes_exactly(lora_run):
     from safetensors import safe_open
 
@@ -154,8 +195,21 @@ def test_a_bf16_base_trains_fp32_adapters_and_resumes_exactly(lora_run):
         assert {handle.get_tensor(name).dtype for name in handle.keys()} == {torch.float32}
 
 
+def test_an_exported_adapter_imports_as_peft_loads_it_and_a_run_continues_from_it(lora_run):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    paths, (folder, tokens, logits, continued) = lora_run[1], lora_run[-2]
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(paths["model"]), folder)
+    with torch.no_grad():
+        assert (peft_model(tokens).logits - logits).abs().max() <= 1e-5
+    assert [row["step"] for row in continued] == [1]
+    assert continued[0]["actor/kl_loss"] > 0.0, "it starts from the trained adapters, not from the base (B = 0)"
+
+
 def test_resuming_adapters_on_another_base_is_a_one_line_error(lora_run):
-    root, paths, error = lora_run[0], lora_run[1], lora_run[-1]
+    root, paths, error = lora_run[0], lora_run[1], lora_run[-3]
     import re
 
     assert re.fullmatch(re.escape(f"the actor checkpoint's LoRA adapters were trained on {paths['model']} (sha256 ")

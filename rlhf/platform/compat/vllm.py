@@ -28,7 +28,11 @@ logprobs_mode="processed_logprobs", ...)` and pushes through `collective_rpc` an
 `LinearBase` (`input_size[_per_partition]`, `output_size[_per_partition]`, `num_kv_head_replicas`, `num_heads`,
 `head_size`, `params_dtype`, `quant_method.apply`), `VocabParallelEmbedding` (`shard_indices.num_org_elements`,
 `embedding_dim`), fused experts' `quant_method.apply(layer, x, weights, ids, None, None)`, the model's
-`packed_modules_mapping` and `get_tp_group().cpu_group`.
+`packed_modules_mapping` and `get_tp_group().cpu_group`, and with LoRA on vLLM's wrappers naming the wrapped
+layer `<layer>.base_layer`; `rlhf.rollout.vllm_lora` / `VllmEngine.load_adapter` use `LLM(enable_lora=True,
+max_loras=, max_cpu_loras=, max_lora_rank=)` (ranks 1, 8, 16, 32, 64, 128, 256, 320, 512), `vllm.lora.request.
+LoRARequest(name, id, path)` (a PEFT folder; an id vLLM holds is not reloaded), `llm.llm_engine.add_lora` and
+`generate(..., lora_request=)`.
 """
 
 from __future__ import annotations
