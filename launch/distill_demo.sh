@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On-policy distillation on CPU, from nothing: chain_sum data (2 terms, 1-2 digits); a teacher (4 layers, hidden
 # 128) SFT'd long on 8,000 labelled problems and a student of the same shape SFT'd briefly on the same; then from
-# the student, GRPO alone and GRPO + distillation (configs/distill_cpu.yaml) for equal steps; prints both arms'
-# held-out accuracy per validation step with the training time so far (equal steps and equal wall time) and writes
+# the student, GRPO alone and distillation (configs/distill_cpu.yaml; DISTILL_MODE=alone: the reverse KL is the
+# whole advantage, mix: added to GRPO's) for equal steps at the same lr; prints both arms' held-out accuracy per
+# validation step with the training time so far (equal steps and equal wall time) and writes
 # runs/distill/summary.json. Usage: launch/distill_demo.sh [NPROC] (1).
 set -euo pipefail
 NPROC=${1:-1}
@@ -14,7 +15,8 @@ CONFIG=$HERE/configs/distill_cpu.yaml
 TEACHER_SFT_STEPS=${TEACHER_SFT_STEPS:-1500}
 STUDENT_SFT_STEPS=${STUDENT_SFT_STEPS:-400}
 RL_LR=${RL_LR:-1e-4}
-RL_STEPS=${RL_STEPS:-40}
+RL_STEPS=${RL_STEPS:-150}
+DISTILL_MODE=${DISTILL_MODE:-mix}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 rm -rf "$OUT" && mkdir -p "$OUT/data"
 
@@ -33,13 +35,14 @@ launch sft --config "$CONFIG" "${COMMON[@]}" run.name=sft_teacher "model.path=$O
 launch sft --config "$CONFIG" "${COMMON[@]}" run.name=sft_student "model.path=$OUT/init" \
   "sft.out_dir=$OUT/student" "sft.steps=$STUDENT_SFT_STEPS" sft.val_every=20 "${SFT_ARGS[@]}"
 RL=("${COMMON[@]}" "model.path=$OUT/student" "data.train_files=[$OUT/data/rl.parquet]" "actor.optim.lr=$RL_LR"
-    "trainer.total_steps=$RL_STEPS")
+    "trainer.total_steps=$RL_STEPS" actor.optim.warmup_steps=5)
 echo "== GRPO alone from the student ($NPROC ranks)"
 launch train --config "$CONFIG" "${RL[@]}" run.name=grpo algo.distill.enable=false
-echo "== GRPO + distillation from the teacher ($NPROC ranks)"
-launch train --config "$CONFIG" "${RL[@]}" run.name=distill "algo.distill.teacher_path=$OUT/teacher"
+echo "== distillation ($DISTILL_MODE) from the teacher ($NPROC ranks)"
+launch train --config "$CONFIG" "${RL[@]}" run.name=distill "algo.distill.teacher_path=$OUT/teacher" \
+  "algo.distill.mode=$DISTILL_MODE"
 "$PYTHON" - "$OUT" <<'PY'
-import json, sys
+import json, os, sys
 from pathlib import Path
 from rlhf.metrics import read_jsonl
 
@@ -54,13 +57,21 @@ def curve(name):
     return points
 
 
+def final_accuracy(name):
+    return [row["val/score/mean@1"] for row in read_jsonl(out / name / "metrics.jsonl")
+            if "val/score/mean@1" in row][-1]
+
+
 curves = {name: curve(name) for name in ("grpo", "distill")}
-teacher = [row["val/score/mean@1"] for row in read_jsonl(out / "sft_teacher" / "metrics.jsonl")
-           if "val/score/mean@1" in row][-1]
-print(f"teacher (SFT) held-out accuracy: {teacher:.3f}")
-print("step  grpo (acc, train s)  grpo+distill (acc, train s)")
+reverse_kl = [round(row["distill/reverse_kl"], 3) for row in read_jsonl(out / "distill" / "metrics.jsonl")
+              if "distill/reverse_kl" in row]
+teacher, student = final_accuracy("sft_teacher"), final_accuracy("sft_student")
+print(f"held-out accuracy: teacher (SFT) {teacher:.3f}, student (SFT) {student:.3f}")
+print("step  grpo (acc, train s)  distillation (acc, train s)")
 for step in sorted(curves["grpo"]):
     (a, s), (b, t) = curves["grpo"][step], curves["distill"].get(step, (float("nan"), float("nan")))
     print(f"{step:4d}  {a:.3f} {s:7.1f}        {b:.3f} {t:7.1f}")
-(out / "summary.json").write_text(json.dumps({"teacher": teacher} | curves, indent=1))
+summary = {"teacher": teacher, "student": student, "distill/reverse_kl": reverse_kl,
+           "loadavg": os.getloadavg()} | curves
+(out / "summary.json").write_text(json.dumps(summary, indent=1))
 PY
