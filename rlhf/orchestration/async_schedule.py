@@ -50,6 +50,7 @@ from rlhf.errors import ConfigError
 from rlhf.parallel.layout import ParallelLayout
 from rlhf.parallel.meshes import RoleMeshes
 from rlhf.orchestration.rollout_side import RolloutSide
+from rlhf.orchestration.train_side import bypasses_old_logprobs, needs_old_logprobs
 from rlhf.stages.batch import RolloutBatch, rollout_from_state, rollout_state
 from rlhf.stages.config import AlgoConfig
 
@@ -71,12 +72,10 @@ def check_async(cfg: RlhfConfig, layouts: dict[str, ParallelLayout], algo: AlgoC
             raise ConfigError(f"{mode} needs the rollout on ranks of its own, but mesh.{role} also uses ranks "
                               f"{shared[0]}..{shared[-1]} of mesh.rollout.ranks={cfg.mesh.rollout.ranks}; give "
                               f"mesh.rollout a range no other role uses, or set trainer.async_mode=off")
-    correction = algo.rollout_correction
-    if not (cfg.actor.recompute_old_logprobs or algo.kl.use_in_reward or correction.needs_old_logprobs
-            or (correction.active and correction.bypass_mode)):
-        raise ConfigError(f"{mode} trains on rollouts of an older policy, so the ratio needs old logprobs: set "
-                          "actor.recompute_old_logprobs=true (or algo.rollout_correction.bypass_mode=true to use "
-                          "the rollout's)")
+    if not (needs_old_logprobs(algo, cfg.actor, stale=True) or bypasses_old_logprobs(algo)):
+        raise ConfigError(f"{mode} trains on rollouts of an older policy, so the ratio needs old logprobs, which "
+                          "actor.recompute_old_logprobs=false skips: set it to auto or true (or "
+                          "algo.rollout_correction.bypass_mode=true to use the rollout's)")
 
 
 def check_partial_rollouts(cfg: RlhfConfig) -> None:

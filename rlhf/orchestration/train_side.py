@@ -113,13 +113,15 @@ class TrainSide:
     memory: MemoryPhases
     seed: int  # Clip-Cov's token draw: seeded by (seed, step), so a resumed step draws the same tokens
     step_rows: int  # prompts_per_step x n: a batch of forked multi-turn trajectories is padded to a multiple
+    stale: bool  # async: every batch was sampled by an older policy, so `auto` runs the old-logprob forward
 
     @classmethod
     def from_config(cls, cfg: RlhfConfig, algo: AlgoConfig, roles: TrainRoles, memory: MemoryPhases) -> TrainSide:
         return cls(actor=roles.actor, ref=roles.ref, critic=roles.critic, reward_model=roles.reward_model,
                    distill=roles.distill, algo=algo, actor_update=cfg.actor,
                    kl_controller=KLController.from_config(algo.kl), max_new_tokens=cfg.sampling.max_new_tokens,
-                   memory=memory, seed=cfg.dist.seed, step_rows=cfg.data.prompts_per_step * cfg.sampling.n)
+                   memory=memory, seed=cfg.dist.seed, step_rows=cfg.data.prompts_per_step * cfg.sampling.n,
+                   stale=cfg.trainer.is_async)
 
     def train(self, batch: RolloutBatch, metrics: StepMetrics, step: int) -> ScoredBatch:
         """The global batch of step `step` scored by every model role, then the actor and critic updates on it."""
@@ -144,7 +146,7 @@ class TrainSide:
                     self.reward_model.scores(batch), batch.trajectory_lengths_b, self.max_new_tokens,
                     algo.overlong_buffer))
         old_bt = sum_pi_squared_bt = None
-        if needs_old_logprobs(algo, self.actor_update):
+        if needs_old_logprobs(algo, self.actor_update, stale=self.stale):
             with metrics.timer("old_log_prob"):
                 old_bt = self.actor.logprobs(batch, with_sum_pi_squared=needs_sum_pi_squared(algo))
             if needs_sum_pi_squared(algo):
@@ -215,13 +217,15 @@ def bypasses_old_logprobs(algo: AlgoConfig) -> bool:
     return correction.active and correction.bypass_mode
 
 
-def needs_old_logprobs(algo: AlgoConfig, update: UpdateConfig) -> bool:
+def needs_old_logprobs(algo: AlgoConfig, update: UpdateConfig, *, stale: bool) -> bool:
     """Skipped when bypassed, or when the update is strictly on-policy and nothing else (KL in reward,
     decoupled rollout correction, distillation's student logprobs, the optimal token baseline, Clip-Cov / KL-Cov's
-    covariance) reads them."""
+    covariance) reads them. `stale` (async: an older policy sampled the batch): `auto` runs the forward, since the
+    update's own logprobs are not the sampler's policy and the ratio would be 1 without it."""
     if bypasses_old_logprobs(algo):
         return False
-    return (update.old_logprobs_forward or algo.kl.use_in_reward or algo.rollout_correction.needs_old_logprobs
+    runs_forward = update.old_logprobs_forward or (stale and update.recompute_old_logprobs == "auto")
+    return (runs_forward or algo.kl.use_in_reward or algo.rollout_correction.needs_old_logprobs
             or algo.distill.enable or needs_sum_pi_squared(algo) or algo.policy_loss.kind in COVARIANCE_KINDS)
 
 

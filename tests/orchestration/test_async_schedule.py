@@ -197,8 +197,11 @@ def test_async_configs_that_cannot_overlap_are_refused(tiny, tmp_path):
                                           r"\[0, 2\]"):
         _check(tiny, tmp_path, ["trainer.async_mode=one_step_off", "mesh.placement=split",
                                 "mesh.actor={ranks: [0, 2]}", "mesh.rollout={ranks: [0, 2]}"])
-    with pytest.raises(ConfigError, match=r"set actor\.recompute_old_logprobs=true"):
+    with pytest.raises(ConfigError, match=r"^trainer\.async_mode=one_step_off trains on rollouts of an older policy, "
+                                          r"so the ratio needs old logprobs, which actor\.recompute_old_logprobs="
+                                          r"false skips: set it to auto or true"):
         _check(tiny, tmp_path, ASYNC + ["actor.recompute_old_logprobs=false", "algo.rollout_correction.enable=false"])
+    _check(tiny, tmp_path, ASYNC + ["algo.rollout_correction.enable=false"])  # auto: the forward runs (below)
     with pytest.raises(ConfigError, match=r"^trainer\.max_staleness=0 must be >= 1"):
         _check(tiny, tmp_path, ASYNC + ["trainer.max_staleness=0"])
     with pytest.raises(ConfigError, match=r"^trainer\.partial_rollout_tokens=2 continues rows after a weight push.*"
@@ -218,6 +221,20 @@ def test_async_configs_that_cannot_overlap_are_refused(tiny, tmp_path):
     _check(tiny, tmp_path, ASYNC + ["trainer.partial_rollout_tokens=2", "trainer.max_staleness=2"])
     _check(tiny, tmp_path, ASYNC + ["trainer.partial_rollout_tokens=2", "trainer.max_staleness=2",
                                     "rollout.engine=vllm"])
+
+
+def test_async_auto_runs_the_old_logprob_forward():
+    """Without rollout correction or KL in the reward, a strictly on-policy update skips the old-logprob forward
+    (its own detached logprobs are the old ones); a stale (async) batch must not: the ratio would be 1."""
+    from rlhf.orchestration.train_side import needs_old_logprobs
+    from rlhf.algo.correction_config import RolloutCorrectionConfig
+    from rlhf.stages.config import AlgoConfig, UpdateConfig
+
+    algo = AlgoConfig(rollout_correction=RolloutCorrectionConfig(enable=False))
+    assert not needs_old_logprobs(algo, UpdateConfig(), stale=False)
+    assert needs_old_logprobs(algo, UpdateConfig(), stale=True)
+    assert not needs_old_logprobs(algo, UpdateConfig(recompute_old_logprobs=False), stale=True)
+    assert needs_old_logprobs(algo, UpdateConfig(epochs=2), stale=False)
 
 
 def _four_rank_runs(paths, root):
