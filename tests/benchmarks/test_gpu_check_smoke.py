@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.py --smoke on the CPU: every check runs without error (so the GPU script cannot rot
-between the sessions that draw a GPU), and its numerical checks hold at smoke sizes."""
+between the sessions that draw a GPU), and its numerical checks hold at smoke sizes. Slow: 24 checks take ~2-6
+minutes on 2 cores (`make test-slow`, which CI runs)."""
 
 import json
 import os
@@ -7,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_gpu_check_smoke_runs_every_check(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
