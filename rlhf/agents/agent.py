@@ -41,7 +41,12 @@ class AgentContext:
                                                            "tool_latency_s": 0.0})
 
     async def generate(self, token_ids: list[int], max_new_tokens: int) -> Generation:
-        return await self.batcher.generate(token_ids, max_new_tokens)
+        """At most `max_new_tokens`, the sampling's max_new_tokens and what the row's token budget leaves."""
+        room = self.limits.token_budget - len(token_ids)
+        if room < 1:
+            raise ValueError(f"ctx.generate: {len(token_ids)} tokens already fill multiturn.limits.token_budget="
+                             f"{self.limits.token_budget}; end the trajectory (Termination.TOKEN_BUDGET) instead")
+        return await self.batcher.generate(token_ids, min(max_new_tokens, room))
 
     async def call_tool(self, call: ToolCall, sample_kwargs: dict[str, Any]) -> str:
         """The text the model reads back; ToolTimeout propagates (it ends the trajectory), a ToolError is text."""

@@ -137,8 +137,10 @@ class TurnBatcher:
     def _flush(self) -> None:
         """Every parked request in one generate call (the call's seed is the step's seed and the call count)."""
         requests, self._pending = self._pending, []
-        prompts = PromptBatch.from_token_lists([r.token_ids for r in requests], pad_token_id=self.pad_token_id)
-        width = max(r.max_new_tokens for r in requests)
+        caps_b = torch.tensor([r.max_new_tokens for r in requests], dtype=torch.long)
+        prompts = PromptBatch.from_token_lists([r.token_ids for r in requests], pad_token_id=self.pad_token_id,
+                                               max_new_tokens_b=caps_b)
+        width = int(caps_b.max())
         if self.relay is not None:
             self.relay.send(prompts, width)
         params = turn_params(self.params, width, self.stats.generate_calls)
@@ -153,7 +155,7 @@ class TurnBatcher:
             length = min(int(rollouts.response_lengths_r[row]), request.max_new_tokens)
             reason = rollouts.finish_reasons[row]
             if length < int(rollouts.response_lengths_r[row]):
-                reason = FinishReason.LENGTH  # cut to this request's own budget
+                reason = FinishReason.LENGTH  # an engine that ignores the caps: cut to this request's own
             request.future.set_result(Generation(
                 token_ids=rollouts.response_tokens_rt[row, :length].tolist(),
                 logprobs=logprobs_rt[row, :length].float().tolist(), finish_reason=reason,
@@ -170,7 +172,7 @@ def turn_params(params: SamplingParams, max_new_tokens: int, call_index: int) ->
 @dataclass(frozen=True)
 class TpRelay:
     """Rollout tp > 1: the TP group's first rank (`src`, a global rank) leads — it runs the agents and tools and
-    broadcasts each batched call's prompts and width (int64 tensors); the others follow with the same call."""
+    broadcasts each batched call's prompts, caps and width (int64 tensors); the others follow with the same call."""
 
     group: dist.ProcessGroup
     src: int
@@ -191,6 +193,7 @@ class TpRelay:
         self._broadcast(torch.tensor([num_rows, width, max_new_tokens], dtype=torch.long))
         self._broadcast(prompts.prompt_tokens_bt.contiguous())
         self._broadcast(prompts.prompt_lengths_b.contiguous())
+        self._broadcast(prompts.max_new_tokens_b.contiguous())
 
     def stop(self) -> None:
         self._broadcast(torch.zeros(3, dtype=torch.long))
@@ -205,7 +208,9 @@ class TpRelay:
                 return calls
             tokens_bt = self._broadcast(torch.empty(num_rows, width, dtype=torch.long))
             lengths_b = self._broadcast(torch.empty(num_rows, dtype=torch.long))
-            prompts = PromptBatch(prompt_tokens_bt=tokens_bt, prompt_lengths_b=lengths_b, pad_token_id=pad_token_id)
+            caps_b = self._broadcast(torch.empty(num_rows, dtype=torch.long))
+            prompts = PromptBatch(prompt_tokens_bt=tokens_bt, prompt_lengths_b=lengths_b, pad_token_id=pad_token_id,
+                                  max_new_tokens_b=caps_b)
             engine.generate(prompts, turn_params(params, max_new_tokens, calls))
             calls += 1
 

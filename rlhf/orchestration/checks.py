@@ -107,12 +107,13 @@ def check_writable_folder(path: str | os.PathLike, label: str) -> None:
 
 
 def check_kv_cache(cfg: Any, longest_prompt: int) -> None:
-    """The native engine's KV cache holds the longest prompt + max_new_tokens, and n samples of one prompt."""
+    """The native engine's KV cache holds the longest prompt + max_new_tokens (multi-turn: a turn generates within
+    its row's token budget, which check_multiturn holds to max_seq_len), and n samples of one prompt."""
     if cfg.rollout.engine != "native":
         return
     native, sampling = cfg.rollout.native, cfg.sampling
     needed = longest_prompt + sampling.max_new_tokens
-    if needed > native.max_seq_len:
+    if needed > native.max_seq_len and not cfg.multiturn.enable:
         raise ConfigError(f"the longest prompt ({longest_prompt} tokens) + sampling.max_new_tokens="
                           f"{sampling.max_new_tokens} needs {needed} KV-cache positions but rollout.native.max_seq_len="
                           f"{native.max_seq_len}; raise rollout.native.max_seq_len or shorten prompts/max_new_tokens")

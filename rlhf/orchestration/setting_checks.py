@@ -125,12 +125,10 @@ def check_multiturn(cfg: RlhfConfig) -> None:
         if refused:
             raise ConfigError(f"multiturn.enable=true does not run with {setting} yet; use {fix}")
     budget, native = cfg.multiturn.limits.token_budget, cfg.rollout.native
-    needed = budget - 1 + cfg.sampling.max_new_tokens  # a turn's prompt may hold budget - 1 tokens
-    if cfg.rollout.engine == "native" and needed > native.max_seq_len:
-        raise ConfigError(f"a turn's prompt may reach multiturn.limits.token_budget - 1 = {budget - 1} tokens; with "
-                          f"sampling.max_new_tokens={cfg.sampling.max_new_tokens} it needs {needed} KV-cache "
-                          f"positions but rollout.native.max_seq_len={native.max_seq_len}; raise max_seq_len or "
-                          "lower token_budget")
+    if cfg.rollout.engine == "native" and budget > native.max_seq_len:  # a turn generates within its row's budget
+        raise ConfigError(f"a multi-turn row holds up to multiturn.limits.token_budget={budget} tokens, but a "
+                          f"KV-cache slot holds rollout.native.max_seq_len={native.max_seq_len}; raise max_seq_len "
+                          f"to {budget} or lower token_budget")
     if cfg.multiturn.limits.history is HistoryPolicy.FORK:  # one advantage for all rows of a trajectory
         kind = cfg.algo.advantage.kind
         if kind not in TRAJECTORY_KINDS:

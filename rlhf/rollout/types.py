@@ -31,6 +31,10 @@ class PromptBatch:
     data_sources: list[str] = field(default_factory=list)
     ground_truths: list[str | None] = field(default_factory=list)
     uids: list[str] = field(default_factory=list)
+    # int64 [B]: each prompt's own cap on new tokens (multi-turn: what is left of its row's token budget), at most
+    # the sampling's max_new_tokens; None: max_new_tokens for every prompt. Engines that ignore it generate more
+    # (the caller cuts); the native engine sizes its KV cache by it and vLLM stops there.
+    max_new_tokens_b: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_tokens_bt.dim() != 2 or self.prompt_lengths_b.dim() != 1:
@@ -46,10 +50,20 @@ class PromptBatch:
             values = getattr(self, name)
             if values and len(values) != num_prompts:
                 raise ConfigError(f"PromptBatch.{name} has {len(values)} entries for {num_prompts} prompts")
+        caps = self.max_new_tokens_b
+        if caps is not None and (caps.shape != (num_prompts,) or (num_prompts and int(caps.min()) < 1)):
+            raise ConfigError(f"PromptBatch.max_new_tokens_b must be [B] = [{num_prompts}] caps >= 1; got "
+                              f"{caps.tolist()}")
 
     @property
     def num_prompts(self) -> int:
         return self.prompt_tokens_bt.shape[0]
+
+    def new_token_caps(self, max_new_tokens: int) -> list[int]:
+        """Each prompt's cap on new tokens: its own (`max_new_tokens_b`) within the sampling's `max_new_tokens`."""
+        if self.max_new_tokens_b is None:
+            return [max_new_tokens] * self.num_prompts
+        return [min(cap, max_new_tokens) for cap in self.max_new_tokens_b.tolist()]
 
     def prompt(self, index: int) -> list[int]:
         """The unpadded token ids of prompt `index`."""

@@ -99,16 +99,18 @@ class VllmEngine:
                 self.llm.wake_up(tags=["kv_cache"])
             self._asleep.discard("kv_cache")
         requests = [{"prompt_token_ids": prompts.prompt(i)} for i in range(prompts.num_prompts)]
-        per_request = [self._sampling_params(params, index) for index in range(prompts.num_prompts)]
+        per_request = [self._sampling_params(params, index, cap)
+                       for index, cap in enumerate(prompts.new_token_caps(params.max_new_tokens))]
         with rollout_world(self.world):
             outputs = self.llm.generate(requests, per_request, use_tqdm=False, lora_request=self.lora_request)
         return rollouts_from_outputs(outputs, params, prompts.pad_token_id, self.policy_version)
 
-    def _sampling_params(self, params: SamplingParams, index: int) -> Any:
-        """vLLM gives the n samples of a request seeds seed, seed+1, ...: request seeds are hashed apart."""
+    def _sampling_params(self, params: SamplingParams, index: int, max_tokens: int) -> Any:
+        """vLLM gives the n samples of a request seeds seed, seed+1, ...: request seeds are hashed apart;
+        `max_tokens`: the prompt's own cap."""
         stops = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids))
         return self.vllm.SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
-                                        top_k=params.top_k, max_tokens=params.max_new_tokens,
+                                        top_k=params.top_k, max_tokens=max_tokens,
                                         stop_token_ids=sorted(set(stops)), ignore_eos=params.ignore_eos,
                                         seed=request_seed(params.seed, self.layout.dp_rank, index), logprobs=0)
 

@@ -302,11 +302,11 @@ def test_multiturn_refusals(setup, tmp_path):
                                           r"algo\.advantage\.kind=reinforce_plus_plus cannot score as one; use one "
                                           r"of grpo, rloo, gpg, grpo_passk or multiturn\.limits\.history=append$"):
         preflight(cfg, world_size=1)
-    cfg = multiturn_config(setup, str(tmp_path), tools + ["sampling.max_new_tokens=64"])
-    with pytest.raises(ConfigError, match=r"^a turn's prompt may reach multiturn\.limits\.token_budget - 1 = 199 "
-                                          r"tokens; with sampling\.max_new_tokens=64 it needs 263 KV-cache positions "
-                                          r"but rollout\.native\.max_seq_len=256; raise max_seq_len or lower "
-                                          r"token_budget$"):
+    preflight(multiturn_config(setup, str(tmp_path), tools + ["sampling.max_new_tokens=64"]), world_size=1)
+    cfg = multiturn_config(setup, str(tmp_path), tools + ["multiturn.limits.token_budget=300"])
+    with pytest.raises(ConfigError, match=r"^a multi-turn row holds up to multiturn\.limits\.token_budget=300 "
+                                          r"tokens, but a KV-cache slot holds rollout\.native\.max_seq_len=256; "
+                                          r"raise max_seq_len to 300 or lower token_budget$"):
         preflight(cfg, world_size=1)
     cfg = multiturn_config(setup, str(tmp_path), tools + ["multiturn.credit=turn", "algo.advantage.kind=gae"])
     with pytest.raises(ConfigError, match=r"^multiturn\.credit=turn does not run with algo\.advantage\.kind=gae: its "

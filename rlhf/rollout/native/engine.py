@@ -64,8 +64,8 @@ class NativeEngine:
             raise RuntimeError("NativeEngine.generate while asleep: call wake() first")
         if self._released_shapes:
             raise RuntimeError("NativeEngine.generate after a weight release: call load_weights() first")
-        longest = int(prompts.prompt_lengths_b.max()) if prompts.num_prompts else 0
-        self.cache.check_fits(longest, params.max_new_tokens, params.n)
+        self.cache.check_fits(prompts.prompt_lengths_b.tolist(), prompts.new_token_caps(params.max_new_tokens),
+                              params.n)
         generator = torch.Generator(device=self.cache.device)
         generator.manual_seed(replica_seed(params.seed, self.layout.dp_rank))
         stops = stop_token_set(params, self.eos_token_ids)

@@ -2,7 +2,7 @@
 
 Per decode step the only tensor work besides the forward and the sampler is two in-place updates and (with
 stop tokens) one membership test; sampled tokens are kept per step and gathered into rows once at the end.
-Slot lifetimes (start step, max_new_tokens deadline) are tracked in Python.
+Slot lifetimes (start step, the deadline of the prompt's cap on new tokens) are tracked in Python.
 """
 
 from __future__ import annotations
@@ -49,8 +49,10 @@ class Generation:
         self.slot_row = [-1] * self.num_slots
         self.slot_first_step = [0] * self.num_slots
         self.slot_offset = [0] * self.num_slots  # a live slot's position at decode step t is offset + t
+        self.slot_cap = [0] * self.num_slots  # a live slot's cap on new tokens (its prompt's)
+        self.caps_p = prompts.new_token_caps(params.max_new_tokens)
         self.max_offset = 0  # over live slots: decode step t attends max_offset + t + 1 cache positions
-        self.deadlines: dict[int, list[int]] = {}  # decode step -> slots reaching max_new_tokens there
+        self.deadlines: dict[int, list[int]] = {}  # decode step -> slots reaching their cap there
         self.num_active, self.span = 0, 0  # occupied slots; 1 + the highest occupied slot
         self.steps: list[Sampled] = []
         self.finished: list[_Finished] = []
@@ -91,12 +93,13 @@ class Generation:
         self.num_active += len(slots)
         slot_lengths = [length for length in lengths.tolist() for _ in range(n)]
         for index, (slot, row) in enumerate(zip(slots, rows)):
-            self.slot_row[slot], self.slot_first_step[slot] = row, first_step
+            cap = self.caps_p[row // n]
+            self.slot_row[slot], self.slot_first_step[slot], self.slot_cap[slot] = row, first_step, cap
             self.slot_offset[slot] = slot_lengths[index] - first_step
-            if index in stopped or self.params.max_new_tokens == 1:
+            if index in stopped or cap == 1:
                 self._finish(slot, 1, index in stopped)
             else:
-                self.deadlines.setdefault(first_step + self.params.max_new_tokens - 2, []).append(slot)
+                self.deadlines.setdefault(first_step + cap - 2, []).append(slot)
         self._live_changed()
 
     def _live_changed(self) -> None:
@@ -143,8 +146,8 @@ class Generation:
             if self.slot_row[slot] >= 0:
                 self._finish(slot, step - self.slot_first_step[slot] + 2, True)
         for slot in self.deadlines.pop(step, []):
-            if self.slot_row[slot] >= 0 and self.slot_first_step[slot] + self.params.max_new_tokens - 2 == step:
-                self._finish(slot, self.params.max_new_tokens, False)
+            if self.slot_row[slot] >= 0 and self.slot_first_step[slot] + self.slot_cap[slot] - 2 == step:
+                self._finish(slot, self.slot_cap[slot], False)
         if len(self.finished) != finished_before:
             self._live_changed()
 

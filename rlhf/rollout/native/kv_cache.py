@@ -56,8 +56,10 @@ class KVCache:
         for cache in (*self.keys, *self.values):
             cache[dst, :, :length] = cache[src, :, :length]
 
-    def check_fits(self, longest_prompt: int, max_new_tokens: int, samples_per_prompt: int) -> None:
-        needed = longest_prompt + max_new_tokens
+    def check_fits(self, lengths: list[int], caps: list[int], samples_per_prompt: int) -> None:
+        """Every prompt (`lengths`) with its new tokens (`caps`) fits a slot; n samples fit the slots."""
+        needed, longest_prompt, max_new_tokens = max(zip((a + b for a, b in zip(lengths, caps)), lengths, caps),
+                                                      default=(0, 0, 0))
         if needed > self.max_seq_len:
             raise ConfigError(
                 f"a prompt of {longest_prompt} tokens + max_new_tokens={max_new_tokens} needs {needed} KV-cache "

@@ -33,6 +33,17 @@ def _lifecycle(path):
     reference = first.response_tokens_rt.tolist()
     _raises(lambda: engine.generate(batch, SamplingParams(max_new_tokens=13)),
             r"a prompt of 4 tokens \+ max_new_tokens=13 needs 17 KV-cache positions but rollout max_seq_len=16")
+    # Per-prompt caps (multi-turn: a row's budget left): each row stops at its own cap with the uncapped row's
+    # tokens, and the KV check adds each prompt's own cap (4 + 3 and 3 + 13 fit 16 where 4 + 13 would not).
+    capped = PromptBatch.from_token_lists(PROMPTS, max_new_tokens_b=torch.tensor([3, 13]))
+    both = engine.generate(capped, SamplingParams(max_new_tokens=13, temperature=0.0, ignore_eos=True))
+    assert both.response_lengths_r.tolist() == [3, 13] and both.response_tokens_rt.shape == (2, 13)
+    assert both.response_tokens_rt[0, :3].tolist() == reference[0][:3] and both.finish_reasons[0].value == "length"
+    assert both.response_tokens_rt[1, :6].tolist() == reference[1]
+    assert engine.generate(capped, GREEDY).response_lengths_r.tolist() == [3, 6]  # within the sampling's 6
+    _raises(lambda: engine.generate(PromptBatch.from_token_lists(PROMPTS, max_new_tokens_b=torch.tensor([13, 3])),
+                                    SamplingParams(max_new_tokens=13)),
+            r"a prompt of 4 tokens \+ max_new_tokens=13 needs 17 KV-cache positions")
     _raises(lambda: engine.generate(batch, SamplingParams(max_new_tokens=2, n=5)),
             r"n=5 samples per prompt need 5 KV-cache slots but rollout max_batch_size=4")
     assert engine.cache.num_bytes == 2 * 2 * 4 * 2 * 16 * 16 * 4  # K+V x layers x slots x kv x pos x d x fp32
