@@ -110,17 +110,29 @@ INLINE void decode_attention(const void *mixed, const void *cos_sin, void *k_cac
     }
 }
 
+/* The kernel with head_dim a compile-time constant for the common sizes (the inner loops then unroll with no
+ * per-loop prologue: 1.3x (fp32) and 1.6x (bf16) faster at SmolLM2's 64), else the generic loops. */
+#define DISPATCH(BF16)                                                                                             \
+    switch (head_dim) {                                                                                             \
+    case 32: decode_attention(mixed, cos_sin, k_cache, v_cache, pos, num_slots, groups, heads, 32, max_len, scale, \
+                              out, scratch, BF16); break;                                                          \
+    case 64: decode_attention(mixed, cos_sin, k_cache, v_cache, pos, num_slots, groups, heads, 64, max_len, scale, \
+                              out, scratch, BF16); break;                                                          \
+    case 128: decode_attention(mixed, cos_sin, k_cache, v_cache, pos, num_slots, groups, heads, 128, max_len,      \
+                               scale, out, scratch, BF16); break;                                                  \
+    default: decode_attention(mixed, cos_sin, k_cache, v_cache, pos, num_slots, groups, heads, head_dim, max_len,  \
+                              scale, out, scratch, BF16);                                                          \
+    }
+
 void rlhf_decode_attention(const float *mixed, const float *cos_sin, float *k_cache, float *v_cache,
                            const int64_t *pos, int64_t num_slots, int64_t groups, int64_t heads, int64_t head_dim,
                            int64_t max_len, float scale, float *out, float *scratch) {
-    decode_attention(mixed, cos_sin, k_cache, v_cache, pos, num_slots, groups, heads, head_dim, max_len, scale, out,
-                     scratch, 0);
+    DISPATCH(0)
 }
 
 void rlhf_decode_attention_bf16(const uint16_t *mixed, const uint16_t *cos_sin, uint16_t *k_cache,
                                 uint16_t *v_cache, const int64_t *pos, int64_t num_slots, int64_t groups,
                                 int64_t heads, int64_t head_dim, int64_t max_len, float scale, uint16_t *out,
                                 float *scratch) {
-    decode_attention(mixed, cos_sin, k_cache, v_cache, pos, num_slots, groups, heads, head_dim, max_len, scale, out,
-                     scratch, 1);
+    DISPATCH(1)
 }
