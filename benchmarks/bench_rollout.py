@@ -276,7 +276,8 @@ def main() -> None:
         print(f"{row['model']:8} {row['engine']:13} {row['tok_s']:9.0f} {row['prefill_ms']:10.1f} "
               f"{row['ms_per_decode_step']:9.2f} {row['model_gflop_s']:8.2f} {row['model_gflop_s'] / peak:8.1%} "
               f"{row.get('cpu_tok_s', float('nan')):9.0f} {row.get('cpu_ms_per_decode_step', float('nan')):10.2f} "
-              f"{row.get('logprob_max_abs_err', float('nan')):10.2e} {row.get('logprob_mean_abs_err', float('nan')):11.2e}")
+              f"{row.get('logprob_max_abs_err', float('nan')):10.2e} "
+              f"{row.get('logprob_mean_abs_err', float('nan')):11.2e}")
     summary = _summary(rows, peak)
     print(json.dumps(summary, indent=1))
     result = {"name": "rollout", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlhf.platform.compat.torch import ONEDNN_LINEAR_POINTWISE, ONEDNN_REORDER_LINEAR_WEIGHT
+from rlhf.platform.compat.torch import ONEDNN_BF16, ONEDNN_LINEAR_POINTWISE, ONEDNN_REORDER_LINEAR_WEIGHT
 
 # Below this many fp32 weight elements oneDNN's fixed per-call cost outweighs its faster GEMM (measured on a
 # 2-core AVX-512 host: break-even near 64x1024 at 32 rows).
@@ -28,8 +28,11 @@ ONEDNN_PACKING = ONEDNN_REORDER_LINEAR_WEIGHT is not None and ONEDNN_LINEAR_POIN
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether `weight` gets a oneDNN-packed copy: fp32 or bf16 on a CPU build with oneDNN, and large enough."""
-    smallest = {torch.float32: MIN_PACKED_NUMEL, torch.bfloat16: min(MIN_PACKED_NUMEL, MIN_PACKED_NUMEL_BF16)}
+    """Whether `weight` gets a oneDNN-packed copy: fp32 (or bf16 where the CPU has oneDNN's bf16 kernels) on a CPU
+    build with oneDNN, and large enough (a test forcing packing sets MIN_PACKED_NUMEL = 0: both dtypes follow)."""
+    smallest = {torch.float32: MIN_PACKED_NUMEL}
+    if ONEDNN_BF16:
+        smallest[torch.bfloat16] = min(MIN_PACKED_NUMEL, MIN_PACKED_NUMEL_BF16)
     return (ONEDNN_PACKING and weight.device.type == "cpu" and weight.dtype in smallest
             and weight.dim() == 2 and weight.numel() >= smallest[weight.dtype])
 
