@@ -5,7 +5,7 @@ whole and in parts on the same weights and cache: the GEMMs alone (every layer's
 residual, SwiGLU and fc2 with its residual, then the LM head), decode attention over every layer's cache (and
 over one layer's cache reused for every layer: cache-resident, so the difference is the cost of reading the KV
 cache from memory), the RMSNorms, the LM head alone and the sampler. The fp32 matmul peak (2048^3) is measured
-in the same way between repeats.
+in the same way between repeats. `--dtype bfloat16`: the bf16 engine (and the bf16 peak).
 
 Times are the process's CPU time (user + system, one torch thread): on a host shared with other work the wall
 time counts the time this process waits for a core, the CPU time does not (it still counts what contention for
@@ -43,8 +43,8 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def peak_cpu_gflops(size: int = 2048) -> float:
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def peak_cpu_gflops(size: int = 2048, dtype: torch.dtype = torch.float32) -> float:
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b
     start = cpu_seconds()
     a @ b
@@ -59,8 +59,9 @@ def _parts(engine, slots: int, context: int) -> tuple[dict, float]:
     hidden_size = decoder.params.embedding.shape[1]
     tokens = torch.randint(0, geo.vocab_size, (slots,))
     positions = torch.full((slots,), context - 1, dtype=torch.long)
-    x, residual = torch.randn(slots, hidden_size), torch.randn(slots, hidden_size)
-    intermediate = torch.randn(slots, decoder.layers[0].fc2.weight.shape[1])
+    dtype = decoder.params.embedding.dtype
+    x, residual = torch.randn(slots, hidden_size, dtype=dtype), torch.randn(slots, hidden_size, dtype=dtype)
+    intermediate = torch.randn(slots, decoder.layers[0].fc2.weight.shape[1], dtype=dtype)
     params, generator = SamplingParams(max_new_tokens=2, temperature=1.0), torch.Generator().manual_seed(0)
     logits = decoder.decode(tokens, positions, context, cache)
     heads_per_group = geo.num_heads // geo.num_groups
@@ -101,6 +102,8 @@ def main() -> None:
                                                                   "32x64 averages 56)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calls", type=int, default=5, help="calls per part per repeat")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the engine's weights, activations and KV cache (and the matmul peak's)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -116,13 +119,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir, torch.inference_mode():
         path = _model_folder(args.model, workdir)
         engine = build_engine(RolloutConfig(native=NativeEngineConfig(max_batch_size=args.slots, max_seq_len=128)),
-                              path, build_layout_groups(ParallelLayout()))
+                              path, build_layout_groups(ParallelLayout()), dtype=getattr(torch, args.dtype))
         engine.generate(_prompts(engine.decoder.geometry.vocab_size, args.slots, seed=0),  # prepares the weights
                         SamplingParams(max_new_tokens=2, temperature=1.0, ignore_eos=True))
         parts, gemm_flops = _parts(engine, args.slots, args.context)
         times: dict[str, list[float]] = {name: [] for name in [*parts, "matmul_peak_gflop_s"]}
         for repeat in range(args.repeats):
-            times["matmul_peak_gflop_s"].append(peak_cpu_gflops())
+            times["matmul_peak_gflop_s"].append(peak_cpu_gflops(dtype=getattr(torch, args.dtype)))
             for name in (list(parts) if repeat % 2 == 0 else list(parts)[::-1]):
                 parts[name]()
                 start = cpu_seconds()

@@ -89,13 +89,14 @@ def load() -> DecodeAttention | None:
 
 class DecodeAttention:
     """attend(mixed [S,G,H+2,D] raw QKV, cos_sin [S,2,D], k_cache/v_cache [slots,G,L,D], positions [S], scale)
-    -> [S, G*H*D]: RoPE on q and k, k and v written at each slot's position, attention over its positions."""
+    -> [S, G*H*D]: RoPE on q and k, k and v written at each slot's position, attention over its positions.
+    Tensors all fp32 or all bf16 (then the arithmetic is fp32 and the cache and output are rounded to bf16)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._fn = library.rlhf_decode_attention
-        self._fn.restype = None
-        self._fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR,
-                             _PTR]
+        self._fns = {torch.float32: library.rlhf_decode_attention, torch.bfloat16: library.rlhf_decode_attention_bf16}
+        for fn in self._fns.values():
+            fn.restype = None
+            fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR]
         self._scratch = torch.empty(0)
 
     def __call__(self, mixed: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -104,11 +105,12 @@ class DecodeAttention:
         heads, max_len = heads_and_kv - 2, k_cache.shape[2]
         assert mixed.is_contiguous() and cos_sin.is_contiguous() and positions.is_contiguous()
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and positions.dtype == torch.int64
-        assert mixed.dtype == cos_sin.dtype == k_cache.dtype == torch.float32
+        assert mixed.dtype == cos_sin.dtype == k_cache.dtype == v_cache.dtype and mixed.dtype in self._fns
         assert k_cache.shape[1:] == (groups, max_len, head_dim) and cos_sin.shape == (slots, 2, head_dim)
         if self._scratch.numel() < heads * (max_len + head_dim):
             self._scratch = torch.empty(heads * (max_len + head_dim))
-        out = torch.empty(slots, groups * heads * head_dim)
-        self._fn(mixed.data_ptr(), cos_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), positions.data_ptr(),
-                 slots, groups, heads, head_dim, max_len, scale, out.data_ptr(), self._scratch.data_ptr())
+        out = torch.empty(slots, groups * heads * head_dim, dtype=mixed.dtype)
+        self._fns[mixed.dtype](mixed.data_ptr(), cos_sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                               positions.data_ptr(), slots, groups, heads, head_dim, max_len, scale, out.data_ptr(),
+                               self._scratch.data_ptr())
         return out

@@ -147,8 +147,8 @@ def peak_since_reset_bytes() -> int:
 
 def fused_decode_attention(dtype: torch.dtype, device: torch.device):
     """The fused decode-attention kernel for this device (`rlhf.kernels`), or None to use torch ops: today a
-    C kernel for fp32 on CPU, built on first use when a C compiler is present."""
-    if device.type != "cpu" or dtype != torch.float32:
+    C kernel for fp32 and bf16 on CPU, built on first use when a C compiler is present."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
     from rlhf.kernels.cpu_decode_attention import load
 

@@ -12,14 +12,15 @@ from rlhf.rollout.native.forward import _rope
 needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler on this machine")
 
 
-def _reference(mixed, cos_sin, k_cache, v_cache, positions, scale):
-    """What `Decoder._torch_attention` computes, on copies of the caches."""
+def _reference(mixed, cos_sin, k_cache, v_cache, positions, scale, cache_dtype=torch.float32):
+    """What `Decoder._torch_attention` computes, on copies of the caches; the keys written are rounded to
+    `cache_dtype` before attention reads them (as a cache of that dtype does)."""
     slots, groups, heads = mixed.shape[0], mixed.shape[1], mixed.shape[2] - 2
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     cos, sin = cos_sin[:, :, None, None, :].unbind(1)
     rotated = _rope(mixed[..., :heads + 1, :], cos, sin)
     slot_ids = torch.arange(slots)
-    k_cache[slot_ids, :, positions] = rotated[:, :, heads]
+    k_cache[slot_ids, :, positions] = rotated[:, :, heads].to(cache_dtype).to(k_cache.dtype)
     v_cache[slot_ids, :, positions] = mixed[:, :, heads + 1]
     context = int(positions.max()) + 1
     future = torch.arange(context)[None, :] > positions.repeat_interleave(groups)[:, None]
@@ -35,6 +36,34 @@ def _reference(mixed, cos_sin, k_cache, v_cache, positions, scale):
 def test_kernel_equals_the_torch_path(groups, heads, head_dim):
     kernel = cpu_decode_attention.load()
     assert kernel is not None
+    inputs = _inputs(groups, heads, head_dim, torch.float32)
+    expected, expected_k, expected_v = _reference(*inputs, head_dim ** -0.5)
+    mixed, cos_sin, k_cache, v_cache, positions = inputs
+    got = kernel(mixed, cos_sin, k_cache, v_cache, positions, head_dim ** -0.5)
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-6)
+    torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=1e-6)  # RoPE'd key written at each position
+    assert torch.equal(v_cache, expected_v)  # value copied as is; every other cache entry untouched
+
+
+@needs_gcc
+@pytest.mark.parametrize("groups, heads, head_dim", [(2, 2, 16), (3, 3, 64)])
+def test_bf16_kernel_is_the_fp32_math_rounded_to_bf16(groups, heads, head_dim):
+    """bf16 tensors in and out, fp32 arithmetic: the fp32 reference on the same (bf16) inputs, rounded."""
+    kernel = cpu_decode_attention.load()
+    inputs = _inputs(groups, heads, head_dim, torch.bfloat16)
+    expected, expected_k, expected_v = _reference(*(t.float() if t.is_floating_point() else t for t in inputs),
+                                                  head_dim ** -0.5, cache_dtype=torch.bfloat16)
+    mixed, cos_sin, k_cache, v_cache, positions = inputs
+    got = kernel(mixed, cos_sin, k_cache, v_cache, positions, head_dim ** -0.5)
+    assert got.dtype == k_cache.dtype == torch.bfloat16
+    # within one bf16 rounding of the fp32 result (the kernel may fuse multiply-adds that torch rounds apart)
+    torch.testing.assert_close(got.float(), expected, rtol=2 ** -8, atol=1e-5)
+    torch.testing.assert_close(k_cache.float(), expected_k, rtol=2 ** -8, atol=1e-6)
+    assert torch.equal(v_cache.float(), expected_v)
+
+
+def _inputs(groups, heads, head_dim, dtype):
+    """(mixed, cos_sin, k_cache, v_cache, positions): 5 slots of a 7-slot, 40-position cache."""
     gen = torch.Generator().manual_seed(head_dim)
     slots, cache_slots, max_len = 5, 7, 40
     mixed = torch.randn(slots, groups, heads + 2, head_dim, generator=gen)
@@ -43,11 +72,7 @@ def test_kernel_equals_the_torch_path(groups, heads, head_dim):
     cos_sin = torch.stack([torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1)], 1)
     k_cache = torch.randn(cache_slots, groups, max_len, head_dim, generator=gen)
     v_cache = torch.randn(cache_slots, groups, max_len, head_dim, generator=gen)
-    expected, expected_k, expected_v = _reference(mixed, cos_sin, k_cache, v_cache, positions, head_dim ** -0.5)
-    got = kernel(mixed, cos_sin, k_cache, v_cache, positions, head_dim ** -0.5)
-    torch.testing.assert_close(got, expected, rtol=0, atol=2e-6)
-    torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=1e-6)  # RoPE'd key written at each position
-    assert torch.equal(v_cache, expected_v)  # value copied as is; every other cache entry untouched
+    return (*(t.to(dtype) for t in (mixed, cos_sin, k_cache, v_cache)), positions)
 
 
 @needs_gcc

@@ -21,6 +21,8 @@ Touch-points (name: what it does; why):
   `_linear_pointwise` (inductor's CPU ops; None when this build lacks them): a weight packed once into oneDNN's
   blocked layout runs decode-sized GEMMs 1.3-1.7x faster, with residual add, SiLU and product fused
   (`rlhf.platform.linear`).
+- `ONEDNN_BF16`: `torch.ops.mkldnn._is_mkldnn_bf16_supported()`, whether this CPU runs oneDNN's bf16 kernels
+  natively (AVX512-BF16 / AMX, or AVX512BW emulation); elsewhere bf16 weights stay on the plain torch path.
 """
 
 from __future__ import annotations
@@ -85,3 +87,5 @@ def _onednn_op(name: str) -> Any:
 
 ONEDNN_REORDER_LINEAR_WEIGHT = _onednn_op("_reorder_linear_weight")
 ONEDNN_LINEAR_POINTWISE = _onednn_op("_linear_pointwise")
+_BF16_CHECK = _onednn_op("_is_mkldnn_bf16_supported")
+ONEDNN_BF16 = bool(_BF16_CHECK is not None and _BF16_CHECK())

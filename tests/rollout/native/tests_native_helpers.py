@@ -3,7 +3,9 @@
 import torch.distributed as dist
 
 
-def native_engine(path, *, max_batch_size, max_seq_len, eos=(), **config):
+def native_engine(path, *, max_batch_size, max_seq_len, eos=(), dtype=None, **config):
+    import torch
+
     from transformers import AutoConfig
 
     from rlhf.parallel.groups import build_layout_groups
@@ -15,7 +17,7 @@ def native_engine(path, *, max_batch_size, max_seq_len, eos=(), **config):
 
     pgs = build_layout_groups(ParallelLayout(tp=dist.get_world_size()))
     hf_config = AutoConfig.from_pretrained(path)
-    model = build_gpt(hf_config, pgs)
+    model = build_gpt(hf_config, pgs, params_dtype=dtype or torch.float32)
     load_hf_weights(model, path)
     engine = NativeEngine(model, vocab_size=hf_config.vocab_size, eos_token_ids=eos, layout=engine_layout(pgs),
                           tp_group=pgs.tp,
