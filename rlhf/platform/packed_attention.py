@@ -11,15 +11,16 @@ per-sequence overhead is what made packing slower than padded rows on short spre
 `packed_seq_params` it is megatron's core unchanged. On CUDA with TE, `TEDotProductAttention` takes the same
 `PackedSeqParams` natively.
 
-Context parallelism (`_forward_packed_cp`, layout in `context_parallel`): each rank's chunks of a sequence attend
-to the K/V of every rank's chunks, all-gathered over `packed_seq_params.cp_group` (one collective per layer, K
-and V together). The same bucketing on chunks (`cp_chunk_plan`, `attend_chunks`): a rank holds chunks i and
-2cp−1−i of each sequence, and chunk j (c tokens) attends to its sequence's first (j + 1)·c keys, query t to keys
-0..j·c + t; chunks of similar (queries, keys) share one right-padded flash call under a `[rows, 1, queries, keys]`
-mask of that offset (top-left causal, no mask, where every offset is 0), so no pack-wide square is formed. Why an
-all-gather: on gloo a ring's point-to-point steps have no compute to overlap with (they are slower, not hidden),
-and all-to-all over heads would need heads % (tp·cp) == 0 (SmolLM2's 3 KV heads forbid it); the gathered K/V is
-`[T, kv heads, d]` of one layer, small next to the activations the sharding saves.
+Context parallelism (`_forward_packed_cp`, layout in `context_parallel`): each rank's chunks of a sequence attend to
+the K/V of every rank's chunks, all-gathered over `packed_seq_params.cp_group` (one collective per layer, K and V
+together). The same bucketing on chunks (`cp_chunk_plan`, `attend_chunks`): a rank holds chunks i and 2cp−1−i of
+each sequence, and chunk j (c tokens) attends to its sequence's first (j + 1)·c keys, query t to keys 0..j·c + t;
+chunks of similar (queries, keys) share one right-padded flash call under a mask of that offset (top-left causal, no
+mask, where every offset is 0) that is a strided view of one line per row (`_offset_causal_mask`), so no square is
+formed or kept, pack-wide or per chunk. Why an all-gather: on gloo a ring's point-to-point steps have no compute to
+overlap with (they are slower, not hidden), and all-to-all over heads would need heads % (tp·cp) == 0 (SmolLM2's 3
+KV heads forbid it); the gathered K/V is `[T, kv heads, d]` of one layer, small next to the activations the sharding
+saves.
 """
 
 from __future__ import annotations
@@ -137,16 +138,27 @@ def bucket_plan(cu_seqlens: tuple[int, ...]) -> BucketPlan:
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      mask: torch.Tensor | None = None) -> torch.Tensor:
-    """torch's fused attention on `[b, heads, s, d]` (grouped-query k/v: fewer heads), causal (top-left) or where
-    a boolean `mask` is True, fp32 under CPU autocast (`fused_attention`'s note: its bf16 CPU kernel is slower)."""
+                      offsets_b: torch.Tensor | None = None) -> torch.Tensor:
+    """torch's fused attention on `[b, heads, s, d]` (grouped-query k/v: fewer heads), causal (top-left) or, with
+    `offsets_b`, offset-causal on queries given last first (`_offset_causal_mask`); fp32 under CPU autocast
+    (`fused_attention`'s note: its bf16 CPU kernel is slower)."""
     grouped = q.shape[1] != k.shape[1]
     if torch.is_autocast_enabled("cpu"):
         with torch.autocast("cpu", enabled=False):
-            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
-                                                  is_causal=mask is None, scale=scale, enable_gqa=grouped)
+            return _causal_attention(q.float(), k.float(), v.float(), scale, offsets_b)
+    mask = None if offsets_b is None else _offset_causal_mask(offsets_b, q.shape[2], k.shape[2], q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                           enable_gqa=grouped)
+
+
+def _offset_causal_mask(offsets_b: torch.Tensor, width_q: int, width_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """`[b, 1, width_q, width_k]` additive mask (0 / -inf) letting query t see keys 0..offset + t, for queries in
+    reverse order (slot s is query width_q - 1 - s): then it depends on s + key alone, so it is a strided view of
+    `[b, width_q + width_k - 1]` and SDPA keeps that, not the square, for its backward."""
+    diagonal = torch.arange(width_q + width_k - 1, device=offsets_b.device)
+    allowed_bi = diagonal[None, :] <= (offsets_b[:, None] + width_q - 1)
+    line_bi = torch.zeros(allowed_bi.shape, dtype=dtype, device=offsets_b.device).masked_fill(~allowed_bi, -torch.inf)
+    return line_bi.as_strided((len(offsets_b), 1, width_q, width_k), (width_q + width_k - 1, 0, 1, 1))
 
 
 @dataclass(frozen=True)
@@ -154,7 +166,8 @@ class ChunkPlan:
     """How `attend_chunks` lays one cp rank's query chunks out: bucket k is `shapes[k]` = (rows, queries, keys),
     one chunk a row, its query slots in `query_q` (local rows; `T / cp` on padding) and its key slots in `key_k`
     (rows of the rank-ordered K/V gather; `T` on padding) right-padded, `offsets[k]` each row's causal offset (its
-    query j attends to keys 0..offset + j); `scatter_l` is each local token's query slot."""
+    query j attends to keys 0..offset + j); a bucket with an offset lists its query slots last first (its mask is
+    then a Toeplitz view, `_offset_causal_mask`); `scatter_l` is each local token's query slot."""
 
     shapes: tuple[tuple[int, int, int], ...]
     query_q: torch.Tensor
@@ -196,8 +209,11 @@ def cp_chunk_plan(cu_seqlens: tuple[int, ...], cp_size: int, cp_rank: int) -> Ch
     for bucket in chunk_buckets([(queries, keys) for _, queries, _, keys in spans]):
         width_q, width_k = spans[bucket[0]][1], spans[bucket[0]][3]
         first_q, queries, first_k, keys = (torch.tensor(column)[:, None] for column in zip(*(spans[i] for i in bucket)))
-        query = first_q + torch.arange(width_q)[None, :]
-        query[torch.arange(width_q)[None, :] >= queries] = local_tokens
+        position = torch.arange(width_q)
+        if bool((keys != queries).any()):  # offset-causal: queries last first
+            position = position.flip(0)
+        query = first_q + position[None, :]
+        query[position[None, :] >= queries] = local_tokens
         key = rank_row_t[(first_k + torch.arange(width_k)[None, :]).clamp(max=tokens - 1)]
         key[torch.arange(width_k)[None, :] >= keys] = tokens
         shapes.append((len(bucket), width_q, width_k))
@@ -216,7 +232,7 @@ def attend_chunks(query_lnd: torch.Tensor, kv_gnd: torch.Tensor, groups: int, pl
                   scale: float) -> torch.Tensor:
     """`[T / cp, heads · hn]`: each local query chunk of `plan` against its sequence's keys and values in
     `kv_gnd` (`[T, 2 · groups, hn]`, K then V heads, rows in gather order), one fused SDPA call per bucket under
-    a `[rows, 1, queries, keys]` offset-causal mask (none where every offset is 0: top-left causal)."""
+    the offset-causal `_offset_causal_mask` (none where every offset is 0: top-left causal)."""
     heads, dim = query_lnd.shape[1], query_lnd.shape[2]
     query_lnd = torch.cat([query_lnd, query_lnd.new_zeros(1, heads, dim)])  # the padding rows
     kv_gnd = torch.cat([kv_gnd, kv_gnd.new_zeros(1, *kv_gnd.shape[1:])])
@@ -227,10 +243,7 @@ def attend_chunks(query_lnd: torch.Tensor, kv_gnd: torch.Tensor, groups: int, pl
         q = query_lnd[query_q[first_q:first_q + rows * width_q]].view(rows, width_q, heads, dim).transpose(1, 2)
         kv = kv_gnd[key_k[first_k:first_k + rows * width_k]].view(rows, width_k, 2 * groups, dim).transpose(1, 2)
         first_q, first_k = first_q + rows * width_q, first_k + rows * width_k
-        mask = None
-        if bool(offsets.any()):
-            relative = torch.arange(width_k, device=device)[None, :] - torch.arange(width_q, device=device)[:, None]
-            mask = (relative[None] <= offsets.to(device)[:, None, None])[:, None]
         k, v = kv.split([groups, groups], dim=1)
-        outputs.append(_causal_attention(q, k, v, scale, mask).transpose(1, 2).reshape(rows * width_q, -1))
+        offsets = offsets.to(device) if bool(offsets.any()) else None
+        outputs.append(_causal_attention(q, k, v, scale, offsets).transpose(1, 2).reshape(rows * width_q, -1))
     return (torch.cat(outputs) if len(outputs) > 1 else outputs[0])[plan.scatter_l.to(device)]

@@ -64,10 +64,14 @@ def test_cp_chunk_core_equals_masked_attention_on_every_rank():
     """`attend_chunks` on each cp rank's queries and the (faked) rank-ordered K/V gather = masked attention over
     the whole pack, outputs and the gradients summed over ranks (odd lengths, a 1- and a 3-token sequence, GQA)."""
     from rlhf.platform.context_parallel import local_positions, padded_length
-    from rlhf.platform.packed_attention import attend_chunks, chunk_buckets, cp_chunk_plan
+    from rlhf.platform.packed_attention import _offset_causal_mask, attend_chunks, chunk_buckets, cp_chunk_plan
 
     assert chunk_buckets([(4, 16), (2, 8), (4, 4), (1, 4)], waste=40) == [[0], [1], [2, 3]]
     assert chunk_buckets([(2, 16), (4, 15)], waste=1000) == [[0], [1]]  # more queries than the first: new group
+    offsets = torch.tensor([3, 0])
+    mask = _offset_causal_mask(offsets, 4, 7, torch.float32)  # queries last first: slot s is query 3 - s
+    allowed = (torch.arange(7)[None, None, :] <= (3 - torch.arange(4))[None, :, None] + offsets[:, None, None])
+    assert torch.equal(mask[:, 0] == 0, allowed) and mask.untyped_storage().nbytes() == 2 * (4 + 7 - 1) * 4
     generator = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, scale = 4, 2, 8, 0.3
     masked = set()
