@@ -1,6 +1,6 @@
 """Actor update on variable-length responses: padded vs length-sorted, trimmed vs packed (THD) micro-batches.
 
-One rank, one actor (`PolicyRole.update`), a fixed batch of 32 rows whose response lengths are uniform in
+One rank, one actor (`PolicyRole.update`), a fixed batch of `--rows` (32) rows whose response lengths are uniform in
 [1, max] after a 6-token prompt, for each spread max in `--spreads` (default 128 and 2048). Three variants of
 the same code, alternating repeats: `padded` (micro-batches of 8 rows at the step's width), `sorted` (rows sorted
 by length, each micro-batch cut to its longest row; the row-count default) and `packed` (rows bin-packed into
@@ -35,20 +35,20 @@ RESULTS = Path(__file__).resolve().parent / "results" / "packing.json"
 ROWS, PROMPT = 32, 6
 
 
-def variable_length_batch(vocab: int, max_response: int):
+def variable_length_batch(vocab: int, max_response: int, rows: int = ROWS):
     from rlhf.stages.batch import ScoredBatch
 
     gen = torch.Generator().manual_seed(0)
-    lengths = torch.randint(1, max_response + 1, (ROWS,), generator=gen)
+    lengths = torch.randint(1, max_response + 1, (rows,), generator=gen)
     mask = torch.arange(max_response)[None] < lengths[:, None]
     zeros_bt = torch.zeros(mask.shape)
-    return ScoredBatch(tokens_bs=torch.randint(3, vocab, (ROWS, PROMPT + max_response), generator=gen),
-                       prompt_lengths_b=torch.full((ROWS,), PROMPT), response_lengths_b=lengths,
-                       response_mask_bt=mask, loss_mask_bt=mask, group_index_b=torch.arange(ROWS) // 4,
-                       sample_index_b=torch.arange(ROWS) // 4, trajectory_index_b=None,
+    return ScoredBatch(tokens_bs=torch.randint(3, vocab, (rows, PROMPT + max_response), generator=gen),
+                       prompt_lengths_b=torch.full((rows,), PROMPT), response_lengths_b=lengths,
+                       response_mask_bt=mask, loss_mask_bt=mask, group_index_b=torch.arange(rows) // 4,
+                       sample_index_b=torch.arange(rows) // 4, trajectory_index_b=None,
                        rollout_logprobs_bt=zeros_bt,
                        policy_version_bt=torch.zeros(mask.shape, dtype=torch.int32),
-                       truncated_b=torch.zeros(ROWS, dtype=torch.bool), scores_b=torch.zeros(ROWS),
+                       truncated_b=torch.zeros(rows, dtype=torch.bool), scores_b=torch.zeros(rows),
                        baseline_scores_b=None, reward_components_bk=None, routed_experts_bslk=None, pad_token_id=0,
                        old_logprobs_bt=None,
                        ref_logprobs_bt=None, values_bt=None, token_rewards_bt=zeros_bt,
@@ -109,6 +109,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--budget", type=int, default=0, help="tokens per packed micro-batch (0: see docstring)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=ROWS, help="rows of the batch (fewer: a long spread fits)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     from transformers import AutoConfig
@@ -139,7 +140,8 @@ def main() -> None:
         vocab = AutoConfig.from_pretrained(path).vocab_size
         for spread in args.spreads:
             budget = args.budget or max(args.micro_batch * (PROMPT + (spread + 1) // 2), PROMPT + spread)
-            results[f"1-{spread}"] = run_spread(role, variable_length_batch(vocab, spread), budget, args.repeats)
+            results[f"1-{spread}"] = run_spread(role, variable_length_batch(vocab, spread, args.rows), budget,
+                                                 args.repeats)
     print(f"{'spread':8} {'variant':8} {'useful':>7} {'s/update':>9} {'padded/variant':>15} {'cpu s':>8} "
           f"{'padded/variant':>15}")
     for spread, res in results.items():
@@ -151,7 +153,7 @@ def main() -> None:
         print(f"{spread:8} sorted/packed {res['sorted_over_packed']:.2f}x wall, {res['sorted_over_packed_cpu']:.2f}x "
               f"CPU (budget {res['budget']} tokens)")
     result = {"name": "packing", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine_info(), "config": {**vars(args), "rows": ROWS, "prompt": PROMPT},
+              "machine": machine_info(), "config": {**vars(args), "prompt": PROMPT},
               "rows": [{"spread": spread, "variant": name, "useful_fraction": res["useful_fraction"][name],
                         "median_s": seconds, "median_cpu_s": res["median_cpu_s"][name]}
                        for spread, res in results.items() for name, seconds in res["median_s"].items()],

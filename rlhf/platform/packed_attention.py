@@ -1,5 +1,5 @@
-"""Attention over packed (THD) micro-batches where Transformer Engine is absent: block-diagonal causal attention
-on `cu_seqlens`, so a packed row never attends across a sequence boundary.
+"""Attention over packed (THD) micro-batches where Transformer Engine is absent: causal attention within each
+sequence of `cu_seqlens`, so a packed row never attends across a sequence boundary.
 
 megatron's local `DotProductAttention` refuses `packed_seq_params`; `PackedDotProductAttention` takes them and
 runs torch's fused causal scaled_dot_product_attention (flash on the CPU) per length bucket: the pack's
@@ -11,12 +11,16 @@ per-sequence overhead is what made packing slower than padded rows on short spre
 `packed_seq_params` it is megatron's core unchanged. On CUDA with TE, `TEDotProductAttention` takes the same
 `PackedSeqParams` natively.
 
-Context parallelism (`_forward_packed_cp`, layout in `context_parallel`): each rank's chunks of a sequence attend
-to the K/V of every rank's chunks, all-gathered over `packed_seq_params.cp_group` (one collective per layer, K
-and V together), under the causal mask at their global positions. Why an all-gather: on gloo a ring's
-point-to-point steps have no compute to overlap with (they are slower, not hidden), and all-to-all over heads
-would need heads % (tp·cp) == 0 (SmolLM2's 3 KV heads forbid it); the gathered K/V is `[T, kv heads, d]` of
-one layer, small next to the activations the sharding saves.
+Context parallelism (`_forward_packed_cp`, layout in `context_parallel`): each rank's chunks of a sequence attend to
+the K/V of every rank's chunks, all-gathered over `packed_seq_params.cp_group` (one collective per layer, K and V
+together). The same bucketing on chunks (`cp_chunk_plan`, `attend_chunks`): a rank holds chunks i and 2cp−1−i of
+each sequence, and chunk j (c tokens) attends to its sequence's first (j + 1)·c keys, query t to keys 0..j·c + t;
+chunks of similar (queries, keys) share one right-padded flash call under a mask of that offset (top-left causal, no
+mask, where every offset is 0) that is a strided view of one line per row (`_offset_causal_mask`), so no square is
+formed or kept, pack-wide or per chunk. Why an all-gather: on gloo a ring's point-to-point steps have no compute to
+overlap with (they are slower, not hidden), and all-to-all over heads would need heads % (tp·cp) == 0 (SmolLM2's 3
+KV heads forbid it); the gathered K/V is `[T, kv heads, d]` of one layer, small next to the activations the sharding
+saves.
 """
 
 from __future__ import annotations
@@ -29,9 +33,8 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from rlhf.platform.context_parallel import gather_keys_values, global_order, local_positions
+from rlhf.platform.context_parallel import gather_keys_values, global_order
 
-BLOCK_TOKENS = 512  # cp: sequences share one masked attention call up to this many tokens
 BUCKET_WASTE = 64 * 64  # a sequence shares a longer one's call while L² - l² <= this (token²)
 
 
@@ -62,28 +65,12 @@ class PackedDotProductAttention(DotProductAttention):
     def _forward_packed_cp(self, query_lnd: torch.Tensor, key_lnd: torch.Tensor, value_lnd: torch.Tensor,
                            cu_seqlens_n: torch.Tensor, cp_group: torch.distributed.ProcessGroup) -> torch.Tensor:
         """This cp rank's queries `[T / cp, np, hn]` against the whole pack's keys and values (gathered), causal
-        at global positions, in blocks of whole sequences as `_forward_packed`."""
+        at global positions: `attend_chunks` on the rank-ordered gather."""
         assert not self.config.attention_dropout and not self.config.apply_query_key_layer_scaling
-        cp_size = cp_group.size()
-        kv_lnd = torch.cat([key_lnd, value_lnd], dim=-1)
-        kv_tnd = gather_keys_values(kv_lnd, cp_group)[global_order(cu_seqlens_n, cp_size).to(kv_lnd.device)]
-        key_tnd, value_tnd = kv_tnd.split([key_lnd.shape[-1], value_lnd.shape[-1]], dim=-1)
-        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        if groups > 1:
-            key_tnd, value_tnd = key_tnd.repeat_interleave(groups, dim=1), value_tnd.repeat_interleave(groups, dim=1)
-        position_l = local_positions(cu_seqlens_n, cp_size, cp_group.rank()).to(query_lnd.device)
-        cu = cu_seqlens_n.tolist()
-        outputs, first = [], 0
-        for block in _blocks([stop - start for start, stop in zip(cu[:-1], cu[1:])], BLOCK_TOKENS):
-            start, stop = cu[first], cu[first + len(block)]
-            local = slice(start // cp_size, stop // cp_size)  # a sequence's local tokens are contiguous
-            q = query_lnd[local].transpose(0, 1)
-            k, v = key_tnd[start:stop].transpose(0, 1), value_tnd[start:stop].transpose(0, 1)
-            mask = _global_causal_mask(cu_seqlens_n[first:first + len(block) + 1], position_l[local])
-            outputs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                                          scale=self.softmax_scale).transpose(0, 1))
-            first += len(block)
-        return torch.cat(outputs).reshape(query_lnd.shape[0], -1)
+        kv_lnd = torch.cat([key_lnd, value_lnd], dim=1)
+        kv_gnd = gather_keys_values(kv_lnd, cp_group)  # every rank's rows in rank order
+        plan = cp_chunk_plan(tuple(cu_seqlens_n.tolist()), cp_group.size(), cp_group.rank())
+        return attend_chunks(query_lnd, kv_gnd, key_lnd.shape[1], plan, self.softmax_scale)
 
     def _forward_packed(self, query_tnd: torch.Tensor, key_tnd: torch.Tensor, value_tnd: torch.Tensor,
                         cu_seqlens_n: torch.Tensor) -> torch.Tensor:
@@ -102,17 +89,6 @@ class PackedDotProductAttention(DotProductAttention):
                 [heads, groups, groups], dim=1)
             outputs.append(_causal_attention(q, k, v, self.softmax_scale).transpose(1, 2).reshape(rows * width, -1))
         return (torch.cat(outputs) if len(outputs) > 1 else outputs[0])[scatter_t]
-
-
-def _blocks(lengths: list[int], limit: int) -> list[list[int]]:
-    """Consecutive sequence lengths grouped into blocks of at most `limit` tokens (a longer sequence alone)."""
-    blocks: list[list[int]] = []
-    for length in lengths:
-        if blocks and sum(blocks[-1]) + length <= limit:
-            blocks[-1].append(length)
-        else:
-            blocks.append([length])
-    return blocks
 
 
 def length_buckets(lengths: list[int], waste: int = BUCKET_WASTE) -> list[list[int]]:
@@ -161,22 +137,113 @@ def bucket_plan(cu_seqlens: tuple[int, ...]) -> BucketPlan:
                       gather_p=gather_p, scatter_t=scatter_t)
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """torch's fused causal attention on `[b, heads, s, d]` (grouped-query k/v: fewer heads), fp32 under CPU
-    autocast (`fused_attention`'s note: its bf16 CPU kernel is slower)."""
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      offsets_b: torch.Tensor | None = None) -> torch.Tensor:
+    """torch's fused attention on `[b, heads, s, d]` (grouped-query k/v: fewer heads), causal (top-left) or, with
+    `offsets_b`, offset-causal on queries given last first (`_offset_causal_mask`); fp32 under CPU autocast
+    (`fused_attention`'s note: its bf16 CPU kernel is slower)."""
     grouped = q.shape[1] != k.shape[1]
     if torch.is_autocast_enabled("cpu"):
         with torch.autocast("cpu", enabled=False):
-            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, scale=scale,
-                                                  enable_gqa=grouped)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=grouped)
+            return _causal_attention(q.float(), k.float(), v.float(), scale, offsets_b)
+    mask = None if offsets_b is None else _offset_causal_mask(offsets_b, q.shape[2], k.shape[2], q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                          enable_gqa=grouped)
 
 
-def _global_causal_mask(cu_seqlens_n: torch.Tensor, query_positions_l: torch.Tensor) -> torch.Tensor:
-    """[l, t] True where a query (at its packed position) may attend to key `cu[0] + j`: same sequence, not
-    later."""
-    cu = cu_seqlens_n.to(torch.int64).to(query_positions_l.device)
-    key_positions_t = torch.arange(int(cu[0]), int(cu[-1]), device=query_positions_l.device)
-    same = (torch.searchsorted(cu, query_positions_l, right=True)[:, None]
-            == torch.searchsorted(cu, key_positions_t, right=True)[None, :])
-    return same & (key_positions_t[None, :] <= query_positions_l[:, None])
+def _offset_causal_mask(offsets_b: torch.Tensor, width_q: int, width_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """`[b, 1, width_q, width_k]` additive mask (0 / -inf) letting query t see keys 0..offset + t, for queries in
+    reverse order (slot s is query width_q - 1 - s): then it depends on s + key alone, so it is a strided view of
+    `[b, width_q + width_k - 1]` and SDPA keeps that, not the square, for its backward."""
+    diagonal = torch.arange(width_q + width_k - 1, device=offsets_b.device)
+    allowed_bi = diagonal[None, :] <= (offsets_b[:, None] + width_q - 1)
+    line_bi = torch.zeros(allowed_bi.shape, dtype=dtype, device=offsets_b.device).masked_fill(~allowed_bi, -torch.inf)
+    return line_bi.as_strided((len(offsets_b), 1, width_q, width_k), (width_q + width_k - 1, 0, 1, 1))
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How `attend_chunks` lays one cp rank's query chunks out: bucket k is `shapes[k]` = (rows, queries, keys),
+    one chunk a row, its query slots in `query_q` (local rows; `T / cp` on padding) and its key slots in `key_k`
+    (rows of the rank-ordered K/V gather; `T` on padding) right-padded, `offsets[k]` each row's causal offset (its
+    query j attends to keys 0..offset + j); a bucket with an offset lists its query slots last first (its mask is
+    then a Toeplitz view, `_offset_causal_mask`); `scatter_l` is each local token's query slot."""
+
+    shapes: tuple[tuple[int, int, int], ...]
+    query_q: torch.Tensor
+    key_k: torch.Tensor
+    offsets: tuple[torch.Tensor, ...]
+    scatter_l: torch.Tensor
+
+
+def chunk_buckets(chunks: list[tuple[int, int]], waste: int = BUCKET_WASTE) -> list[list[int]]:
+    """Indices of (queries, keys) chunks in groups that share one call, padded to the group's first: most keys
+    first, a chunk joins the current group while it has no more queries than the first and padding it costs at
+    most `waste` (queries x keys, the kernel's work under a mask); `length_buckets` for rectangles."""
+    buckets: list[list[int]] = []
+    for index in sorted(range(len(chunks)), key=lambda i: (-chunks[i][1], -chunks[i][0], i)):
+        queries, keys = chunks[index]
+        if buckets:
+            head_queries, head_keys = chunks[buckets[-1][0]]
+            if queries <= head_queries and head_queries * head_keys - queries * keys <= waste:
+                buckets[-1].append(index)
+                continue
+        buckets.append([index])
+    return buckets
+
+
+@functools.lru_cache(maxsize=16)  # one plan per pack and cp rank, shared by every layer
+def cp_chunk_plan(cu_seqlens: tuple[int, ...], cp_size: int, cp_rank: int) -> ChunkPlan:
+    """The `ChunkPlan` of cp rank `cp_rank` in the pack whose sequence `i` is tokens `[cu[i], cu[i+1])` (each a
+    multiple of 2·cp long): its chunks i and 2cp−1−i of every sequence, chunk j (c tokens) attending to the
+    sequence's first (j + 1)·c keys at offset j·c."""
+    tokens, local_tokens = cu_seqlens[-1], cu_seqlens[-1] // cp_size
+    rank_row_t = global_order(torch.tensor(cu_seqlens), cp_size)  # packed position -> row of the gather
+    spans = []  # (first local query, queries, first packed key, keys)
+    for start, stop in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        chunk = (stop - start) // (2 * cp_size)
+        for position, index in enumerate((cp_rank, 2 * cp_size - 1 - cp_rank)):
+            if chunk:
+                spans.append((start // cp_size + position * chunk, chunk, start, (index + 1) * chunk))
+    shapes, query_slots, key_slots, offsets = [], [], [], []
+    for bucket in chunk_buckets([(queries, keys) for _, queries, _, keys in spans]):
+        width_q, width_k = spans[bucket[0]][1], spans[bucket[0]][3]
+        first_q, queries, first_k, keys = (torch.tensor(column)[:, None] for column in zip(*(spans[i] for i in bucket)))
+        position = torch.arange(width_q)
+        if bool((keys != queries).any()):  # offset-causal: queries last first
+            position = position.flip(0)
+        query = first_q + position[None, :]
+        query[position[None, :] >= queries] = local_tokens
+        key = rank_row_t[(first_k + torch.arange(width_k)[None, :]).clamp(max=tokens - 1)]
+        key[torch.arange(width_k)[None, :] >= keys] = tokens
+        shapes.append((len(bucket), width_q, width_k))
+        query_slots.append(query.reshape(-1))
+        key_slots.append(key.reshape(-1))
+        offsets.append((keys - queries).reshape(-1))
+    query_q = torch.cat(query_slots)
+    scatter_l = torch.empty(local_tokens, dtype=torch.int64)
+    real = query_q < local_tokens
+    scatter_l[query_q[real]] = torch.nonzero(real).squeeze(1)
+    return ChunkPlan(shapes=tuple(shapes), query_q=query_q, key_k=torch.cat(key_slots), offsets=tuple(offsets),
+                     scatter_l=scatter_l)
+
+
+def attend_chunks(query_lnd: torch.Tensor, kv_gnd: torch.Tensor, groups: int, plan: ChunkPlan,
+                  scale: float) -> torch.Tensor:
+    """`[T / cp, heads · hn]`: each local query chunk of `plan` against its sequence's keys and values in
+    `kv_gnd` (`[T, 2 · groups, hn]`, K then V heads, rows in gather order), one fused SDPA call per bucket under
+    the offset-causal `_offset_causal_mask` (none where every offset is 0: top-left causal)."""
+    heads, dim = query_lnd.shape[1], query_lnd.shape[2]
+    query_lnd = torch.cat([query_lnd, query_lnd.new_zeros(1, heads, dim)])  # the padding rows
+    kv_gnd = torch.cat([kv_gnd, kv_gnd.new_zeros(1, *kv_gnd.shape[1:])])
+    device = query_lnd.device
+    query_q, key_k = plan.query_q.to(device), plan.key_k.to(device)
+    outputs, first_q, first_k = [], 0, 0
+    for (rows, width_q, width_k), offsets in zip(plan.shapes, plan.offsets):
+        q = query_lnd[query_q[first_q:first_q + rows * width_q]].view(rows, width_q, heads, dim).transpose(1, 2)
+        kv = kv_gnd[key_k[first_k:first_k + rows * width_k]].view(rows, width_k, 2 * groups, dim).transpose(1, 2)
+        first_q, first_k = first_q + rows * width_q, first_k + rows * width_k
+        k, v = kv.split([groups, groups], dim=1)
+        offsets = offsets.to(device) if bool(offsets.any()) else None
+        outputs.append(_causal_attention(q, k, v, scale, offsets).transpose(1, 2).reshape(rows * width_q, -1))
+    return (torch.cat(outputs) if len(outputs) > 1 else outputs[0])[plan.scatter_l.to(device)]

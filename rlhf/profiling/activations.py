@@ -34,9 +34,9 @@ for padded ones, both SDPA's flash kernel) keeps more, and `cpu_path_extra_bytes
 storage: the decomposed RMSNorm's `x * rstd` (`+h` per norm, also for the q/k norms and the final norm); padded:
 SDPA's q and, with GQA, K and V expanded to every query head (`+2 (hq - hkv)`), or without GQA V itself, a view
 that keeps the fused QKV output whole (as the k norm's input does), per layer SDPA's float copy of the
-`[b, 1, s, s]` mask, and one RoPE cos/sin pair for the whole model instead of four tables per layer; packed:
-q, k and v gathered into each length bucket's padded slots (no expansion) and SDPA's output in those slots besides
-the out-projection's input (`+hq`), and the pack's two slot maps (int64, shared by every layer).
+`[b, 1, s, s]` mask, and one RoPE cos/sin pair for the whole model instead of four tables per layer (packed too);
+packed: q, k and v gathered into each length bucket's padded slots (no expansion) and SDPA's output in those slots
+besides the out-projection's input (`+hq`), and the pack's two slot maps (int64, shared by every layer).
 `tests/profiling/test_activations.py` finds estimate + extra equal to the bytes
 autograd saves, to the byte. Not checked (no GPU here): whether TE keeps V as a view of the fused QKV output
 too, which would add `hq + hkv` per layer (~6% for Qwen3-8B).
@@ -193,7 +193,8 @@ def cpu_path_extra_bytes(spec: ModelSpec, attention_calls: list[int], *, tp: int
     SDPA's float copy of the `[b, 1, s, s]` mask; its output is the out-projection's input (a view, no copy); the
     step's RoPE cos/sin are one `[s, head_dim]` pair for every layer and both q and k (`compat.megatron._lean_rope`)
     instead of the flash model's per-layer four. A pack runs `PackedDotProductAttention`: its `length_buckets`
-    padded to `slots` tokens in all, which SDPA keeps for q, k, v, out and lse, the output then gathered back."""
+    padded to `slots` tokens in all, which SDPA keeps for q, k, v, out and lse, the output then gathered back;
+    its RoPE cos/sin are one `[T, head_dim]` pair for the model too (the pack's frequencies gathered once)."""
     tokens = sum(attention_calls) * batch
     heads, kv_heads = spec.num_heads // tp, spec.num_kv_heads // tp
     q_dim, kv_dim = heads * spec.head_dim, kv_heads * spec.head_dim
@@ -207,7 +208,8 @@ def cpu_path_extra_bytes(spec: ModelSpec, attention_calls: list[int], *, tp: int
         per_token = 2 * spec.hidden_size + (2 * q_dim + 2 * kv_dim if spec.qk_norm else 0)
         padding = (slots - tokens) * ((q_dim + 2 * kv_dim) * dtype_bytes + 4 * heads)  # its q, k, v and lse
         per_layer = tokens * per_token * dtype_bytes + slots * q_dim * dtype_bytes + padding  # + SDPA's out
-        return spec.num_layers * per_layer + final_norm + 8 * (slots + tokens)
+        rope = (2 - 4 * spec.num_layers) * tokens * spec.head_dim * dtype_bytes
+        return spec.num_layers * per_layer + rope + final_norm + 8 * (slots + tokens)
     # SDPA keeps q, and K and V expanded to every query head (GQA) or k and V itself, a view that keeps the fused
     # QKV output whole (as does the k norm's input); the q/k norms keep q's input and both x * rstd
     cpu = q_dim + (2 * q_dim if grouped else kv_dim) + (q_dim + 2 * kv_dim if not grouped or spec.qk_norm else 0)

@@ -55,8 +55,11 @@ Touch-points (name: what it does; why):
 - `_lean_rope` (inside `apply()`): replaces `rope_utils._apply_rotary_pos_emb_bshd` (private; unfused RoPE, what
   runs without TE's fused kernel) with the same arithmetic minus its waste: cos/sin of the step's `freqs` once
   per forward instead of twice per layer (the last `freqs` tensor is remembered), no `* mscale` when it is 1, no
-  concatenation with the empty pass-through part. Bitwise the original's output and gradients; interleaved,
-  MLA and partial rotary keep the original.
+  concatenation with the empty pass-through part; and `_apply_rotary_pos_emb_thd` (packed sequences) with the
+  same, its per-sequence gather of `freqs` (`_get_thd_freqs_on_this_cp_rank`, private) done once per pack (the
+  last `freqs` / `cu_seqlens` pair is remembered) instead of for q and k in every layer, so the bshd cos/sin
+  cache holds for packs too. Bitwise the original's output and gradients; interleaved, MLA and partial rotary
+  keep the original.
 - `silence_unknown_mlp_warning`: a filter on `megatron.core.transformer.transformer_layer`'s logger, which
   warns "Unknown MLP type" for any MLP class it does not list (rlhf's `TensorParallelMoELayer`).
 
@@ -297,7 +300,31 @@ def _lean_rope() -> None:
         first, second = torch.chunk(t, 2, dim=-1)
         return (t * cos) + (torch.cat((-second, first), dim=-1) * sin)
 
+    original_thd = rope_utils._apply_rotary_pos_emb_thd
+    packed: dict[str, Any] = {}
+
+    def packed_freqs(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor,
+                     cp_group: torch.distributed.ProcessGroup) -> torch.Tensor:
+        key = (freqs._version, cu_seqlens._version, cp_group.size(), cp_group.rank(),
+               torch.is_inference_mode_enabled())
+        if packed.get("freqs") is not freqs or packed.get("cu_seqlens") is not cu_seqlens or packed.get("key") != key:
+            seqlens = ((cu_seqlens[1:] - cu_seqlens[:-1]) // cp_group.size()).tolist()
+            starts = cu_seqlens[:-1].tolist() if freqs.size(0) == cu_seqlens[-1] else [0] * len(seqlens)
+            slices = [rope_utils._get_thd_freqs_on_this_cp_rank(cp_group.rank(), cp_group.size(), x, freqs, start)
+                      for x, start in zip(torch.split(t, seqlens), starts)]
+            packed.update(freqs=freqs, cu_seqlens=cu_seqlens, key=key, packed=torch.cat(slices, dim=0))
+        return packed["packed"]
+
+    def lean_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False,
+                 multi_latent_attention: bool = False, mscale: float = 1.0,
+                 cp_group: torch.distributed.ProcessGroup | None = None) -> torch.Tensor:
+        if cp_group is None or rotary_interleaved or multi_latent_attention or freqs.requires_grad:
+            return original_thd(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
+                                multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
+        return lean(t.unsqueeze(1), packed_freqs(t, cu_seqlens, freqs, cp_group), mscale=mscale).squeeze(1)
+
     rope_utils._apply_rotary_pos_emb_bshd = lean
+    rope_utils._apply_rotary_pos_emb_thd = lean_thd
 
 
 def _carry_host_autocast() -> None:

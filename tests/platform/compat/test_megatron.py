@@ -86,10 +86,53 @@ def _rope_probe() -> dict:
                 y = fn(t, freqs, mscale=mscale)
                 results.append((y, torch.autograd.grad((y * upstream).sum(), t)[0]))
             out[f"{case}{repeat}"] = all(torch.equal(a, b) for a, b in zip(*results))
+    out.update(_thd_rope_probe(rope_utils, original, generator))
+    return out
+
+
+class _FakeCpGroup:
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _thd_rope_probe(rope_utils, original_bshd, generator: torch.Generator) -> dict:
+    """Packed RoPE: the lean `_apply_rotary_pos_emb_thd` vs megatron's own per-sequence arithmetic (its
+    `_get_thd_freqs_on_this_cp_rank` slices, then the original bshd), q and k of two layers; the slices once."""
+    out = {}
+    lean_thd, slice_freqs = rope_utils._apply_rotary_pos_emb_thd, rope_utils._get_thd_freqs_on_this_cp_rank
+    calls = []
+    rope_utils._get_thd_freqs_on_this_cp_rank = lambda *args: calls.append(1) or slice_freqs(*args)
+    try:
+        for cp_size, cp_rank in ((1, 0), (2, 1)):
+            cu = torch.tensor([0, 4, 12, 16], dtype=torch.int32)
+            group = _FakeCpGroup(cp_size, cp_rank)
+            freqs = torch.randn(12, 1, 1, 16, generator=generator)
+            seqlens = ((cu[1:] - cu[:-1]) // cp_size).tolist()
+            calls.clear()
+            same = []
+            for _ in range(4):  # q and k of two layers
+                t = torch.randn(16 // cp_size, 3, 16, generator=generator, requires_grad=True)
+                upstream = torch.randn(t.shape, generator=generator)
+                wanted = torch.cat([slice_freqs(cp_rank, cp_size, x, freqs) for x in torch.split(t, seqlens)])
+                y = lean_thd(t, cu, freqs, cp_group=group)
+                y_ref = original_bshd(t.unsqueeze(1), wanted).squeeze(1)
+                grads = [torch.autograd.grad((out_ * upstream).sum(), t)[0] for out_ in (y, y_ref)]
+                same.append(torch.equal(y, y_ref) and torch.equal(*grads))
+            out[f"thd_cp{cp_size}"] = all(same)
+            out[f"thd_cp{cp_size}_slices"] = len(calls)  # once per sequence: one pack, four calls
+    finally:
+        rope_utils._get_thd_freqs_on_this_cp_rank = slice_freqs
     return out
 
 
 def test_lean_rope_is_bitwise_megatrons():
     probe = run_distributed(_rope_probe, 1, backend="none", timeout_s=120)[0]
     assert probe == {"patched": True, "plain0": True, "plain1": True, "mscale0": True, "mscale1": True,
-                     "partial0": True, "partial1": True}
+                     "partial0": True, "partial1": True, "thd_cp1": True, "thd_cp1_slices": 3, "thd_cp2": True,
+                     "thd_cp2_slices": 3}
