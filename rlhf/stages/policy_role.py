@@ -64,7 +64,7 @@ class PolicyRole(ModelRole):
             hidden_nh = output_sx[wanted_s]
             logp_nm, entropy_n = head_logprobs(hidden_nh, labels_s[wanted_s], head, temperature=self.temperature,
                                                entropy_grad=entropy_grad)
-            logp_nm = logp_nm.reshape(hidden_nh.shape[0], -1)
+            logp_nm = logp_nm if logp_nm.dim() == 2 else logp_nm[:, None]
             columns = [logp_nm[:, :1], entropy_n[:, None], logp_nm[:, 1:]]
             if sum_pi_squared:
                 columns.append(head_sum_pi_squared(hidden_nh, head, temperature=self.temperature)[:, None])
