@@ -23,7 +23,9 @@ from rlhf.platform.packed_attention import packed_seq_params
 
 LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict]]
 # (output_sx, labels_s, wanted_s) -> per-token outputs [s, k] (any leading dims): the model output reduced to
-# what the loss reads, token by token, so that at cp > 1 only those few numbers cross the cp ranks
+# what the loss reads, token by token, so that at cp > 1 only those few numbers cross the cp ranks. `labels_s` is
+# the next token, or `[s, 1 + K]` when a (padded) micro-batch has `extra_labels_bsk` (K more ids to score per
+# position: distillation's teacher top-K)
 TokenFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -140,8 +142,11 @@ def _forward_step(loss_fn: LossFn, num_micro_batches: int, pg_collection: Any, t
             value, metrics = loss_fn(micro_batch.unpack(output_tensor), micro_batch.rows)
         else:
             if token_fn is not None:
-                output_tensor = token_fn(output_tensor, torch.roll(tokens_bs, shifts=-1, dims=1),
-                                         _wanted_bs(micro_batch))
+                labels_bs = torch.roll(tokens_bs, shifts=-1, dims=1)
+                extra_bsk = getattr(micro_batch, "extra_labels_bsk", None)
+                if extra_bsk is not None:
+                    labels_bs = torch.cat([labels_bs[..., None], extra_bsk], dim=-1)
+                output_tensor = token_fn(output_tensor, labels_bs, _wanted_bs(micro_batch))
             value, metrics = loss_fn(output_tensor, micro_batch)
         # megatron divides each micro-batch loss by the micro-batch count and multiplies it by cp (its losses
         # are local-token means); undo both: loss_fn decides scaling, and every cp rank computes the whole loss

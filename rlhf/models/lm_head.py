@@ -77,7 +77,8 @@ class LMHead:
 def head_logprobs(hidden_nh: torch.Tensor, labels_n: torch.Tensor, head: LMHead, *, temperature: float = 1.0,
                   entropy_grad: bool = False, chunk_bytes: int = 0,
                   block_bytes: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log softmax(h W^T / temperature)[label], entropy) per row, both [n] fp32, over the whole vocab.
+    """(log softmax(h W^T / temperature)[label], entropy) per row, [n] fp32 each, over the whole vocab; labels
+    `[n, m]` (m ids per row, e.g. the sampled token and a teacher's top-K) give logprobs `[n, m]`.
 
     Differentiable in `hidden_nh` and `head.weight`; the entropy only carries a gradient with `entropy_grad`
     (entropy bonus), otherwise it is a metric. At most `chunk_bytes` of fp32 logits exist at a time: when all
@@ -115,6 +116,42 @@ def head_sum_pi_squared(hidden_nh: torch.Tensor, head: LMHead, *, temperature: f
     return sums_2n[1] / sums_2n[0].square()
 
 
+@torch.no_grad()
+def head_topk(hidden_nh: torch.Tensor, head: LMHead, k: int, *, temperature: float = 1.0,
+              chunk_bytes: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids int64 [n, k], log softmax(h W^T / temperature) at those ids fp32 [n, k]): each row's k most likely
+    vocab ids, most likely first, in row chunks of at most `chunk_bytes` fp32 logits. Over tp each shard's own
+    top-k (ids made global) and (max, sum exp) are combined: [n, k x tp] values cross the ranks, never logits."""
+    num_rows, num_valid = hidden_nh.shape[0], head.num_valid
+    chunk_rows = max(1, (chunk_bytes or fused_head_bytes()[0]) // (4 * max(1, num_valid)))
+    local_k = min(k, num_valid)
+    values_nk = hidden_nh.new_full((num_rows, k), float("-inf"), dtype=torch.float32)
+    ids_nk = torch.zeros(num_rows, k, dtype=torch.int64, device=hidden_nh.device)
+    stats_2n = hidden_nh.new_zeros(2, num_rows, dtype=torch.float32)
+    stats_2n[0].fill_(float("-inf"))
+    for chunk in _spans(0, num_rows if local_k else 0, chunk_rows):
+        logits_cv = _chunk_logits(hidden_nh[chunk], head.weight[:num_valid], temperature)
+        top = logits_cv.topk(local_k, dim=-1)
+        values_nk[chunk, :local_k], ids_nk[chunk, :local_k] = top.values, top.indices + head.vocab_start
+        stats_2n[0, chunk] = top.values[:, 0]
+        stats_2n[1, chunk] = logits_cv.sub_(stats_2n[0, chunk, None]).exp_().sum(dim=-1)
+    global_max_n = _all_reduce(stats_2n[0].clone(), dist.ReduceOp.MAX, head.tp_group)
+    scale_n = (stats_2n[0] - global_max_n).nan_to_num(neginf=0.0).exp() * (stats_2n[1] > 0)
+    lse_n = global_max_n + _all_reduce(stats_2n[1] * scale_n, dist.ReduceOp.SUM, head.tp_group).log()
+    if head.tp_group.size() > 1:  # every shard's candidates, then the global top-k among them
+        values_nk = torch.cat(_all_gather(values_nk, head.tp_group), dim=1)
+        ids_nk = torch.cat(_all_gather(ids_nk, head.tp_group), dim=1)
+        top = values_nk.topk(k, dim=-1)
+        values_nk, ids_nk = top.values, ids_nk.gather(1, top.indices)
+    return ids_nk, values_nk - lse_n[:, None]
+
+
+def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
+    parts = [torch.empty_like(tensor) for _ in range(group.size())]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
+
+
 def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) -> torch.Tensor:
     if group.size() > 1:
         dist.all_reduce(tensor, op=op, group=group)
@@ -140,11 +177,13 @@ class _FusedHeadLogprobs(torch.autograd.Function):
     def forward(ctx, hidden_nh, weight_vh, labels_n, head, temperature, entropy_grad, chunk_rows, block_rows):
         num_rows, num_valid = hidden_nh.shape[0], head.num_valid
         weight_vh = weight_vh[:num_valid]
-        local_n = labels_n - head.vocab_start
+        single = labels_n.dim() == 1
+        local_n = (labels_n[:, None] if single else labels_n) - head.vocab_start  # [n, m] from here on
         owned_n = (local_n >= 0) & (local_n < num_valid)
         local_n = local_n.clamp(0, max(num_valid - 1, 0))
-        stats = torch.zeros(4, num_rows, dtype=torch.float32, device=hidden_nh.device)  # max, sum, sum*z, picked
+        stats = torch.zeros(3, num_rows, dtype=torch.float32, device=hidden_nh.device)  # max, sum, sum*z
         stats[0].fill_(float("-inf"))
+        picked_nm = torch.zeros(local_n.shape, dtype=torch.float32, device=hidden_nh.device)
         kept_cv, scratch_bv = None, None
         for chunk in _spans(0, num_rows if num_valid else 0, chunk_rows):
             logits_cv = _chunk_logits(hidden_nh[chunk], weight_vh, temperature)
@@ -158,18 +197,21 @@ class _FusedHeadLogprobs(torch.autograd.Function):
                 stats[0, rows] = max_b
                 stats[1, rows] = exp_bv.sum(dim=-1)
                 stats[2, rows] = exp_bv.mul_(shifted_bv).sum(dim=-1)
-                stats[3, rows] = shifted_bv.gather(1, local_n[rows, None]).squeeze(1)
+                picked_nm[rows] = shifted_bv.gather(1, local_n[rows])
             kept_cv = logits_cv if chunk_rows >= num_rows else None  # one chunk: keep it for the backward
-        local_max_n, local_sum_n, local_zsum_n, picked_n = stats
+        local_max_n, local_sum_n, local_zsum_n = stats
         global_max_n = _all_reduce(local_max_n.clone(), dist.ReduceOp.MAX, head.tp_group)
         # every term relative to the global max, so with one rank this is exactly log-sum-exp of shifted logits
         offset_n = (local_max_n - global_max_n).nan_to_num(neginf=0.0)
         scale_n = torch.where(local_sum_n > 0, offset_n.exp(), torch.zeros_like(offset_n))
-        sums_3n = torch.stack([local_sum_n * scale_n, (local_zsum_n + offset_n * local_sum_n) * scale_n,
-                               torch.where(owned_n, picked_n + offset_n, torch.zeros_like(picked_n))])
-        sum_exp_n, zsum_n, picked_n = _all_reduce(sums_3n, dist.ReduceOp.SUM, head.tp_group)
+        sums_nj = torch.cat([torch.stack([local_sum_n * scale_n, (local_zsum_n + offset_n * local_sum_n) * scale_n],
+                                         dim=1),
+                             torch.where(owned_n, picked_nm + offset_n[:, None], torch.zeros_like(picked_nm))], dim=1)
+        sums_nj = _all_reduce(sums_nj, dist.ReduceOp.SUM, head.tp_group)
+        sum_exp_n, zsum_n, picked_nm = sums_nj[:, 0], sums_nj[:, 1], sums_nj[:, 2:]
         log_sum_n = sum_exp_n.log()
-        logprobs_n = picked_n - log_sum_n
+        logprobs_n = picked_nm - log_sum_n[:, None]
+        logprobs_n = logprobs_n.squeeze(1) if single else logprobs_n
         entropy_n = log_sum_n - zsum_n / sum_exp_n
         # log p = logits - lse; kept logits are already shifted by the local max
         lse_n = global_max_n + log_sum_n - (local_max_n if kept_cv is not None else 0.0)
@@ -185,8 +227,11 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         hidden_nh, weight_vh, local_n, owned_n, lse_n, entropy_n, kept_cv = ctx.saved_tensors
         temperature, chunk_rows, block_rows, weight_rows = ctx.config
         num_rows, num_valid = hidden_nh.shape[0], weight_vh.shape[0]
-        grad_logprobs_n = torch.zeros_like(lse_n) if grad_logprobs_n is None else grad_logprobs_n.float()
-        target_grad_n = grad_logprobs_n * owned_n
+        grad_logprobs_nm = (torch.zeros(local_n.shape, dtype=torch.float32, device=lse_n.device)
+                            if grad_logprobs_n is None else grad_logprobs_n.float().reshape(local_n.shape))
+        # d log p(label_j) / dz = onehot(label_j) - p: the softmax part is weighted by the sum over the labels
+        target_grad_nm = grad_logprobs_nm * owned_n
+        grad_logprobs_n = grad_logprobs_nm.sum(dim=1)
         grad_hidden_nh = torch.empty_like(hidden_nh) if num_valid else torch.zeros_like(hidden_nh)
         grad_weight_vh = None
         for chunk in _spans(0, num_rows if num_valid else 0, chunk_rows):
@@ -201,7 +246,7 @@ class _FusedHeadLogprobs(torch.autograd.Function):
                     probs_bv = logp_bv.exp()
                     scale_bv = logp_bv.add_(entropy_n[rows, None]).mul_(-grad_entropy_n[rows, None])
                     grad_bv = logp_bv.copy_(probs_bv.mul_(scale_bv.sub_(grad_logprobs_n[rows, None])))
-                grad_bv.scatter_add_(1, local_n[rows, None], target_grad_n[rows, None])
+                grad_bv.scatter_add_(1, local_n[rows], target_grad_nm[rows])
                 if temperature != 1.0:
                     grad_bv.div_(temperature)
             grad_cv = logits_cv.to(hidden_nh.dtype)

@@ -35,7 +35,7 @@ from rlhf.orchestration.checks import (check_kv_cache, check_model_folders, chec
                                        check_teacher_tokenizers, check_writable_folder, load_tokenizer,
                                        read_hf_config, teacher_folders)
 from rlhf.stages.config import check_batch_sizes, check_budget_fits
-from rlhf.stages.distill import route_teachers
+from rlhf.stages.distill import check_topk, route_teachers
 from rlhf.data.tokenize import TokenizedPrompts
 from rlhf.stages.memory import check_sleep
 from rlhf.stages.scoring import Scorer
@@ -289,6 +289,13 @@ def length_policy_note(prompts: TokenizedPrompts, cfg: RlhfConfig, label: str) -
             f"tokens (data.truncation={cfg.data.truncation})")
 
 
+def check_distill_topk(cfg: RlhfConfig) -> None:
+    """The top-K distillation estimator against the models' vocabularies and the actor's micro-batching."""
+    teachers = [(key, read_hf_config(path, key).vocab_size) for key, path in teacher_folders(cfg)]
+    check_topk(cfg.algo.distill, read_hf_config(cfg.model.path).vocab_size, teachers, cfg.model.fused_head,
+               cfg.actor.max_tokens_per_microbatch)
+
+
 def _check_data(cfg: RlhfConfig, problems: Problems, batch_key: str) -> list[str]:
     """Tokenizer, prompt files, their lengths against the models and the KV cache, reward sources; the notes.
     `batch_key` names the setting the prompts per step come from."""
@@ -302,6 +309,8 @@ def _check_data(cfg: RlhfConfig, problems: Problems, batch_key: str) -> list[str
         return []
     problems.check(check_reward_tokenizer, cfg, tokenizer)
     problems.check(check_teacher_tokenizers, cfg, tokenizer)
+    if cfg.algo.distill.enable:
+        problems.check(check_distill_topk, cfg)
     if cfg.multiturn.enable:  # tool config, agent file, the template and the tool-call tokens
         problems.check(MultiTurnRollout.from_config, cfg.multiturn, tokenizer)
     train = problems.check(load_prompts, cfg.data.train_files, tokenizer, cfg.data)

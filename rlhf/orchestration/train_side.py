@@ -6,7 +6,8 @@
                    loss mask)
                ──► advantages (GAE | GRPO | RLOO | REINFORCE++ | ReMax | OPO | GPG | pass@k | GDPO: the reward
                    components | optimal token baseline: old logprobs, sum_v pi^2 and correction weights)
-               ──► distillation: teacher logprobs, + coef x (teacher - student) per sampled token
+               ──► distillation: teacher logprobs, + coef x (teacher - student) per sampled token (estimator
+                   topk: the teachers' top-K ids and logprobs per position, for a KL term of the actor's loss)
                ──► Clip-Cov / KL-Cov: the step's high-covariance tokens (global batch, old logprobs)
                ──► ScoredBatch ──► actor.update · critic.update
 
@@ -37,7 +38,7 @@ from rlhf.orchestration.rollout_side import shaped_scores
 from rlhf.orchestration.schema import RlhfConfig
 from rlhf.parallel.meshes import RoleMeshes
 from rlhf.stages.batch import PADDING_UID, RolloutBatch, ScoredBatch, pad_to_multiple
-from rlhf.stages.config import AlgoConfig, UpdateConfig
+from rlhf.stages.config import AlgoConfig, DistillEstimator, UpdateConfig
 from rlhf.stages.distill import DistillStage
 from rlhf.stages.memory import MemoryPhases
 from rlhf.stages.policy_role import PolicyRole
@@ -178,9 +179,11 @@ class TrainSide:
                 result = trajectory_advantages(algo.advantage, inputs, batch.trajectory_index_b)
             else:
                 result = compute_advantages(algo.advantage, inputs)
-        teacher_bt, advantages_bt = None, result.advantages_bt
+        teacher_bt, advantages_bt, topk = None, result.advantages_bt, {}
         if self.distill is not None:
-            teacher_bt, advantages_bt = self.distill.advantages(batch, old_bt, advantages_bt, metrics)
+            scores = self.distill.advantages(batch, old_bt, advantages_bt, metrics)
+            teacher_bt, advantages_bt = scores.teacher_logprobs_bt, scores.advantages_bt
+            topk = {"teacher_topk_ids_btk": scores.topk_ids_btk, "teacher_topk_logprobs_btk": scores.topk_logprobs_btk}
         cov_selected_bt = None
         if algo.policy_loss.kind in COVARIANCE_KINDS:  # once per step on the global batch: DP / micro-batch free
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
@@ -188,7 +191,7 @@ class TrainSide:
         return ScoredBatch.of(batch, old_logprobs_bt=old_bt, ref_logprobs_bt=ref_bt, values_bt=values_bt,
                               token_rewards_bt=token_rewards_bt, advantages_bt=advantages_bt,
                               returns_bt=result.returns_bt, is_weights_bt=is_weights_bt, loss_mask_bt=loss_mask_bt,
-                              teacher_logprobs_bt=teacher_bt, cov_selected_bt=cov_selected_bt)
+                              teacher_logprobs_bt=teacher_bt, cov_selected_bt=cov_selected_bt, **topk)
 
     def _token_rewards(self, batch: RolloutBatch, old_bt: torch.Tensor | None, ref_bt: torch.Tensor | None,
                        metrics: StepMetrics) -> torch.Tensor:
@@ -219,14 +222,16 @@ def bypasses_old_logprobs(algo: AlgoConfig) -> bool:
 
 def needs_old_logprobs(algo: AlgoConfig, update: UpdateConfig, *, stale: bool) -> bool:
     """Skipped when bypassed, or when the update is strictly on-policy and nothing else (KL in reward,
-    decoupled rollout correction, distillation's student logprobs, the optimal token baseline, Clip-Cov / KL-Cov's
-    covariance) reads them. `stale` (async: an older policy sampled the batch): `auto` runs the forward, since the
-    update's own logprobs are not the sampler's policy and the ratio would be 1 without it."""
+    decoupled rollout correction, the sampled distillation estimator's student logprobs, the optimal token
+    baseline, Clip-Cov / KL-Cov's covariance) reads them (top-K distillation reads the update's own logprobs).
+    `stale` (async: an older policy sampled the batch): `auto` runs the forward, since the update's own logprobs
+    are not the sampler's policy and the ratio would be 1 without it."""
     if bypasses_old_logprobs(algo):
         return False
     runs_forward = update.old_logprobs_forward or (stale and update.recompute_old_logprobs == "auto")
     return (runs_forward or algo.kl.use_in_reward or algo.rollout_correction.needs_old_logprobs
-            or algo.distill.enable or needs_sum_pi_squared(algo) or algo.policy_loss.kind in COVARIANCE_KINDS)
+            or (algo.distill.enable and algo.distill.estimator is DistillEstimator.SAMPLED)
+            or needs_sum_pi_squared(algo) or algo.policy_loss.kind in COVARIANCE_KINDS)
 
 
 def needs_sum_pi_squared(algo: AlgoConfig) -> bool:

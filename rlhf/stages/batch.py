@@ -67,7 +67,7 @@ class SequenceBatch:
         updates = {"tokens_bs": self.tokens_bs[:, :seq_width]}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name.endswith("_bt") and isinstance(value, torch.Tensor):
+            if field.name.endswith(("_bt", "_btk")) and isinstance(value, torch.Tensor):
                 updates[field.name] = value[:, :response_width]
             elif field.name.endswith("_bslk") and isinstance(value, torch.Tensor):
                 updates[field.name] = value[:, :seq_width]
@@ -147,6 +147,22 @@ class ScoredBatch(RolloutBatch):
     is_weights_bt: torch.Tensor | None  # fp32 [B, T] rollout-correction weights on the policy loss
     teacher_logprobs_bt: torch.Tensor | None  # fp32 [B, T] distillation teachers' logprobs of the sampled tokens
     cov_selected_bt: torch.Tensor | None  # bool [B, T] Clip-Cov / KL-Cov: the step's tokens (covariance_selection)
+    # distillation's top-K estimator: the teacher's K most likely ids at each response position (int64) and its
+    # logprobs of them (fp32), [B, T, K]; None: estimator=sampled or no distillation
+    teacher_topk_ids_btk: torch.Tensor | None = None
+    teacher_topk_logprobs_btk: torch.Tensor | None = None
+
+    @property
+    def extra_labels_bsk(self) -> torch.Tensor | None:
+        """int64 [B, S, K]: the teacher's top-K ids at the sequence position predicting each response token (0
+        elsewhere), which the actor's fused head scores beside the next token (`forward`'s labels); None without."""
+        ids_btk = self.teacher_topk_ids_btk
+        if ids_btk is None:
+            return None
+        extra_bsk = ids_btk.new_zeros((*self.tokens_bs.shape, ids_btk.shape[-1]))
+        rows_n, positions_n = self.response_index()
+        extra_bsk[rows_n, positions_n] = ids_btk[self.response_mask_bt.bool()]
+        return extra_bsk
 
     @classmethod
     def of(cls, batch: RolloutBatch, **scored: torch.Tensor | None) -> "ScoredBatch":
@@ -208,6 +224,12 @@ def gather_response(values_bs: torch.Tensor, batch: SequenceBatch) -> torch.Tens
     """Per-position values `[B, S]` (position s predicting token s+1) -> response-aligned `[B, T]`, 0 on padding."""
     picked_bt = values_bs.gather(1, batch.response_positions_bt())
     return picked_bt * batch.response_mask_bt
+
+
+def gather_response_k(values_bsk: torch.Tensor, batch: SequenceBatch) -> torch.Tensor:
+    """`gather_response` of K values per position: `[B, S, K]` -> response-aligned `[B, T, K]`, 0 on padding."""
+    positions_btk = batch.response_positions_bt()[..., None].expand(-1, -1, values_bsk.shape[-1])
+    return values_bsk.gather(1, positions_btk) * batch.response_mask_bt[..., None]
 
 
 def scatter_response(values_n: torch.Tensor, batch: SequenceBatch) -> torch.Tensor:

@@ -9,12 +9,13 @@ import torch
 
 from rlhf.algo.actor_loss import ActorLossInputs, actor_loss
 from rlhf.algo.aggregation import GlobalCounts
+from rlhf.algo.distill import topk_distill_loss
 from rlhf.errors import ConfigError
 from rlhf.models.forward import TokenFn, token_entropy, token_logprobs
-from rlhf.models.lm_head import LMHead, head_logprobs, head_sum_pi_squared, hidden_output
+from rlhf.models.lm_head import LMHead, head_logprobs, head_sum_pi_squared, head_topk, hidden_output
 from rlhf.models.routing_replay import RoutingReplay
-from rlhf.stages.batch import RolloutBatch, ScoredBatch, SequenceBatch, gather_response
-from rlhf.stages.config import AlgoConfig
+from rlhf.stages.batch import RolloutBatch, ScoredBatch, SequenceBatch, gather_response, gather_response_k
+from rlhf.stages.config import AlgoConfig, DistillKL
 from rlhf.stages.model_role import ModelRole
 
 
@@ -46,11 +47,14 @@ class PolicyRole(ModelRole):
     def _output_mode(self) -> contextlib.AbstractContextManager:
         return hidden_output(self.model) if self.fused_head and self.model is not None else contextlib.nullcontext()
 
-    def _token_fn(self, *, entropy_grad: bool = False, sum_pi_squared: bool = False) -> TokenFn:
+    def _token_fn(self, *, entropy_grad: bool = False, sum_pi_squared: bool = False, topk: int = 0) -> TokenFn:
         """(output, labels, wanted) -> [.., 2] logprob and entropy per position (+ sum_v pi(v)^2: [.., 3]); fused
-        head: on the `wanted` (response-predicting) positions only, 0 elsewhere; any leading dims (`forward`)."""
+        head: on the `wanted` (response-predicting) positions only, 0 elsewhere; any leading dims (`forward`).
+        Labels `[.., 1 + K]` (the next token and K given ids) add the K ids' logprobs after the entropy; `topk`
+        adds this model's own top-`topk` logprobs, then their ids (as fp32: exact below 2^24)."""
         def fn(output_sx: torch.Tensor, labels_s: torch.Tensor, wanted_s: torch.Tensor) -> torch.Tensor:
             if not self.fused_head:
+                assert labels_s.dim() == wanted_s.dim() and not topk, "top-K distillation needs the fused head"
                 logp_s = token_logprobs(output_sx, labels_s, self.tp_group, self.vocab_size, self.temperature)
                 with contextlib.nullcontext() if entropy_grad else torch.no_grad():
                     entropy_s = token_entropy(output_sx if entropy_grad else output_sx.detach(), self.tp_group,
@@ -58,11 +62,16 @@ class PolicyRole(ModelRole):
                 return torch.stack([logp_s, entropy_s], dim=-1)
             head = LMHead.of(self.model, self.tp_group, self.vocab_size)
             hidden_nh = output_sx[wanted_s]
-            columns = list(head_logprobs(hidden_nh, labels_s[wanted_s], head, temperature=self.temperature,
-                                         entropy_grad=entropy_grad))
+            logp_nm, entropy_n = head_logprobs(hidden_nh, labels_s[wanted_s], head, temperature=self.temperature,
+                                               entropy_grad=entropy_grad)
+            logp_nm = logp_nm if logp_nm.dim() == 2 else logp_nm[:, None]
+            columns = [logp_nm[:, :1], entropy_n[:, None], logp_nm[:, 1:]]
             if sum_pi_squared:
-                columns.append(head_sum_pi_squared(hidden_nh, head, temperature=self.temperature))
-            stats_nk = torch.stack(columns, dim=-1)
+                columns.append(head_sum_pi_squared(hidden_nh, head, temperature=self.temperature)[:, None])
+            if topk:
+                ids_nk, top_logp_nk = head_topk(hidden_nh, head, topk, temperature=self.temperature)
+                columns += [top_logp_nk, ids_nk.float()]
+            stats_nk = torch.cat(columns, dim=-1)
             return stats_nk.new_zeros((*wanted_s.shape, stats_nk.shape[-1])).index_put((wanted_s,), stats_nk)
 
         return fn
@@ -72,15 +81,18 @@ class PolicyRole(ModelRole):
         """(logprobs_bt, entropy_bt) of the response tokens from `_token_fn`'s per-position outputs."""
         return gather_response(stats_bsk[..., 0], mb), gather_response(stats_bsk[..., 1], mb)
 
-    def logprobs(self, batch: RolloutBatch, *, with_sum_pi_squared: bool = False) -> torch.Tensor:
+    def logprobs(self, batch: RolloutBatch, *, with_sum_pi_squared: bool = False, topk: int = 0) -> torch.Tensor:
         """Token logprobs `[B, T]` (`with_sum_pi_squared`, fused head only: `[B, T, 2]`, the second the position's
-        sum_v pi(v)^2, which the optimal token baseline reads). Under routing replay R3 the forward routes as
+        sum_v pi(v)^2, which the optimal token baseline reads; `topk` > 0, fused head only: `[B, T, 1 + 2 topk]`,
+        then this model's top-`topk` logprobs per position and their ids as fp32, for top-K distillation). Under routing replay R3 the forward routes as
         `batch.routed_experts_bslk` says (`routing_metrics`: how often the router's own choice agreed); under R2
         the actor routes freely and keeps its routing in `recorded_routing_bslk` for the update to replay."""
-        assert self.fused_head or not with_sum_pi_squared, "sum_pi_squared needs the fused head (preflight)"
+        assert self.fused_head or not (with_sum_pi_squared or topk), "needs the fused head (preflight)"
 
         def fn(stats_bsk: torch.Tensor, mb: SequenceBatch) -> torch.Tensor:
             logp_bt = gather_response(stats_bsk[..., 0], mb)
+            if topk:
+                return torch.cat([logp_bt[..., None], gather_response_k(stats_bsk[..., 2:], mb)], dim=-1)
             if not with_sum_pi_squared:
                 return logp_bt
             return torch.stack([logp_bt, gather_response(stats_bsk[..., 2], mb)], dim=-1)
@@ -91,7 +103,7 @@ class PolicyRole(ModelRole):
             replay.record = self.records_routing
         source = dataclasses.replace(batch, routed_experts_bslk=None) if self.records_routing else batch
         with self._output_mode():
-            result = self._forward(source, fn, self._token_fn(sum_pi_squared=with_sum_pi_squared),
+            result = self._forward(source, fn, self._token_fn(sum_pi_squared=with_sum_pi_squared, topk=topk),
                                    record_routing=self.records_routing)
         if self.records_routing:
             result, self.recorded_routing_bslk = result
@@ -116,7 +128,17 @@ class PolicyRole(ModelRole):
                                      entropy_bt=entropy_bt, is_weights_bt=mb.is_weights_bt,
                                      cov_selected_bt=mb.cov_selected_bt)
             loss, metrics = actor_loss(inputs, algo.policy_loss, algo.kl, counts, algo.rollout_correction)
-            return loss, {k: float(v) for k, v in metrics.as_dict("actor/").items()}
+            out = {k: float(v) for k, v in metrics.as_dict("actor/").items()}
+            if mb.teacher_topk_logprobs_btk is not None:  # top-K distillation: the student at the teacher's ids
+                student_btk = gather_response_k(output[..., 2:], mb)
+                assert student_btk.shape == mb.teacher_topk_logprobs_btk.shape, "extra_labels_bsk reached the head"
+                term, distill_metrics = topk_distill_loss(
+                    student_btk, mb.teacher_topk_logprobs_btk, mb.response_mask_bt, coef=algo.distill.coef,
+                    reverse=algo.distill.kl is DistillKL.REVERSE, agg=algo.policy_loss.agg, counts=counts,
+                    norm_length=algo.policy_loss.agg_norm_length)
+                loss = loss + term
+                out |= distill_metrics
+            return loss, out
 
         # rejected tokens / filtered rows leave the loss and its counts
         batch = dataclasses.replace(batch, response_mask_bt=batch.loss_mask_bt)
