@@ -236,7 +236,8 @@ def test_sft_rows_longer_than_the_actor_budget_are_one_line(tiny, tmp_path):
     # auto for 1-token responses: the longest prompt + 1, short of any prompt + answer + EOS
     prompt = max(map(len, train.token_ids))
     short = trainer_config(tiny, str(tmp_path / "runs"), ["sft.batch_size=8", "sampling.max_new_tokens=1",
-                                                          f"data.max_prompt_length={prompt}", "actor.micro_batch_size=1"])
+                                                          f"data.max_prompt_length={prompt}",
+                                                          "actor.micro_batch_size=1"])
     with pytest.raises(ConfigError, match=rf"^actor\.max_tokens_per_microbatch={prompt + 1} is smaller than the "
                                           rf"longest SFT row of data\.train_files, {longest} tokens \(prompt \+ answer "
                                           rf"\+ EOS; auto sizes the budget for data\.max_prompt_length \+ "
