@@ -136,6 +136,7 @@ def main() -> None:
         layout = ParallelLayout()
         role = PolicyRole("actor", RoleMesh("actor", layout, build_layout_groups(layout)), path,
                           total_steps=1000, update=UpdateConfig(micro_batch_size=args.micro_batch,
+                                                                max_tokens_per_microbatch=0,  # the row variants
                                                                 optim=OptimConfig(lr=1e-6)))
         vocab = AutoConfig.from_pretrained(path).vocab_size
         for spread in args.spreads:

@@ -18,7 +18,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--as-rank", type=int, default=0, help="report from this rank's point of view (default 0)")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="response length to plan activations for (default: sampling.max_new_tokens; rows are "
-                             "data.max_prompt_length + this)")
+                             "data.max_prompt_length + this; auto token budgets are sized for it)")
     parser.add_argument("--memory-gib", type=float, default=None, help="memory per device to check the peak against")
     parser.add_argument("--recompute", default=None,
                         help="plan the trained roles with none, full or selective recompute (default: the config's)")
@@ -39,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--memory-gib={args.memory_gib:g} must be > 0 (GiB per device)")
     if args.fit and args.memory_gib is None:
         raise ConfigError("--fit needs --memory-gib (the memory per device the layouts must fit)")
+    if args.seq_len is not None:  # the planned rows are the run's longest, so `auto` budgets are sized for them
+        args.overrides = [*args.overrides, f"sampling.max_new_tokens={args.seq_len}"]
     cfg = config_from_args(args)  # config errors come before torch and megatron are imported
     from rlhf.profiling.dry_run import MemoryPlan, dry_run, fit_layouts, format_fit, format_report
     from rlhf.orchestration.preflight import build_meshes, check_layouts

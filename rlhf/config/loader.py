@@ -26,6 +26,14 @@ def _suggest(key: str, choices: list[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(sorted(choices))}"
 
 
+def _describe(tp: Any) -> str:
+    """What a value of annotation `tp` looks like, for an error that names every arm of a union."""
+    if typing.get_origin(tp) is typing.Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+    return names.get(tp, getattr(tp, "__name__", str(tp)))
+
+
 def _coerce(value: Any, tp: Any, path: str) -> Any:
     """Check `value` against annotation `tp`, converting where lossless (int -> float, list -> tuple)."""
     origin = typing.get_origin(tp)
@@ -43,7 +51,9 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 return _coerce(value, arm, path)
             except ConfigError as err:
                 errors.append(str(err))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}={value!r} matches none of {tp}")
+        if len(errors) == 1:
+            raise ConfigError(errors[0])
+        raise ConfigError(f"{path}={value!r} must be {' or '.join(_describe(a) for a in args if a is not type(None))}")
     if origin is typing.Literal:
         if value not in args:
             raise ConfigError(f"{path}={value!r} is not one of {', '.join(repr(a) for a in args)}")

@@ -149,10 +149,11 @@ def _section_type(tp: Any) -> type | None:
 
 
 def _default(field: dataclasses.Field, instance: Any) -> str:
-    if instance is not None:
-        return _yaml_value(getattr(instance, field.name))
+    """A field's declared default (`auto` stays `auto`, though the root config resolves it), else the instance's."""
     if field.default is not dataclasses.MISSING:
         return _yaml_value(field.default)
+    if instance is not None:
+        return _yaml_value(getattr(instance, field.name))
     if field.default_factory is not dataclasses.MISSING:
         return _yaml_value(field.default_factory())
     return "required"

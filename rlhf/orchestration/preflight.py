@@ -19,7 +19,7 @@ import torch
 from rlhf import platform
 from rlhf.agents.rollout import MultiTurnRollout
 from rlhf.algo.advantages import AdvantageKind, check_group_size
-from rlhf.orchestration.schema import RlhfConfig
+from rlhf.orchestration.schema import RlhfConfig, longest_row
 from rlhf.data.loader import check_dataset_files, load_prompts
 from rlhf.data.sampler import PromptSampler
 from rlhf.errors import CheckpointError, ConfigError, DataError
@@ -152,10 +152,8 @@ def check_batches(cfg: RlhfConfig, layouts: dict, problems: Problems | None = No
 
 
 def check_token_budgets(cfg: RlhfConfig, layouts: dict, problems: Problems) -> None:
-    """Every packing budget holds the longest row a step can have: the prompt limit plus the response limit."""
-    longest = cfg.data.max_prompt_length + cfg.sampling.max_new_tokens
-    source = (f"data.max_prompt_length={cfg.data.max_prompt_length} + "
-              f"sampling.max_new_tokens={cfg.sampling.max_new_tokens}")
+    """Every packing budget holds the longest row a step can have (`schema.longest_row`)."""
+    longest, source = longest_row(cfg)
     budgets = [("ref.max_tokens_per_microbatch", cfg.ref.max_tokens_per_microbatch, "ref"),
                ("reward.model_max_tokens_per_microbatch", cfg.reward.model_max_tokens_per_microbatch, "reward")]
     for role in ("actor", "critic"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from rlhf.agents.config import MultiTurnConfig
@@ -13,7 +14,7 @@ from rlhf.rewards.config import RewardConfig
 from rlhf.rollout.config import RolloutConfig
 from rlhf.run_config import CheckpointConfig, RunConfig
 from rlhf.orchestration.config import ReplayConfig, SftConfig, TrainerConfig
-from rlhf.stages.config import AlgoConfig, ModelConfig, RefConfig, SamplingConfig, UpdateConfig
+from rlhf.stages.config import AlgoConfig, DistillEstimator, ModelConfig, RefConfig, SamplingConfig, UpdateConfig
 
 
 @dataclass(kw_only=True)
@@ -39,3 +40,35 @@ class RlhfConfig:
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
+
+    def __post_init__(self) -> None:
+        resolve_token_budgets(self)
+
+
+def longest_row(cfg: RlhfConfig) -> tuple[int, str]:
+    """(tokens, where that comes from) of the longest row a step can have: the prompt limit plus the response
+    limit, or with multi-turn rollouts the row's token budget (prompt + every response and observation token)."""
+    if cfg.multiturn.enable:
+        budget = cfg.multiturn.limits.token_budget
+        return budget, f"multiturn.limits.token_budget={budget}"
+    return (cfg.data.max_prompt_length + cfg.sampling.max_new_tokens,
+            f"data.max_prompt_length={cfg.data.max_prompt_length} + "
+            f"sampling.max_new_tokens={cfg.sampling.max_new_tokens}")
+
+
+def resolve_token_budgets(cfg: RlhfConfig) -> None:
+    """Every packing budget left at `auto` becomes the role's micro_batch_size x `longest_row` (a packed
+    micro-batch then never holds more tokens than a row-count one could), so every reader sees an int; the actor
+    of top-K distillation keeps row counts (0)."""
+    longest, _ = longest_row(cfg)
+    distill = cfg.algo.distill
+    topk = distill.enable and distill.estimator is DistillEstimator.TOPK  # packs do not carry the teacher's ids
+    for role in ("actor", "critic", "ref"):
+        section = getattr(cfg, role)
+        if section.max_tokens_per_microbatch == "auto":
+            rows = role == "actor" and topk
+            setattr(cfg, role, dataclasses.replace(section, max_tokens_per_microbatch=0 if rows else
+                                                   section.micro_batch_size * longest))
+    if cfg.reward.model_max_tokens_per_microbatch == "auto":
+        cfg.reward = dataclasses.replace(cfg.reward, model_max_tokens_per_microbatch=cfg.reward.model_micro_batch_size
+                                         * longest)

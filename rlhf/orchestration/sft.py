@@ -18,10 +18,13 @@ from typing import Any
 import torch
 
 from rlhf.algo.config import AdvantageConfig, AdvantageKind
+from rlhf.data.loader import load_prompts
+from rlhf.data.records import PromptRecord
 from rlhf.data.tokenize import TokenizedPrompts
 from rlhf.errors import ConfigError
 from rlhf.metrics import StepMetrics
 from rlhf.models.hf_export import export_hf
+from rlhf.orchestration.checks import load_tokenizer
 from rlhf.orchestration.config import SftConfig
 from rlhf.orchestration.loop import Trainer
 from rlhf.orchestration.preflight import plan_layouts, preflight
@@ -64,14 +67,37 @@ def sft_preflight(cfg: RlhfConfig, world_size: int) -> list[str]:
     if cfg.sft.out_dir and os.path.lexists(cfg.sft.out_dir):
         raise ConfigError(f"sft.out_dir={cfg.sft.out_dir} already exists; the SFT policy is exported to a new "
                           "folder: choose another or remove it")
-    return preflight(run, world_size, batch_key=SftTrainer.batch_key)
+    notes = preflight(run, world_size, batch_key=SftTrainer.batch_key)
+    check_sft_rows(run)
+    return notes
+
+
+def check_sft_rows(cfg: RlhfConfig) -> None:
+    """A packing actor's budget holds the longest SFT row, prompt + answer + EOS. Answers have no length limit of
+    their own (the RL rows' is sampling.max_new_tokens), so the rows of data.train_files are measured."""
+    budget = cfg.actor.max_tokens_per_microbatch
+    if not budget:
+        return
+    tokenizer = load_tokenizer(cfg.model.path)
+    prompts = load_prompts(cfg.data.train_files, tokenizer, cfg.data)
+    longest = max(len(ids) + len(answer_ids(tokenizer, record)) for ids, record in zip(prompts.token_ids,
+                                                                                       prompts.records))
+    if longest > budget:
+        raise ConfigError(f"actor.max_tokens_per_microbatch={budget} is smaller than the longest SFT row of "
+                          f"data.train_files, {longest} tokens (prompt + answer + EOS; auto sizes the budget for "
+                          f"data.max_prompt_length + sampling.max_new_tokens); raise actor.max_tokens_per_microbatch "
+                          f"to at least {longest}, or set it to 0 (row counts)")
+
+
+def answer_ids(tokenizer: Any, record: PromptRecord) -> list[int]:
+    """The token ids an SFT row trains on after its prompt: the ground-truth answer and EOS."""
+    return list(tokenizer.encode(record.ground_truth, add_special_tokens=False)) + [tokenizer.eos_token_id]
 
 
 def sft_batch(prompts: TokenizedPrompts, rows: list[int], tokenizer: Any, pad_token_id: int) -> RolloutBatch:
     """Right-padded prompt + answer + EOS rows; the answer tokens are the response, all of them trained on.
     Nothing sampled them: their rollout logprobs are 0 and their policy version 0 (no stage reads either)."""
-    answers = [list(tokenizer.encode(prompts.records[i].ground_truth, add_special_tokens=False))
-               + [tokenizer.eos_token_id] for i in rows]
+    answers = [answer_ids(tokenizer, prompts.records[i]) for i in rows]
     seqs = [prompts.token_ids[i] + answer for i, answer in zip(rows, answers)]
     width, resp_width = max(len(s) for s in seqs), max(len(a) for a in answers)
     tokens_bs = torch.full((len(rows), width), pad_token_id, dtype=torch.long)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Literal
 
 from rlhf.errors import ConfigError
 
@@ -61,15 +62,18 @@ class RewardConfig:
     model_path: str = ""  # HF sequence-classification folder of a reward model scoring training rollouts
     model_offload: bool = False  # park the reward model on the host during rollouts
     model_micro_batch_size: int = 8  # sequences per reward-model forward on each DP rank
-    model_max_tokens_per_microbatch: int = 0  # > 0: packed reward-model micro-batches of at most this many tokens
+    # packed reward-model micro-batches of at most this many tokens; auto: model_micro_batch_size x the longest
+    # row; 0: row counts (model_micro_batch_size sequences a forward)
+    model_max_tokens_per_microbatch: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         self.model_path = os.path.expanduser(self.model_path)
         if self.model_micro_batch_size < 1:
             raise ConfigError(f"reward.model_micro_batch_size={self.model_micro_batch_size} must be >= 1")
-        if not isinstance(self.model_max_tokens_per_microbatch, int) or self.model_max_tokens_per_microbatch < 0:
-            raise ConfigError(f"reward.model_max_tokens_per_microbatch={self.model_max_tokens_per_microbatch!r} "
-                              "must be 0 (row-count micro-batches) or a token count >= 1")
+        budget = self.model_max_tokens_per_microbatch
+        if budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise ConfigError(f"reward.model_max_tokens_per_microbatch={budget!r} must be auto, 0 (row-count "
+                              "micro-batches) or a token count >= 1")
         if self.model_offload and not self.model_path:
             raise ConfigError("reward.model_offload=true needs a reward model to offload; set reward.model_path "
                               "or drop reward.model_offload")

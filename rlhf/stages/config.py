@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16")  # names of torch dtypes; torch is imported only where tensors are built
+# a packing budget in tokens (0: row-count micro-batches) or `auto`, which the root config resolves to an int
+# (`rlhf.orchestration.schema.resolve_token_budgets`) before anything reads it
+TokenBudget = int | Literal["auto"]
 
 
 def _local_folder(path: str) -> str:
@@ -242,10 +245,11 @@ class AlgoConfig:
 class UpdateConfig:
     """One trained role: optimizer, and how each step's batch is split (epochs x mini-batches x micro-batches).
 
-    Every mini-batch is one optimizer step; `micro_batch_size` sequences go through one forward per DP rank, or,
-    with `max_tokens_per_microbatch` > 0, rows are bin-packed into packed (THD) micro-batches of at most that
-    many tokens (verl's ppo_max_token_len_per_gpu); `forward_max_tokens_per_microbatch` is the budget of the
-    forward-only passes (old logprobs, values; verl's log_prob_max_token_len_per_gpu; 0: the update's).
+    Every mini-batch is one optimizer step; rows are bin-packed into packed (THD) micro-batches of at most
+    `max_tokens_per_microbatch` tokens (verl's ppo_max_token_len_per_gpu; auto: `micro_batch_size` x the longest
+    row a step can have), or with 0 go `micro_batch_size` sequences at a time through one forward per DP rank;
+    `forward_max_tokens_per_microbatch` is the budget of the forward-only passes (old logprobs, values; verl's
+    log_prob_max_token_len_per_gpu; 0: the update's).
     Skipping the separate old-logprob forward (actor, strictly on-policy: one epoch, one mini-batch) makes the
     update's own logprobs, detached, the old ones (ratio exactly 1, same gradient); KL in the reward and
     decoupled rollout correction read old logprobs, so they run that forward whatever the setting.
@@ -255,7 +259,8 @@ class UpdateConfig:
     epochs: int = 1  # passes over each step's batch (PPO epochs)
     mini_batches: int = 1  # optimizer steps per epoch (the batch is split into this many)
     micro_batch_size: int = 8  # sequences per forward/backward on one DP rank (gradient accumulation)
-    max_tokens_per_microbatch: int = 0  # > 0: packed micro-batches of at most this many tokens; 0: row counts
+    # packed micro-batches of at most this many tokens; auto: micro_batch_size x the longest row; 0: row counts
+    max_tokens_per_microbatch: TokenBudget = "auto"
     forward_max_tokens_per_microbatch: int = 0  # forward-only passes' budget; 0: max_tokens_per_microbatch
     # actor: auto runs the separate old-logprob forward only when the update is not strictly on-policy
     recompute_old_logprobs: bool | Literal["auto"] = "auto"
@@ -264,8 +269,9 @@ class UpdateConfig:
         for name in ("epochs", "mini_batches", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("max_tokens_per_microbatch", "forward_max_tokens_per_microbatch"):
-            check_token_budget(name, getattr(self, name))
+        check_token_budget("max_tokens_per_microbatch", self.max_tokens_per_microbatch)
+        check_token_budget("forward_max_tokens_per_microbatch", self.forward_max_tokens_per_microbatch,
+                           allow_auto=False)
         if self.recompute_old_logprobs not in (True, False, "auto"):
             raise ConfigError(f"recompute_old_logprobs={self.recompute_old_logprobs!r} must be auto, true or false")
         if self.recompute_old_logprobs is False and (self.epochs, self.mini_batches) != (1, 1):
@@ -287,13 +293,14 @@ class UpdateConfig:
 
 @dataclass(kw_only=True)
 class RefConfig:
-    """The frozen reference policy: `offload` parks its weights on the host while the rollout engine runs;
-    `micro_batch_size` sequences go through one forward per DP rank (or packed micro-batches of at most
-    `max_tokens_per_microbatch` tokens when > 0)."""
+    """The frozen reference policy: `offload` parks its weights on the host while the rollout engine runs; its
+    forwards take packed micro-batches of at most `max_tokens_per_microbatch` tokens (auto: `micro_batch_size` x
+    the longest row), or with 0 `micro_batch_size` sequences at a time on each DP rank."""
 
     offload: bool = False  # park the reference weights on the host while the rollout engine runs
     micro_batch_size: int = 8  # sequences per reference forward on each DP rank
-    max_tokens_per_microbatch: int = 0  # > 0: packed micro-batches of at most this many tokens; 0: row counts
+    # packed micro-batches of at most this many tokens; auto: micro_batch_size x the longest row; 0: row counts
+    max_tokens_per_microbatch: TokenBudget = "auto"
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -301,10 +308,13 @@ class RefConfig:
         check_token_budget("ref.max_tokens_per_microbatch", self.max_tokens_per_microbatch)
 
 
-def check_token_budget(key: str, budget: int) -> None:
-    """A micro-batch token budget is 0 (off: row-count micro-batches) or a positive token count."""
-    if not isinstance(budget, int) or budget < 0:
-        raise ConfigError(f"{key}={budget!r} must be 0 (row-count micro-batches) or a token count >= 1")
+def check_token_budget(key: str, budget: TokenBudget, *, allow_auto: bool = True) -> None:
+    """A micro-batch token budget is auto (where allowed), 0 (row-count micro-batches) or a positive token count."""
+    if budget == "auto" and allow_auto:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        auto = "auto, " if allow_auto else ""
+        raise ConfigError(f"{key}={budget!r} must be {auto}0 (row-count micro-batches) or a token count >= 1")
 
 
 def check_budget_fits(key: str, budget: int, longest_row: int, source: str) -> None:

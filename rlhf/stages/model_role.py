@@ -52,6 +52,9 @@ class ModelRole:
         self.name, self.mesh, self.update_config = name, mesh, update
         self.micro_batch_size = micro_batch_size or (update.micro_batch_size if update is not None else 0)
         assert self.micro_batch_size > 0, f"{name}: a frozen role needs its own micro_batch_size"
+        budgets = [max_tokens_per_microbatch[0]] + ([update.max_tokens_per_microbatch] if update is not None else [])
+        assert all(isinstance(budget, int) for budget in budgets), \
+            f"{name}: token budgets {budgets} reach a role resolved (RlhfConfig resolves auto; pass 0 for row counts)"
         self.forward_budget = max_tokens_per_microbatch
         if update is not None and not self.forward_budget[0]:
             key = "forward_max_tokens_per_microbatch" if update.forward_max_tokens_per_microbatch else \

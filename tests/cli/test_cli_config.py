@@ -66,7 +66,8 @@ def test_check_lists_every_problem_of_the_ppo_recipe_at_the_quickstart_sizes(new
     argv = ["config", "--check", "--world", "2", "--config", "configs/recipes/ppo_critic.yaml",
             f"model.path={paths['model']}", f"data.train_files={paths['train']}", *QUICK_SIZES,
             "trainer.total_steps=2", f"run.output_dir={paths['root'] / 'runs'}"]
-    assert main(argv) == 2
+    rows = ["actor.max_tokens_per_microbatch=0", "critic.max_tokens_per_microbatch=0"]  # packed: any rows a rank
+    assert main(argv + rows) == 2
     split = ("{role}: 8 rollouts per step (data.prompts_per_step=2 x sampling.n=4) must split into "
              "{role}.mini_batches=2 x dp=2 x micro-batches of {role}.micro_batch_size=4; make 2*2*4 divide 8")
     warmup = ("{role}.optim.warmup_steps=10 must be < the {role}'s 8 optimizer steps (trainer.total_steps=2 x "
@@ -75,6 +76,9 @@ def test_check_lists_every_problem_of_the_ppo_recipe_at_the_quickstart_sizes(new
         "rlhf config: error: 4 problems in the config:\n"
         f"  1. {split.format(role='actor')}\n  2. {warmup.format(role='actor')}\n"
         f"  3. {split.format(role='critic')}\n  4. {warmup.format(role='critic')}\n")
+    assert main(argv) == 2  # the default token budgets pack: 2 rows per rank and mini-batch are enough
+    assert capsys.readouterr().err == (f"rlhf config: error: 2 problems in the config:\n  1. "
+                                       f"{warmup.format(role='actor')}\n  2. {warmup.format(role='critic')}\n")
     assert not (paths["root"] / "runs").exists()
     fixed = ["actor.mini_batches=1", "critic.mini_batches=1", "critic.micro_batch_size=4", "trainer.total_steps=20"]
     assert main(argv + fixed) == 0

@@ -9,6 +9,9 @@ from rlhf.data.make import MakeConfig, make_dataset
 from rlhf.models.init import InitModelConfig, init_hf_model
 
 NUM_EXPERTS = 4
+# every role on row-count micro-batches (the token budgets default to auto: packed)
+ROW_COUNTS = ["actor.max_tokens_per_microbatch=0", "critic.max_tokens_per_microbatch=0",
+              "ref.max_tokens_per_microbatch=0", "reward.model_max_tokens_per_microbatch=0"]
 
 
 def make_tiny_setup(root: Path, num_train: int = 64, num_val: int = 16, **model_dims) -> dict[str, str]:

@@ -29,7 +29,8 @@ def tiny(tmp_path_factory):
 
 
 def test_inconsistent_batch_sizes(tiny, tmp_path):
-    cfg = trainer_config(tiny, str(tmp_path), ["actor.micro_batch_size=3"])
+    preflight(trainer_config(tiny, str(tmp_path), ["actor.micro_batch_size=3"]), world_size=2)  # packed: any rows
+    cfg = trainer_config(tiny, str(tmp_path), ["actor.micro_batch_size=3", "actor.max_tokens_per_microbatch=0"])
     with pytest.raises(ConfigError, match=r"^actor: 16 rollouts per step \(data\.prompts_per_step=4 x sampling\.n=4\) "
                                           r"must split into actor\.mini_batches=1 x dp=2 x micro-batches of "
                                           r"actor\.micro_batch_size=3"):
@@ -81,7 +82,8 @@ def test_reward_model_conflicts(tiny, tmp_path):
 def test_cli_one_line_error_and_nothing_written(tiny, tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model: {{path: {tiny['model']}}}\ndata: {{train_files: [{tiny['train']}], prompts_per_step: 4}}\n"
-                   f"run: {{output_dir: {tmp_path / 'runs'}}}\nactor: {{micro_batch_size: 3}}\n"
+                   f"run: {{output_dir: {tmp_path / 'runs'}}}\n"
+                   "actor: {micro_batch_size: 3, max_tokens_per_microbatch: 0}\n"  # row counts
                    "dist: {backend: gloo}\nsampling: {max_new_tokens: 8}\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     out = subprocess.run([sys.executable, "-m", "rlhf", "train", "--config", str(cfg)], env=env,

@@ -73,7 +73,8 @@ def _topk_world(paths: dict, root: str, layouts: bool) -> dict:
     out["metrics"] = sorted(k for k in history[0] if k.startswith("distill/"))
     zero = run_trainer(paths, root, common + ["run.name=zero", "trainer.total_steps=1",
                                               f"algo.distill.teacher_path={paths['model']}"])
-    plain = run_trainer(paths, root, COMMON[:4] + [paths["reward"], "run.name=plain", "trainer.total_steps=1"])
+    plain = run_trainer(paths, root, COMMON[:4] + [paths["reward"], "run.name=plain", "trainer.total_steps=1",
+                                                   "actor.max_tokens_per_microbatch=0"])  # top-K's row counts
     out["zero"] = (zero[0]["distill/topk_kl"], zero[0]["actor/grad_norm"] - plain[0]["actor/grad_norm"],
                    zero[0]["actor/pg_loss"] - plain[0]["actor/pg_loss"])
     alone = run_trainer(paths, root, common + teacher + ["run.name=alone", "trainer.total_steps=1",

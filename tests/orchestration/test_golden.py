@@ -3,6 +3,12 @@ the step's redesign (issue 27) and must stay bitwise identical. One 2-rank world
 (+ its rollout dumps), PPO with the critic on its own rank, async one-step-off with partial rollouts and dynamic
 sampling, replay of the GRPO dumps, and an MoE policy with routing replay (R3).
 
+Re-recorded when packed micro-batches became the default (issue 29, `auto` token budgets): first steps moved
+within 2e-6 relative (the packed forward's summation order), later ones by the drift that compounds (GRPO, async,
+replay <= 1.1e-5 on non-noise metrics, PPO 7e-4 on its step-3 pg_loss); the MoE run moved more (megatron's
+load-balancing loss is per micro-batch, and packing groups other tokens into a micro-batch: aux_loss 1.173 ->
+1.115 at step 1, then other samples).
+
 Bitwise equality holds on one CPU; oneDNN picks kernels by ISA, so on another capability the metrics are
 compared within rel 1e-5 and the checkpoint hashes are skipped. Re-record (only for an intended change) with
 `RLHF_GOLDEN_RECORD=1 pytest tests/orchestration/test_golden.py`.

@@ -46,8 +46,9 @@ def test_context_parallel_plans_and_trains_packed_micro_batches_only():
 
     cfg = _config("mesh.actor.cp=2")
     assert plan_meshes(mesh_config(cfg), 4)["actor"].describe() == "tp1 x cp2 x dp2 x pp1 on ranks 0..3"
+    check_context_parallel(cfg)  # the budgets default to auto: packed
     with pytest.raises(ConfigError) as error:
-        check_context_parallel(cfg)
+        check_context_parallel(_config("mesh.actor.cp=2", "actor.max_tokens_per_microbatch=0"))
     assert str(error.value) == ("mesh.actor.cp=2 shards packed micro-batches only, but actor.max_tokens_per_microbatch"
                                 "=0 (row counts); set actor.max_tokens_per_microbatch to a token budget or "
                                 "mesh.actor.cp=1")

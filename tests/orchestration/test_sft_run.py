@@ -199,7 +199,8 @@ def test_sft_bad_input_is_one_line_before_anything_is_written(tiny, tmp_path):
     from rlhf.errors import ConfigError
     from rlhf.orchestration.sft import sft_preflight
 
-    cfg = trainer_config(tiny, str(tmp_path / "runs"), ["sft.batch_size=6", "actor.micro_batch_size=2"])
+    cfg = trainer_config(tiny, str(tmp_path / "runs"), ["sft.batch_size=6", "actor.micro_batch_size=2",
+                                                        "actor.max_tokens_per_microbatch=0"])  # row counts
     with pytest.raises(ConfigError, match=r"^sft\.batch_size=6 must be a multiple of actor\.mini_batches=1 x dp=2 x "
                                           r"actor\.micro_batch_size=2$"):
         sft_preflight(cfg, world_size=2)
@@ -215,3 +216,31 @@ def test_sft_bad_input_is_one_line_before_anything_is_written(tiny, tmp_path):
                                           r"exported to a new folder: choose another or remove it$"):
         sft_preflight(trainer_config(tiny, str(tmp_path / "runs"), [f"sft.out_dir={tmp_path / 'exported'}"]), 2)
     assert not (tmp_path / "runs").exists()
+
+
+def test_sft_rows_longer_than_the_actor_budget_are_one_line(tiny, tmp_path):
+    """SFT answers have no length limit: a packing actor's budget is checked against the data's longest row."""
+    from transformers import AutoTokenizer
+
+    from rlhf.data.loader import load_prompts
+    from rlhf.errors import ConfigError
+    from rlhf.orchestration.sft import answer_ids, sft_preflight
+
+    cfg = trainer_config(tiny, str(tmp_path / "runs"), ["sft.batch_size=8"])
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    train = load_prompts(cfg.data.train_files, tokenizer, cfg.data)
+    longest = max(len(ids) + len(answer_ids(tokenizer, record)) for ids, record in zip(train.token_ids,
+                                                                                       train.records))
+    assert cfg.actor.max_tokens_per_microbatch == 4 * 21 >= longest  # auto: 4 rows of 16 + 5 tokens
+    assert sft_preflight(cfg, world_size=2) == []
+    # auto for 1-token responses: the longest prompt + 1, short of any prompt + answer + EOS
+    prompt = max(map(len, train.token_ids))
+    short = trainer_config(tiny, str(tmp_path / "runs"), ["sft.batch_size=8", "sampling.max_new_tokens=1",
+                                                          f"data.max_prompt_length={prompt}",
+                                                          "actor.micro_batch_size=1"])
+    with pytest.raises(ConfigError, match=rf"^actor\.max_tokens_per_microbatch={prompt + 1} is smaller than the "
+                                          rf"longest SFT row of data\.train_files, {longest} tokens \(prompt \+ answer "
+                                          rf"\+ EOS; auto sizes the budget for data\.max_prompt_length \+ "
+                                          rf"sampling\.max_new_tokens\); raise actor\.max_tokens_per_microbatch to at "
+                                          rf"least {longest}, or set it to 0 \(row counts\)$"):
+        sft_preflight(short, world_size=2)

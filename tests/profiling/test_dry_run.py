@@ -70,9 +70,10 @@ def test_plan_at_scale_matches_the_global_plan(model_dir, tmp_path, world, rank)
     assert roles["rollout"]["weight_bytes"] == stage_params(_config(), rollout, 0, value_head=False) * 4
     kv = 2 * 8 * 16 * (8 // 4) * 64 * 8 * 4  # k+v, layers, slots, kv heads per tp rank, seq, head_dim, fp32
     assert roles["rollout"]["kv_cache_bytes"] == kv
-    # activations: the actor's update micro-batch (4 rows of 512 + 64 tokens) on its pipeline stage; the peak
-    # is every role's state plus the largest activation peak
-    shape = MicroBatchShape(tokens=4 * 576, padded_rows=4, tp=8, pp=4, pp_rank=coords.pp_rank,
+    # activations: the actor's update micro-batch (4 rows of 512 + 64 tokens, packed: the auto budget is
+    # micro_batch_size x the longest row) on its pipeline stage; the peak is every role's state plus the largest
+    # activation peak
+    shape = MicroBatchShape(tokens=4 * 576, padded_rows=0, tp=8, pp=4, pp_rank=coords.pp_rank,
                             micro_batches=world * 8 // actor.dp // 4,
                             dtype_bytes=4, head_rows=4 * 64)  # 1F1B: pp - stage in flight
     assert roles["actor"]["activation_bytes"] == activation_bytes(ModelSpec.from_hf(_config()), shape).total_bytes
@@ -142,7 +143,7 @@ def test_packed_micro_batches_come_from_pack_plan(model_dir):
     layout = ParallelLayout(dp=2)
     packed = role_estimate("actor", layout, _config(), _cfg(model_dir, "actor.max_tokens_per_microbatch=200"), 0,
                            False)
-    rows = role_estimate("actor", layout, _config(), _cfg(model_dir), 0, False)
+    rows = role_estimate("actor", layout, _config(), _cfg(model_dir, "actor.max_tokens_per_microbatch=0"), 0, False)
     assert (packed.micro_batches_per_step, packed.micro_batch_tokens) == (2 * 2 * 3, 3 * 64)
     assert (rows.micro_batches_per_step, rows.micro_batch_tokens) == (2 * 2 * 2, 4 * 64)
     assert packed.activation_pass == rows.activation_pass == "update"

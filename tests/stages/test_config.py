@@ -43,5 +43,6 @@ def test_old_logprob_forward_bad_values():
     with pytest.raises(ConfigError, match=r"^recompute_old_logprobs=false needs one on-policy update per batch, "
                                           r"got epochs=2 and mini_batches=1; set both to 1 or use auto$"):
         UpdateConfig(recompute_old_logprobs=False, epochs=2)
-    with pytest.raises(ConfigError, match=r"^actor\.recompute_old_logprobs='sometimes' matches none of"):
+    with pytest.raises(ConfigError, match=r"^actor\.recompute_old_logprobs='sometimes' must be true or false or "
+                                          r"'auto'$"):
         load_config(RlhfConfig, None, ["actor.recompute_old_logprobs=sometimes"])

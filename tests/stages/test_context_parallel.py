@@ -167,7 +167,8 @@ def test_cp2_equals_cp1_on_every_forward_and_update(cp_world):
 
 def test_cp_config_errors_name_the_setting(tmp_path):
     paths = make_tiny_setup(tmp_path / "tiny", num_train=16, num_val=4)
-    cases = [(["mesh.actor.cp=2"], 2, "mesh.actor.cp=2 shards packed micro-batches only, but "
+    cases = [(["mesh.actor.cp=2", "actor.max_tokens_per_microbatch=0"], 2, "mesh.actor.cp=2 shards packed "
+              "micro-batches only, but "
               "actor.max_tokens_per_microbatch=0 (row counts); set actor.max_tokens_per_microbatch to a token budget "
               "or mesh.actor.cp=1"),
              (["mesh.teacher.cp=2"], 2, "mesh.teacher.cp=2: the teacher forwards do not split sequences; set "
@@ -180,6 +181,7 @@ def test_cp_config_errors_name_the_setting(tmp_path):
         assert str(error.value) == message
     preflight(trainer_config(paths, str(tmp_path), ["mesh.actor.cp=2", "actor.max_tokens_per_microbatch=64"]),
               world_size=2)
+    preflight(trainer_config(paths, str(tmp_path), ["mesh.actor.cp=2"]), world_size=2)  # auto: packed
     preflight(trainer_config(paths, str(tmp_path), ["mesh.actor.cp=2", "mesh.actor.pp=2",
                                                     "actor.max_tokens_per_microbatch=64"]), world_size=4)
 

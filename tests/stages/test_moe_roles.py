@@ -95,7 +95,7 @@ def _roles_at(paths: dict, cache, layout) -> dict:
 
     # one row per micro-batch: megatron's router losses are per micro-batch, so every layout must cut the
     # batch alike (dp=2 and tp=2 do, whatever the balancing)
-    update = UpdateConfig(micro_batch_size=1, optim=OptimConfig(lr=1e-2))
+    update = UpdateConfig(micro_batch_size=1, max_tokens_per_microbatch=0, optim=OptimConfig(lr=1e-2))
     algo = shared_engine_algo(kl=KLConfig(coef=0.1))
     batch = fixed_batch()
     ref = PolicyRole("ref", mesh("ref"), paths["model"], update=None, total_steps=1, micro_batch_size=2)
@@ -132,7 +132,8 @@ def _replay(paths: dict, cache) -> dict:
     def role(layout: ParallelLayout, mode: str, update: bool = False) -> PolicyRole:
         mesh = RoleMesh("actor", layout, build_layout_groups(layout, cache))
         return PolicyRole("actor", mesh, paths["model"], total_steps=1, routing_replay=mode, micro_batch_size=2,
-                          update=UpdateConfig(micro_batch_size=2, optim=OptimConfig(lr=1e-3)) if update else None)
+                          update=UpdateConfig(micro_batch_size=2, max_tokens_per_microbatch=0,
+                                              optim=OptimConfig(lr=1e-3)) if update else None)
 
     dp2 = ParallelLayout(dp=2)
     generator_role = role(dp2, "none")

@@ -15,6 +15,7 @@ from test_roles import fixed_batch  # noqa: E402
 
 from rlhf.algo.config import LossAggMode, PolicyLossConfig, ValueLossConfig  # noqa: E402
 from rlhf.errors import ConfigError  # noqa: E402
+from rlhf.rewards.config import RewardConfig  # noqa: E402
 from rlhf.models.packing import PackedMicroBatch, pack  # noqa: E402
 from rlhf.models.routing_replay import UNKNOWN  # noqa: E402
 from rlhf.parallel.groups import GroupCache, build_layout_groups  # noqa: E402
@@ -61,11 +62,15 @@ def test_pack_restarts_positions_per_sequence_and_unpacks_to_the_rows():
 
 
 def test_token_budget_config_errors_name_the_numbers():
-    with pytest.raises(ConfigError, match=r"^max_tokens_per_microbatch=-1 must be 0 \(row-count micro-batches\) "
-                                          r"or a token count >= 1$"):
+    with pytest.raises(ConfigError, match=r"^max_tokens_per_microbatch=-1 must be auto, 0 \(row-count "
+                                          r"micro-batches\) or a token count >= 1$"):
         UpdateConfig(max_tokens_per_microbatch=-1)
-    with pytest.raises(ConfigError, match=r"^ref.max_tokens_per_microbatch=2.5 must be 0"):
+    with pytest.raises(ConfigError, match=r"^ref.max_tokens_per_microbatch=2.5 must be auto, 0"):
         RefConfig(max_tokens_per_microbatch=2.5)
+    with pytest.raises(ConfigError, match=r"^forward_max_tokens_per_microbatch='auto' must be 0 \(row-count "):
+        UpdateConfig(forward_max_tokens_per_microbatch="auto")
+    with pytest.raises(ConfigError, match=r"^reward.model_max_tokens_per_microbatch=True must be auto, 0"):
+        RewardConfig(model_max_tokens_per_microbatch=True)
     with pytest.raises(ConfigError) as error:
         check_budget_fits("critic.max_tokens_per_microbatch", 64, 80, "data.max_prompt_length=16 + "
                           "sampling.max_new_tokens=64")
@@ -127,7 +132,7 @@ def _roles(paths: dict, cache, layout, budget: int, modes, clip_grad: float = 1.
 
 
 def _dense_world(paths: dict, run_root: str) -> dict:
-    from fixtures import run_trainer
+    from fixtures import ROW_COUNTS, run_trainer
 
     cache = GroupCache()
     runs = {"tp1": (ParallelLayout(), MODES), "dp2": (ParallelLayout(dp=2), MODES[:1]),
@@ -135,7 +140,7 @@ def _dense_world(paths: dict, run_root: str) -> dict:
     out = {name: (_roles(paths, cache, layout, 0, modes), _roles(paths, cache, layout, BUDGET, modes))
            for name, (layout, modes) in runs.items()}
     # GRPO at dp=2: 16 rows of <= 21 tokens in packs of <= 24 split the groups of 4 across micro-batches
-    common = ["trainer.val_before_train=false"]  # colocated on 2 ranks: every role at dp=2
+    common = ["trainer.val_before_train=false", *ROW_COUNTS]  # colocated on 2 ranks: every role at dp=2
     out["grpo"] = tuple(run_trainer(paths, f"{run_root}/{name}", common + extra) for name, extra in
                         (("padded", []), ("packed", ["actor.max_tokens_per_microbatch=24"])))
     return out

@@ -52,7 +52,8 @@ def _update_at(paths, layouts_and_micro):
     for layout, micro in layouts_and_micro:
         mesh = RoleMesh("actor", layout, build_layout_groups(layout, cache))
         role = PolicyRole("actor", mesh, paths["model"], total_steps=4,
-                          update=UpdateConfig(micro_batch_size=micro, optim=OptimConfig(lr=1e-3)))
+                          update=UpdateConfig(micro_batch_size=micro, max_tokens_per_microbatch=0,  # row counts
+                                              optim=OptimConfig(lr=1e-3)))
         out.append(role.update(fixed_batch(), shared_engine_algo()))
     # Skipping the old-logprob forward (on-policy) must give the update the recomputed path gives.
     layout = ParallelLayout(dp=2)
@@ -60,7 +61,8 @@ def _update_at(paths, layouts_and_micro):
     for recompute in (True, False):
         mesh = RoleMesh("actor", layout, build_layout_groups(layout, cache))
         role = PolicyRole("actor", mesh, paths["model"], total_steps=4,
-                          update=UpdateConfig(micro_batch_size=2, optim=OptimConfig(lr=1e-3),
+                          update=UpdateConfig(micro_batch_size=2, max_tokens_per_microbatch=0,
+                                              optim=OptimConfig(lr=1e-3),
                                               recompute_old_logprobs=recompute))
         batch = fixed_batch()
         batch = dataclasses.replace(batch, old_logprobs_bt=role.logprobs(batch) if recompute else None)
@@ -127,7 +129,8 @@ def _fused_vs_full_logits(paths):
         for fused in (False, True):
             mesh = RoleMesh("actor", layout, build_layout_groups(layout, cache))
             role = PolicyRole("actor", mesh, paths["model"], total_steps=4, fused_head=fused, temperature=0.7,
-                              update=UpdateConfig(micro_batch_size=4, optim=OptimConfig(lr=1e-2)))
+                              update=UpdateConfig(micro_batch_size=4, max_tokens_per_microbatch=0,
+                                                  optim=OptimConfig(lr=1e-2)))
             before = role.logprobs(fixed_batch())
             metrics = role.update(fixed_batch(), algo)
             out[(name, fused)] = (before, metrics, role.logprobs(fixed_batch()))
