@@ -46,10 +46,10 @@ def _cache_rank(path: str) -> dict:
     pgs = build_layout_groups(ParallelLayout(tp=1, pp=1, dp=1))
     engines = {name: _engine(path, pgs, lr=1e-3, autocast="bfloat16") for name in ("cached", "per_call")}
     out = {"losses": {name: [] for name in engines}, "casts": {name: [] for name in engines}}
-    for step in range(3):
+    for step in range(2):
         tokens, mask = sft_batch(8, 16, seed=step)
         for name, engine in engines.items():
-            batches = sft_micro_batches(tokens, mask, dp_rank=0, dp_size=1, num_micro_batches=4)
+            batches = sft_micro_batches(tokens, mask, dp_rank=0, dp_size=1, num_micro_batches=2)
             with _per_call_casts() if name == "per_call" else contextlib.nullcontext():
                 out["casts"][name].append(_casts(lambda: out["losses"][name].append(
                     sft_step(engine, batches, fused_head=step % 2 == 0).loss)))
