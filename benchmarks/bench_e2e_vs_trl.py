@@ -88,13 +88,15 @@ class RlhfArm:
         self.trainer = Trainer(cfg, setup_run(cfg.run, cfg, prefix="bench"))
         self.step_index = 0
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
 
     def run_steps(self, count: int) -> None:
         for _ in range(count):
             self.step_index += 1
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             self.trainer.run_step(self.step_index)
             self.times.append(time.perf_counter() - start)
+            self.cpu_times.append(time.process_time() - cpu_start)
 
 
 def rlhf_config(model_path: str, prompts: Path, beta: float, lr: float, run_root: Path) -> dict:
@@ -143,16 +145,18 @@ def alternating_callback(rlhf: RlhfArm, steps_per_round: int):
     class Alternate(TrainerCallback):
         def __init__(self) -> None:
             self.times: list[float] = []
-            self.resume = 0.0
+            self.cpu_times: list[float] = []
+            self.resume, self.cpu_resume = 0.0, 0.0
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.resume = time.perf_counter()
+            self.resume, self.cpu_resume = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.times.append(time.perf_counter() - self.resume)
+            self.cpu_times.append(time.process_time() - self.cpu_resume)
             if state.global_step % steps_per_round == 0:
                 rlhf.run_steps(steps_per_round)
-            self.resume = time.perf_counter()
+            self.resume, self.cpu_resume = time.perf_counter(), time.process_time()
 
     return Alternate()
 
@@ -166,10 +170,13 @@ def bench_variant(model: str, beta: float, args, root: Path) -> dict:
     trl_trainer(path, prompts, beta, args.lr, root / "trl", total, callback).train()
     skip = args.steps_per_round
     rlhf_s, trl_s = statistics.median(rlhf.times[skip:]), statistics.median(callback.times[skip:])
+    rlhf_cpu_s, trl_cpu_s = statistics.median(rlhf.cpu_times[skip:]), statistics.median(callback.cpu_times[skip:])
     tokens = PROMPTS * GROUP * NEW_TOKENS
     return {"model": model, "beta": beta, "rlhf_ranks": 1, "rlhf_s_step": rlhf_s, "trl_s_step": trl_s,
+            "rlhf_cpu_s_step": rlhf_cpu_s, "trl_cpu_s_step": trl_cpu_s, "trl_over_rlhf_cpu": trl_cpu_s / rlhf_cpu_s,
             "rlhf_gen_tok_s": tokens / rlhf_s, "trl_gen_tok_s": tokens / trl_s, "trl_over_rlhf": trl_s / rlhf_s,
-            "rlhf_times_s": rlhf.times, "trl_times_s": callback.times, "load_avg_1m_end": os.getloadavg()[0]}
+            "rlhf_times_s": rlhf.times, "trl_times_s": callback.times, "rlhf_cpu_times_s": rlhf.cpu_times,
+            "trl_cpu_times_s": callback.cpu_times, "load_avg_1m_end": os.getloadavg()[0]}
 
 
 def summary_of(rows: list[dict]) -> dict:
@@ -180,11 +187,11 @@ def summary_of(rows: list[dict]) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     print(f"{'model':8} {'beta':>5} {'rlhf s/step':>12} {'TRL s/step':>11} {'rlhf tok/s':>11} {'TRL tok/s':>10} "
-          f"{'TRL/rlhf':>9} {'load':>5}")
+          f"{'TRL/rlhf':>9} {'(cpu)':>6} {'load':>5}")
     for r in rows:
         print(f"{r['model']:8} {r['beta']:5.2f} {r['rlhf_s_step']:12.3f} {r['trl_s_step']:11.3f} "
               f"{r['rlhf_gen_tok_s']:11.0f} {r['trl_gen_tok_s']:10.0f} {r['trl_over_rlhf']:8.2f}x "
-              f"{r['load_avg_1m_end']:5.1f}")
+              f"{r.get('trl_over_rlhf_cpu', float('nan')):5.2f}x {r['load_avg_1m_end']:5.1f}")
 
 
 def main() -> None:

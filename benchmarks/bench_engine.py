@@ -4,8 +4,9 @@ Same HF weights, same global batch split into the same micro-batches, same loss 
 global token count), AdamW with the same hyperparameters, clip 1.0, fp32, one gloo rank, one thread each.
 Sides take turns step by step (who goes first rotates); the table shows median seconds per step and the
 largest loss difference between the trajectories (they train the same model the same way, so it stays small).
-`--autocast` adds a side: rlhf with `optim.autocast=bfloat16` (bf16 matmuls, fp32 weights/grads/Adam), and the
-bf16-vs-fp32 answer-token logprob differences of one forward on the same weights.
+`--autocast` adds two sides: rlhf with `optim.autocast=bfloat16` (bf16 matmuls, fp32 weights/grads/Adam) and the
+peer under `torch.autocast` bf16 (fp32 weights and AdamW, loss in fp32), and the bf16-vs-fp32 answer-token logprob
+differences of one forward on the same weights.
 Writes benchmarks/results/engine.json (summary: peer step time / rlhf step time, > 1 means rlhf is faster).
 `--ops` profiles one more step of each side afterwards (torch profiler, not timed with the others): achieved
 GFLOP/s against the measured matmul peak and the op table grouped as GEMM / attention / elementwise / optimizer
@@ -19,7 +20,6 @@ import contextlib
 import datetime
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from _machine import machine_info
 from rlhf.testing.distributed import run_distributed
 
 LR, BETAS, EPS, CLIP = 1e-4, (0.9, 0.95), 1e-8, 1.0
@@ -51,7 +52,8 @@ def make_batch(args: argparse.Namespace, seed: int) -> tuple[torch.Tensor, torch
 class PeerTrainer:
     """transformers model + torch AdamW with grad accumulation: what a plain PyTorch SFT loop does."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, autocast: torch.dtype | None = None) -> None:
+        self.autocast = autocast
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         decay = [p for p in self.model.parameters() if p.dim() > 1]
         no_decay = [p for p in self.model.parameters() if p.dim() <= 1]
@@ -63,7 +65,9 @@ class PeerTrainer:
         count = mask[:, 1:].sum()
         total = 0.0
         for micro_tokens, micro_mask in zip(tokens.chunk(num_micro_batches), mask.chunk(num_micro_batches)):
-            logprobs = torch.log_softmax(self.model(micro_tokens).logits[:, :-1].float(), dim=-1)
+            with torch.autocast("cpu", dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+                logits = self.model(micro_tokens).logits
+            logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
             picked = logprobs.gather(-1, micro_tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
             loss = -(picked * micro_mask[:, 1:]).sum() / count
             loss.backward()
@@ -153,13 +157,15 @@ def _bench_rank(path: str, args: argparse.Namespace) -> tuple[list[dict], dict, 
     engines = {"rlhf": _engine(path, groups, args, "none")}
     if args.autocast:
         engines["rlhf_bf16"] = _engine(path, groups, args, "bfloat16")
-    peer = PeerTrainer(path)
+    peers = {"peer": PeerTrainer(path)}
+    if args.autocast:
+        peers["peer_bf16"] = PeerTrainer(path, torch.bfloat16)
     spec = engines["rlhf"].module.rlhf_spec
-    order = ["peer", *engines]
+    order = [*peers, *engines]
 
     def run(side: str, tokens: torch.Tensor, mask: torch.Tensor) -> float:
-        if side == "peer":
-            return peer.step(tokens, mask, args.micro_batches)
+        if side in peers:
+            return peers[side].step(tokens, mask, args.micro_batches)
         batches = sft_micro_batches(tokens, mask, dp_rank=0, dp_size=1, num_micro_batches=args.micro_batches)
         return sft_step(engines[side], batches, fused_head=args.head == "fused").loss
 
@@ -167,10 +173,11 @@ def _bench_rank(path: str, args: argparse.Namespace) -> tuple[list[dict], dict, 
     for step in range(args.steps + 1):  # step 0 is warm-up, not recorded
         tokens, mask = make_batch(args, seed=step)
         for side in order[step % len(order):] + order[:step % len(order)]:  # rotate who goes first
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             loss = run(side, tokens, mask)
             if step > 0:
-                records.append({"side": side, "step": step, "time_s": time.perf_counter() - started, "loss": loss})
+                records.append({"side": side, "step": step, "time_s": time.perf_counter() - started,
+                                "cpu_s": time.process_time() - cpu_started, "loss": loss})
     ops = {}
     if args.ops:
         tokens, mask = make_batch(args, seed=args.steps + 1)
@@ -184,22 +191,33 @@ def summarize(records: list[dict], args: argparse.Namespace) -> tuple[list[dict]
     tokens_per_step = args.batch * args.seq
     rows = []
     sides = list(dict.fromkeys(r["side"] for r in records))
-    for side in sorted(sides, key=lambda s: s != "peer"):
+    for side in sorted(sides, key=lambda s: not s.startswith("peer")):
         times = [r["time_s"] for r in records if r["side"] == side]
+        cpu_times = [r["cpu_s"] for r in records if r["side"] == side]
         rows.append({"side": side, "median_s": statistics.median(times), "min_s": min(times),
+                     "median_cpu_s": statistics.median(cpu_times),
                      "tokens_per_s": tokens_per_step / statistics.median(times), "times_s": times,
                      "losses": [r["loss"] for r in records if r["side"] == side]})
     by_side = {row["side"]: row for row in rows}
     peer, rlhf = by_side["peer"], by_side["rlhf"]
     summary = {"step_time_peer_over_rlhf": peer["median_s"] / rlhf["median_s"],
+               "cpu_time_peer_over_rlhf": peer["median_cpu_s"] / rlhf["median_cpu_s"],
                "step_time_peer_over_rlhf_min": peer["min_s"] / rlhf["min_s"],
                "max_loss_diff": max(abs(a - b) for a, b in zip(peer["losses"], rlhf["losses"]))}
     if "rlhf_bf16" in by_side:
         bf16 = by_side["rlhf_bf16"]
         summary |= {"step_time_peer_over_rlhf_bf16": peer["median_s"] / bf16["median_s"],
+                    "cpu_time_peer_over_rlhf_bf16": peer["median_cpu_s"] / bf16["median_cpu_s"],
                     "step_time_peer_over_rlhf_bf16_min": peer["min_s"] / bf16["min_s"],
                     "step_time_rlhf_over_rlhf_bf16": rlhf["median_s"] / bf16["median_s"],
                     "max_loss_diff_bf16_vs_fp32": max(abs(a - b) for a, b in zip(rlhf["losses"], bf16["losses"]))}
+    if "peer_bf16" in by_side:
+        peer_bf16 = by_side["peer_bf16"]
+        summary |= {"step_time_peer_bf16_over_rlhf_bf16": peer_bf16["median_s"] / bf16["median_s"],
+                    "cpu_time_peer_bf16_over_rlhf_bf16": peer_bf16["median_cpu_s"] / bf16["median_cpu_s"],
+                    "step_time_peer_bf16_over_rlhf_bf16_min": peer_bf16["min_s"] / bf16["min_s"],
+                    "max_loss_diff_bf16_peer_vs_rlhf": max(abs(a - b) for a, b in zip(peer_bf16["losses"],
+                                                                                       bf16["losses"]))}
     return rows, summary
 
 
@@ -236,9 +254,10 @@ def main() -> None:
             LlamaForCausalLM(model_config(args)).save_pretrained(path)
         records, ops, fidelity = run_distributed(_bench_rank, 1, path, args, timeout_s=3600)[0]
     rows, summary = summarize(records, args)
-    print(f"{'side':>9} {'median s/step':>14} {'min s':>8} {'tokens/s':>9}")
+    print(f"{'side':>10} {'median s/step':>14} {'min s':>8} {'median cpu s':>13} {'tokens/s':>9}")
     for row in rows:
-        print(f"{row['side']:>9} {row['median_s']:>14.3f} {row['min_s']:>8.3f} {row['tokens_per_s']:>9.0f}")
+        print(f"{row['side']:>10} {row['median_s']:>14.3f} {row['min_s']:>8.3f} {row['median_cpu_s']:>13.3f} "
+              f"{row['tokens_per_s']:>9.0f}")
     for key, value in summary.items():
         print(f"{key}: {value:.3g}")
     print(f"load average (1 min) at start {load_at_start:.2f}, at end {os.getloadavg()[0]:.2f}")
@@ -253,13 +272,12 @@ def main() -> None:
         torch.set_num_threads(1)  # the sides ran on one thread
         peaks = {"fp32": matmul_peak_gflops(), "bf16": matmul_peak_gflops(dtype=torch.bfloat16)}
         for side, table in ops.items():
-            table["peak_gflops"] = peak = peaks["bf16" if side == "rlhf_bf16" else "fp32"]
+            table["peak_gflops"] = peak = peaks["bf16" if side.endswith("_bf16") else "fp32"]
             table["achieved_gflops"] = table["flops"] / table["wall_s"] / 1e9
             print(format_op_table(f"{side} train step (profiled)", table, table["flops"], peak))
     result = {"name": "engine", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-              "machine": {"cores": os.cpu_count(), "threads": 1, "torch": torch.__version__,
-                          "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0],
-                          "load_avg_1m_at_start": load_at_start},
+              "machine": machine_info() | {"threads": 1, "load_avg_1m": os.getloadavg()[0],
+                                           "load_avg_1m_at_start": load_at_start},
               "config": {k: v for k, v in vars(args).items() if k != "out"} | {"lr": LR, "clip": CLIP},
               "rows": rows, "summary": summary, "ops": ops}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

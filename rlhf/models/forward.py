@@ -182,7 +182,8 @@ def forward_backward(model: Any, micro_batches: list, loss_fn: LossFn, pg_collec
     schedule = get_forward_backward_func(pp_size=pp, vp_size=None)
     p2p = P2PCommunicator(pp_group=pg_collection.pp, config=model.config) if pp > 1 else None
     extra = {"p2p_communicator": p2p} if p2p is not None else {}
-    with torch.no_grad() if forward_only else contextlib.nullcontext():
+    # autocast casts each weight once for all micro-batches (the weights change only after this call)
+    with torch.no_grad() if forward_only else contextlib.nullcontext(), platform.autocast_weight_cache(autocast_dtype):
         return schedule(forward_step_func=partial(_forward_step, loss_fn, len(micro_batches), pg_collection,
                                                   token_fn, autocast_dtype),
                         data_iterator=iter(micro_batches), model=[model], num_microbatches=len(micro_batches),

@@ -55,6 +55,16 @@ def autocast(dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type=current_device().type, dtype=dtype)
 
 
+def autocast_weight_cache(dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """While open, torch autocast keeps its bf16 copies of the weights across the autocast regions opened inside
+    (each micro-batch's forward, each linear's backward): a weight is cast once per scope instead of once per
+    region. torch drops the cache when the outermost autocast context exits; this is that context, with autocast
+    itself left off. Close it before the weights change (the optimizer step): the cache does not see updates."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=current_device().type, enabled=False)
+
+
 def current_device() -> torch.device:
     if has_accelerator():
         return torch.device("cuda", torch.cuda.current_device())

@@ -20,7 +20,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from rlhf import platform
@@ -165,12 +164,15 @@ class TrainEngine:
         self.optimizer.zero_grad()
 
     def _clip(self, grad_norm: float) -> None:
-        if self.config.clip_grad <= 0:
+        """Scale the grads in place by clip / (norm + 1e-6) when below 1: megatron's
+        `clip_grad_by_total_norm_fp32`, whose host fallback writes `grad * coeff` to a new tensor and copies it back."""
+        clip_coeff = self.config.clip_grad / (grad_norm + 1.0e-6)
+        if self.config.clip_grad <= 0 or clip_coeff >= 1.0:
             return
         for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            params = optimizer.get_parameters()
-            if params:
-                clip_grad_by_total_norm_fp32(params, self.config.clip_grad, grad_norm)
+            for param in optimizer.get_parameters():
+                if param.grad is not None:
+                    param.grad.detach().mul_(clip_coeff)
 
     def state_dict(self) -> dict:
         """This rank's small, layout-free state (scheduler, step counts); the tensors: `checkpoint_tensors`."""

@@ -20,6 +20,10 @@ Touch-points (name: what it does; why):
     converts device tensors, and `all_to_all_single` takes no tensor of sizes);
   - defines `moe_utils.te_general_gemm = None`: the router's gating GEMM tests that Transformer-Engine symbol,
     never defined without TE (a NameError in 0.16.1), so megatron takes its torch path.
+  - gives that proxy a `matmul` that, under CPU autocast, computes `x @ param.t()` of an fp32 `Parameter` as
+    `F.linear(x, param)`: bitwise the same product, but autocast casts the parameter itself (a leaf) instead of
+    its transpose (a view, which autocast never caches), so inside `rlhf.platform.autocast_weight_cache` each
+    weight is cast to bf16 once, and its backward's `grad_output @ weight` reuses that copy;
   A TorchFunctionMode is deliberately not used: autograd switches it off in backward, breaking recompute.
 - `seed_rng_tracker`: seeds the process-wide RNG tracker (`tensor_parallel.random`) that attention dropout and
   weight init fork from, with the tp rank of the model being built (roles colocated in one process share it:
@@ -51,7 +55,9 @@ Touch-points (name: what it does; why):
   (`LinearWithGradAccumulationAndAsyncCommunication`, `LinearWithFrozenWeight`) carry autocast into their
   backward only for CUDA (`custom_fwd/custom_bwd(device_type="cuda")`); their forward and backward are wrapped
   to do the same for the host's autocast (`rlhf.platform.autocast` on a CPU), else a bf16 grad_output meets
-  the fp32 weight in backward.
+  the fp32 weight in backward. Under it, an fp32 input is cast to bf16 once, before megatron saves it (autocast
+  would cast it again for the wgrad GEMM), and the placeholder weight grad megatron returns next to a fused wgrad
+  comes back in the weight's dtype (autograd would convert a bf16 one: a copy of the weight per micro-batch).
 - `_lean_rope` (inside `apply()`): replaces `rope_utils._apply_rotary_pos_emb_bshd` (private; unfused RoPE, what
   runs without TE's fused kernel) with the same arithmetic minus its waste: cos/sin of the step's `freqs` once
   per forward instead of twice per layer (the last `freqs` tensor is remembered), no `* mscale` when it is 1, no
@@ -60,6 +66,11 @@ Touch-points (name: what it does; why):
   last `freqs` / `cu_seqlens` pair is remembered) instead of for q and k in every layer, so the bshd cos/sin
   cache holds for packs too. Bitwise the original's output and gradients; interleaved, MLA and partial rotary
   keep the original.
+- `_fp32_residual` (inside `apply()`): under CPU autocast, `fused_bias_dropout._bias_dropout_add_func` (private;
+  the unfused bias-dropout-add every layer runs) adds a bf16 sublayer output to an fp32 residual in fp32, where
+  megatron casts the residual down to bf16 (AMP O1's choice for GPU pipelines): the residual stream and the norms
+  stay fp32, as in transformers under autocast, the norm runs torch's fused kernel (it has none for a bf16 input
+  with fp32 weights), and a pipeline stage hands on fp32 (its `pipeline_dtype`). Off autocast: the original.
 - `silence_unknown_mlp_warning`: a filter on `megatron.core.transformer.transformer_layer`'s logger, which
   warns "Unknown MLP type" for any MLP class it does not list (rlhf's `TensorParallelMoELayer`).
 
@@ -143,14 +154,27 @@ class _HostDistributed(types.ModuleType):
         return getattr(torch.distributed, name)
 
 
+def _cast_once_matmul(input: torch.Tensor, other: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """`torch.matmul`, where under CPU autocast `input @ param.t()` (megatron's linears) runs as
+    `F.linear(input, param)`: the same GEMM on the same bf16 operands, with the cast of `param` cacheable."""
+    base = other._base
+    if (isinstance(base, torch.nn.Parameter) and not kwargs and input.dim() >= 2 and base.dim() == 2
+            and base.dtype == torch.float32 and other.shape == base.shape[::-1]
+            and other.stride() == base.stride()[::-1] and torch.is_autocast_enabled("cpu")):
+        return torch.nn.functional.linear(input, base)
+    return torch.matmul(input, other, **kwargs)
+
+
 class _CpuTorch(types.ModuleType):
-    """Stands in for `torch` inside megatron.core modules: factories keep CUDA devices off the CPU host."""
+    """Stands in for `torch` inside megatron.core modules: factories keep CUDA devices off the CPU host, and
+    `matmul` lets autocast cache its cast of a linear's weight."""
 
     def __init__(self) -> None:
         super().__init__("torch")
         setattr(self, _PROXY_MARK, True)
         for name in _FACTORIES:
             setattr(self, name, _cpu_factory(getattr(torch, name)))
+        self.matmul = _cast_once_matmul
         self.distributed = _HostDistributed()
 
     def __getattr__(self, name: str) -> Any:
@@ -271,6 +295,7 @@ def apply() -> None:
         _patch_torch()
         _carry_host_autocast()
         _lean_rope()
+        _fp32_residual()
         _state["applied"] = True
     _patch_megatron_modules()
 
@@ -327,6 +352,21 @@ def _lean_rope() -> None:
     rope_utils._apply_rotary_pos_emb_thd = lean_thd
 
 
+def _fp32_residual() -> None:
+    """Megatron's bias-dropout-add keeps an fp32 residual in fp32 under CPU autocast (see the module docstring)."""
+    from megatron.core.fusions import fused_bias_dropout
+
+    original = fused_bias_dropout._bias_dropout_add_func
+
+    def fp32_residual(x_with_bias: tuple, residual: torch.Tensor, prob: float, training: bool) -> torch.Tensor:
+        x, bias = x_with_bias
+        if x.dtype != residual.dtype and residual.dtype == torch.float32 and torch.is_autocast_enabled("cpu"):
+            x_with_bias = (x.float(), None if bias is None else bias.float())
+        return original(x_with_bias, residual, prob, training)
+
+    fused_bias_dropout._bias_dropout_add_func = fp32_residual
+
+
 def _carry_host_autocast() -> None:
     """The forward's CPU autocast state (enabled, dtype) is restored around the backward of megatron's linears."""
     from megatron.core.tensor_parallel import layers
@@ -334,16 +374,34 @@ def _carry_host_autocast() -> None:
     for function in (layers.LinearWithGradAccumulationAndAsyncCommunication, layers.LinearWithFrozenWeight):
         forward, backward = function.forward, function.backward
 
-        def carried_forward(ctx: Any, *args: Any, _forward: Any = forward) -> Any:
-            ctx.rlhf_host_autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
-            return _forward(ctx, *args)
+        def carried_forward(ctx: Any, input: torch.Tensor, *args: Any, _forward: Any = forward) -> Any:
+            enabled, dtype = ctx.rlhf_host_autocast = (torch.is_autocast_enabled("cpu"),
+                                                       torch.get_autocast_dtype("cpu"))
+            if enabled and input.dtype == torch.float32:
+                input = input.to(dtype)  # what autocast casts it to, done once: saved as such for the wgrad GEMM
+            return _forward(ctx, input, *args)
 
         def carried_backward(ctx: Any, *grads: Any, _backward: Any = backward) -> Any:
             enabled, dtype = getattr(ctx, "rlhf_host_autocast", (False, torch.bfloat16))
             with torch.autocast("cpu", dtype=dtype, enabled=enabled):
-                return _backward(ctx, *grads)
+                input_grads = _backward(ctx, *grads)
+            return _placeholder_in_weight_dtype(ctx, input_grads) if enabled else input_grads
 
         function.forward, function.backward = staticmethod(carried_forward), staticmethod(carried_backward)
+
+
+def _placeholder_in_weight_dtype(ctx: Any, input_grads: tuple) -> tuple:
+    """With the wgrad already in `main_grad`, megatron returns an unused placeholder weight grad in the input's
+    dtype; under autocast that is bf16, which autograd would convert to the fp32 weight's dtype (a copy of the
+    whole weight per micro-batch). Return it in the weight's dtype instead: the DDP hook drops it unread."""
+    weight_grad = input_grads[1] if len(input_grads) > 1 else None
+    if weight_grad is None or not getattr(ctx, "gradient_accumulation_fusion", False):
+        return input_grads
+    weight = ctx.saved_tensors[1]
+    if weight_grad.dtype == weight.dtype or not getattr(weight, "grad_added_to_main_grad", False) \
+            or getattr(weight, "zero_out_wgrad", False):
+        return input_grads
+    return (input_grads[0], torch.empty_like(weight), *input_grads[2:])
 
 
 def seed_rng_tracker(seed: int, tp_rank: int) -> None:
