@@ -101,7 +101,10 @@ class TrajectoryBuilder:
         self.versions += [version] * len(token_ids)
 
     def add_observation(self, token_ids: list[int]) -> None:
-        """Tokens the model reads but did not sample (tool output, user turns, template markers)."""
+        """Tokens the model reads but did not sample (tool output, user turns, template markers), cut to what the
+        row's token budget leaves: a row never outgrows `token_budget` (packing budgets are sized by it), and the
+        cut tail is never read (nothing is generated after it: the trajectory ends on its budget)."""
+        token_ids = token_ids[:max(self.budget_left, 0)]
         self.response += token_ids
         self.mask += [0] * len(token_ids)
         self.logprobs += [0.0] * len(token_ids)
