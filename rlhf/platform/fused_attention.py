@@ -38,18 +38,17 @@ class FusedDotProductAttention(PackedDotProductAttention):
                                    attention_bias=attention_bias, packed_seq_params=packed_seq_params)
         sq, batch, heads, _ = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, hn]
-        # grouped-query attention: every query head sees its group's key/value head, inside the kernel (no
-        # repeated copy of key/value, and no scatter-add of their gradients back)
-        gqa = heads != k.shape[1]
+        if heads != k.shape[1]:  # grouped-query attention: every query head sees its group's key/value head
+            k, v = (t.repeat_interleave(heads // k.shape[1], dim=1) for t in (k, v))
         causal = attention_mask is None and self.attn_mask_type == AttnMaskType.causal and sq > 1
         allowed = None if attention_mask is None else ~attention_mask
         if torch.is_autocast_enabled("cpu"):  # fp32 attention: see the note above the class
             with torch.autocast("cpu", enabled=False):
                 context = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=allowed,
-                                                         is_causal=causal, scale=self.softmax_scale, enable_gqa=gqa)
+                                                         is_causal=causal, scale=self.softmax_scale)
         else:
             context = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, is_causal=causal,
-                                                     scale=self.softmax_scale, enable_gqa=gqa)
+                                                     scale=self.softmax_scale)
         return context.permute(2, 0, 1, 3).reshape(sq, batch, -1)
 
     def _fusable(self) -> bool:

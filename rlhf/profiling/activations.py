@@ -191,7 +191,7 @@ def cpu_path_extra_bytes(spec: ModelSpec, attention_calls: list[int], *, tp: int
     pp, cp, recompute): `attention_calls` are the token counts of its rows (each of the `batch` rows of a
     `padded` batch) or of the sequences of one pack. A padded batch runs `FusedDotProductAttention`: per layer
     SDPA's float copy of the `[b, 1, s, s]` mask; its output is the out-projection's input (a view, no copy); the
-    step's RoPE cos/sin are one `[s, head_dim]` pair for every layer and both q and k (`compat.megatron._lean_rope`)
+    step's RoPE cos/sin are one `[s, head_dim]` pair for every layer and both q and k (`compat.megatron_host._lean_rope`)
     instead of the flash model's per-layer four. A pack runs `PackedDotProductAttention`: its `length_buckets`
     padded to `slots` tokens in all, which SDPA keeps for q, k, v, out and lse, the output then gathered back;
     its RoPE cos/sin are one `[T, head_dim]` pair for the model too (the pack's frequencies gathered once)."""

