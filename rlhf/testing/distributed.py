@@ -25,6 +25,19 @@ STACK_SIGNAL = signal.SIGUSR1
 STARTUP_TIMEOUT_S = 900.0  # spawn + imports + rendezvous; only a broken start ever reaches it
 
 
+class FakeGroup:
+    """A process group's size and rank without a world, for code that only reads those (cp shard layouts)."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
 class DistributedTestError(RuntimeError):
     """A rank raised, died, or the world missed its deadline; the message carries the evidence."""
 

@@ -23,7 +23,7 @@ from rlhf.platform.context_parallel import global_order, local_positions, padded
 from rlhf.stages.micro_batches import row_lengths, schedule_lengths  # noqa: E402
 from rlhf.parallel.groups import GroupCache  # noqa: E402
 from rlhf.parallel.layout import ParallelLayout  # noqa: E402
-from rlhf.testing.distributed import run_distributed  # noqa: E402
+from rlhf.testing.distributed import FakeGroup, run_distributed  # noqa: E402
 
 
 def short_batch():
@@ -47,20 +47,10 @@ def test_each_cp_rank_holds_chunks_i_and_2cp_minus_1_minus_i():
     assert [padded_length(n, 2) for n in (1, 3, 4, 5)] == [4, 4, 4, 8]
 
 
-class _FakeGroup:
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
 
 def test_cp_pack_pads_each_sequence_and_keeps_the_rows():
     rows = short_batch().trimmed()
-    packed = pack(rows, cp_group=_FakeGroup(2, 1))
+    packed = pack(rows, cp_group=FakeGroup(2, 1))
     lengths = (rows.prompt_lengths_b + rows.response_lengths_b).tolist()
     spans = [padded_length(n, 2) for n in lengths]
     assert packed.cu_seqlens_n.tolist() == [0, *torch.tensor(spans).cumsum(0).tolist()]
@@ -84,7 +74,7 @@ def test_cp_pipeline_packs_share_one_local_length_with_a_filler_sequence():
     length = max(own)
     assert own[0] < length and length % 4 == 0
     for cp_rank in (0, 1):
-        packed = [pack(pack_rows, length=length, cp_group=_FakeGroup(2, cp_rank)) for pack_rows in packs]
+        packed = [pack(pack_rows, length=length, cp_group=FakeGroup(2, cp_rank)) for pack_rows in packs]
         assert {mb.tokens_bs.shape for mb in packed} == {(1, length // 2)}
         short = packed[0]  # [1, 3] padded to 4 + 4, then a filler sequence of length - 8 tokens
         assert short.cu_seqlens_n.tolist() == [0, 4, 8, length]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.testing.distributed import run_distributed
+from rlhf.testing.distributed import FakeGroup, run_distributed
 
 
 def _probe() -> dict:
@@ -90,16 +90,6 @@ def _rope_probe() -> dict:
     return out
 
 
-class _FakeCpGroup:
-    def __init__(self, size: int, rank: int) -> None:
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
-
 
 def _thd_rope_probe(rope_utils, original_bshd, generator: torch.Generator) -> dict:
     """Packed RoPE: the lean `_apply_rotary_pos_emb_thd` vs megatron's own per-sequence arithmetic (its
@@ -111,7 +101,7 @@ def _thd_rope_probe(rope_utils, original_bshd, generator: torch.Generator) -> di
     try:
         for cp_size, cp_rank in ((1, 0), (2, 1)):
             cu = torch.tensor([0, 4, 12, 16], dtype=torch.int32)
-            group = _FakeCpGroup(cp_size, cp_rank)
+            group = FakeGroup(cp_size, cp_rank)
             freqs = torch.randn(12, 1, 1, 16, generator=generator)
             seqlens = ((cu[1:] - cu[:-1]) // cp_size).tolist()
             calls.clear()
