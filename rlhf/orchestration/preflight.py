@@ -151,9 +151,11 @@ def check_batches(cfg: RlhfConfig, layouts: dict, problems: Problems | None = No
         check_token_budgets(cfg, layouts, problems)
 
 
-def check_token_budgets(cfg: RlhfConfig, layouts: dict, problems: Problems) -> None:
-    """Every packing budget holds the longest row a step can have (`schema.longest_row`)."""
-    longest, source = longest_row(cfg)
+def check_token_budgets(cfg: RlhfConfig, layouts: dict, problems: Problems,
+                        longest: tuple[int, str] | None = None) -> None:
+    """Every packing budget holds the longest row a step can have (`schema.longest_row`; `longest`: (tokens,
+    where) of rows known otherwise, `rlhf replay`'s dumps)."""
+    longest, source = longest or longest_row(cfg)
     budgets = [("ref.max_tokens_per_microbatch", cfg.ref.max_tokens_per_microbatch, "ref"),
                ("reward.model_max_tokens_per_microbatch", cfg.reward.model_max_tokens_per_microbatch, "reward")]
     for role in ("actor", "critic"):

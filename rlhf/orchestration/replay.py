@@ -24,8 +24,8 @@ from rlhf.run_dir import RunDir, get_logger
 from rlhf.stages.batch import PADDING_UID, RolloutBatch
 from rlhf.orchestration.checks import read_hf_config
 from rlhf.orchestration.loop import Trainer
-from rlhf.orchestration.preflight import preflight
-from rlhf.orchestration.rollout_dump import check_dumps, read_dump, read_scores
+from rlhf.orchestration.preflight import Problems, check_token_budgets, plan_layouts, preflight
+from rlhf.orchestration.rollout_dump import check_dumps, longest_dumped_row, read_dump, read_scores
 from rlhf.stages.sync import SharedWeights
 
 log = get_logger("replay")
@@ -45,7 +45,8 @@ def replay_config(cfg: RlhfConfig) -> RlhfConfig:
 
 def replay_preflight(cfg: RlhfConfig, world_size: int) -> list[str]:
     """The dump folder's checks (format, metadata, column types, sizes; the first dump's rows), then
-    `rlhf train`'s; returns its notes."""
+    `rlhf train`'s, then every packing budget against the longest dumped row (the dumps may come from a run with
+    longer rows than this config's limits); returns its notes."""
     files = check_dumps(cfg.replay.rollouts, num_steps=cfg.trainer.total_steps,
                         rows_per_step=cfg.data.prompts_per_step * cfg.sampling.n)
     run_path = (Path(cfg.run.output_dir) / cfg.run.name).resolve() if cfg.run.name else None
@@ -55,6 +56,9 @@ def replay_preflight(cfg: RlhfConfig, world_size: int) -> list[str]:
     notes = preflight(cfg, world_size)
     hf_config = read_hf_config(cfg.model.path)
     read_dump(files[0], hf_config.vocab_size, hf_config.max_position_embeddings)
+    problems = Problems()
+    check_token_budgets(cfg, plan_layouts(cfg, world_size), problems, longest=longest_dumped_row(files))
+    problems.raise_all()
     return notes
 
 

@@ -196,6 +196,22 @@ def read_dump(path: Path, vocab_size: int, max_positions: int) -> RolloutBatch:
         turn_returns_bt=turn_returns_bt)
 
 
+def longest_dumped_row(files: Sequence[Path]) -> tuple[int, str]:
+    """(tokens, where) of the longest row (prompt + response) in `files`, from the two id columns alone."""
+    import pyarrow.compute as pc
+
+    longest, where = 0, ""
+    for path in files:
+        table = _open(path).read(columns=["prompt_ids", "response_ids"])
+        if not table.num_rows:
+            continue
+        lengths = pc.add(pc.list_value_length(table["prompt_ids"]), pc.list_value_length(table["response_ids"]))
+        tokens = pc.max(lengths).as_py() or 0
+        if tokens > longest:
+            longest, where = tokens, f"a row of the rollout dump {path}"
+    return longest, where
+
+
 def read_scores(path: Path) -> torch.Tensor:
     """The dump's rollouts' sequence scores (float32, padding rows left out) alone, each checked
     (`dump_schema.check_score`)."""

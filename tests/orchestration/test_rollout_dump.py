@@ -222,3 +222,51 @@ def test_a_bad_footer_is_one_line_before_any_row_is_read(tmp_path):
     assert str(error.value) == (f"rollout dump {wide} metadata response_width=1000000000000 is above 64 (model.path: "
                                 "vocabulary 18, max_position_embeddings 64); replay with the model (tokenizer) the dump "
                                 "was made with")
+
+
+def _long_batch(rows, prompt_length, response_lengths):
+    """`rows` rollouts of one `prompt_length`-token prompt, the i-th response `response_lengths[i]` tokens."""
+    width = max(response_lengths)
+    tokens = torch.full((rows, prompt_length + width), 0, dtype=torch.long)
+    tokens[:, :prompt_length] = 5
+    lengths = torch.tensor(response_lengths)
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    for row, length in enumerate(response_lengths):
+        tokens[row, prompt_length:prompt_length + length] = 8
+    return scored_batch(tokens_bs=tokens, prompt_lengths_b=torch.full((rows,), prompt_length),
+                        response_lengths_b=lengths, response_mask_bt=mask, group_index_b=torch.arange(rows) // 4,
+                        rollout_logprobs_bt=-0.5 * mask, truncated_b=torch.zeros(rows, dtype=torch.bool),
+                        scores_b=torch.zeros(rows), sample_index_b=torch.arange(rows) // 4,
+                        policy_version_bt=mask.int())
+
+
+def test_the_longest_dumped_row_is_found_across_files(tmp_path):
+    from rlhf.orchestration.rollout_dump import longest_dumped_row
+
+    first = _write(tmp_path, 1, _long_batch(4, 3, [1, 2, 1, 1]))
+    second = _write(tmp_path, 2, _long_batch(4, 3, [1, 1, 4, 2]))
+    assert longest_dumped_row([first]) == (5, f"a row of the rollout dump {first}")
+    assert longest_dumped_row([first, second]) == (7, f"a row of the rollout dump {second}")
+
+
+def test_replay_refuses_dumps_longer_than_a_packing_budget_before_anything_starts(tmp_path):
+    """Dumps of a run with longer rows than the replay config's limits: `auto` budgets sized from those limits
+    would fail in the step that reads the long row; preflight names the budget, the dump and the fix."""
+    from fixtures import make_tiny_setup, trainer_config
+
+    from rlhf.orchestration.replay import replay_config, replay_preflight
+
+    paths = make_tiny_setup(tmp_path / "tiny", num_train=16, num_val=2)
+    dumps = tmp_path / "dumps"
+    path = _write(dumps, 1, _long_batch(16, 16, [4] + [1] * 15))
+    overrides = [f"replay.rollouts={dumps}", "trainer.total_steps=1", "data.val_files=[]",
+                 "sampling.max_new_tokens=1", "actor.micro_batch_size=1"]  # auto: 1 x (16 + 1) tokens
+    cfg = replay_config(trainer_config(paths, str(tmp_path / "runs"), overrides))
+    assert cfg.actor.max_tokens_per_microbatch == 17
+    with pytest.raises(ConfigError) as error:
+        replay_preflight(cfg, 1)
+    assert str(error.value) == ("actor.max_tokens_per_microbatch=17 is smaller than the longest row, 20 tokens (a row "
+                                f"of the rollout dump {path}); raise actor.max_tokens_per_microbatch to at least 20")
+    assert not (tmp_path / "runs").exists()
+    fits = replay_config(trainer_config(paths, str(tmp_path / "runs"), overrides + ["sampling.max_new_tokens=4"]))
+    replay_preflight(fits, 1)
