@@ -55,38 +55,52 @@ def _tokenizer_dir(model_path: str, config: str) -> str | None:
     return None
 
 
+def _write(args: argparse.Namespace, cfg, checkpoint, run_dir) -> str | None:
+    """Export the checkpoint; the problem, as one line, or None."""
+    from rlhf.errors import ConfigError, RlhfError
+    from rlhf.orchestration.export import export_checkpoint, export_lora_checkpoint
+
+    try:
+        tokenizer_dir = _tokenizer_dir(cfg.model.path, str(run_dir / "config.yaml"))
+        if cfg.lora.enabled and cfg.lora.critic and args.model_role == "critic":
+            raise ConfigError("exporting a LoRA critic (lora.critic=true) is not built yet; export the "
+                              "actor, or resume the run to use its critic")
+        if cfg.lora.enabled and args.model_role == "actor":
+            export_lora_checkpoint(checkpoint, args.out, cfg.lora, cfg.model.path,
+                                   merged=args.lora == "merged", tokenizer_dir=tokenizer_dir)
+        else:
+            export_checkpoint(checkpoint, args.out, args.model_role, tokenizer_dir=tokenizer_dir)
+    except RlhfError as error:
+        return str(error)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    """Under a launcher rank 0 writes and every rank exits with its verdict; called inside a running world (the
+    process group is up: a library call from a training script) the calling process writes, with no collective
+    and no reseeding, so one rank may call it alone."""
     from pathlib import Path
+
+    import torch.distributed
 
     from rlhf.checkpoint.verify import agree
     from rlhf.config import load_config
     from rlhf.orchestration.schema import RlhfConfig
-    from rlhf.errors import CheckpointError, ConfigError, RlhfError
+    from rlhf.errors import CheckpointError
     from rlhf.parallel.runtime import distributed
     from rlhf.orchestration.checks import check_writable_folder
-    from rlhf.orchestration.export import export_checkpoint, export_lora_checkpoint
 
     check_writable_folder(args.out, "--out")
     run_dir = Path(args.run_dir)
     cfg = load_config(RlhfConfig, run_dir / "config.yaml")
     checkpoint = _checkpoint(run_dir / "checkpoints", args.checkpoint, cfg.checkpoint.keep_last)
-    with distributed(cfg.dist.backend, timeout_s=cfg.dist.timeout_s, seed=cfg.dist.seed) as runtime:
-        problem = None
-        if runtime.env.rank == 0:  # one process writes; under a launcher the others wait for its verdict
-            try:
-                tokenizer_dir = _tokenizer_dir(cfg.model.path, str(run_dir / "config.yaml"))
-                if cfg.lora.enabled and cfg.lora.critic and args.model_role == "critic":
-                    raise ConfigError("exporting a LoRA critic (lora.critic=true) is not built yet; export the "
-                                      "actor, or resume the run to use its critic")
-                if cfg.lora.enabled and args.model_role == "actor":
-                    export_lora_checkpoint(checkpoint, args.out, cfg.lora, cfg.model.path,
-                                           merged=args.lora == "merged", tokenizer_dir=tokenizer_dir)
-                else:
-                    export_checkpoint(checkpoint, args.out, args.model_role, tokenizer_dir=tokenizer_dir)
-            except RlhfError as error:
-                problem = str(error)
-        problem = agree(problem)
-        if problem:
-            raise CheckpointError(problem)
+    if torch.distributed.is_initialized():  # a call inside a running world: the calling process writes, alone
+        problem = _write(args, cfg, checkpoint, run_dir)
+    else:
+        with distributed(cfg.dist.backend, timeout_s=cfg.dist.timeout_s, seed=cfg.dist.seed) as runtime:
+            # one process writes; under a launcher the others wait for its verdict
+            problem = agree(_write(args, cfg, checkpoint, run_dir) if runtime.env.rank == 0 else None)
+    if problem:
+        raise CheckpointError(problem)
     print(f"exported {args.model_role} of {checkpoint} to {args.out}")
     return 0

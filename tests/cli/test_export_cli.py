@@ -90,3 +90,31 @@ def test_a_pruned_step_a_malformed_newest_manifest_and_nan_weights(tiny, tmp_pat
     code, lines = _export(run, tmp_path / "out_nan", "--checkpoint", "step_2")
     assert code == 3 and lines == [f"rlhf export: error: {shard}: tensor 'model.norm.weight' (model) holds NaN or inf"]
     assert not (tmp_path / "out_nan").exists() and torch.isinf(load_file(shard)["model.norm.weight"]).any()
+
+
+def _export_on_rank_0_alone(run: str, out: str) -> bool:
+    """In a running 2-rank world only rank 0 exports (a training script's hook); its RNG is not reseeded."""
+    import torch.distributed as dist
+
+    written = False
+    if dist.get_rank() == 0:
+        torch.manual_seed(7)
+        expected = torch.rand(3)
+        torch.manual_seed(7)
+        assert main(["export", "--run-dir", run, "--out", out]) == 0
+        assert torch.equal(torch.rand(3), expected), "export reseeded the caller's generator"
+        written = True
+    dist.barrier()
+    return written
+
+
+def test_export_called_by_one_rank_of_a_running_world_writes_without_a_collective(tiny, tmp_path):
+    from rlhf.testing.distributed import run_distributed
+
+    run = _run(tmp_path, tiny, tiny["model"])
+    out = tmp_path / "out"
+    assert run_distributed(_export_on_rank_0_alone, 2, str(run), str(out), timeout_s=120) == [True, False]
+    expected = load_file(Path(tiny["model"]) / "model.safetensors")
+    shards = set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values())
+    exported = {name: tensor for shard in shards for name, tensor in load_file(out / shard).items()}
+    assert exported.keys() == expected.keys() and all(torch.equal(exported[k], expected[k]) for k in expected)
