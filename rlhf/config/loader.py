@@ -7,6 +7,7 @@ against the field's annotation (int, float, bool, str, Literal, Optional, list/t
 from __future__ import annotations
 
 import dataclasses
+import os
 import difflib
 import enum
 import types
@@ -19,6 +20,13 @@ import yaml
 from rlhf.errors import ConfigError
 
 T = TypeVar("T")
+
+
+def local_folder(path: str) -> str:
+    """A local folder as an absolute path (config.yaml then means the same from any working directory, e.g.
+    for `rlhf export`); anything else (a hub id, an empty value) as given, with `~` expanded."""
+    path = os.path.expanduser(path)
+    return os.path.abspath(path) if path and os.path.isdir(path) else path
 
 
 def _suggest(key: str, choices: list[str]) -> str:

@@ -14,7 +14,8 @@ from rlhf.rewards.config import RewardConfig
 from rlhf.rollout.config import RolloutConfig
 from rlhf.run_config import CheckpointConfig, RunConfig
 from rlhf.orchestration.config import ReplayConfig, SftConfig, TrainerConfig
-from rlhf.stages.config import AlgoConfig, DistillEstimator, ModelConfig, RefConfig, SamplingConfig, UpdateConfig
+from rlhf.stages.config import AlgoConfig, ModelConfig, RefConfig, SamplingConfig, UpdateConfig
+from rlhf.stages.distill_config import DistillEstimator
 
 
 @dataclass(kw_only=True)

@@ -38,7 +38,8 @@ from rlhf.orchestration.rollout_side import shaped_scores
 from rlhf.orchestration.schema import RlhfConfig
 from rlhf.parallel.meshes import RoleMeshes
 from rlhf.stages.batch import PADDING_UID, RolloutBatch, ScoredBatch, pad_to_multiple
-from rlhf.stages.config import AlgoConfig, DistillEstimator, UpdateConfig
+from rlhf.stages.config import AlgoConfig, UpdateConfig
+from rlhf.stages.distill_config import DistillEstimator
 from rlhf.stages.distill import DistillStage
 from rlhf.stages.memory import MemoryPhases
 from rlhf.stages.policy_role import PolicyRole

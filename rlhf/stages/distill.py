@@ -19,7 +19,7 @@ from rlhf.errors import ConfigError
 from rlhf.metrics import StepMetrics
 from rlhf.parallel.meshes import RoleMesh
 from rlhf.stages.batch import PADDING_UID, RolloutBatch
-from rlhf.stages.config import DistillConfig, DistillEstimator, DistillMode
+from rlhf.stages.distill_config import DistillConfig, DistillEstimator, DistillMode
 from rlhf.stages.policy_role import PolicyRole
 
 

@@ -15,7 +15,8 @@ from rlhf.models.forward import TokenFn, token_entropy, token_logprobs
 from rlhf.models.lm_head import LMHead, head_logprobs, head_sum_pi_squared, head_topk, hidden_output
 from rlhf.models.routing_replay import RoutingReplay
 from rlhf.stages.batch import RolloutBatch, ScoredBatch, SequenceBatch, gather_response, gather_response_k
-from rlhf.stages.config import AlgoConfig, DistillKL
+from rlhf.stages.config import AlgoConfig
+from rlhf.stages.distill_config import DistillKL
 from rlhf.stages.model_role import ModelRole
 
 

@@ -10,7 +10,7 @@ from rlhf.algo.aggregation import GlobalCounts
 from rlhf.algo.config import LossAggMode
 from rlhf.algo.distill import topk_distill_loss, topk_kl_bt, topk_teacher_metrics
 from rlhf.errors import ConfigError
-from rlhf.stages.config import DistillConfig, DistillKL
+from rlhf.stages.distill_config import DistillConfig, DistillKL
 from rlhf.stages.distill import check_topk
 
 T = torch.tensor

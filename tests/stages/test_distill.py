@@ -8,7 +8,7 @@ from rlhf.data.char_tokenizer import build_char_tokenizer
 from rlhf.data.records import PromptRecord
 from rlhf.errors import ConfigError
 from rlhf.orchestration.checks import check_teacher_tokenizers, teacher_folders
-from rlhf.stages.config import DistillConfig
+from rlhf.stages.distill_config import DistillConfig
 from rlhf.stages.distill import route_teachers
 
 RECORDS = [PromptRecord(prompt="1+2=", data_source=source, ground_truth="3", index=index)
