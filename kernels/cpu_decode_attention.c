@@ -136,3 +136,46 @@ void rlhf_decode_attention_bf16(const uint16_t *mixed, const uint16_t *cos_sin, 
                                 float *scratch) {
     DISPATCH(1)
 }
+
+/* RMSNorm of `rows` bf16 rows of `dim` (the step's other memory-bound op): out = x / sqrt(mean(x^2) + eps) * w,
+ * in fp32, rounded once to bf16 (torch's bf16 rms_norm upcasts the same way but in ~8 separate passes). */
+void rlhf_rms_norm_bf16(const uint16_t *x, const uint16_t *weight, int64_t rows, int64_t dim, float eps,
+                        uint16_t *out) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t *xr = x + r * dim;
+        uint16_t *yr = out + r * dim;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t d = 0; d < dim; ++d) {
+            const float v = bf16_to_float(xr[d]);
+            sum += v * v;
+        }
+        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) yr[d] = float_to_bf16(bf16_to_float(xr[d]) * inv * bf16_to_float(weight[d]));
+    }
+}
+
+/* The prefill's attention inputs in one pass (bf16): `mixed` [prompts][len][groups][heads + 2][head_dim] (the QKV
+ * projection of right-padded prompts) -> RoPE'd queries q_out [prompts][groups * heads][len][head_dim], RoPE'd
+ * keys k_out and values v_out [prompts][groups][len][head_dim] (the layouts SDPA reads), and keys and values
+ * written at positions 0..len-1 of each prompt's cache row slots[p]. cos_sin rows [len][2][head_dim] as above. */
+void rlhf_prefill_rope_bf16(const uint16_t *mixed, const uint16_t *cos_sin, const int64_t *slots, int64_t prompts,
+                            int64_t len, int64_t groups, int64_t heads, int64_t head_dim, int64_t max_len,
+                            uint16_t *q_out, uint16_t *k_out, uint16_t *v_out, uint16_t *k_cache,
+                            uint16_t *v_cache) {
+    for (int64_t p = 0; p < prompts; ++p)
+        for (int64_t t = 0; t < len; ++t)
+            for (int64_t g = 0; g < groups; ++g) {
+                const int64_t x0 = ((p * len + t) * groups + g) * (heads + 2) * head_dim, c0 = t * 2 * head_dim;
+                for (int64_t h = 0; h < heads; ++h)
+                    rotate(mixed, x0 + h * head_dim, cos_sin, c0, head_dim, q_out,
+                           (((p * groups + g) * heads + h) * len + t) * head_dim, 1, 0);
+                const int64_t kv = ((p * groups + g) * len + t) * head_dim;
+                const int64_t cache = ((slots[p] * groups + g) * max_len + t) * head_dim;
+                rotate(mixed, x0 + heads * head_dim, cos_sin, c0, head_dim, k_out, kv, 1, 0);
+                memcpy(k_cache + cache, k_out + kv, head_dim * sizeof(uint16_t));
+                memcpy(v_out + kv, mixed + x0 + (heads + 1) * head_dim, head_dim * sizeof(uint16_t));
+                memcpy(v_cache + cache, v_out + kv, head_dim * sizeof(uint16_t));
+            }
+}

@@ -97,6 +97,12 @@ class DecodeAttention:
         for fn in self._fns.values():
             fn.restype = None
             fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR]
+        self._rms_norm_bf16 = library.rlhf_rms_norm_bf16
+        self._rms_norm_bf16.restype = None
+        self._rms_norm_bf16.argtypes = [_PTR, _PTR, _I64, _I64, ctypes.c_float, _PTR]
+        self._prefill_rope_bf16 = library.rlhf_prefill_rope_bf16
+        self._prefill_rope_bf16.restype = None
+        self._prefill_rope_bf16.argtypes = [_PTR, _PTR, _PTR, *[_I64] * 6, *[_PTR] * 5]
         self._scratch = torch.empty(0)
 
     def __call__(self, mixed: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -114,3 +120,34 @@ class DecodeAttention:
                                positions.data_ptr(), slots, groups, heads, head_dim, max_len, scale, out.data_ptr(),
                                self._scratch.data_ptr())
         return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """`F.rms_norm(x, (d,), weight, eps)` over the last dim for bf16 `x` and `weight` in one pass (the step's
+        norms live in the same library); other dtypes, or a non-contiguous `x`, go to torch's op."""
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not x.is_contiguous():
+            return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
+        assert weight.is_contiguous() and weight.shape == (x.shape[-1],)
+        out = torch.empty_like(x)
+        self._rms_norm_bf16(x.data_ptr(), weight.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
+                            out.data_ptr())
+        return out
+
+    def prefill_rope(self, mixed: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """bf16 prefill: raw QKV `mixed` [P, L, G, H+2, D], `cos_sin` [L, 2, D], caches [slots, G, max_len, D] ->
+        RoPE'd q [P, G*H, L, D], k and v [P, G, L, D], k and v also written at positions 0..L-1 of cache rows
+        `slots` [P]. None for other dtypes (the caller's torch path)."""
+        if mixed.dtype != torch.bfloat16:
+            return None
+        prompts, length, groups, heads_and_kv, head_dim = mixed.shape
+        heads, max_len = heads_and_kv - 2, k_cache.shape[2]
+        assert mixed.is_contiguous() and cos_sin.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert cos_sin.dtype == k_cache.dtype == v_cache.dtype == mixed.dtype and slots.dtype == torch.int64
+        assert cos_sin.shape == (length, 2, head_dim) and k_cache.shape[1:] == (groups, max_len, head_dim)
+        slots = slots.contiguous()
+        q = mixed.new_empty(prompts, groups * heads, length, head_dim)
+        k, v = mixed.new_empty(prompts, groups, length, head_dim), mixed.new_empty(prompts, groups, length, head_dim)
+        self._prefill_rope_bf16(mixed.data_ptr(), cos_sin.data_ptr(), slots.data_ptr(), prompts, length, groups, heads,
+                                head_dim, max_len, q.data_ptr(), k.data_ptr(), v.data_ptr(), k_cache.data_ptr(),
+                                v_cache.data_ptr())
+        return q, k, v

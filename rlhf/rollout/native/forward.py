@@ -86,7 +86,8 @@ class Decoder:
         layers = self.params.layers
         self.prefill_overhead_tokens = overhead_tokens(
             sum(layer.num_weights() for layer in layers) // len(layers),
-            num_experts=max((len(layer.moe.fc1_weights) for layer in layers if layer.moe), default=0))
+            num_experts=max((len(layer.moe.fc1_weights) for layer in layers if layer.moe), default=0),
+            bf16=dtype == torch.bfloat16)
 
     @property
     def routes(self) -> bool:
@@ -113,6 +114,12 @@ class Decoder:
             return linear.add_to(residual, x)
         return residual + self._all_reduce(linear(x))
 
+    def _norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over the hidden dim: the platform kernel's one pass in bf16 (torch's bf16 op makes ~8), else torch."""
+        if self.fused_attention is not None and hidden.dtype == torch.bfloat16:
+            return self.fused_attention.rms_norm(hidden, weight, self.geometry.eps)
+        return F.rms_norm(hidden, (hidden.shape[-1],), weight, self.geometry.eps)
+
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
             dist.all_reduce(x, group=self.tp_group)
@@ -129,7 +136,7 @@ class Decoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary fp32 logits (padding rows of the vocab dropped) on every TP rank."""
-        normed = F.rms_norm(hidden, (hidden.shape[-1],), self.params.final_norm, self.geometry.eps)
+        normed = self._norm(hidden, self.params.final_norm)
         shard = self.output(normed)
         if self.tp_size > 1:
             parts = [torch.empty_like(shard) for _ in range(self.tp_size)]
@@ -160,7 +167,7 @@ class Decoder:
 
     def _mlp_block(self, layer: _PreparedLayer, hidden: torch.Tensor,
                    routing: list[torch.Tensor] | None = None) -> torch.Tensor:
-        normed = F.rms_norm(hidden, (hidden.shape[-1],), layer.mlp_norm, self.geometry.eps)
+        normed = self._norm(hidden, layer.mlp_norm)
         if layer.moe is not None:
             return hidden + self._all_reduce(layer.moe(normed, routing))
         return self._residual_linear(layer.fc2, layer.swiglu(normed), hidden)
@@ -170,24 +177,41 @@ class Decoder:
         """Right-padded prompts [P, L] into cache slots `slots_p`; returns logits at each last real token.
         `routing` (a list) gets each routed layer's experts per token `[P, L, k]`, in layer order."""
         width = tokens_pl.shape[1]
-        positions = torch.arange(width, device=tokens_pl.device)
-        causal_ll = positions[None, :] <= positions[:, None]
-        mask_p1ll = (causal_ll[None] & (positions[None, None, :] < lengths_p[:, None, None]))[:, None]
         cos, sin = self.cos_td[:width, None, None, :], self.sin_td[:width, None, None, :]
         heads_per_group = self.geometry.num_heads // self.geometry.num_groups
         hidden = self.embed(tokens_pl)
         for index, layer in enumerate(self.layers):
-            normed = F.rms_norm(hidden, (hidden.shape[-1],), layer.input_norm, self.geometry.eps)
-            rotated, v = self._qkv(layer, normed, cos, sin)
-            q = rotated[..., :heads_per_group, :].flatten(2, 3).transpose(1, 2)
-            k, v = rotated[..., heads_per_group, :].transpose(1, 2), v.transpose(1, 2)
-            cache.keys[index][slots_p, :, :width] = k
-            cache.values[index][slots_p, :, :width] = v
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_p1ll, enable_gqa=True)
+            normed = self._norm(hidden, layer.input_norm)
+            q, k, v = self._prefill_qkv(index, normed, cos, sin, cache, slots_p)
+            # Causal alone is exact for right-padded prompts: a real query never sees a later (padding) key.
+            # Padding queries read padding keys, but their outputs and cache entries are never read (decode
+            # overwrites position p before attending to it), so no [P, 1, L, L] mask is built.
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             hidden = self._residual_linear(layer.proj, attn.transpose(1, 2).flatten(2), hidden)
             hidden = self._mlp_block(layer, hidden, routing)
         last_ph = hidden[torch.arange(hidden.shape[0]), lengths_p - 1]
         return self.logits(last_ph)
+
+    def _prefill_qkv(self, index: int, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                     slots_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One layer's RoPE'd q [P, heads, L, d], k and v [P, groups, L, d], k and v written to the cache rows
+        `slots_p`: in one platform-kernel pass for bf16 (RoPE and two cache scatters in torch cost ~10% of a bf16
+        prefill), else torch ops."""
+        geo, layer = self.geometry, self.layers[index]
+        heads_per_group, width = geo.num_heads // geo.num_groups, normed.shape[1]
+        if self.fused_attention is not None and normed.dtype == torch.bfloat16:
+            mixed = layer.qkv(normed).view(*normed.shape[:2], geo.num_groups, heads_per_group + 2, geo.head_dim)
+            fused = self.fused_attention.prefill_rope(self._qk_normed(layer, mixed).contiguous(),
+                                                      self.rope_t2d[:width], cache.keys[index], cache.values[index],
+                                                      slots_p)
+            if fused is not None:
+                return fused
+        rotated, v = self._qkv(layer, normed, cos, sin)
+        q = rotated[..., :heads_per_group, :].flatten(2, 3).transpose(1, 2)
+        k, v = rotated[..., heads_per_group, :].transpose(1, 2), v.transpose(1, 2)
+        cache.keys[index][slots_p, :, :width] = k
+        cache.values[index][slots_p, :, :width] = v
+        return q, k, v
 
     def decode(self, tokens_s: torch.Tensor, positions_s: torch.Tensor, context: int, cache: KVCache,
                routing: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -212,7 +236,7 @@ class Decoder:
             attend = self._torch_attention(positions_s, context, cos_sin_s2d, cache)
         hidden = self.embed(tokens_s)
         for index, layer in enumerate(self.layers):
-            normed = F.rms_norm(hidden, (hidden.shape[-1],), layer.input_norm, geo.eps)
+            normed = self._norm(hidden, layer.input_norm)
             hidden = self._residual_linear(layer.proj, attend(index, normed), hidden)
             hidden = self._mlp_block(layer, hidden, routing)
         return self.logits(hidden)

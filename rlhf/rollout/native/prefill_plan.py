@@ -11,20 +11,26 @@ from __future__ import annotations
 # tokens): every forward streams all weights once (~8 tokens' worth of compute for SmolLM2-135M) and pays a
 # per-op dispatch cost (~2e-4 s per layer; against ~3e7 FLOP/s-equivalents per weight element: the second term).
 STREAM_OVERHEAD_TOKENS = 8.0
+# In bf16 a token's GEMMs run several times faster (AMX / AVX512-BF16) while a weight pass still streams from
+# memory, so the pass is worth far more tokens: on an AMX host (SmolLM2-135M, the same 32 prompts) one forward per
+# ~64 tokens of padding saved was fastest (2 forwards: 271 ms CPU; 4 at overhead 8-24: 320-338 ms; 1: 292 ms).
+BF16_STREAM_OVERHEAD_TOKENS = 64.0
 DISPATCH_OVERHEAD_PARAMS = 6e6
 # A routed layer runs a few more ops per expert it calls (gather, two GEMMs, scale, index-add): each expert adds
 # about a third of a dense layer's dispatch cost (an estimate from the op counts, not a calibration).
 EXPERT_DISPATCH_SHARE = 1 / 3
 
 
-def overhead_tokens(params_per_layer: int, num_experts: int = 0) -> float:
-    """A forward's fixed cost in tokens: large for tiny models (dispatch-bound), ~10 for 100M+ models.
+def overhead_tokens(params_per_layer: int, num_experts: int = 0, bf16: bool = False) -> float:
+    """A forward's fixed cost in tokens: large for tiny models (dispatch-bound), ~10 for 100M+ models in fp32,
+    ~64 in bf16 (`bf16`: the weights and activations are bf16).
 
     `params_per_layer` counts the weights one token meets (MoE: router + top-k experts); a MoE model's
     `num_experts` experts per layer each add dispatch cost, since a long prefill calls them all.
     """
     dispatch = DISPATCH_OVERHEAD_PARAMS * (1 + EXPERT_DISPATCH_SHARE * num_experts)
-    return STREAM_OVERHEAD_TOKENS + dispatch / max(1, params_per_layer)
+    stream = BF16_STREAM_OVERHEAD_TOKENS if bf16 else STREAM_OVERHEAD_TOKENS
+    return stream + dispatch / max(1, params_per_layer)
 
 
 def plan_chunks(lengths: list[int], overhead: float) -> list[list[int]]:

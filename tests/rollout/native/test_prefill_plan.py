@@ -47,6 +47,8 @@ def test_extremes():
 def test_overhead_shrinks_with_model_size():
     assert overhead_tokens(37_000) > 100  # tiny test model: dispatch-bound, prefill in one forward
     assert overhead_tokens(3_500_000) < 12  # SmolLM2-135M layer: weight streaming dominates
+    # bf16: the GEMMs per token are several times cheaper, the weight pass is not: fewer, wider forwards
+    assert overhead_tokens(3_500_000, bf16=True) == pytest.approx(64 + 6e6 / 3_500_000)
 
 
 def test_moe_overhead_counts_the_experts_a_prefill_calls():

@@ -1,0 +1,57 @@
+"""The bf16 helpers in the CPU kernel library: RMSNorm in one pass and the prefill's RoPE + cache writes equal
+the torch ops they replace in `rlhf.rollout.native.forward` (fp32 arithmetic, one bf16 rounding)."""
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlhf.kernels import cpu_decode_attention
+from rlhf.rollout.native.forward import _rope
+
+needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler on this machine")
+
+
+@needs_gcc
+def test_rms_norm_is_the_fp32_norm_rounded_to_bf16():
+    kernel = cpu_decode_attention.load()
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, 96, generator=generator) * 4).bfloat16()
+    weight = torch.randn(96, generator=generator).bfloat16()
+    got = kernel.rms_norm(x, weight, 1e-5)
+    expected = F.rms_norm(x.float(), (96,), weight.float(), 1e-5)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    torch.testing.assert_close(got.float(), expected, rtol=2 ** -8, atol=0)  # within one bf16 rounding
+    torch.testing.assert_close(got, F.rms_norm(x, (96,), weight, 1e-5), rtol=2 ** -7, atol=0)  # torch's bf16 op
+    fp32 = x.float()
+    assert torch.equal(kernel.rms_norm(fp32, weight.float(), 1e-5), F.rms_norm(fp32, (96,), weight.float(), 1e-5))
+
+
+@needs_gcc
+@pytest.mark.parametrize("groups, heads, head_dim", [(3, 3, 64), (1, 2, 16)])
+def test_prefill_rope_equals_the_torch_path(groups, heads, head_dim):
+    """q, k, v in SDPA's layouts, k and v written at positions 0..L-1 of each prompt's slot, nothing else."""
+    kernel = cpu_decode_attention.load()
+    generator = torch.Generator().manual_seed(1)
+    prompts, length, max_len, num_slots = 2, 7, 12, 4
+    mixed = torch.randn(prompts, length, groups, heads + 2, head_dim, generator=generator).bfloat16()
+    angles = torch.rand(length, head_dim // 2, generator=generator) * 3
+    cos_sin = torch.stack([torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1)],
+                          dim=1).bfloat16()
+    k_cache = torch.randn(num_slots, groups, max_len, head_dim, generator=generator).bfloat16()
+    v_cache = torch.randn(num_slots, groups, max_len, head_dim, generator=generator).bfloat16()
+    slots = torch.tensor([3, 1])
+    expected_k_cache, expected_v_cache = k_cache.clone(), v_cache.clone()
+    q, k, v = kernel.prefill_rope(mixed, cos_sin, k_cache, v_cache, slots)
+
+    cos, sin = cos_sin.float()[:, None, None, 0], cos_sin.float()[:, None, None, 1]
+    rotated = _rope(mixed.float()[..., :heads + 1, :], cos, sin)
+    torch.testing.assert_close(q.float(), rotated[..., :heads, :].flatten(2, 3).transpose(1, 2),
+                               rtol=2 ** -8, atol=1e-5)
+    torch.testing.assert_close(k.float(), rotated[..., heads, :].transpose(1, 2), rtol=2 ** -8, atol=1e-5)
+    assert torch.equal(v, mixed[..., heads + 1, :].transpose(1, 2))
+    expected_k_cache[slots, :, :length] = k
+    expected_v_cache[slots, :, :length] = v
+    assert torch.equal(k_cache, expected_k_cache) and torch.equal(v_cache, expected_v_cache)
+    assert kernel.prefill_rope(mixed.float(), cos_sin.float(), k_cache.float(), v_cache.float(), slots) is None
