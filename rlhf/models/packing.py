@@ -54,8 +54,16 @@ class PackedMicroBatch:
 
     @property
     def labels_bs(self) -> torch.Tensor:
-        """The token each (local) position predicts; read only where a sequence goes on."""
-        return self._local(torch.roll(self.tokens_1t, shifts=-1, dims=1))
+        """The token each (local) position predicts; read only where a sequence goes on. With the rows'
+        `extra_labels_bsk` (distillation's teacher top-K ids) `[1, T, 1 + K]`: those ids beside it, moved to the
+        packed positions as the tokens are."""
+        next_1t = torch.roll(self.tokens_1t, shifts=-1, dims=1)
+        extra_bsk = getattr(self.rows, "extra_labels_bsk", None)
+        if extra_bsk is None:
+            return self._local(next_1t)
+        packed_tk = extra_bsk.new_zeros((self.tokens_1t.shape[1] + 1, extra_bsk.shape[-1]))
+        packed_tk[self.source_bs.reshape(-1)] = extra_bsk[:, :self.source_bs.shape[1]].reshape(-1, extra_bsk.shape[-1])
+        return self._local(torch.cat([next_1t[0, :, None], packed_tk[:-1]], dim=-1)[None])
 
     @property
     def wanted_bs(self) -> torch.Tensor:

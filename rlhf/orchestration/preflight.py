@@ -290,10 +290,9 @@ def length_policy_note(prompts: TokenizedPrompts, cfg: RlhfConfig, label: str) -
 
 
 def check_distill_topk(cfg: RlhfConfig) -> None:
-    """The top-K distillation estimator against the models' vocabularies and the actor's micro-batching."""
+    """The top-K distillation estimator against the models' vocabularies and the head."""
     teachers = [(key, read_hf_config(path, key).vocab_size) for key, path in teacher_folders(cfg)]
-    check_topk(cfg.algo.distill, read_hf_config(cfg.model.path).vocab_size, teachers, cfg.model.fused_head,
-               cfg.actor.max_tokens_per_microbatch)
+    check_topk(cfg.algo.distill, read_hf_config(cfg.model.path).vocab_size, teachers, cfg.model.fused_head)
 
 
 def _check_data(cfg: RlhfConfig, problems: Problems, batch_key: str) -> list[str]:

@@ -15,7 +15,6 @@ from rlhf.rollout.config import RolloutConfig
 from rlhf.run_config import CheckpointConfig, RunConfig
 from rlhf.orchestration.config import ReplayConfig, SftConfig, TrainerConfig
 from rlhf.stages.config import AlgoConfig, ModelConfig, RefConfig, SamplingConfig, UpdateConfig
-from rlhf.stages.distill_config import DistillEstimator
 
 
 @dataclass(kw_only=True)
@@ -59,17 +58,13 @@ def longest_row(cfg: RlhfConfig) -> tuple[int, str]:
 
 def resolve_token_budgets(cfg: RlhfConfig) -> None:
     """Every packing budget left at `auto` becomes the role's micro_batch_size x `longest_row` (a packed
-    micro-batch then never holds more tokens than a row-count one could), so every reader sees an int; the actor
-    of top-K distillation keeps row counts (0)."""
+    micro-batch then never holds more tokens than a row-count one could), so every reader sees an int."""
     longest, _ = longest_row(cfg)
-    distill = cfg.algo.distill
-    topk = distill.enable and distill.estimator is DistillEstimator.TOPK  # packs do not carry the teacher's ids
     for role in ("actor", "critic", "ref"):
         section = getattr(cfg, role)
         if section.max_tokens_per_microbatch == "auto":
-            rows = role == "actor" and topk
-            setattr(cfg, role, dataclasses.replace(section, max_tokens_per_microbatch=0 if rows else
-                                                   section.micro_batch_size * longest))
+            setattr(cfg, role, dataclasses.replace(section, max_tokens_per_microbatch=section.micro_batch_size
+                                                   * longest))
     if cfg.reward.model_max_tokens_per_microbatch == "auto":
         cfg.reward = dataclasses.replace(cfg.reward, model_max_tokens_per_microbatch=cfg.reward.model_micro_batch_size
                                          * longest)

@@ -48,18 +48,14 @@ MAX_FLOAT_ID = 2 ** 24  # the teachers hand their top-K ids back as fp32 (`Polic
 
 
 def check_topk(config: DistillConfig, student_vocab: int, teacher_vocabs: Sequence[tuple[str, int]],
-               fused_head: bool, actor_token_budget: int) -> None:
+               fused_head: bool) -> None:
     """The top-K estimator's one-line ConfigErrors: K above a vocabulary, a teacher whose vocabulary size is not
-    the student's (its ids index the student's head), the unfused head, packed actor micro-batches."""
+    the student's (its ids index the student's head), the unfused head."""
     if config.estimator is not DistillEstimator.TOPK:
         return
     if not fused_head:
         raise ConfigError("algo.distill.estimator=topk scores the teacher's top-K ids through the fused LM head; "
                           "set model.fused_head=true")
-    if actor_token_budget:
-        raise ConfigError(f"algo.distill.estimator=topk runs on row micro-batches; set "
-                          f"actor.max_tokens_per_microbatch=0 (got {actor_token_budget}: packed micro-batches do "
-                          "not carry the teacher's ids yet)")
     if config.topk > student_vocab:
         raise ConfigError(f"algo.distill.topk={config.topk} is larger than the vocabulary ({student_vocab} tokens, "
                           f"model.path); set algo.distill.topk <= {student_vocab}")

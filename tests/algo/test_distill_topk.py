@@ -111,15 +111,12 @@ def test_defaults_and_bad_input():
     with pytest.raises(ConfigError, match=r"algo.distill.estimator.*did you mean 'topk'"):
         DistillConfig(estimator="top-k")
     topk = DistillConfig(estimator="topk", topk=40)
-    check_topk(topk, 40, [("algo.distill.teacher_path", 40)], True, 0)  # K = vocab is fine
-    check_topk(DistillConfig(), 4, [("algo.distill.teacher_path", 7)], False, 64)  # sampled: nothing to check
+    check_topk(topk, 40, [("algo.distill.teacher_path", 40)], True)  # K = vocab is fine
+    check_topk(DistillConfig(), 4, [("algo.distill.teacher_path", 7)], False)  # sampled: nothing to check
     with pytest.raises(ConfigError, match=r"^algo.distill.topk=40 is larger than the vocabulary \(39 tokens, "
                                           r"model.path\); set algo.distill.topk <= 39$"):
-        check_topk(topk, 39, [], True, 0)
+        check_topk(topk, 39, [], True)
     with pytest.raises(ConfigError, match=r"^algo.distill.routes.x has vocab_size 41, the student 40"):
-        check_topk(topk, 40, [("algo.distill.routes.x", 41)], True, 0)
+        check_topk(topk, 40, [("algo.distill.routes.x", 41)], True)
     with pytest.raises(ConfigError, match=r"^algo.distill.estimator=topk .* set model.fused_head=true$"):
-        check_topk(topk, 40, [], False, 0)
-    with pytest.raises(ConfigError, match=r"^algo.distill.estimator=topk runs on row micro-batches; set "
-                                          r"actor.max_tokens_per_microbatch=0 \(got 64"):
-        check_topk(topk, 40, [], True, 64)
+        check_topk(topk, 40, [], False)

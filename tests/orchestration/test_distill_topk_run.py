@@ -1,8 +1,9 @@
 """Top-K distillation (`algo.distill.estimator=topk`) end to end on 2 ranks, in one launched world: the teacher's
 top-K ids and logprobs equal transformers' full log-softmax, and `distill/topk_kl` the KL computed by hand from
 transformers' student and teacher; a teacher equal to the student adds zero loss and zero gradient (GRPO's update
-exactly); a resumed run repeats step 2 exactly; mode alone leaves only the KL term. Layouts (slow): the update is
-the same at micro-batch 1 and at dp=1 (actor tp=2, vocab-parallel student head)."""
+exactly); a resumed run repeats step 2 exactly; mode alone leaves only the KL term; the default packed micro-batches and
+row micro-batches give the same step. Layouts (slow): the update is the same at micro-batch 1, at dp=1 (actor
+tp=2, vocab-parallel student head) and at actor cp=2 (the teacher's ids split over the cp ranks with the tokens)."""
 
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ K = 6
 COMMON = ["trainer.val_before_train=false", "reward.by_source={}", "actor.optim.lr=0.05", "dist.seed=7",
           "algo.distill.enable=true", "algo.distill.estimator=topk", f"algo.distill.topk={K}", "algo.distill.coef=0.5"]
 CLOCK_PREFIXES = ("timing_s/", "perf/throughput", "perf/time", "memory/")
-LAYOUTS = {"micro1": ["actor.micro_batch_size=1"],
+LAYOUTS = {"micro1": ["actor.micro_batch_size=1"], "cp2": ["mesh.actor.cp=2", "actor.micro_batch_size=8"],
            "tp2": ["mesh.actor.tp=2", "actor.micro_batch_size=8", "algo.rollout_correction.enable=false"]}
 
 
@@ -71,10 +72,14 @@ def _topk_world(paths: dict, root: str, layouts: bool) -> dict:
         torch.equal(getattr(scored[("resumed", 2)], name), getattr(scored[("mix", 2)], name))
         for name in ("advantages_bt", "teacher_topk_ids_btk", "teacher_topk_logprobs_btk")))
     out["metrics"] = sorted(k for k in history[0] if k.startswith("distill/"))
+    # the default packed (THD) micro-batches carry the teacher's ids: row micro-batches give the same step
+    rows = run_trainer(paths, root, common + teacher + ["run.name=rows", "trainer.total_steps=1",
+                                                        "actor.max_tokens_per_microbatch=0"])[0]
+    out["rows_vs_packed"] = [abs(rows[key] - history[0][key])
+                             for key in ("distill/topk_kl", "distill/topk_loss", "actor/grad_norm", "actor/pg_loss")]
     zero = run_trainer(paths, root, common + ["run.name=zero", "trainer.total_steps=1",
                                               f"algo.distill.teacher_path={paths['model']}"])
-    plain = run_trainer(paths, root, COMMON[:4] + [paths["reward"], "run.name=plain", "trainer.total_steps=1",
-                                                   "actor.max_tokens_per_microbatch=0"])  # top-K's row counts
+    plain = run_trainer(paths, root, COMMON[:4] + [paths["reward"], "run.name=plain", "trainer.total_steps=1"])
     out["zero"] = (zero[0]["distill/topk_kl"], zero[0]["actor/grad_norm"] - plain[0]["actor/grad_norm"],
                    zero[0]["actor/pg_loss"] - plain[0]["actor/pg_loss"])
     alone = run_trainer(paths, root, common + teacher + ["run.name=alone", "trainer.total_steps=1",
@@ -104,6 +109,7 @@ def _check(out: dict) -> None:
     assert out["teacher_ids_equal"] and out["teacher_logprob_diff"] < 1e-5, out
     assert out["kl"] > 1e-3 and out["kl_diff"] < 1e-5, out
     assert out["resume_exact"], out
+    assert max(out["rows_vs_packed"]) < 1e-5, out["rows_vs_packed"]
     assert out["metrics"] == ["distill/sampled_in_topk", "distill/teacher_logprob", "distill/teacher_topk_mass",
                               "distill/topk_kl", "distill/topk_loss"]
     kl, grad_norm_diff, pg_loss_diff = out["zero"]

@@ -39,10 +39,10 @@ def test_auto_budgets_are_micro_batch_size_times_the_longest_row(tmp_path):
                         "multiturn.limits.token_budget=200")
     assert longest_row(multiturn) == (200, "multiturn.limits.token_budget=200")
     assert _budgets(multiturn) == {"actor": 800, "critic": 800, "ref": 1600, "reward": 1600, "actor_forward": 800}
-    # top-K distillation: the actor keeps row counts (packs do not carry the teacher's ids), the rest pack
+    # top-K distillation packs too (the packs carry the teacher's ids)
     topk = _config(tmp_path, "algo.distill.enable=true", "algo.distill.estimator=topk",
                    f"algo.distill.teacher_path={tmp_path / 'model'}")
-    assert _budgets(topk) == {"actor": 0, "critic": 84, "ref": 168, "reward": 168, "actor_forward": 0}
+    assert _budgets(topk) == {"actor": 84, "critic": 84, "ref": 168, "reward": 168, "actor_forward": 84}
     # explicit values are kept; 0 is row counts
     explicit = _config(tmp_path, "actor.max_tokens_per_microbatch=0", "ref.max_tokens_per_microbatch=77")
     assert _budgets(explicit) == {"actor": 0, "critic": 84, "ref": 77, "reward": 168, "actor_forward": 0}
