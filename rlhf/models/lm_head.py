@@ -117,11 +117,13 @@ def head_sum_pi_squared(hidden_nh: torch.Tensor, head: LMHead, *, temperature: f
 
 
 @torch.no_grad()
-def head_topk(hidden_nh: torch.Tensor, head: LMHead, k: int, *, temperature: float = 1.0,
-              chunk_bytes: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids int64 [n, k], log softmax(h W^T / temperature) at those ids fp32 [n, k]): each row's k most likely
-    vocab ids, most likely first, in row chunks of at most `chunk_bytes` fp32 logits. Over tp each shard's own
-    top-k (ids made global) and (max, sum exp) are combined: [n, k x tp] values cross the ranks, never logits."""
+def head_topk(hidden_nh: torch.Tensor, head: LMHead, k: int, *, temperature: float = 1.0, chunk_bytes: int = 0,
+              labels_n: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(ids int64 [n, k], log softmax(h W^T / temperature) at those ids fp32 [n, k], at `labels_n` fp32 [n] or
+    None without labels): each row's k most likely vocab ids, most likely first, in row chunks of at most
+    `chunk_bytes` fp32 logits — one pass over the logits gives a frozen model's top-k and its logprob of the
+    sampled token (a teacher's forward). Over tp each shard's own top-k (ids made global), its label logit (where
+    it holds the label) and (max, sum exp) are combined: [n, k x tp] values cross the ranks, never logits."""
     num_rows, num_valid = hidden_nh.shape[0], head.num_valid
     chunk_rows = max(1, (chunk_bytes or fused_head_bytes()[0]) // (4 * max(1, num_valid)))
     local_k = min(k, num_valid)
@@ -129,11 +131,19 @@ def head_topk(hidden_nh: torch.Tensor, head: LMHead, k: int, *, temperature: flo
     ids_nk = torch.zeros(num_rows, k, dtype=torch.int64, device=hidden_nh.device)
     stats_2n = hidden_nh.new_zeros(2, num_rows, dtype=torch.float32)
     stats_2n[0].fill_(float("-inf"))
+    picked_n = None
+    if labels_n is not None:
+        local_n = labels_n - head.vocab_start
+        owned_n = (local_n >= 0) & (local_n < num_valid)
+        local_n = local_n.clamp(0, max(0, num_valid - 1))
+        picked_n = hidden_nh.new_zeros(num_rows, dtype=torch.float32)
     for chunk in _spans(0, num_rows if local_k else 0, chunk_rows):
         logits_cv = _chunk_logits(hidden_nh[chunk], head.weight[:num_valid], temperature)
         top = logits_cv.topk(local_k, dim=-1)
         values_nk[chunk, :local_k], ids_nk[chunk, :local_k] = top.values, top.indices + head.vocab_start
         stats_2n[0, chunk] = top.values[:, 0]
+        if picked_n is not None:
+            picked_n[chunk] = logits_cv.gather(1, local_n[chunk, None])[:, 0] * owned_n[chunk]
         stats_2n[1, chunk] = logits_cv.sub_(stats_2n[0, chunk, None]).exp_().sum(dim=-1)
     global_max_n = _all_reduce(stats_2n[0].clone(), dist.ReduceOp.MAX, head.tp_group)
     scale_n = (stats_2n[0] - global_max_n).nan_to_num(neginf=0.0).exp() * (stats_2n[1] > 0)
@@ -143,7 +153,10 @@ def head_topk(hidden_nh: torch.Tensor, head: LMHead, k: int, *, temperature: flo
         ids_nk = torch.cat(_all_gather(ids_nk, head.tp_group), dim=1)
         top = values_nk.topk(k, dim=-1)
         values_nk, ids_nk = top.values, ids_nk.gather(1, top.indices)
-    return ids_nk, values_nk - lse_n[:, None]
+    label_logp_n = None
+    if picked_n is not None:
+        label_logp_n = _all_reduce(picked_n, dist.ReduceOp.SUM, head.tp_group) - lse_n
+    return ids_nk, values_nk - lse_n[:, None], label_logp_n
 
 
 def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:

@@ -52,7 +52,8 @@ class PolicyRole(ModelRole):
         """(output, labels, wanted) -> [.., 2] logprob and entropy per position (+ sum_v pi(v)^2: [.., 3]); fused
         head: on the `wanted` (response-predicting) positions only, 0 elsewhere; any leading dims (`forward`).
         Labels `[.., 1 + K]` (the next token and K given ids) add the K ids' logprobs after the entropy; `topk`
-        adds this model's own top-`topk` logprobs, then their ids (as fp32: exact below 2^24)."""
+        (a frozen teacher's forward) adds this model's own top-`topk` logprobs, then their ids (as fp32: exact
+        below 2^24), from the same pass over the logits as the logprob (the entropy column is 0 there)."""
         def fn(output_sx: torch.Tensor, labels_s: torch.Tensor, wanted_s: torch.Tensor) -> torch.Tensor:
             if not self.fused_head:
                 assert labels_s.dim() == wanted_s.dim() and not topk, "top-K distillation needs the fused head"
@@ -63,15 +64,18 @@ class PolicyRole(ModelRole):
                 return torch.stack([logp_s, entropy_s], dim=-1)
             head = LMHead.of(self.model, self.tp_group, self.vocab_size)
             hidden_nh = output_sx[wanted_s]
-            logp_nm, entropy_n = head_logprobs(hidden_nh, labels_s[wanted_s], head, temperature=self.temperature,
-                                               entropy_grad=entropy_grad)
-            logp_nm = logp_nm if logp_nm.dim() == 2 else logp_nm[:, None]
-            columns = [logp_nm[:, :1], entropy_n[:, None], logp_nm[:, 1:]]
-            if sum_pi_squared:
-                columns.append(head_sum_pi_squared(hidden_nh, head, temperature=self.temperature)[:, None])
-            if topk:
-                ids_nk, top_logp_nk = head_topk(hidden_nh, head, topk, temperature=self.temperature)
-                columns += [top_logp_nk, ids_nk.float()]
+            if topk:  # a frozen teacher: its top-K and the sampled token's logprob in one pass (no entropy: 0)
+                assert labels_s.dim() == wanted_s.dim() and not sum_pi_squared, "a teacher scores plain labels"
+                ids_nk, top_logp_nk, logp_n = head_topk(hidden_nh, head, topk, temperature=self.temperature,
+                                                        labels_n=labels_s[wanted_s])
+                columns = [logp_n[:, None], torch.zeros_like(logp_n)[:, None], top_logp_nk, ids_nk.float()]
+            else:
+                logp_nm, entropy_n = head_logprobs(hidden_nh, labels_s[wanted_s], head,
+                                                   temperature=self.temperature, entropy_grad=entropy_grad)
+                logp_nm = logp_nm if logp_nm.dim() == 2 else logp_nm[:, None]
+                columns = [logp_nm[:, :1], entropy_n[:, None], logp_nm[:, 1:]]
+                if sum_pi_squared:
+                    columns.append(head_sum_pi_squared(hidden_nh, head, temperature=self.temperature)[:, None])
             stats_nk = torch.cat(columns, dim=-1)
             return stats_nk.new_zeros((*wanted_s.shape, stats_nk.shape[-1])).index_put((wanted_s,), stats_nk)
 

@@ -49,12 +49,17 @@ def _fused(hidden, shard, ids, grad, grad_entropy, group, vocab, temperature, **
 
 
 def _topk_diffs(hidden, shard, group, vocab, temperature, k, **kwargs):
-    """(max |logprob - full|, ids equal to the full logits' top-k) of head_topk."""
-    ids, logp = head_topk(hidden, LMHead(shard, group, vocab), k, temperature=temperature, **kwargs)
+    """(max |logprob - full|, ids equal to the full logits' top-k, max |logprob at the ids - full|, max |logprob
+    of each row's label - full|) of head_topk; without labels it returns None there."""
+    labels = torch.arange(hidden.shape[0]) * 37 % vocab  # labels on every shard
+    head = LMHead(shard, group, vocab)
+    ids, logp, label_logp = head_topk(hidden, head, k, temperature=temperature, labels_n=labels, **kwargs)
+    assert head_topk(hidden, head, k, temperature=temperature, **kwargs)[2] is None
     full = _full_logprobs(hidden, _inputs()[1], vocab, temperature)
     expected = full.topk(k, dim=-1)
     return float((logp - expected.values).abs().max()), bool(torch.equal(ids, expected.indices)), \
-        float((logp - full.gather(1, ids)).abs().max())
+        max(float((logp - full.gather(1, ids)).abs().max()),
+            float((label_logp - full.gather(1, labels[:, None])[:, 0]).abs().max()))
 
 
 def _tp1():
