@@ -1,5 +1,5 @@
 """Distillation teachers in more settings, on 2 ranks in one launched world: a teacher at tp=2, at pp=2, a MoE
-teacher (Qwen3-MoE, top-2 of 4 experts) and one-step-off async (rollout on rank 1, actor and teacher on rank 0)
+teacher (Qwen3-MoE, top-2 of 4 experts) at ep=1 and at ep=2 (its experts split over the two ranks) and one-step-off async (rollout on rank 1, actor and teacher on rank 0)
 each score the sampled tokens as transformers does, and tp=2 / pp=2 as the tp=1 teacher does; on 4 ranks (slow)
 a tp=2 teacher at dp=2, and on ranks of its own (split placement), does too."""
 
@@ -42,6 +42,7 @@ def _layouts_world(paths: dict, root: str) -> dict:
             "tp2": [f"algo.distill.teacher_path={paths['teacher']}", "mesh.teacher.tp=2"],
             "pp2": [f"algo.distill.teacher_path={paths['teacher']}", "mesh.teacher.pp=2"],
             "moe": [f"algo.distill.teacher_path={paths['moe_teacher']}"],
+            "moe_ep2": [f"algo.distill.teacher_path={paths['moe_teacher']}", "mesh.teacher.ep=2"],
             "async": [f"algo.distill.teacher_path={paths['teacher']}"] + ASYNC}
     scored, metrics = {}, {}
     for name, overrides in runs.items():
@@ -56,7 +57,8 @@ def _layouts_world(paths: dict, root: str) -> dict:
             diff_bt = scored[(name, 1)].teacher_logprobs_bt - base.teacher_logprobs_bt
             out[f"{name}_vs_tp1"] = float(diff_bt.abs().max())
         for name, step, teacher in (("tp1", 1, "teacher"), ("tp2", 1, "teacher"), ("pp2", 1, "teacher"),
-                                    ("moe", 1, "moe_teacher"), ("async", 2, "teacher")):
+                                    ("moe", 1, "moe_teacher"), ("moe_ep2", 1, "moe_teacher"),
+                                    ("async", 2, "teacher")):
             batch = scored[(name, step)]
             hf_bt = hf_sampled_logprobs(paths[teacher], batch)
             out[f"{name}_vs_hf"] = float((batch.teacher_logprobs_bt - hf_bt).abs().max())
@@ -70,7 +72,7 @@ def test_distill_layouts_world(setup, tmp_path):
     out = run_distributed(_layouts_world, 2, setup, str(tmp_path), timeout_s=600)[0]
     assert out["tp2_same_tokens"] and out["pp2_same_tokens"], out
     assert out["tp2_vs_tp1"] < 1e-5 and out["pp2_vs_tp1"] < 1e-5, out
-    for name in ("tp1", "tp2", "pp2", "moe", "async"):
+    for name in ("tp1", "tp2", "pp2", "moe", "moe_ep2", "async"):
         assert out[f"{name}_vs_hf"] < 1e-4 and out[f"{name}_nonzero"], (name, out)
     assert out["async_stale"] == 0, out  # batch 2 sampled by version 0, the policy before step 1's update
     assert all(value is not None and value != 0.0 for value in out["reverse_kl"].values()), out
