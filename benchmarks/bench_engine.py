@@ -7,7 +7,8 @@ largest loss difference between the trajectories (they train the same model the 
 `--autocast` adds two sides: rlhf with `optim.autocast=bfloat16` (bf16 matmuls, fp32 weights/grads/Adam) and the
 peer under `torch.autocast` bf16 (fp32 weights and AdamW, loss in fp32), and the bf16-vs-fp32 answer-token logprob
 differences of one forward on the same weights.
-Writes benchmarks/results/engine.json (summary: peer step time / rlhf step time, > 1 means rlhf is faster).
+Writes benchmarks/results/engine.json (summary: peer step time / rlhf step time, > 1 means rlhf is faster; and each
+side's GFLOP/s over its median timed step, from the model shape, as a fraction of the matmul peak measured here).
 `--ops` profiles one more step of each side afterwards (torch profiler, not timed with the others): achieved
 GFLOP/s against the measured matmul peak and the op table grouped as GEMM / attention / elementwise / optimizer
 / framework (`rlhf.profiling.ops`). `--model smollm2` trains SmolLM2-135M instead of the random Llama.
@@ -148,7 +149,7 @@ def _answer_logprobs(engine, fused_head: bool):
     return fn
 
 
-def _bench_rank(path: str, args: argparse.Namespace) -> tuple[list[dict], dict, dict | None]:
+def _bench_rank(path: str, args: argparse.Namespace) -> tuple[list[dict], dict, dict | None, float]:
     from rlhf.parallel.groups import build_layout_groups
     from rlhf.parallel.layout import ParallelLayout
     from rlhf.testing.engine_nll import sft_micro_batches, sft_step
@@ -184,7 +185,9 @@ def _bench_rank(path: str, args: argparse.Namespace) -> tuple[list[dict], dict, 
         for side in reversed(order):
             ops[side] = _profiled(lambda: run(side, tokens, mask), spec, tokens)
     fidelity = _logprob_fidelity(engines["rlhf_bf16"], args) if args.autocast else None
-    return records, ops, fidelity
+    from rlhf.profiling.ops import train_flops
+
+    return records, ops, fidelity, train_flops(spec, args.batch * args.seq, args.seq)
 
 
 def summarize(records: list[dict], args: argparse.Namespace) -> tuple[list[dict], dict]:
@@ -221,6 +224,24 @@ def summarize(records: list[dict], args: argparse.Namespace) -> tuple[list[dict]
     return rows, summary
 
 
+def matmul_peaks() -> dict[str, float]:
+    """The measured one-thread matmul peak here, GFLOP/s, per dtype (the sides run on one thread)."""
+    from _machine import matmul_peak_gflops
+
+    torch.set_num_threads(1)
+    return {"fp32": matmul_peak_gflops(), "bf16": matmul_peak_gflops(dtype=torch.bfloat16)}
+
+
+def timed_fraction_of_peak(rows: list[dict], flops: float, peaks: dict[str, float]) -> dict:
+    """Each side's GFLOP/s over its median timed step (no profiler running) against the peak of its GEMMs' dtype."""
+    result = {"matmul_peak_gflops_fp32": peaks["fp32"], "matmul_peak_gflops_bf16": peaks["bf16"]}
+    for row in rows:
+        peak = peaks["bf16" if row["side"].endswith("_bf16") else "fp32"]
+        gflops = flops / row["median_s"] / 1e9
+        result |= {f"{row['side']}_timed_gflops": gflops, f"{row['side']}_timed_fraction_of_peak": gflops / peak}
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=256)
@@ -252,8 +273,10 @@ def main() -> None:
         else:
             torch.manual_seed(0)
             LlamaForCausalLM(model_config(args)).save_pretrained(path)
-        records, ops, fidelity = run_distributed(_bench_rank, 1, path, args, timeout_s=3600)[0]
+        records, ops, fidelity, flops = run_distributed(_bench_rank, 1, path, args, timeout_s=3600)[0]
     rows, summary = summarize(records, args)
+    peaks = matmul_peaks()
+    summary |= timed_fraction_of_peak(rows, flops, peaks)
     print(f"{'side':>10} {'median s/step':>14} {'min s':>8} {'median cpu s':>13} {'tokens/s':>9}")
     for row in rows:
         print(f"{row['side']:>10} {row['median_s']:>14.3f} {row['min_s']:>8.3f} {row['median_cpu_s']:>13.3f} "
@@ -265,12 +288,8 @@ def main() -> None:
         summary["bf16_logprob_fidelity"] = fidelity
         print("bf16 autocast vs fp32 logprobs: " + ", ".join(f"{k} {v:.3g}" for k, v in fidelity.items()))
     if ops:
-        from _machine import matmul_peak_gflops
-
         from rlhf.profiling.ops import format_op_table
 
-        torch.set_num_threads(1)  # the sides ran on one thread
-        peaks = {"fp32": matmul_peak_gflops(), "bf16": matmul_peak_gflops(dtype=torch.bfloat16)}
         for side, table in ops.items():
             table["peak_gflops"] = peak = peaks["bf16" if side.endswith("_bf16") else "fp32"]
             table["achieved_gflops"] = table["flops"] / table["wall_s"] / 1e9

@@ -23,6 +23,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
 from rlhf.platform import fused_head_bytes
+from rlhf.platform.compat import megatron as megatron_compat
 
 
 class GPTModelWithHiddenOutput(GPTModel):
@@ -230,6 +231,7 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         lse_n = global_max_n + log_sum_n - (local_max_n if kept_cv is not None else 0.0)
         ctx.save_for_backward(hidden_nh, weight_vh, local_n, owned_n, lse_n, entropy_n, kept_cv)
         ctx.config = (temperature, chunk_rows, block_rows, head.weight.shape[0])
+        ctx.head_weight = head.weight
         ctx.set_materialize_grads(False)
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy_n)
@@ -247,6 +249,8 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         grad_logprobs_n = grad_logprobs_nm.sum(dim=1)
         grad_hidden_nh = torch.empty_like(hidden_nh) if num_valid else torch.zeros_like(hidden_nh)
         grad_weight_vh = None
+        # under DDP the weight gradient goes straight into the grad buffer (no [vocab, hidden] temporary)
+        main_grad_vh = megatron_compat.main_grad_of(ctx.head_weight) if ctx.needs_input_grad[1] else None
         for chunk in _spans(0, num_rows if num_valid else 0, chunk_rows):
             # the kept logits become the gradient in place: this backward can run once (no retain_graph reuse)
             logits_cv = kept_cv if kept_cv is not None else _chunk_logits(hidden_nh[chunk], weight_vh, temperature)
@@ -264,12 +268,17 @@ class _FusedHeadLogprobs(torch.autograd.Function):
                     grad_bv.div_(temperature)
             grad_cv = logits_cv.to(hidden_nh.dtype)
             grad_hidden_nh[chunk] = grad_cv @ weight_vh
-            partial_vh = grad_cv.t() @ hidden_nh[chunk]  # in the model's dtype (bf16 GEMMs stay bf16)
-            if grad_weight_vh is None:  # several chunks accumulate in fp32
-                grad_weight_vh = partial_vh if kept_cv is not None else partial_vh.float()
-            else:
-                grad_weight_vh.add_(partial_vh)
-        if grad_weight_vh is not None and num_valid == weight_rows:
+            if main_grad_vh is not None:
+                megatron_compat.add_weight_grad(hidden_nh[chunk], grad_cv, main_grad_vh[:num_valid])
+            elif ctx.needs_input_grad[1]:
+                partial_vh = grad_cv.t() @ hidden_nh[chunk]  # in the model's dtype (bf16 GEMMs stay bf16)
+                if grad_weight_vh is None:  # several chunks accumulate in fp32
+                    grad_weight_vh = partial_vh if kept_cv is not None else partial_vh.float()
+                else:
+                    grad_weight_vh.add_(partial_vh)
+        if not ctx.needs_input_grad[1] or main_grad_vh is not None:
+            grad_weight = None
+        elif grad_weight_vh is not None and num_valid == weight_rows:
             grad_weight = grad_weight_vh.to(hidden_nh.dtype)
         else:  # padded vocab rows get no gradient
             grad_weight = hidden_nh.new_zeros(weight_rows, hidden_nh.shape[1])

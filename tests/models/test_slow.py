@@ -79,5 +79,8 @@ def test_smollm2_at_tp3_matches_transformers(smollm_folder):
     tokens = sample_tokens(2, 16) * 487 % config.vocab_size
     with torch.no_grad():
         logits = reference(tokens).logits
-    assert np.abs(got["logits"] - logits.numpy()).max() <= 1e-4
+    # fp32 to rounding: tp3 sums each row-parallel output in another order; |logits| reach ~33 here, and on an
+    # Intel Xeon (AMX) the largest difference is 1.1e-4 (3.4e-6 of the largest logit)
+    scale = float(np.abs(logits.numpy()).max())
+    assert np.abs(got["logits"] - logits.numpy()).max() <= 5e-6 * scale
     assert os.path.exists(os.path.join(smollm_folder, "tokenizer_config.json"))
