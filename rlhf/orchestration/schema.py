@@ -58,13 +58,17 @@ def longest_row(cfg: RlhfConfig) -> tuple[int, str]:
 
 def resolve_token_budgets(cfg: RlhfConfig) -> None:
     """Every packing budget left at `auto` becomes the role's micro_batch_size x `longest_row` (a packed
-    micro-batch then never holds more tokens than a row-count one could), so every reader sees an int."""
+    micro-batch then never holds more tokens than a row-count one could), so every reader sees an int. The
+    reference's forward-only passes take at least the actor's forward-only budget: a forward without backward
+    holds less than the actor's update of as many tokens, so what the actor fits the reference fits."""
     longest, _ = longest_row(cfg)
     for role in ("actor", "critic", "ref"):
         section = getattr(cfg, role)
         if section.max_tokens_per_microbatch == "auto":
-            setattr(cfg, role, dataclasses.replace(section, max_tokens_per_microbatch=section.micro_batch_size
-                                                   * longest))
+            budget = section.micro_batch_size * longest
+            if role == "ref":
+                budget = max(budget, cfg.actor.forward_tokens_per_microbatch)
+            setattr(cfg, role, dataclasses.replace(section, max_tokens_per_microbatch=budget))
     if cfg.reward.model_max_tokens_per_microbatch == "auto":
         cfg.reward = dataclasses.replace(cfg.reward, model_max_tokens_per_microbatch=cfg.reward.model_micro_batch_size
                                          * longest)

@@ -199,11 +199,13 @@ class UpdateConfig:
 class RefConfig:
     """The frozen reference policy: `offload` parks its weights on the host while the rollout engine runs; its
     forwards take packed micro-batches of at most `max_tokens_per_microbatch` tokens (auto: `micro_batch_size` x
-    the longest row), or with 0 `micro_batch_size` sequences at a time on each DP rank."""
+    the longest row, or the actor's forward-only budget where that is larger), or with 0 `micro_batch_size`
+    sequences at a time on each DP rank."""
 
     offload: bool = False  # park the reference weights on the host while the rollout engine runs
     micro_batch_size: int = 8  # sequences per reference forward on each DP rank
-    # packed micro-batches of at most this many tokens; auto: micro_batch_size x the longest row; 0: row counts
+    # packed micro-batches of at most this many tokens; auto: micro_batch_size x the longest row, at least the
+    # actor's forward-only budget; 0: row counts
     max_tokens_per_microbatch: TokenBudget = "auto"
 
     def __post_init__(self) -> None:

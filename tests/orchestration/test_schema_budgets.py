@@ -30,10 +30,13 @@ def test_auto_budgets_are_micro_batch_size_times_the_longest_row(tmp_path):
     # GRPO (fixtures: 16-token prompts + 5-token responses; actor and critic 4 rows, ref and reward model 8)
     assert _budgets(_config(tmp_path)) == {"actor": 84, "critic": 84, "ref": 168, "reward": 168,
                                            "actor_forward": 84}
-    # PPO with a critic of its own micro-batch size, and a forward-only budget of the user's
+    # PPO with a critic of its own micro-batch size, and a forward-only budget of the user's: the reference's
+    # forward-only passes take the actor's forward-only budget where it is larger than its own
     ppo = _config(tmp_path, "algo.advantage.kind=gae", "critic.micro_batch_size=2", "ref.micro_batch_size=3",
                   "actor.forward_max_tokens_per_microbatch=500", "reward.model_micro_batch_size=1")
-    assert _budgets(ppo) == {"actor": 84, "critic": 42, "ref": 63, "reward": 21, "actor_forward": 500}
+    assert _budgets(ppo) == {"actor": 84, "critic": 42, "ref": 500, "reward": 21, "actor_forward": 500}
+    whole = _config(tmp_path, "actor.micro_batch_size=32")  # the actor's update takes the whole batch at once
+    assert _budgets(whole) == {"actor": 672, "critic": 84, "ref": 672, "reward": 168, "actor_forward": 672}
     # multi-turn: a row is bounded by its token budget (prompt + every response and observation token)
     multiturn = _config(tmp_path, "multiturn.enable=true", "multiturn.agent=agent.py:run",
                         "multiturn.limits.token_budget=200")
