@@ -5,6 +5,10 @@ suppressed, one optimizer step per batch, micro-batch = the whole batch. TRL run
 control to rlhf after every `--steps-per-round` TRL steps, so the two arms alternate under the same load.
 Reports median s/step, generated tokens/s and TRL s/step / rlhf s/step; writes benchmarks/results/e2e.json
 (rows of other models already in that file are kept, so `--model smollm2` adds its row).
+`--bf16`: both arms in bf16 on a CPU with bf16 matmuls (AVX-512-BF16 / AMX): TRL with `bf16=True` (accelerate's
+autocast, fp32 weights and AdamW), rlhf with `actor.optim.autocast=bfloat16` (fp32 master weights, grads and Adam)
+and `rollout.dtype=bfloat16` (the native engine's bf16 copy of the weights); rollout correction off, as TRL has none
+(the update's own logprobs are the old ones in both).
 """
 
 from __future__ import annotations
@@ -76,14 +80,15 @@ def init_world() -> None:
 class RlhfArm:
     """rlhf's Trainer driven one step (`Trainer.run_step`) at a time."""
 
-    def __init__(self, model_path: str, prompts: Path, beta: float, lr: float, run_root: Path) -> None:
+    def __init__(self, model_path: str, prompts: Path, beta: float, lr: float, run_root: Path,
+                 bf16: bool = False) -> None:
         from rlhf.config import from_dict
         from rlhf.orchestration.schema import RlhfConfig
         from rlhf.run_dir import setup_run
         from rlhf.orchestration.loop import Trainer
         from rlhf.orchestration.preflight import preflight
 
-        cfg = from_dict(RlhfConfig, rlhf_config(model_path, prompts, beta, lr, run_root))
+        cfg = from_dict(RlhfConfig, rlhf_config(model_path, prompts, beta, lr, run_root, bf16))
         preflight(cfg, 1)
         self.trainer = Trainer(cfg, setup_run(cfg.run, cfg, prefix="bench"))
         self.step_index = 0
@@ -99,8 +104,8 @@ class RlhfArm:
             self.cpu_times.append(time.process_time() - cpu_start)
 
 
-def rlhf_config(model_path: str, prompts: Path, beta: float, lr: float, run_root: Path) -> dict:
-    return {
+def rlhf_config(model_path: str, prompts: Path, beta: float, lr: float, run_root: Path, bf16: bool = False) -> dict:
+    config = {
         "dist": {"backend": "gloo", "timeout_s": 600},
         "run": {"output_dir": str(run_root), "name": f"e2e_beta{beta}"},
         "model": {"path": model_path},
@@ -113,13 +118,19 @@ def rlhf_config(model_path: str, prompts: Path, beta: float, lr: float, run_root
         "rollout": {"native": {"max_batch_size": PROMPTS * GROUP, "max_seq_len": 64 + NEW_TOKENS}},
         "trainer": {"total_steps": 10_000, "tensorboard": False, "val_before_train": False},
     }
+    if bf16:
+        config["actor"]["optim"]["autocast"] = "bfloat16"
+        config["rollout"]["dtype"] = "bfloat16"
+        config["algo"]["rollout_correction"] = {"enable": False}
+    return config
 
 
 def exact_reward(prompts, completions, ground_truth, **_) -> list[float]:
     return [float(c.strip() == g) for c, g in zip(completions, ground_truth)]
 
 
-def trl_trainer(model_path: str, prompts: Path, beta: float, lr: float, out: Path, total_steps: int, callback):
+def trl_trainer(model_path: str, prompts: Path, beta: float, lr: float, out: Path, total_steps: int, callback,
+                bf16: bool = False):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -127,7 +138,7 @@ def trl_trainer(model_path: str, prompts: Path, beta: float, lr: float, out: Pat
     rows = [json.loads(line) for line in prompts.read_text().splitlines()]
     data = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]}
                               for r in rows])
-    args = GRPOConfig(output_dir=str(out), use_cpu=True, bf16=False, beta=beta, learning_rate=lr,
+    args = GRPOConfig(output_dir=str(out), use_cpu=True, bf16=bf16, beta=beta, learning_rate=lr,
                       num_generations=GROUP, per_device_train_batch_size=PROMPTS * GROUP,
                       gradient_accumulation_steps=1, num_iterations=1, max_completion_length=NEW_TOKENS,
                       generation_kwargs={"min_new_tokens": NEW_TOKENS}, temperature=1.0, max_steps=total_steps,
@@ -165,14 +176,14 @@ def bench_variant(model: str, beta: float, args, root: Path) -> dict:
     path = model_folder(model, root)
     total = args.rounds * args.steps_per_round + args.steps_per_round  # first round is warm-up
     prompts = prompt_file(root, PROMPTS * (total + 1))
-    rlhf = RlhfArm(path, prompts, beta, args.lr, root / "runs")
+    rlhf = RlhfArm(path, prompts, beta, args.lr, root / "runs", args.bf16)
     callback = alternating_callback(rlhf, args.steps_per_round)
-    trl_trainer(path, prompts, beta, args.lr, root / "trl", total, callback).train()
+    trl_trainer(path, prompts, beta, args.lr, root / "trl", total, callback, args.bf16).train()
     skip = args.steps_per_round
     rlhf_s, trl_s = statistics.median(rlhf.times[skip:]), statistics.median(callback.times[skip:])
     rlhf_cpu_s, trl_cpu_s = statistics.median(rlhf.cpu_times[skip:]), statistics.median(callback.cpu_times[skip:])
     tokens = PROMPTS * GROUP * NEW_TOKENS
-    return {"model": model, "beta": beta, "rlhf_ranks": 1, "rlhf_s_step": rlhf_s, "trl_s_step": trl_s,
+    return {"model": model, "beta": beta, "dtype": "bf16" if args.bf16 else "fp32", "rlhf_ranks": 1, "rlhf_s_step": rlhf_s, "trl_s_step": trl_s,
             "rlhf_cpu_s_step": rlhf_cpu_s, "trl_cpu_s_step": trl_cpu_s, "trl_over_rlhf_cpu": trl_cpu_s / rlhf_cpu_s,
             "rlhf_gen_tok_s": tokens / rlhf_s, "trl_gen_tok_s": tokens / trl_s, "trl_over_rlhf": trl_s / rlhf_s,
             "rlhf_times_s": rlhf.times, "trl_times_s": callback.times, "rlhf_cpu_times_s": rlhf.cpu_times,
@@ -182,7 +193,8 @@ def bench_variant(model: str, beta: float, args, root: Path) -> dict:
 def summary_of(rows: list[dict]) -> dict:
     keys = {("tiny", False): "rlhf_vs_trl_tiny_beta0", ("tiny", True): "rlhf_vs_trl_tiny_beta",
             ("smollm2", False): "rlhf_vs_trl_smollm2", ("smollm2", True): "rlhf_vs_trl_smollm2_beta"}
-    return {keys[(r["model"], r["beta"] > 0)]: r["trl_over_rlhf"] for r in rows}
+    return {keys[(r["model"], r["beta"] > 0)] + ("_bf16" if r.get("dtype") == "bf16" else ""): r["trl_over_rlhf"]
+            for r in rows}
 
 
 def print_table(rows: list[dict]) -> None:
@@ -201,6 +213,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds after one warm-up round")
     parser.add_argument("--steps-per-round", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--bf16", action="store_true", help="both arms in bf16 (see the module docstring)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     betas = args.betas if args.betas is not None else ([0.0, 0.04] if args.model == "tiny" else [0.0])
