@@ -183,7 +183,8 @@ def bench_variant(model: str, beta: float, args, root: Path) -> dict:
     rlhf_s, trl_s = statistics.median(rlhf.times[skip:]), statistics.median(callback.times[skip:])
     rlhf_cpu_s, trl_cpu_s = statistics.median(rlhf.cpu_times[skip:]), statistics.median(callback.cpu_times[skip:])
     tokens = PROMPTS * GROUP * NEW_TOKENS
-    return {"model": model, "beta": beta, "dtype": "bf16" if args.bf16 else "fp32", "rlhf_ranks": 1, "rlhf_s_step": rlhf_s, "trl_s_step": trl_s,
+    return {"model": model, "beta": beta, "dtype": "bf16" if args.bf16 else "fp32", "rlhf_ranks": 1,
+            "rlhf_s_step": rlhf_s, "trl_s_step": trl_s,
             "rlhf_cpu_s_step": rlhf_cpu_s, "trl_cpu_s_step": trl_cpu_s, "trl_over_rlhf_cpu": trl_cpu_s / rlhf_cpu_s,
             "rlhf_gen_tok_s": tokens / rlhf_s, "trl_gen_tok_s": tokens / trl_s, "trl_over_rlhf": trl_s / rlhf_s,
             "rlhf_times_s": rlhf.times, "trl_times_s": callback.times, "rlhf_cpu_times_s": rlhf.cpu_times,

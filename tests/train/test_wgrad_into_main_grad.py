@@ -81,7 +81,8 @@ def test_embedding_and_head_grads_in_main_grad_equal_transformers(tmp_path, fami
             want = expected[name]
             if name in ("embedding", "head"):  # vocab rows split over tp, the last shard padded
                 rows = got.shape[0]
-                want = torch.nn.functional.pad(want, (0, 0, 0, rows * tp - want.shape[0]))[rank * rows:(rank + 1) * rows]
+                padded = torch.nn.functional.pad(want, (0, 0, 0, rows * tp - want.shape[0]))
+                want = padded[rank * rows:(rank + 1) * rows]
             elif tp > 1:  # down_proj: row-parallel, input columns split over tp
                 cols = got.shape[1]
                 want = want[:, rank * cols:(rank + 1) * cols]

@@ -36,8 +36,8 @@ Touch-points (name: what it does; why):
   looked-up rows' gradients into `main_grad`, instead of a dense [vocab, hidden] zero-filled gradient per
   micro-batch that the DDP hook then adds in (SmolLM2: 113 MB allocated, filled and added twice per micro-batch).
 - `main_grad_of` / `add_weight_grad`: a weight's DDP `main_grad`, for rlhf's own autograd functions (the fused
-  LM head) to accumulate into in place and return no `.grad`: rlhf's DDP never overlaps the grad reduce (`rlhf.train.engine`), so
-  megatron's per-param hook only adds `.grad` into `main_grad` and may be skipped.
+  LM head) to accumulate into in place and return no `.grad`: rlhf's DDP never overlaps the grad reduce
+  (`rlhf.train.engine`), so megatron's per-param hook only adds `.grad` into `main_grad` and may be skipped.
 - `silence_unknown_mlp_warning`: a filter on `megatron.core.transformer.transformer_layer`'s logger, which
   warns "Unknown MLP type" for any MLP class it does not list (rlhf's `TensorParallelMoELayer`).
 
