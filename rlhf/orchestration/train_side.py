@@ -74,6 +74,8 @@ class TrainRoles:
                           micro_batch_size=cfg.ref.micro_batch_size, offload_frozen=cfg.ref.offload,
                           max_tokens_per_microbatch=(cfg.ref.max_tokens_per_microbatch,
                                                      "ref.max_tokens_per_microbatch"),
+                          forward_autocast=(cfg.actor.optim.autocast if cfg.ref.autocast == "auto"
+                                            else cfg.ref.autocast, "ref.autocast"),
                           base_of=actor if lora else None, **policy)
                if algo.uses_ref else None)
         critic = (CriticRole("critic", meshes["critic"], model.critic_path or model.path, update=cfg.critic,

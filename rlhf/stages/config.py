@@ -13,7 +13,7 @@ from rlhf.errors import ConfigError
 from rlhf.models.config import MoeConfig, check_replay_mode
 from rlhf.stages.distill_config import DistillConfig
 from rlhf.rollout.sampling_params import SamplingParams
-from rlhf.train.config import OptimConfig
+from rlhf.train.config import AUTOCASTS, OptimConfig
 
 if TYPE_CHECKING:
     import torch
@@ -200,9 +200,11 @@ class RefConfig:
     """The frozen reference policy: `offload` parks its weights on the host while the rollout engine runs; its
     forwards take packed micro-batches of at most `max_tokens_per_microbatch` tokens (auto: `micro_batch_size` x
     the longest row, or the actor's forward-only budget where that is larger), or with 0 `micro_batch_size`
-    sequences at a time on each DP rank."""
+    sequences at a time on each DP rank. `autocast`: its forwards' matmuls in bf16 autocast (fp32 weights); auto:
+    as the actor's `optim.autocast`, so on the step's first batch the KL term sees the same numerics on both sides."""
 
     offload: bool = False  # park the reference weights on the host while the rollout engine runs
+    autocast: str = "auto"  # auto: the actor's optim.autocast; none; bfloat16
     micro_batch_size: int = 8  # sequences per reference forward on each DP rank
     # packed micro-batches of at most this many tokens; auto: micro_batch_size x the longest row, at least the
     # actor's forward-only budget; 0: row counts
@@ -212,6 +214,8 @@ class RefConfig:
         if self.micro_batch_size < 1:
             raise ConfigError(f"ref.micro_batch_size={self.micro_batch_size} must be >= 1")
         check_token_budget("ref.max_tokens_per_microbatch", self.max_tokens_per_microbatch)
+        if self.autocast not in ("auto", *AUTOCASTS):
+            raise ConfigError(f"ref.autocast={self.autocast!r} is not one of auto, {', '.join(AUTOCASTS)}")
 
 
 def check_token_budget(key: str, budget: TokenBudget, *, allow_auto: bool = True) -> None:

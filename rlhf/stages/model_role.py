@@ -27,7 +27,7 @@ from rlhf.models.routing import RoutingRecorder
 from rlhf.models.routing_replay import UNKNOWN
 from rlhf.platform import current_device
 from rlhf.train import offload as offload_lib
-from rlhf.train.engine import StepResult, TrainEngine
+from rlhf.train.engine import StepResult, TrainEngine, autocast_dtype
 from rlhf.stages.batch import SequenceBatch
 from rlhf.stages.config import UpdateConfig
 from rlhf.stages.exchange import gather_rows, is_contributor
@@ -43,12 +43,14 @@ class ModelRole:
                  recompute: bool = False, seed: int = 1234, offload_frozen: bool = False,
                  params_dtype: torch.dtype = torch.float32, moe_kwargs: dict | None = None,
                  gather_group: torch.distributed.ProcessGroup | None = None, lora: LoraConfig | None = None,
-                 base_of: ModelRole | None = None, max_tokens_per_microbatch: tuple[int, str] = (0, "")) -> None:
+                 base_of: ModelRole | None = None, max_tokens_per_microbatch: tuple[int, str] = (0, ""),
+                 forward_autocast: tuple[str, str] = ("none", "")) -> None:
         """`micro_batch_size`: sequences per forward-only micro-batch (default: the update's micro-batch size);
         `max_tokens_per_microbatch`: (budget, its config key) of packed forward-only micro-batches (default: the
         update's forward budget; 0: row counts); `gather_group`: the ranks that gather this role's outputs
         (None: the world); `lora`: train adapters on the frozen base (`rlhf.models.lora`); `base_of`: a frozen
-        role that is that LoRA role's base model, its adapters switched off (no second copy of the weights)."""
+        role that is that LoRA role's base model, its adapters switched off (no second copy of the weights);
+        `forward_autocast`: (autocast setting, its config key) of a frozen role's own forwards."""
         self.name, self.mesh, self.update_config = name, mesh, update
         self.micro_batch_size = micro_batch_size or (update.micro_batch_size if update is not None else 0)
         assert self.micro_batch_size > 0, f"{name}: a frozen role needs its own micro_batch_size"
@@ -61,6 +63,8 @@ class ModelRole:
                 "max_tokens_per_microbatch"
             self.forward_budget = (update.forward_tokens_per_microbatch, f"{name}.{key}")
         self.gather_group = gather_group
+        self.forward_autocast_dtype = (autocast_dtype(forward_autocast[0], params_dtype, forward_autocast[1])
+                                       if update is None and base_of is None else None)
         self.model: torch.nn.Module | None = None
         self.engine: TrainEngine | None = None
         self.offload_frozen = offload_frozen and update is None and base_of is None
@@ -153,7 +157,7 @@ class ModelRole:
                     outputs = self.engine.forward_only(micro, step, token_fn)
                 else:
                     outputs = forward_backward(self.model, micro, step, self.mesh.pgs, forward_only=True,
-                                               token_fn=token_fn)
+                                               token_fn=token_fn, autocast_dtype=self.forward_autocast_dtype)
             if is_contributor(self.mesh.layout, torch.distributed.get_rank()):
                 unsort = torch.argsort(order)
                 local = {key: torch.cat([o[key] for o in outputs])[unsort].cpu()  # the batch lives on the host

@@ -49,17 +49,18 @@ class StepResult:
     metrics: list[dict] = field(default_factory=list)
 
 
-def _autocast_dtype(config: OptimConfig, params_dtype: torch.dtype) -> torch.dtype | None:
-    """`optim.autocast`'s dtype; bf16 autocast needs fp32 weights and, on a CPU, native bf16 instructions."""
-    if config.autocast == "none":
+def autocast_dtype(autocast: str, params_dtype: torch.dtype, key: str = "optim.autocast") -> torch.dtype | None:
+    """The dtype of an autocast setting (`key`: its config key); bf16 autocast needs fp32 weights and, on a CPU,
+    native bf16 instructions."""
+    if autocast == "none":
         return None
     if params_dtype != torch.float32:
-        raise ConfigError(f"optim.autocast={config.autocast!r} needs fp32 weights (model.dtype=float32), got "
-                          f"{params_dtype}; set optim.autocast=none")
+        raise ConfigError(f"{key}={autocast!r} needs fp32 weights (model.dtype=float32), got {params_dtype}; "
+                          f"set {key}=none")
     if not platform.has_accelerator() and not platform.host_supports_bf16():
-        raise ConfigError(f"optim.autocast={config.autocast!r}: this CPU has neither AVX-512-BF16 nor AMX-BF16 "
-                          "(/proc/cpuinfo flags), so bf16 matmuls would be emulated and slower; set optim.autocast=none")
-    return getattr(torch, config.autocast)
+        raise ConfigError(f"{key}={autocast!r}: this CPU has neither AVX-512-BF16 nor AMX-BF16 (/proc/cpuinfo "
+                          f"flags), so bf16 matmuls would be emulated and slower; set {key}=none")
+    return getattr(torch, autocast)
 
 
 class TrainEngine:
@@ -69,7 +70,7 @@ class TrainEngine:
                  name: str = "actor", total_steps: int | None = None) -> None:
         megatron_compat.apply()
         self.name, self.config, self.pg_collection = name, config, pg_collection
-        self.autocast_dtype = _autocast_dtype(config, model.config.params_dtype)
+        self.autocast_dtype = autocast_dtype(config.autocast, model.config.params_dtype)
         model.config.calculate_per_token_loss = True  # DDP sums grads over DP (see module docstring)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, average_in_collective=False,
