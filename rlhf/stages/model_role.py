@@ -64,7 +64,7 @@ class ModelRole:
             self.forward_budget = (update.forward_tokens_per_microbatch, f"{name}.{key}")
         self.gather_group = gather_group
         self.forward_autocast_dtype = (autocast_dtype(forward_autocast[0], params_dtype, forward_autocast[1])
-                                       if update is None and base_of is None else None)
+                                       if update is None else None)
         self.model: torch.nn.Module | None = None
         self.engine: TrainEngine | None = None
         self.offload_frozen = offload_frozen and update is None and base_of is None
