@@ -27,7 +27,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+# One shared object for the decode step's kernels: this attention kernel (with the bf16 norm and prefill RoPE) and
+# the decode-size fp32 GEMM (`cpu_decode_gemm.py`).
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode_attention.c", "cpu_decode_gemm.c"))
 # -ffast-math (vectorised expf from libmvec, reassociated dot products) at compile time only: linking with it
 # would add crtfastmath.o, which turns on flush-to-zero for the whole process.
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-std=c11")
@@ -47,7 +49,8 @@ def _cpu_signature() -> str:
 
 def _cache_dir() -> Path:
     root = Path(os.environ.get("RLHF_CACHE_DIR", Path.home() / ".cache" / "rlhf"))
-    key = SOURCE.read_bytes() + " ".join(COMPILE_FLAGS + LINK_FLAGS).encode() + _cpu_signature().encode()
+    key = (b"".join(source.read_bytes() for source in SOURCES) + " ".join(COMPILE_FLAGS + LINK_FLAGS).encode()
+           + _cpu_signature().encode())
     return root / "kernels" / hashlib.sha256(key).hexdigest()[:16]
 
 
@@ -58,9 +61,9 @@ def _build(target: Path) -> None:
         raise RuntimeError(f"no C compiler {name!r} on PATH (set CC)")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / target.name
-        for command in ([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-                        [compiler, str(obj), "-o", str(lib), *LINK_FLAGS]):
+        objects, lib = [str(Path(tmp) / f"{source.stem}.o") for source in SOURCES], Path(tmp) / target.name
+        compiles = [[compiler, *COMPILE_FLAGS, "-c", str(source), "-o", obj] for source, obj in zip(SOURCES, objects)]
+        for command in (*compiles, [compiler, *objects, "-o", str(lib), *LINK_FLAGS]):
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-400:]}")
@@ -71,19 +74,27 @@ def _build(target: Path) -> None:
 def load() -> DecodeAttention | None:
     """The kernel, built on first use (in the cache folder, else a temp folder when that is not writable);
     None (logged once) when it cannot be built here."""
+    lib = library()
+    return None if lib is None else DecodeAttention(lib)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The shared object of every decode kernel (see SOURCES), built on first use; None (logged once) when it
+    cannot be built here."""
     error: Exception | None = None
     for root in (_cache_dir(), Path(tempfile.gettempdir()) / f"rlhf-kernels-{os.getuid()}" / _cache_dir().name):
-        target = root / "cpu_decode_attention.so"
+        target = root / "cpu_decode_kernels.so"
         try:
             if not target.exists():
                 _build(target)
-            return DecodeAttention(ctypes.CDLL(str(target)))
+            return ctypes.CDLL(str(target))
         except PermissionError as denied:
             error = denied
         except (OSError, RuntimeError) as failed:
             error = failed
             break
-    log.warning("fused CPU decode attention unavailable, using torch ops: %s", error)
+    log.warning("fused CPU decode kernels unavailable, using torch ops: %s", error)
     return None
 
 

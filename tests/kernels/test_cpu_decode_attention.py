@@ -62,6 +62,11 @@ def test_bf16_kernel_is_the_fp32_math_rounded_to_bf16(groups, heads, head_dim):
     assert torch.equal(v_cache.float(), expected_v)
 
 
+def _clear_caches():
+    cpu_decode_attention.load.cache_clear()
+    cpu_decode_attention.library.cache_clear()
+
+
 def _inputs(groups, heads, head_dim, dtype):
     """(mixed, cos_sin, k_cache, v_cache, positions): 5 slots of a 7-slot, 40-position cache."""
     gen = torch.Generator().manual_seed(head_dim)
@@ -78,19 +83,19 @@ def _inputs(groups, heads, head_dim, dtype):
 @needs_gcc
 def test_builds_into_a_fresh_cache_and_falls_back_without_a_compiler(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path))
-    cpu_decode_attention.load.cache_clear()
+    _clear_caches()
     try:
         assert cpu_decode_attention.load() is not None
-        assert len(list(tmp_path.glob("kernels/*/cpu_decode_attention.so"))) == 1
+        assert len(list(tmp_path.glob("kernels/*/cpu_decode_kernels.so"))) == 1
         # Built with -ffast-math but linked without it: loading it must not turn on flush-to-zero.
         assert float(torch.tensor(1e-40) * 1.0) > 0
-        cpu_decode_attention.load.cache_clear()
+        _clear_caches()
         monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "other"))
         monkeypatch.setenv("CC", "no-such-compiler")
         assert cpu_decode_attention.load() is None
-        assert "unavailable, using torch ops: no C compiler 'no-such-compiler' on PATH" in caplog.text
+        assert "kernels unavailable, using torch ops: no C compiler 'no-such-compiler' on PATH" in caplog.text
     finally:
-        cpu_decode_attention.load.cache_clear()
+        _clear_caches()
 
 
 @needs_gcc
@@ -104,8 +109,8 @@ def test_an_unwritable_cache_folder_falls_back_to_a_temp_folder(tmp_path, monkey
 
     monkeypatch.setattr(cpu_decode_attention, "_build", build)
     monkeypatch.setenv("RLHF_CACHE_DIR", str(tmp_path / "read-only"))
-    cpu_decode_attention.load.cache_clear()
+    _clear_caches()
     try:
         assert cpu_decode_attention.load() is not None
     finally:
-        cpu_decode_attention.load.cache_clear()
+        _clear_caches()

@@ -29,7 +29,7 @@ def _lifecycle(path):
     engine, model, _ = native_engine(path, max_batch_size=4, max_seq_len=16)
     batch = PromptBatch.from_token_lists(PROMPTS)
     first = engine.generate(batch, GREEDY)
-    assert engine.decoder.layers[0].qkv.packed is not None and engine.decoder.output.packed is not None
+    assert engine.decoder.layers[0].qkv.kernel != "torch" and engine.decoder.output.kernel != "torch"
     reference = first.response_tokens_rt.tolist()
     _raises(lambda: engine.generate(batch, SamplingParams(max_new_tokens=13)),
             r"a prompt of 4 tokens \+ max_new_tokens=13 needs 17 KV-cache positions but rollout max_seq_len=16")
@@ -80,7 +80,7 @@ def _lifecycle(path):
     engine.decoder.pack_weights = False
     engine.policy_version += 1
     unpacked = engine.generate(batch, GREEDY)
-    assert engine.decoder.layers[0].qkv.packed is None
+    assert engine.decoder.layers[0].qkv.kernel == "torch"
     assert repacked.response_tokens_rt.tolist() == unpacked.response_tokens_rt.tolist() != reference
     assert torch.allclose(repacked.response_logprobs_rt, unpacked.response_logprobs_rt, atol=1e-5)
 

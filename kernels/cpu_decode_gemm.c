@@ -1,0 +1,97 @@
+/* fp32 GEMMs at decode size on CPU: y[m][n] = x[m][k] @ W^T (+ add[m][n]) for a few dozen rows x against a
+ * weight W [n][k] read from memory once per call.
+ *
+ * At 32 rows such a GEMM is bound by reading W, and a single core only reads memory near its stream rate when the
+ * reads are issued ahead of use. The weight is packed once (`rlhf_pack_linear_f32`) into panels of NR columns,
+ * panel-major: packed[panel][k][NR], zero-padded past n. Each panel is then served to every block of MR rows from
+ * L2 (MR x NR accumulators in registers, one broadcast of x and NR/16 vector loads of the panel per k), while the
+ * next panel is prefetched into L2, spread over the row blocks, so its read from memory overlaps this panel's
+ * arithmetic. On a 2-core Xeon (one thread) this ran the decode GEMMs of SmolLM2-135M (32 rows) 1.3-1.7x faster
+ * than oneDNN's packed inner product. Vectors are GCC's vector extension (16 floats: one AVX-512 register, two AVX2
+ * ones); single-threaded, like the rest of this library. Built by cpu_decode_attention.py with the attention kernel.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+#define NR 48
+#define MR 8
+#define LINE 64
+
+typedef float vf16 __attribute__((vector_size(64)));
+typedef float vf16u __attribute__((vector_size(64), aligned(4), may_alias));
+
+void rlhf_pack_linear_f32(const float *w, int64_t n, int64_t k, float *packed) {
+    const int64_t panels = (n + NR - 1) / NR;
+    for (int64_t p = 0; p < panels; ++p)
+        for (int64_t kk = 0; kk < k; ++kk) {
+            float *dst = packed + (p * k + kk) * NR;
+            for (int64_t j = 0; j < NR; ++j) {
+                const int64_t col = p * NR + j;
+                dst[j] = col < n ? w[col * k + kk] : 0.0f;
+            }
+        }
+}
+
+/* rows (<= MR) rows of x against one panel into y (cols <= NR valid columns), plus `add` when given; prefetches
+ * pf_bytes of the next panel from pf, a cache line per k. */
+INLINE void tile(const float *x, int64_t k, const float *panel, float *y, const float *add, int64_t ld, int rows,
+                 int cols, const char *pf, int64_t pf_bytes) {
+    vf16 acc[MR][3];
+    _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = acc[r][2] = (vf16){0};
+    for (int64_t kk = 0; kk < k; ++kk) {
+        if (kk * LINE < pf_bytes) __builtin_prefetch(pf + kk * LINE, 0, 2);
+        const float *w = panel + kk * NR;
+        const vf16 w0 = *(const vf16u *)w, w1 = *(const vf16u *)(w + 16), w2 = *(const vf16u *)(w + 32);
+        _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
+            if (r < rows) {
+                const float xv = x[r * k + kk];
+                acc[r][0] += xv * w0;
+                acc[r][1] += xv * w1;
+                acc[r][2] += xv * w2;
+            }
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+        float out[NR];
+        memcpy(out, &acc[r][0], sizeof acc[r][0]);
+        memcpy(out + 16, &acc[r][1], sizeof acc[r][1]);
+        memcpy(out + 32, &acc[r][2], sizeof acc[r][2]);
+        if (add != NULL)
+            for (int j = 0; j < cols; ++j) out[j] += add[r * ld + j];
+        memcpy(y + r * ld, out, (size_t)cols * sizeof(float));
+    }
+}
+
+void rlhf_linear_f32(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *add,
+                     float *y) {
+    const int64_t panels = (n + NR - 1) / NR, panel_bytes = k * NR * (int64_t)sizeof(float);
+    const int64_t blocks = (m + MR - 1) / MR, share = (panel_bytes + blocks - 1) / blocks;
+    for (int64_t p = 0; p < panels; ++p) {
+        const float *panel = packed + p * k * NR;
+        const char *next = (const char *)(panel + k * NR);
+        const int64_t next_bytes = p + 1 < panels ? panel_bytes : 0;
+        const int cols = n - p * NR < NR ? (int)(n - p * NR) : NR;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t r0 = b * MR, start = b * share;
+            const int64_t bytes = next_bytes - start < share ? next_bytes - start : share;
+            const int rows = m - r0 < MR ? (int)(m - r0) : MR;
+            const float *add_b = add != NULL ? add + r0 * n + p * NR : NULL;
+            if (rows == MR) /* the full block gets its own copy of the tile with no row checks */
+                tile(x + r0 * k, k, panel, y + r0 * n + p * NR, add_b, n, MR, cols, next + start, bytes);
+            else
+                tile(x + r0 * k, k, panel, y + r0 * n + p * NR, add_b, n, rows, cols, next + start, bytes);
+        }
+    }
+}
+
+/* out[r][j] = silu(gate_up[r][j]) * gate_up[r][inner + j]: the SwiGLU of a fused [gate; up] projection. */
+void rlhf_swiglu_f32(const float *gate_up, int64_t m, int64_t inner, float *out) {
+    for (int64_t r = 0; r < m; ++r) {
+        const float *gate = gate_up + r * 2 * inner, *up = gate + inner;
+        float *o = out + r * inner;
+#pragma omp simd
+        for (int64_t j = 0; j < inner; ++j) o[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+    }
+}
