@@ -7,7 +7,7 @@ kernel. bf16 weights go the same way to oneDNN's AMX / AVX512-BF16 kernels (fp32
 1.5-2x faster than `F.linear` in bf16 at decode sizes, 3-4x faster than the packed fp32 GEMM on a Xeon with AMX.
 fp32 weights on a CPU at one torch thread go instead to rlhf's decode GEMM (`rlhf.kernels.cpu_decode_gemm`: its own
 packed panels, the next panel prefetched while this one is used) for calls of at most DECODE_GEMM_ROWS rows, 1.1-1.4x
-oneDNN's packed fp32 kernel at 32 rows (2-core Xeon); larger calls (prefill) run `F.linear` on the weight itself.
+oneDNN's packed fp32 kernel at 32 rows (2-core Xeon), ~0.93x at 64-128; larger calls run `F.linear` on the weight.
 The reorder is a copy, so a `PreparedLinear` must be rebuilt when its weight changes. Small weights
 (where oneDNN's per-call overhead exceeds the GEMM) and every other device use plain torch ops; the
 callers' code is the same either way.
@@ -28,9 +28,11 @@ MIN_PACKED_NUMEL = 1 << 17
 MIN_PACKED_NUMEL_BF16 = 1 << 14
 # oneDNN in this torch build, with the (private, inductor-used) reorder/linear ops this module calls.
 ONEDNN_PACKING = ONEDNN_REORDER_LINEAR_WEIGHT is not None and ONEDNN_LINEAR_POINTWISE is not None
-# Rows up to which the decode GEMM beats oneDNN (it computes at ~100 GFLOP/s where MKL reaches ~140 on large calls;
-# 2-core Xeon, 576x3072 fp32: 1.04x at 48 rows, 0.91x at 64).
-DECODE_GEMM_ROWS = 48
+# Rows up to which calls go to the decode GEMM, whose packed copy replaces oneDNN's (one weight-sized copy, not two).
+# 2-core Xeon, 576x3072 fp32, vs oneDNN packed / F.linear: 1.14x / 1.5x at 32 rows, 1.04x / 1.4x at 48, 0.91x /
+# 1.2x at 64, 0.94x / 1.07x at 128, 0.92x / 0.99x at 256 (its ~100 GFLOP/s against MKL's ~140 once compute-bound):
+# beyond 128 rows `F.linear` on the weight runs.
+DECODE_GEMM_ROWS = 128
 
 
 def can_pack(weight: torch.Tensor) -> bool:
