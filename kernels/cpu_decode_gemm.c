@@ -6,9 +6,10 @@
  * panel-major: packed[panel][k][NR], zero-padded past n. Each panel is then served to every block of MR rows from
  * L2 (MR x NR accumulators in registers, one broadcast of x and NR/16 vector loads of the panel per k), while the
  * next panel is prefetched into L2, spread over the row blocks, so its read from memory overlaps this panel's
- * arithmetic. On a 2-core Xeon (one thread) this ran the decode GEMMs of SmolLM2-135M (32 rows) 1.3-1.7x faster
- * than oneDNN's packed inner product. Vectors are GCC's vector extension (16 floats: one AVX-512 register, two AVX2
- * ones); single-threaded, like the rest of this library. Built by cpu_decode_attention.py with the attention kernel.
+ * arithmetic. On a 2-core Xeon (one thread) this ran the decode GEMMs of SmolLM2-135M (32 rows, weights out of
+ * cache) 1.3-1.7x faster per call than oneDNN's packed inner product (1.1-1.2x with torch's output allocation
+ * around it). Vectors are GCC's vector extension (16 floats: one AVX-512 register, two AVX2 ones); single-threaded,
+ * like the rest of this library. Built by cpu_decode_attention.py with the attention kernel.
  */
 #include <math.h>
 #include <stdint.h>

@@ -63,11 +63,11 @@ class PreparedLinear:
                  batch_hint: int = 32) -> None:
         self.weight, self.bias = weight, bias
         self.weight_t = weight.t()
-        self.packed, self.gemm = None, decode_gemm(weight) if pack and can_pack(weight) else None
-        if self.gemm is not None:
-            self.gemm_packed = self.gemm.pack(weight)
-        elif pack and can_pack(weight):
-            self.packed = ONEDNN_REORDER_LINEAR_WEIGHT(weight.detach(), batch_hint)
+        packs = pack and can_pack(weight)
+        self.gemm = decode_gemm(weight) if packs else None
+        self.gemm_packed = self.gemm.pack(weight) if self.gemm is not None else None
+        self.packed = (ONEDNN_REORDER_LINEAR_WEIGHT(weight.detach(), batch_hint)
+                       if packs and self.gemm is None else None)
 
     @property
     def kernel(self) -> str:
@@ -119,9 +119,10 @@ class PreparedSwiGLU:
         gate, up = fc1_weight.chunk(2, dim=0)
         self.fused: torch.Tensor | None = fc1_weight
         self.decode: PreparedLinear | None = None  # the decode GEMM on the fused weight, then its SwiGLU
-        if pack and can_pack(gate) and decode_gemm(fc1_weight) is not None:
+        packs = pack and can_pack(gate)
+        if packs and decode_gemm(fc1_weight) is not None:
             self.decode = PreparedLinear(fc1_weight, batch_hint=batch_hint)
-        elif pack and can_pack(gate):
+        elif packs:
             self.gate = PreparedLinear(gate, batch_hint=batch_hint)
             self.up = PreparedLinear(up, batch_hint=batch_hint)
             self.fused = None

@@ -40,7 +40,8 @@ def test_swiglu_equals_torch():
 def test_prepared_linears_route_decode_calls_to_the_kernel(monkeypatch):
     monkeypatch.setattr(linear, "MIN_PACKED_NUMEL", 0)
     gen = torch.Generator().manual_seed(1)
-    weight, bias, fc1 = torch.randn(100, 64, generator=gen), torch.randn(100, generator=gen), torch.randn(80, 64)
+    weight, bias = torch.randn(100, 64, generator=gen), torch.randn(100, generator=gen)
+    fc1 = torch.randn(80, 64, generator=gen)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
