@@ -90,9 +90,10 @@ def _engines(path: str, batch_size: int, max_seq_len: int, vllm_modes: list[str]
     return engines
 
 
-def _prompts(vocab_size: int, num_prompts: int, seed: int) -> PromptBatch:
+def _prompts(vocab_size: int, num_prompts: int, seed: int, lengths: tuple[int, int] = (16, 32)) -> PromptBatch:
+    """Random prompts of `lengths[0]..lengths[1]` tokens (uniform)."""
     generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(16, 33, (num_prompts,), generator=generator).tolist()
+    lengths = torch.randint(lengths[0], lengths[1] + 1, (num_prompts,), generator=generator).tolist()
     prompts = [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]
     return PromptBatch.from_token_lists(prompts)
 
@@ -165,7 +166,7 @@ def bench_model(name: str, args, workdir: str, peaks: list[float]) -> list[dict]
     path = _model_folder(name, workdir)
     config = AutoConfig.from_pretrained(path)
     engines = _engines(path, args.batch_size, args.max_seq_len, args.vllm, with_hf=not args.no_hf, dtype=args.dtype)
-    batch = _prompts(config.vocab_size, args.batch_size // args.n, seed=0)
+    batch = _prompts(config.vocab_size, args.batch_size // args.n, seed=0, lengths=tuple(args.prompt_lengths))
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, top_p=args.top_p, seed=0,
                             ignore_eos=True, n=args.n)
     for engine in engines.values():
@@ -247,6 +248,8 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true", help="leave transformers.generate out (the slowest side)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1: the full distribution)")
     parser.add_argument("--max-seq-len", type=int, default=128)
+    parser.add_argument("--prompt-lengths", type=int, nargs=2, default=[16, 32], metavar=("MIN", "MAX"),
+                        help="prompt lengths, uniform in MIN..MAX tokens (agentic turns: wide spreads)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads; 1 by default: on a shared 2-core host OpenMP spinning at 2 threads "
@@ -258,6 +261,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.n < 1 or args.batch_size % args.n:
         parser.error(f"--n={args.n} must be a positive divisor of --batch-size={args.batch_size}")
+    shortest, longest = args.prompt_lengths
+    if not 1 <= shortest <= longest or longest + args.new_tokens > args.max_seq_len:
+        parser.error(f"--prompt-lengths {shortest} {longest} must satisfy 1 <= MIN <= MAX and MAX + --new-tokens "
+                     f"<= --max-seq-len={args.max_seq_len}")
     if args.vllm is None:
         args.vllm = ["compiled", "eager"] if importlib.util.find_spec("vllm") else []
         if not args.vllm:

@@ -39,7 +39,8 @@ class NativeEngine:
         params = decoder_params(model)
         self.decoder = Decoder(params=params, geometry=geometry, tp_group=tp_group, tp_size=layout.tp,
                                max_seq_len=config.max_seq_len, pack_weights=config.pack_weights,
-                               batch_hint=config.max_batch_size, fused_kernels=config.fused_kernels)
+                               batch_hint=config.max_batch_size, fused_kernels=config.fused_kernels,
+                               max_prefill_tokens=config.max_prefill_tokens)
         self.cache = KVCache(num_layers=geometry.num_layers, num_slots=config.max_batch_size,
                              num_kv_heads=geometry.num_groups, max_seq_len=config.max_seq_len,
                              head_dim=geometry.head_dim, dtype=params.embedding.dtype,

@@ -20,7 +20,7 @@ from rlhf import platform
 from rlhf.platform.linear import PreparedLinear, PreparedSwiGLU
 from rlhf.rollout.native.kv_cache import KVCache
 from rlhf.rollout.native.moe import PreparedMoE
-from rlhf.rollout.native.prefill_plan import overhead_tokens
+from rlhf.rollout.native.prefill_plan import AttentionGroup, PackedForward
 from rlhf.rollout.native.params import DecoderGeometry, DecoderParams, LayerParams
 
 
@@ -56,6 +56,7 @@ class Decoder:
     `pack_weights`: let the platform lay weights out for its fastest kernel (a copy of the weights, rebuilt
     by `prepare` when the policy version changes); `batch_hint` is the decode batch that layout targets.
     `fused_kernels`: decode attention (RoPE, cache write, attention) in one platform kernel where there is one.
+    `max_prefill_tokens`: the most prompt tokens one prefill forward packs (its activation memory).
     """
 
     params: DecoderParams
@@ -66,6 +67,7 @@ class Decoder:
     pack_weights: bool = True
     batch_hint: int = 32
     fused_kernels: bool = True
+    max_prefill_tokens: int = 8192
 
     def __post_init__(self) -> None:
         self.layers: tuple[_PreparedLayer, ...] = ()
@@ -83,11 +85,6 @@ class Decoder:
         self._zero = torch.zeros((), dtype=dtype, device=positions.device)
         self.fused_attention = (platform.fused_decode_attention(dtype, positions.device) if self.fused_kernels
                                 else None)
-        layers = self.params.layers
-        self.prefill_overhead_tokens = overhead_tokens(
-            sum(layer.num_weights() for layer in layers) // len(layers),
-            num_experts=max((len(layer.moe.fc1_weights) for layer in layers if layer.moe), default=0),
-            bf16=dtype == torch.bfloat16)
 
     @property
     def routes(self) -> bool:
@@ -150,9 +147,9 @@ class Decoder:
         """Megatron's per-group QKV layout [q heads of the group, k, v] -> RoPE'd [..., groups, heads/group + 1, d]
         (the group's q heads, then its k; one pass for both) and v [..., groups, d]."""
         geo = self.geometry
-        mixed = layer.qkv(x)
         heads_per_group = geo.num_heads // geo.num_groups
-        mixed = self._qk_normed(layer, mixed.view(*x.shape[:-1], geo.num_groups, heads_per_group + 2, geo.head_dim))
+        mixed = layer.qkv(x).view(*x.shape[:-1], geo.num_groups, heads_per_group + 2, geo.head_dim)
+        mixed = self._qk_normed(layer, mixed)
         rotated = _rope(mixed[..., :heads_per_group + 1, :], cos, sin)
         return rotated, mixed[..., heads_per_group + 1, :]
 
@@ -172,46 +169,47 @@ class Decoder:
             return hidden + self._all_reduce(layer.moe(normed, routing))
         return self._residual_linear(layer.fc2, layer.swiglu(normed), hidden)
 
-    def prefill(self, tokens_pl: torch.Tensor, lengths_p: torch.Tensor, slots_p: torch.Tensor,
-                cache: KVCache, routing: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Right-padded prompts [P, L] into cache slots `slots_p`; returns logits at each last real token.
-        `routing` (a list) gets each routed layer's experts per token `[P, L, k]`, in layer order."""
-        width = tokens_pl.shape[1]
-        cos, sin = self.cos_td[:width, None, None, :], self.sin_td[:width, None, None, :]
-        heads_per_group = self.geometry.num_heads // self.geometry.num_groups
-        hidden = self.embed(tokens_pl)
+    def prefill(self, packed: PackedForward, cache: KVCache, routing: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """One packed forward of prompts (`prefill_plan`) into their cache slots -> logits at each prompt's last
+        token [P, V], in `packed.prompts` order. `routing` (a list) gets each routed layer's experts per token
+        `[T, k]` (packed order), in layer order."""
+        hidden = self.embed(packed.tokens_t)
         for index, layer in enumerate(self.layers):
             normed = self._norm(hidden, layer.input_norm)
-            q, k, v = self._prefill_qkv(index, normed, cos, sin, cache, slots_p)
-            # Causal alone is exact for right-padded prompts: a real query never sees a later (padding) key.
-            # Padding queries read padding keys, but their outputs and cache entries are never read (decode
-            # overwrites position p before attending to it), so no [P, 1, L, L] mask is built.
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            hidden = self._residual_linear(layer.proj, attn.transpose(1, 2).flatten(2), hidden)
+            mixed = layer.qkv(normed)
+            parts = [self._prefill_attention(index, group, group.padded(mixed), cache) for group in packed.groups]
+            attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+            hidden = self._residual_linear(layer.proj, attn, hidden)
             hidden = self._mlp_block(layer, hidden, routing)
-        last_ph = hidden[torch.arange(hidden.shape[0]), lengths_p - 1]
-        return self.logits(last_ph)
+        return self.logits(hidden[packed.last_rows])
 
-    def _prefill_qkv(self, index: int, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                     slots_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One layer's RoPE'd q [P, heads, L, d], k and v [P, groups, L, d], k and v written to the cache rows
-        `slots_p`: in one platform-kernel pass for bf16 (RoPE and two cache scatters in torch cost ~10% of a bf16
-        prefill), else torch ops."""
+    def _prefill_attention(self, index: int, group: AttentionGroup, mixed: torch.Tensor,
+                           cache: KVCache) -> torch.Tensor:
+        """One attention group's raw QKV, right-padded [p, L, qkv] -> its attention output [tokens, heads * d]
+        (packed order), keys and values written to its cache slots at positions 0..L-1.
+
+        RoPE and the cache writes are one platform-kernel pass in bf16 (in torch they cost ~10% of a bf16
+        prefill), else torch ops. Causal alone is exact for right-padded prompts: a real query never sees a later
+        (padding) key. Padding queries read padding keys, but their outputs are dropped and their cache entries
+        never read (decode overwrites position p before attending to it), so no [p, 1, L, L] mask is built."""
         geo, layer = self.geometry, self.layers[index]
-        heads_per_group, width = geo.num_heads // geo.num_groups, normed.shape[1]
-        if self.fused_attention is not None and normed.dtype == torch.bfloat16:
-            mixed = layer.qkv(normed).view(*normed.shape[:2], geo.num_groups, heads_per_group + 2, geo.head_dim)
-            fused = self.fused_attention.prefill_rope(self._qk_normed(layer, mixed).contiguous(),
-                                                      self.rope_t2d[:width], cache.keys[index], cache.values[index],
-                                                      slots_p)
-            if fused is not None:
-                return fused
-        rotated, v = self._qkv(layer, normed, cos, sin)
-        q = rotated[..., :heads_per_group, :].flatten(2, 3).transpose(1, 2)
-        k, v = rotated[..., heads_per_group, :].transpose(1, 2), v.transpose(1, 2)
-        cache.keys[index][slots_p, :, :width] = k
-        cache.values[index][slots_p, :, :width] = v
-        return q, k, v
+        heads_per_group, width = geo.num_heads // geo.num_groups, group.width
+        mixed = self._qk_normed(layer, mixed.view(*mixed.shape[:2], geo.num_groups, heads_per_group + 2,
+                                                  geo.head_dim))
+        fused = None
+        if self.fused_attention is not None and mixed.dtype == torch.bfloat16:
+            fused = self.fused_attention.prefill_rope(mixed.contiguous(), self.rope_t2d[:width], cache.keys[index],
+                                                      cache.values[index], group.slots_p)
+        if fused is not None:
+            q, k, v = fused
+        else:
+            cos, sin = self.cos_td[:width, None, None, :], self.sin_td[:width, None, None, :]
+            rotated = _rope(mixed[..., :heads_per_group + 1, :], cos, sin)
+            q = rotated[..., :heads_per_group, :].flatten(2, 3).transpose(1, 2)
+            k, v = rotated[..., heads_per_group, :].transpose(1, 2), mixed[..., heads_per_group + 1, :].transpose(1, 2)
+            cache.write_prompts(index, group.cache_rows, k, v)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return group.packed(attn.transpose(1, 2).flatten(2))
 
     def decode(self, tokens_s: torch.Tensor, positions_s: torch.Tensor, context: int, cache: KVCache,
                routing: list[torch.Tensor] | None = None) -> torch.Tensor:

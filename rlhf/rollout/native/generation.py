@@ -15,7 +15,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from rlhf.rollout.native.forward import Decoder
 from rlhf.rollout.native.kv_cache import KVCache
-from rlhf.rollout.native.prefill_plan import plan_chunks
+from rlhf.rollout.native.prefill_plan import plan_prefill
 from rlhf.rollout.native.sampler import Sampled, sample
 from rlhf.rollout.sampling_params import SamplingParams
 from rlhf.rollout.types import FinishReason, PromptBatch, Rollouts
@@ -109,21 +109,19 @@ class Generation:
         self.max_offset = max((self.slot_offset[slot] for slot in live), default=0)
 
     def _prefill(self, prompt_ids: list[int], lengths: torch.Tensor, slots: list[int]) -> torch.Tensor:
-        """Prefill in length-sorted chunks (`plan_chunks`: padding saved vs. per-forward overhead)."""
-        parts, positions = [], []
-        for chunk in plan_chunks(lengths.tolist(), self.decoder.prefill_overhead_tokens):
-            chunk_lengths = lengths[chunk]
-            tokens = self.right_pt[[prompt_ids[i] for i in chunk], :int(chunk_lengths.max())]
-            slots_c = torch.tensor([slots[i] for i in chunk], device=self.device)
+        """Prefill in packed forwards (`plan_prefill`); logits [P, V] in `prompt_ids` order."""
+        parts, order = [], []
+        tokens_pt = self.right_pt[prompt_ids]
+        for packed in plan_prefill(tokens_pt, lengths.tolist(), slots, self.decoder.max_prefill_tokens):
             routing = [] if self.record_routing else None
-            parts.append(self.decoder.prefill(tokens, chunk_lengths, slots_c, self.cache, routing))
-            positions.extend(chunk)
+            parts.append(self.decoder.prefill(packed, self.cache, routing))
+            order.extend(packed.prompts)
             if routing is not None:
-                routed_plk = torch.stack(routing, dim=2).to(torch.int16).cpu()
-                for row, index in enumerate(chunk):
-                    self.prompt_routing[prompt_ids[index]] = routed_plk[row, :int(lengths[index])]
+                routed_tlk = torch.stack(routing, dim=1).to(torch.int16).cpu()
+                for prompt, rows in zip(packed.prompts, routed_tlk.split(list(packed.lengths))):
+                    self.prompt_routing[prompt_ids[prompt]] = rows
         logits_pv = torch.cat(parts) if len(parts) > 1 else parts[0]
-        return logits_pv[torch.tensor(positions).argsort()]
+        return logits_pv[torch.tensor(order).argsort()]
 
     def _decode(self) -> None:
         """One token for every slot below `span` (free ones too: no compaction); finish rows that end here."""

@@ -48,6 +48,13 @@ class KVCache:
     def release(self) -> None:
         self.keys, self.values, self.flat_keys, self.flat_values = [], [], [], []
 
+    def write_prompts(self, layer: int, slots: slice | torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """`layer`'s keys and values of prompts [P, kv_heads, L, head_dim] at positions 0..L-1 of cache slots
+        `slots` (consecutive slots as a slice: a strided copy, ~3x faster than writing through an index)."""
+        width = keys.shape[2]
+        self.keys[layer][slots, :, :width] = keys
+        self.values[layer][slots, :, :width] = values
+
     def copy_slot(self, src: int, dst_slots: list[int], length: int) -> None:
         """Share a prefilled prompt with the other samples of that prompt (no recompute)."""
         if not dst_slots:

@@ -1,40 +1,125 @@
-"""Split a prefill into forwards: each forward pads its prompts to its longest, and each costs a fixed overhead.
+"""How one admission's prompts are prefilled: packed forwards, each with its attention in padded groups.
 
-Cost of one forward, in token-equivalents: `overhead_tokens + prompts x longest`. One forward wastes padding;
-one per prompt pays the overhead every time. Sorting by length and cutting where the lengths change, the
-cheapest split is found exactly by dynamic programming over the distinct lengths.
+A prefill forward runs its embedding, norms, linear layers and MLPs on the prompts' tokens packed end to end
+(`[T, hidden]`: no padding rows, and the weights stream once for all of them); only attention (RoPE, the
+KV-cache write, causal SDPA) needs prompts padded to a common length. So a forward packs prompts up to
+`max_tokens` (its activation memory; a longer prompt gets a forward of its own), and its attention runs in
+groups of similar lengths. A group costs, in token-equivalents, `overhead + prompts x longest`: one group pads
+short prompts to the longest, one per length pays the per-call overhead every time; sorting by length and cutting
+where lengths change, the cheapest split is found exactly by dynamic programming (`plan_groups`).
 """
 
 from __future__ import annotations
 
-# Fixed cost of one prefill forward, calibrated on a 2-core AVX-512 host (rollout bench prompts, 32 x 16-32
-# tokens): every forward streams all weights once (~8 tokens' worth of compute for SmolLM2-135M) and pays a
-# per-op dispatch cost (~2e-4 s per layer; against ~3e7 FLOP/s-equivalents per weight element: the second term).
-STREAM_OVERHEAD_TOKENS = 8.0
-# In bf16 a token's GEMMs run several times faster (AMX / AVX512-BF16) while a weight pass still streams from
-# memory, so the pass is worth far more tokens: on an AMX host (SmolLM2-135M, the same 32 prompts) one forward per
-# ~64 tokens of padding saved was fastest (2 forwards: 271 ms CPU; 4 at overhead 8-24: 320-338 ms; 1: 292 ms).
-BF16_STREAM_OVERHEAD_TOKENS = 64.0
-DISPATCH_OVERHEAD_PARAMS = 6e6
-# A routed layer runs a few more ops per expert it calls (gather, two GEMMs, scale, index-add): each expert adds
-# about a third of a dense layer's dispatch cost (an estimate from the op counts, not a calibration).
-EXPERT_DISPATCH_SHARE = 1 / 3
+from dataclasses import dataclass
+
+import torch
+
+# Fixed cost of one attention group per layer (about ten small ops: scatter, q/k norms, RoPE, cache write, SDPA,
+# gather) against a padded token's share of them; measured on the rollout bench prompts (32 x 16-32 tokens),
+# SmolLM2-135M and the tiny model, fp32 and bf16: 8-64 within noise, a group per length ~3% slower.
+ATTENTION_GROUP_OVERHEAD_TOKENS = 256.0
 
 
-def overhead_tokens(params_per_layer: int, num_experts: int = 0, bf16: bool = False) -> float:
-    """A forward's fixed cost in tokens: large for tiny models (dispatch-bound), ~10 for 100M+ models in fp32,
-    ~64 in bf16 (`bf16`: the weights and activations are bf16).
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Prompts `first..stop-1` of a forward (its tokens `start..end-1` in packed order), padded to `width`.
 
-    `params_per_layer` counts the weights one token meets (MoE: router + top-k experts); a MoE model's
-    `num_experts` experts per layer each add dispatch cost, since a long prefill calls them all.
-    """
-    dispatch = DISPATCH_OVERHEAD_PARAMS * (1 + EXPERT_DISPATCH_SHARE * num_experts)
-    stream = BF16_STREAM_OVERHEAD_TOKENS if bf16 else STREAM_OVERHEAD_TOKENS
-    return stream + dispatch / max(1, params_per_layer)
+    `pad_rows` maps the group's packed tokens to rows of its `[prompts x width]` padded layout; None when no
+    prompt is shorter than `width` (the layouts coincide)."""
+
+    first: int
+    stop: int
+    start: int
+    end: int
+    width: int
+    slots_p: torch.Tensor  # KV-cache slot of each of its prompts
+    cache_rows: slice | torch.Tensor  # the same slots as a slice when consecutive (a view, not an index, writes)
+    pad_rows: torch.Tensor | None
+
+    @property
+    def num_prompts(self) -> int:
+        return self.stop - self.first
+
+    def padded(self, packed_t: torch.Tensor) -> torch.Tensor:
+        """The group's rows of `packed_t` [T, ...] -> [prompts, width, ...], zeros in the padding."""
+        rows = packed_t[self.start:self.end]
+        shape = (self.num_prompts, self.width, *rows.shape[1:])
+        if self.pad_rows is None:
+            return rows.view(shape)
+        out = rows.new_zeros(self.num_prompts * self.width, *rows.shape[1:])
+        return out.index_copy_(0, self.pad_rows, rows).view(shape)
+
+    def packed(self, padded: torch.Tensor) -> torch.Tensor:
+        """[prompts, width, ...] -> the group's real tokens [end - start, ...] in packed order."""
+        flat = padded.reshape(self.num_prompts * self.width, *padded.shape[2:])
+        return flat if self.pad_rows is None else flat.index_select(0, self.pad_rows)
 
 
-def plan_chunks(lengths: list[int], overhead: float) -> list[list[int]]:
-    """Indices of `lengths` grouped into forwards (each group's prompts sorted by length) at minimal cost."""
+@dataclass(frozen=True)
+class PackedForward:
+    """One prefill forward: `prompts` (the caller's indices, shortest first) packed into `tokens_t`."""
+
+    prompts: tuple[int, ...]
+    lengths: tuple[int, ...]
+    tokens_t: torch.Tensor
+    groups: tuple[AttentionGroup, ...]
+    last_rows: torch.Tensor  # packed row of each prompt's last token
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens_t.shape[0]
+
+
+def plan_prefill(tokens_pt: torch.Tensor, lengths: list[int], slots: list[int], max_tokens: int,
+                 overhead: float | None = None) -> list[PackedForward]:
+    """Prompts `tokens_pt` [P, W] (left-aligned: prompt p is `tokens_pt[p, :lengths[p]]`) going to cache slots
+    `slots` -> packed forwards of at most `max_tokens` tokens each (a longer prompt alone), prompts by length;
+    attention groups at `overhead` (None: `ATTENTION_GROUP_OVERHEAD_TOKENS`)."""
+    overhead = ATTENTION_GROUP_OVERHEAD_TOKENS if overhead is None else overhead
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    forwards, current, total = [], [], 0
+    for prompt in order:
+        if current and total + lengths[prompt] > max_tokens:
+            forwards.append(current)
+            current, total = [], 0
+        current.append(prompt)
+        total += lengths[prompt]
+    if current:
+        forwards.append(current)
+    return [_packed(tokens_pt, prompts, [lengths[p] for p in prompts], [slots[p] for p in prompts], overhead)
+            for prompts in forwards]
+
+
+def _packed(tokens_pt: torch.Tensor, prompts: list[int], lengths: list[int], slots: list[int],
+            overhead: float) -> PackedForward:
+    device = tokens_pt.device
+    lengths_p = torch.tensor(lengths, device=device)
+    columns = torch.arange(max(lengths), device=device)
+    valid_pt = columns[None, :] < lengths_p[:, None]
+    tokens_t = tokens_pt[torch.tensor(prompts, device=device), :len(columns)][valid_pt]
+    ends = torch.cumsum(lengths_p, 0)
+    groups = []
+    for group in plan_groups(lengths, overhead):
+        first, stop = group[0], group[-1] + 1
+        assert group == list(range(first, stop)), "plan_groups keeps sorted prompts contiguous"
+        width = lengths[stop - 1]
+        start, end = int(ends[first - 1]) if first else 0, int(ends[stop - 1])
+        pad_rows = None
+        if end - start != (stop - first) * width:
+            pad_rows = (torch.arange(width, device=device)[None, :] < lengths_p[first:stop, None]).flatten()
+            pad_rows = pad_rows.nonzero().squeeze(-1)
+        slots_p = torch.tensor(slots[first:stop], device=device)
+        consecutive = slots[first:stop] == list(range(slots[first], slots[first] + stop - first))
+        groups.append(AttentionGroup(first=first, stop=stop, start=start, end=end, width=width, slots_p=slots_p,
+                                     cache_rows=slice(slots[first], slots[stop - 1] + 1) if consecutive else slots_p,
+                                     pad_rows=pad_rows))
+    return PackedForward(prompts=tuple(prompts), lengths=tuple(lengths), tokens_t=tokens_t, groups=tuple(groups),
+                         last_rows=ends - 1)
+
+
+def plan_groups(lengths: list[int], overhead: float) -> list[list[int]]:
+    """Indices of `lengths` grouped (each group's prompts sorted by length) at minimal `overhead + n x longest`."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     if not order:
         return []

@@ -34,12 +34,19 @@ def _check_family(family, path, expected_greedy, eos, fast):
 
     from tests_native_helpers import native_engine
 
+    # The reference path prefills in small packed forwards (20 tokens: the first admission, lengths 7, 2, 11, is
+    # one forward, the refills others) with its attention in groups (at overhead 6: [2], [7 padded to 11, 11]).
     engine, model, pgs = native_engine(path, max_batch_size=3, max_seq_len=32, eos=(eos[0],),  # 3 slots: refill
-                                       pack_weights=fast, fused_kernels=fast)
+                                       pack_weights=fast, fused_kernels=fast, max_prefill_tokens=8192 if fast else 20)
     if fast and shutil.which("gcc"):
         assert engine.decoder.fused_attention is not None
+    forwards, prefill = [], engine.decoder.prefill
+    engine.decoder.prefill = lambda packed, *args: forwards.append(packed) or prefill(packed, *args)
     batch = PromptBatch.from_token_lists(PROMPTS)
     greedy = engine.generate(batch, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0))
+    if not fast:
+        assert [len(group.slots_p) for group in forwards[0].groups] == [1, 2]
+        assert forwards[0].groups[1].pad_rows is not None
     layer = engine.decoder.layers[0]
     swiglu = layer.swiglu if layer.moe is None else layer.moe.experts[0][0]
     assert (swiglu.kernel != "torch") == fast
@@ -64,11 +71,14 @@ def _check_family(family, path, expected_greedy, eos, fast):
 
 def _world(paths, expected, eos_by_family, fast):
     """`fast`: oneDNN-packed weights (forced: the tiny models are below the packing threshold) and the fused
-    decode-attention kernel; otherwise the plain torch reference path."""
+    decode-attention kernel; otherwise the plain torch reference path, its prefill in small forwards and groups."""
     from rlhf.platform import linear
+    from rlhf.rollout.native import prefill_plan
 
     if fast:
         linear.MIN_PACKED_NUMEL = 0
+    else:
+        prefill_plan.ATTENTION_GROUP_OVERHEAD_TOKENS = 6.0
     return {family: _check_family(family, paths[family], expected[family], eos_by_family[family], fast)
             for family in FAMILIES + MOE_FAMILIES}
 

@@ -15,14 +15,14 @@ VOCAB, STOP, MAX_SEQ = 11, 7, 10
 class _Decoder:
     """Stands in for the forward: records every position it is asked to write."""
 
-    prefill_overhead_tokens = 1e9
+    max_prefill_tokens = 8192
 
     def __init__(self) -> None:
         self.positions: list[int] = []
         self.contexts: list[int] = []
 
-    def prefill(self, tokens_pl, lengths_p, slots_p, cache, routing=None):
-        return torch.zeros(tokens_pl.shape[0], VOCAB)
+    def prefill(self, packed, cache, routing=None):
+        return torch.zeros(len(packed.prompts), VOCAB)
 
     def decode(self, tokens_s, positions_s, context, cache, routing=None):
         self.positions.extend(positions_s.tolist())
