@@ -55,14 +55,6 @@ class LayerParams:
     k_norm: torch.Tensor | None = None
     moe: MoeParams | None = None
 
-    def num_weights(self) -> int:
-        """Weight elements one token meets in this layer (for MoE: the router and top_k experts)."""
-        attention = self.qkv_weight.numel() + self.proj_weight.numel()
-        if self.moe is None:
-            return attention + self.fc1_weight.numel() + self.fc2_weight.numel()
-        expert = self.moe.fc1_weights[0].numel() + self.moe.fc2_weights[0].numel()
-        return attention + self.moe.router_weight.numel() + self.moe.top_k * expert
-
 
 @dataclass(frozen=True)
 class DecoderParams:
