@@ -11,13 +11,15 @@ where lengths change, the cheapest split is found exactly by dynamic programming
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 # Fixed cost of one attention group per layer (about ten small ops: scatter, q/k norms, RoPE, cache write, SDPA,
-# gather) against a padded token's share of them; measured on the rollout bench prompts (32 x 16-32 tokens),
-# SmolLM2-135M and the tiny model, fp32 and bf16: 8-64 within noise, a group per length ~3% slower.
+# gather) against a padded token's share of them. On the rollout bench prompts (32 x 16-32 tokens; SmolLM2-135M
+# fp32 and bf16, the tiny model) one group was fastest or tied (overheads 4 / 32 / 128 / 1e9 swept; a group per
+# few lengths 3-30% slower); 256 keeps those prompts one group while 32 prompts of 16-1024 tokens pad ~5%.
 ATTENTION_GROUP_OVERHEAD_TOKENS = 256.0
 
 
@@ -98,13 +100,13 @@ def _packed(tokens_pt: torch.Tensor, prompts: list[int], lengths: list[int], slo
     columns = torch.arange(max(lengths), device=device)
     valid_pt = columns[None, :] < lengths_p[:, None]
     tokens_t = tokens_pt[torch.tensor(prompts, device=device), :len(columns)][valid_pt]
-    ends = torch.cumsum(lengths_p, 0)
+    ends = list(itertools.accumulate(lengths))
     groups = []
     for group in plan_groups(lengths, overhead):
         first, stop = group[0], group[-1] + 1
         assert group == list(range(first, stop)), "plan_groups keeps sorted prompts contiguous"
         width = lengths[stop - 1]
-        start, end = int(ends[first - 1]) if first else 0, int(ends[stop - 1])
+        start, end = ends[first - 1] if first else 0, ends[stop - 1]
         pad_rows = None
         if end - start != (stop - first) * width:
             pad_rows = (torch.arange(width, device=device)[None, :] < lengths_p[first:stop, None]).flatten()
@@ -115,7 +117,7 @@ def _packed(tokens_pt: torch.Tensor, prompts: list[int], lengths: list[int], slo
                                      cache_rows=slice(slots[first], slots[stop - 1] + 1) if consecutive else slots_p,
                                      pad_rows=pad_rows))
     return PackedForward(prompts=tuple(prompts), lengths=tuple(lengths), tokens_t=tokens_t, groups=tuple(groups),
-                         last_rows=ends - 1)
+                         last_rows=torch.tensor(ends, device=device) - 1)
 
 
 def plan_groups(lengths: list[int], overhead: float) -> list[list[int]]:
