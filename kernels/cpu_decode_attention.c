@@ -16,6 +16,7 @@
 #include <string.h>
 
 #define INLINE static inline __attribute__((always_inline))
+#define LINE 64
 
 INLINE float bf16_to_float(uint16_t x) {
     const uint32_t bits = (uint32_t)x << 16;
@@ -57,6 +58,14 @@ INLINE void rotate(const void *x, int64_t x0, const void *cs, int64_t c0, int64_
                           + load(x, x0 + d - half, bf16) * load(cs, c0 + head_dim + d, bf16), out_bf16);
 }
 
+/* Prefetch lines first..first+count-1 (of `total`) of `base` into L2. Without it the step waits on every cache row
+ * it reads: on a 2-core Xeon, SmolLM2's 30 layers at 32 slots x 56 positions (82 MB of fp32 cache per step, out
+ * of cache) took 10-12 ms; prefetching the next row 5-8 ms (resident in cache: 4 ms). */
+INLINE void prefetch_lines(const char *base, int64_t first, int64_t count, int64_t total) {
+    for (int64_t line = first; line < first + count && line < total; ++line)
+        __builtin_prefetch(base + line * LINE, 0, 2);
+}
+
 INLINE void decode_attention(const void *mixed, const void *cos_sin, void *k_cache, void *v_cache,
                              const int64_t *pos, int64_t num_slots, int64_t groups, int64_t heads, int64_t head_dim,
                              int64_t max_len, float scale, void *out, float *scratch, int bf16) {
@@ -69,9 +78,17 @@ INLINE void decode_attention(const void *mixed, const void *cos_sin, void *k_cac
             store(v_cache, row0 + p * head_dim + d, load(mixed, x0 + (heads + 1) * head_dim + d, bf16), bf16);
         for (int64_t h = 0; h < heads; ++h)
             rotate(mixed, x0 + h * head_dim, cos_sin, c0, head_dim, queries, h * head_dim, bf16, 1);
+        /* The next slot-group's cache rows are read from memory while this one computes (prefetched into L2,
+         * spread over this one's position loops: its keys during the scores, its values during the sum). */
+        const int64_t next = sg + 1 < num_slots * groups ? sg + 1 : sg, elem = bf16 ? 2 : 4;
+        const int64_t next_lines = ((pos[next / groups] + 1) * head_dim * elem + LINE - 1) / LINE;
+        const int64_t per_position = (next_lines + p) / (p + 1);
+        const char *k_next = (const char *)k_cache + next * max_len * head_dim * elem;
+        const char *v_next = (const char *)v_cache + next * max_len * head_dim * elem;
         /* Each cache row is read once for all of the group's heads: scores[h * max_len + l]. */
         for (int64_t l = 0; l <= p; ++l) {
             const int64_t k0 = row0 + l * head_dim;
+            prefetch_lines(k_next, l * per_position, per_position, next_lines);
             for (int64_t h = 0; h < heads; ++h) {
                 const float *qv = queries + h * head_dim;
                 float acc = 0.0f;
@@ -98,6 +115,7 @@ INLINE void decode_attention(const void *mixed, const void *cos_sin, void *k_cac
         for (int64_t i = 0; i < heads * head_dim; ++i) acc[i] = 0.0f;
         for (int64_t l = 0; l <= p; ++l) {
             const int64_t v0 = row0 + l * head_dim;
+            prefetch_lines(v_next, l * per_position, per_position, next_lines);
             for (int64_t h = 0; h < heads; ++h) {
                 const float w = scores[h * max_len + l];
                 float *oh = acc + h * head_dim;
