@@ -155,23 +155,32 @@ void rlhf_decode_attention_bf16(const uint16_t *mixed, const uint16_t *cos_sin, 
     DISPATCH(1)
 }
 
-/* RMSNorm of `rows` bf16 rows of `dim` (the step's other memory-bound op): out = x / sqrt(mean(x^2) + eps) * w,
- * in fp32, rounded once to bf16 (torch's bf16 rms_norm upcasts the same way but in ~8 separate passes). */
-void rlhf_rms_norm_bf16(const uint16_t *x, const uint16_t *weight, int64_t rows, int64_t dim, float eps,
-                        uint16_t *out) {
+/* RMSNorm of `rows` rows of `dim` (fp32 or bf16): out = x / sqrt(mean(x^2) + eps) * w, in fp32 (bf16: rounded
+ * once; torch's bf16 rms_norm upcasts the same way but in ~8 separate passes). In a decode step every norm follows a
+ * GEMM that streamed its weight through the caches, and torch's op then cost ~50 us at 32 x 576 fp32 (~15 us when
+ * warm): most of it fetching torch's own dispatch code again. */
+INLINE void rms_norm(const void *x, const void *weight, int64_t rows, int64_t dim, float eps, void *out, int bf16) {
     for (int64_t r = 0; r < rows; ++r) {
-        const uint16_t *xr = x + r * dim;
-        uint16_t *yr = out + r * dim;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t d = 0; d < dim; ++d) {
-            const float v = bf16_to_float(xr[d]);
+            const float v = load(x, r * dim + d, bf16);
             sum += v * v;
         }
         const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) yr[d] = float_to_bf16(bf16_to_float(xr[d]) * inv * bf16_to_float(weight[d]));
+        for (int64_t d = 0; d < dim; ++d)
+            store(out, r * dim + d, load(x, r * dim + d, bf16) * inv * load(weight, d, bf16), bf16);
     }
+}
+
+void rlhf_rms_norm_bf16(const uint16_t *x, const uint16_t *weight, int64_t rows, int64_t dim, float eps,
+                        uint16_t *out) {
+    rms_norm(x, weight, rows, dim, eps, out, 1);
+}
+
+void rlhf_rms_norm_f32(const float *x, const float *weight, int64_t rows, int64_t dim, float eps, float *out) {
+    rms_norm(x, weight, rows, dim, eps, out, 0);
 }
 
 /* The prefill's attention inputs in one pass (bf16): `mixed` [prompts][len][groups][heads + 2][head_dim] (the QKV

@@ -108,9 +108,10 @@ class DecodeAttention:
         for fn in self._fns.values():
             fn.restype = None
             fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR]
-        self._rms_norm_bf16 = library.rlhf_rms_norm_bf16
-        self._rms_norm_bf16.restype = None
-        self._rms_norm_bf16.argtypes = [_PTR, _PTR, _I64, _I64, ctypes.c_float, _PTR]
+        self._rms_norms = {torch.float32: library.rlhf_rms_norm_f32, torch.bfloat16: library.rlhf_rms_norm_bf16}
+        for fn in self._rms_norms.values():
+            fn.restype = None
+            fn.argtypes = [_PTR, _PTR, _I64, _I64, ctypes.c_float, _PTR]
         self._prefill_rope_bf16 = library.rlhf_prefill_rope_bf16
         self._prefill_rope_bf16.restype = None
         self._prefill_rope_bf16.argtypes = [_PTR, _PTR, _PTR, *[_I64] * 6, *[_PTR] * 5]
@@ -133,14 +134,14 @@ class DecodeAttention:
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """`F.rms_norm(x, (d,), weight, eps)` over the last dim for bf16 `x` and `weight` in one pass (the step's
-        norms live in the same library); other dtypes, or a non-contiguous `x`, go to torch's op."""
-        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not x.is_contiguous():
+        """`F.rms_norm(x, (d,), weight, eps)` over the last dim for fp32 or bf16 `x` and `weight` (one dtype) in one
+        pass (the step's norms live in the same library); other dtypes, or a non-contiguous `x`, go to torch's op."""
+        if x.dtype not in self._rms_norms or weight.dtype != x.dtype or not x.is_contiguous():
             return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
         assert weight.is_contiguous() and weight.shape == (x.shape[-1],)
         out = torch.empty_like(x)
-        self._rms_norm_bf16(x.data_ptr(), weight.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
-                            out.data_ptr())
+        self._rms_norms[x.dtype](x.data_ptr(), weight.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
+                                 out.data_ptr())
         return out
 
     def prefill_rope(self, mixed: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -9,8 +9,9 @@
  * from memory overlaps this panel's arithmetic. On a 2-core Xeon (one thread) this ran the decode GEMMs of
  * SmolLM2-135M (32 rows, weights out of cache) 1.3-1.7x faster per call than oneDNN's packed inner product
  * (1.1-1.2x with torch's output allocation around it); serving the panel from L1 in chunks instead of whole from L2
- * made a decode step's GEMMs (30 layers + LM head) 6-7% faster again (68 -> 64 ms, same sums bit for bit). Vectors are GCC's vector extension (16 floats: one AVX-512 register, two AVX2 ones); single-threaded,
- * like the rest of this library. Built by cpu_decode_attention.py with the attention kernel.
+ * made a decode step's GEMMs (30 layers + LM head) 6-7% faster again (68 -> 64 ms, same sums bit for bit).
+ * Vectors are GCC's vector extension (16 floats: one AVX-512 register, two AVX2 ones); single-threaded, like the
+ * rest of this library. Built by cpu_decode_attention.py with the attention kernel.
  */
 #include <math.h>
 #include <stdint.h>

@@ -1,5 +1,5 @@
-"""The bf16 helpers in the CPU kernel library: RMSNorm in one pass and the prefill's RoPE + cache writes equal
-the torch ops they replace in `rlhf.rollout.native.forward` (fp32 arithmetic, one bf16 rounding)."""
+"""The helpers in the CPU kernel library: RMSNorm in one pass (fp32 and bf16) and the bf16 prefill's RoPE + cache
+writes equal the torch ops they replace in `rlhf.rollout.native.forward` (fp32 arithmetic, one bf16 rounding)."""
 
 import shutil
 
@@ -24,8 +24,19 @@ def test_rms_norm_is_the_fp32_norm_rounded_to_bf16():
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
     torch.testing.assert_close(got.float(), expected, rtol=2 ** -8, atol=0)  # within one bf16 rounding
     torch.testing.assert_close(got, F.rms_norm(x, (96,), weight, 1e-5), rtol=2 ** -7, atol=0)  # torch's bf16 op
-    fp32 = x.float()
-    assert torch.equal(kernel.rms_norm(fp32, weight.float(), 1e-5), F.rms_norm(fp32, (96,), weight.float(), 1e-5))
+
+
+@needs_gcc
+def test_rms_norm_fp32_is_torchs_to_rounding_and_strided_input_goes_to_torch():
+    kernel = cpu_decode_attention.load()
+    generator = torch.Generator().manual_seed(1)
+    x, weight = torch.randn(4, 7, 576, generator=generator) * 3, torch.randn(576, generator=generator)
+    got = kernel.rms_norm(x, weight, 1e-5)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    torch.testing.assert_close(got, F.rms_norm(x, (576,), weight, 1e-5), rtol=2e-6, atol=1e-6)  # a summation order
+    strided = x.transpose(0, 1)
+    assert torch.equal(kernel.rms_norm(strided, weight, 1e-5), F.rms_norm(strided, (576,), weight, 1e-5))
+    assert torch.equal(kernel.rms_norm(x, weight.bfloat16(), 1e-5), F.rms_norm(x, (576,), weight.bfloat16(), 1e-5))
 
 
 @needs_gcc

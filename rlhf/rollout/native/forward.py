@@ -112,8 +112,8 @@ class Decoder:
         return residual + self._all_reduce(linear(x))
 
     def _norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm over the hidden dim: the platform kernel's one pass in bf16 (torch's bf16 op makes ~8), else torch."""
-        if self.fused_attention is not None and hidden.dtype == torch.bfloat16:
+        """RMSNorm over the hidden dim: the platform kernel's one pass where there is one, else torch."""
+        if self.fused_attention is not None:
             return self.fused_attention.rms_norm(hidden, weight, self.geometry.eps)
         return F.rms_norm(hidden, (hidden.shape[-1],), weight, self.geometry.eps)
 
