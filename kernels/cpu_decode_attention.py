@@ -112,9 +112,11 @@ class DecodeAttention:
         for fn in self._rms_norms.values():
             fn.restype = None
             fn.argtypes = [_PTR, _PTR, _I64, _I64, ctypes.c_float, _PTR]
-        self._prefill_rope_bf16 = library.rlhf_prefill_rope_bf16
-        self._prefill_rope_bf16.restype = None
-        self._prefill_rope_bf16.argtypes = [_PTR, _PTR, _PTR, *[_I64] * 6, *[_PTR] * 5]
+        self._prefill_ropes = {torch.float32: library.rlhf_prefill_rope_f32,
+                               torch.bfloat16: library.rlhf_prefill_rope_bf16}
+        for fn in self._prefill_ropes.values():
+            fn.restype = None
+            fn.argtypes = [_PTR, _PTR, _PTR, *[_I64] * 6, *[_PTR] * 5]
         self._scratch = torch.empty(0)
 
     def __call__(self, mixed: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -146,10 +148,10 @@ class DecodeAttention:
 
     def prefill_rope(self, mixed: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """bf16 prefill: raw QKV `mixed` [P, L, G, H+2, D], `cos_sin` [L, 2, D], caches [slots, G, max_len, D] ->
-        RoPE'd q [P, G*H, L, D], k and v [P, G, L, D], k and v also written at positions 0..L-1 of cache rows
+        """fp32 or bf16 prefill: raw QKV `mixed` [P, L, G, H+2, D], `cos_sin` [L, 2, D], caches [slots, G, max_len, D]
+        -> RoPE'd q [P, G*H, L, D], k and v [P, G, L, D], k and v also written at positions 0..L-1 of cache rows
         `slots` [P]. None for other dtypes (the caller's torch path)."""
-        if mixed.dtype != torch.bfloat16:
+        if mixed.dtype not in self._prefill_ropes:
             return None
         prompts, length, groups, heads_and_kv, head_dim = mixed.shape
         heads, max_len = heads_and_kv - 2, k_cache.shape[2]
@@ -159,7 +161,7 @@ class DecodeAttention:
         slots = slots.contiguous()
         q = mixed.new_empty(prompts, groups * heads, length, head_dim)
         k, v = mixed.new_empty(prompts, groups, length, head_dim), mixed.new_empty(prompts, groups, length, head_dim)
-        self._prefill_rope_bf16(mixed.data_ptr(), cos_sin.data_ptr(), slots.data_ptr(), prompts, length, groups, heads,
-                                head_dim, max_len, q.data_ptr(), k.data_ptr(), v.data_ptr(), k_cache.data_ptr(),
-                                v_cache.data_ptr())
+        self._prefill_ropes[mixed.dtype](mixed.data_ptr(), cos_sin.data_ptr(), slots.data_ptr(), prompts, length,
+                                         groups, heads, head_dim, max_len, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                         k_cache.data_ptr(), v_cache.data_ptr())
         return q, k, v

@@ -133,8 +133,8 @@ class PreparedSwiGLU:
         return "decode_gemm" if self.decode is not None else "onednn" if self.fused is None else "torch"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.decode is not None and self.decode._decodes(x):
-            return self.decode.gemm.swiglu(self.decode._decode(x))
+        if self.decode is not None:  # any row count: the kernel's one SwiGLU pass after either GEMM
+            return self.decode.gemm.swiglu(self.decode(x))
         if self.fused is not None:
             gate, up = F.linear(x, self.fused).chunk(2, dim=-1)
             return F.silu(gate) * up

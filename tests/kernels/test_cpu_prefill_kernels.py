@@ -1,5 +1,5 @@
-"""The helpers in the CPU kernel library: RMSNorm in one pass (fp32 and bf16) and the bf16 prefill's RoPE + cache
-writes equal the torch ops they replace in `rlhf.rollout.native.forward` (fp32 arithmetic, one bf16 rounding)."""
+"""The helpers in the CPU kernel library: RMSNorm in one pass and the prefill's RoPE + cache writes (fp32 and bf16)
+equal the torch ops they replace in `rlhf.rollout.native.forward` (fp32 arithmetic, in bf16 one rounding)."""
 
 import shutil
 
@@ -40,29 +40,31 @@ def test_rms_norm_fp32_is_torchs_to_rounding_and_strided_input_goes_to_torch():
 
 
 @needs_gcc
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("groups, heads, head_dim", [(3, 3, 64), (1, 2, 16)])
-def test_prefill_rope_equals_the_torch_path(groups, heads, head_dim):
+def test_prefill_rope_equals_the_torch_path(groups, heads, head_dim, dtype):
     """q, k, v in SDPA's layouts, k and v written at positions 0..L-1 of each prompt's slot, nothing else."""
     kernel = cpu_decode_attention.load()
     generator = torch.Generator().manual_seed(1)
     prompts, length, max_len, num_slots = 2, 7, 12, 4
-    mixed = torch.randn(prompts, length, groups, heads + 2, head_dim, generator=generator).bfloat16()
+    mixed = torch.randn(prompts, length, groups, heads + 2, head_dim, generator=generator).to(dtype)
     angles = torch.rand(length, head_dim // 2, generator=generator) * 3
     cos_sin = torch.stack([torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1)],
-                          dim=1).bfloat16()
-    k_cache = torch.randn(num_slots, groups, max_len, head_dim, generator=generator).bfloat16()
-    v_cache = torch.randn(num_slots, groups, max_len, head_dim, generator=generator).bfloat16()
+                          dim=1).to(dtype)
+    k_cache = torch.randn(num_slots, groups, max_len, head_dim, generator=generator).to(dtype)
+    v_cache = torch.randn(num_slots, groups, max_len, head_dim, generator=generator).to(dtype)
+    rtol, atol = (2 ** -8, 1e-5) if dtype == torch.bfloat16 else (1e-6, 1e-6)
     slots = torch.tensor([3, 1])
     expected_k_cache, expected_v_cache = k_cache.clone(), v_cache.clone()
     q, k, v = kernel.prefill_rope(mixed, cos_sin, k_cache, v_cache, slots)
 
     cos, sin = cos_sin.float()[:, None, None, 0], cos_sin.float()[:, None, None, 1]
     rotated = _rope(mixed.float()[..., :heads + 1, :], cos, sin)
-    torch.testing.assert_close(q.float(), rotated[..., :heads, :].flatten(2, 3).transpose(1, 2),
-                               rtol=2 ** -8, atol=1e-5)
-    torch.testing.assert_close(k.float(), rotated[..., heads, :].transpose(1, 2), rtol=2 ** -8, atol=1e-5)
+    assert q.dtype == k.dtype == v.dtype == dtype
+    torch.testing.assert_close(q.float(), rotated[..., :heads, :].flatten(2, 3).transpose(1, 2), rtol=rtol, atol=atol)
+    torch.testing.assert_close(k.float(), rotated[..., heads, :].transpose(1, 2), rtol=rtol, atol=atol)
     assert torch.equal(v, mixed[..., heads + 1, :].transpose(1, 2))
     expected_k_cache[slots, :, :length] = k
     expected_v_cache[slots, :, :length] = v
     assert torch.equal(k_cache, expected_k_cache) and torch.equal(v_cache, expected_v_cache)
-    assert kernel.prefill_rope(mixed.float(), cos_sin.float(), k_cache.float(), v_cache.float(), slots) is None
+    assert kernel.prefill_rope(mixed.double(), cos_sin.double(), k_cache.double(), v_cache.double(), slots) is None

@@ -11,7 +11,8 @@ load-balancing loss is per micro-batch, and packing groups other tokens into a m
 began to go straight into the DDP grad buffer (issue 32): another summation order of the same gradient; PPO,
 async and MoE moved <= 3.4e-5 relative on metrics above 1e-3 (GRPO and replay stayed bitwise). Re-recorded when the
 native engine's fp32 RMSNorm moved into the CPU kernel library (issue 32): the rollout's norms in another summation
-order; 4-32 of each run's 104-150 metrics moved, <= 5.7e-5 relative above 1e-3 (replay's step-3 pg_loss).
+order; 4-32 of each run's 104-150 metrics moved, <= 5.7e-5 relative above 1e-3 (replay's step-3 pg_loss); and again
+when its fp32 prefill RoPE did (the decode step's rotation): <= 2.8e-5 (MoE's step-3 kl_loss).
 
 Bitwise equality holds on one CPU; oneDNN picks kernels by ISA, so on another capability the metrics are
 compared within rel 1e-5 and the checkpoint hashes are skipped. Re-record (only for an intended change) with
