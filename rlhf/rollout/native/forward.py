@@ -189,9 +189,10 @@ class Decoder:
         (packed order), keys and values written to its cache slots at positions 0..L-1.
 
         RoPE and the cache writes are one platform-kernel pass where there is one (in torch they cost ~10% of a
-        bf16 prefill, ~6% of an fp32 one), else torch ops. Causal alone is exact for right-padded prompts: a real query never sees a later
-        (padding) key. Padding queries read padding keys, but their outputs are dropped and their cache entries
-        never read (decode overwrites position p before attending to it), so no [p, 1, L, L] mask is built."""
+        bf16 prefill, ~6% of an fp32 one), else torch ops. Causal alone is exact for right-padded prompts: a real
+        query never sees a later (padding) key. Padding queries read padding keys, but their outputs are dropped and
+        their cache entries never read (decode overwrites position p before attending to it), so no [p, 1, L, L]
+        mask is built."""
         geo, layer = self.geometry, self.layers[index]
         heads_per_group, width = geo.num_heads // geo.num_groups, group.width
         mixed = self._qk_normed(layer, mixed.view(*mixed.shape[:2], geo.num_groups, heads_per_group + 2,
