@@ -27,8 +27,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# One shared object for the decode step's kernels: this attention kernel (with the bf16 norm and prefill RoPE) and
-# the decode-size fp32 GEMM (`cpu_decode_gemm.py`).
+# One shared object for the decode step's kernels: this attention kernel (with the fp32/bf16 RMSNorm and prefill
+# RoPE) and the decode-size fp32 GEMM (`cpu_decode_gemm.py`).
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode_attention.c", "cpu_decode_gemm.c"))
 # -ffast-math (vectorised expf from libmvec, reassociated dot products) at compile time only: linking with it
 # would add crtfastmath.o, which turns on flush-to-zero for the whole process.
