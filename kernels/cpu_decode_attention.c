@@ -159,7 +159,8 @@ void rlhf_decode_attention_bf16(const uint16_t *mixed, const uint16_t *cos_sin, 
  * once; torch's bf16 rms_norm upcasts the same way but in ~8 separate passes). In a decode step every norm follows a
  * GEMM that streamed its weight through the caches, and torch's op then cost ~50 us at 32 x 576 fp32 (~15 us when
  * warm): most of it fetching torch's own dispatch code again. */
-INLINE void rms_norm(const void *x, const void *weight, int64_t rows, int64_t dim, float eps, void *out, int bf16) {
+INLINE void rms_norm(const void *x, const void *weight, int64_t rows, int64_t dim, float eps, void *out, float *rstd,
+                     int bf16) {
     for (int64_t r = 0; r < rows; ++r) {
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -168,6 +169,7 @@ INLINE void rms_norm(const void *x, const void *weight, int64_t rows, int64_t di
             sum += v * v;
         }
         const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        if (rstd != NULL) rstd[r] = inv;
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d)
             store(out, r * dim + d, load(x, r * dim + d, bf16) * inv * load(weight, d, bf16), bf16);
@@ -176,11 +178,13 @@ INLINE void rms_norm(const void *x, const void *weight, int64_t rows, int64_t di
 
 void rlhf_rms_norm_bf16(const uint16_t *x, const uint16_t *weight, int64_t rows, int64_t dim, float eps,
                         uint16_t *out) {
-    rms_norm(x, weight, rows, dim, eps, out, 1);
+    rms_norm(x, weight, rows, dim, eps, out, NULL, 1);
 }
 
-void rlhf_rms_norm_f32(const float *x, const float *weight, int64_t rows, int64_t dim, float eps, float *out) {
-    rms_norm(x, weight, rows, dim, eps, out, 0);
+/* rstd (rows floats, or NULL) receives each row's 1 / sqrt(mean(x^2) + eps), which the training backward reuses. */
+void rlhf_rms_norm_f32(const float *x, const float *weight, int64_t rows, int64_t dim, float eps, float *out,
+                       float *rstd) {
+    rms_norm(x, weight, rows, dim, eps, out, rstd, 0);
 }
 
 /* The prefill's attention inputs in one pass (fp32 or bf16): `mixed` [prompts][len][groups][heads + 2][head_dim]

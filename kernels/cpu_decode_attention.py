@@ -27,9 +27,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# One shared object for the decode step's kernels: this attention kernel (with the fp32/bf16 RMSNorm and prefill
-# RoPE) and the decode-size fp32 GEMM (`cpu_decode_gemm.py`).
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode_attention.c", "cpu_decode_gemm.c"))
+# One shared object for the CPU kernels: this attention kernel (with the fp32/bf16 RMSNorm and prefill RoPE), the
+# decode-size fp32 GEMM (`cpu_decode_gemm.py`) and the RMSNorm backward of training (`cpu_rms_norm.py`).
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("cpu_decode_attention.c", "cpu_decode_gemm.c", "cpu_rms_norm_backward.c"))
 # -ffast-math (vectorised expf from libmvec, reassociated dot products) at compile time only: linking with it
 # would add crtfastmath.o, which turns on flush-to-zero for the whole process.
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-std=c11")
@@ -109,9 +110,9 @@ class DecodeAttention:
             fn.restype = None
             fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR]
         self._rms_norms = {torch.float32: library.rlhf_rms_norm_f32, torch.bfloat16: library.rlhf_rms_norm_bf16}
-        for fn in self._rms_norms.values():
+        for dtype, fn in self._rms_norms.items():  # the fp32 one also returns each row's rstd (or takes NULL)
             fn.restype = None
-            fn.argtypes = [_PTR, _PTR, _I64, _I64, ctypes.c_float, _PTR]
+            fn.argtypes = [_PTR, _PTR, _I64, _I64, ctypes.c_float, _PTR, *([_PTR] if dtype == torch.float32 else [])]
         self._prefill_ropes = {torch.float32: library.rlhf_prefill_rope_f32,
                                torch.bfloat16: library.rlhf_prefill_rope_bf16}
         for fn in self._prefill_ropes.values():
@@ -142,8 +143,9 @@ class DecodeAttention:
             return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
         assert weight.is_contiguous() and weight.shape == (x.shape[-1],)
         out = torch.empty_like(x)
+        rstd = (None,) if x.dtype == torch.float32 else ()
         self._rms_norms[x.dtype](x.data_ptr(), weight.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
-                                 out.data_ptr())
+                                 out.data_ptr(), *rstd)
         return out
 
     def prefill_rope(self, mixed: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

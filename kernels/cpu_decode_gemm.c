@@ -140,3 +140,20 @@ void rlhf_swiglu_f32(const float *gate_up, int64_t m, int64_t inner, float *out)
         for (int64_t j = 0; j < inner; ++j) o[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
     }
 }
+
+/* The backward of rlhf_swiglu_f32 (training): with s = sigmoid(gate), grad_gate_up[r] = [grad_out * up * s * (1 +
+ * gate * (1 - s)), grad_out * gate * s], written straight into the [m][2 * inner] gradient of the projection (torch
+ * runs this as ~6 passes and a cat). */
+void rlhf_swiglu_backward_f32(const float *gate_up, const float *grad_out, int64_t m, int64_t inner,
+                              float *grad_gate_up) {
+    for (int64_t r = 0; r < m; ++r) {
+        const float *gate = gate_up + r * 2 * inner, *up = gate + inner, *g = grad_out + r * inner;
+        float *grad_gate = grad_gate_up + r * 2 * inner, *grad_up = grad_gate + inner;
+#pragma omp simd
+        for (int64_t j = 0; j < inner; ++j) {
+            const float s = 1.0f / (1.0f + expf(-gate[j]));
+            grad_gate[j] = g[j] * up[j] * (s * (1.0f + gate[j] * (1.0f - s)));
+            grad_up[j] = g[j] * gate[j] * s;
+        }
+    }
+}

@@ -24,13 +24,16 @@ def load() -> DecodeGemm | None:
 
 class DecodeGemm:
     """pack(W [n, k] fp32) -> the packed copy; linear(x [..., k], packed, n, residual=None) -> [..., n];
-    swiglu(gate_up [..., 2i]) -> silu(gate) * up [..., i]."""
+    swiglu(gate_up [..., 2i]) -> silu(gate) * up [..., i]; swiglu_backward(gate_up, grad [..., i]) -> [..., 2i]
+    (training's SwiGLU, `rlhf.platform.swiglu`)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._pack, self._linear, self._swiglu = lib.rlhf_pack_linear_f32, lib.rlhf_linear_f32, lib.rlhf_swiglu_f32
+        self._swiglu_backward = lib.rlhf_swiglu_backward_f32
         for fn, args in ((self._pack, [_PTR, _I64, _I64, _PTR]),
                          (self._linear, [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR]),
-                         (self._swiglu, [_PTR, _I64, _I64, _PTR])):
+                         (self._swiglu, [_PTR, _I64, _I64, _PTR]),
+                         (self._swiglu_backward, [_PTR, _PTR, _I64, _I64, _PTR])):
             fn.restype, fn.argtypes = None, args
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
@@ -62,3 +65,12 @@ class DecodeGemm:
         out = torch.empty(flat.shape[0], inner)
         self._swiglu(flat.data_ptr(), flat.shape[0], inner, out.data_ptr())
         return out.view(*gate_up.shape[:-1], inner)
+
+    def swiglu_backward(self, gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        assert gate_up.dtype == grad.dtype == torch.float32 and gate_up.is_contiguous()
+        inner = gate_up.shape[-1] // 2
+        assert grad.shape == (*gate_up.shape[:-1], inner)
+        grad = grad.contiguous()
+        out = torch.empty_like(gate_up)
+        self._swiglu_backward(gate_up.data_ptr(), grad.data_ptr(), grad.numel() // inner, inner, out.data_ptr())
+        return out

@@ -1,7 +1,9 @@
 """Build a megatron-core `GPTModel` (or its value-head variant) from an HF config on explicit process groups.
 
 The layer spec is chosen here and only here: Transformer-Engine when it is importable and a GPU is present,
-megatron's local spec otherwise (its attention core rlhf's `FusedDotProductAttention`: fused, packed-aware).
+megatron's local spec otherwise (its attention core rlhf's `FusedDotProductAttention`: fused, packed-aware; its
+torch RMSNorms rlhf's `FusedRMSNorm` and, in dense models, its MLP activation rlhf's `FusedSwiGLU`: one C pass
+forward and backward each on CPU).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from rlhf.models.value_head import ValueHead
 from rlhf.platform import current_device, has_accelerator
 from rlhf.platform.compat import megatron as megatron_compat
 from rlhf.platform.fused_attention import FusedDotProductAttention
+from rlhf.platform.rms_norm import use_fused_rms_norms
+from rlhf.platform.swiglu import FusedSwiGLU
 
 
 def moe_config(spec: ModelSpec, *, ep: int = 1, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
@@ -88,7 +92,19 @@ def layer_spec(config: TransformerConfig, pp_rank: int, pg_collection: ProcessGr
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    return _with_packed_attention(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm))
+    return _with_fused_swiglu(
+        _with_packed_attention(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)),
+        config)
+
+
+def _with_fused_swiglu(layer: ModuleSpec, config: TransformerConfig) -> ModuleSpec:
+    """A dense local layer spec whose MLP applies rlhf's SwiGLU (`rlhf.platform.swiglu`: one C pass forward and
+    backward on CPU) to its whole fc1 output, through the activation-module hook megatron names after TE
+    (`use_te_activation_func`, set on `config` here: it applies to every MLP of the model, so never on MoE ones)."""
+    assert not config.num_moe_experts and config.gated_linear_unit and config.activation_func is F.silu
+    layer.submodules.mlp.submodules.activation_func = FusedSwiGLU
+    config.use_te_activation_func = True
+    return layer
 
 
 def _with_packed_attention(layer: ModuleSpec) -> ModuleSpec:
@@ -138,6 +154,7 @@ def build_gpt(hf_config: Any, pg_collection: ProcessGroupCollection, *, pre_proc
         if param.dtype != params_dtype:
             param.data = param.data.to(params_dtype)
     model.rotary_pos_emb.inv_freq = spec.inv_freq().to(model.rotary_pos_emb.inv_freq.device)
+    use_fused_rms_norms(model)  # the local layers' torch norms: one C pass forward and backward on CPU in fp32
     if value_head and post_process:
         head = ValueHead(spec.hidden_size, init_std=spec.initializer_range, seed=seed, dtype=params_dtype)
         model.output_layer = head.to(current_device())

@@ -31,7 +31,9 @@ plus the permuted copies and fp32 router logits (an estimate; the dense terms ar
 
 The CPU path (megatron's local layers; `PackedDotProductAttention` for packed batches, `FusedDotProductAttention`
 for padded ones, both SDPA's flash kernel) keeps more, and `cpu_path_extra_bytes` says how much, storage by
-storage: the decomposed RMSNorm's `x * rstd` (`+h` per norm, also for the q/k norms and the final norm); padded:
+storage: the kernel library's fp32 norms (`rlhf.platform.rms_norm`) keep x and rstd as counted, but the k norm's
+strided input takes torch's composite norm and its `x * rstd` (`+hkv`); the library's SwiGLU (`rlhf.platform.swiglu`,
+dense layers) keeps the fc1 output only, not megatron's `silu(gate)` and `up + 0` (`-2f`); padded:
 SDPA's q and, with GQA, K and V expanded to every query head (`+2 (hq - hkv)`), or without GQA V itself, a view
 that keeps the fused QKV output whole (as the k norm's input does), per layer SDPA's float copy of the
 `[b, 1, s, s]` mask, and one RoPE cos/sin pair for the whole model instead of four tables per layer (packed too);
@@ -199,26 +201,29 @@ def cpu_path_extra_bytes(spec: ModelSpec, attention_calls: list[int], *, tp: int
     heads, kv_heads = spec.num_heads // tp, spec.num_kv_heads // tp
     q_dim, kv_dim = heads * spec.head_dim, kv_heads * spec.head_dim
     grouped = heads > kv_heads
-    final_norm = tokens * spec.hidden_size * dtype_bytes  # its x * rstd
+    # The kernel library's norms (`rlhf.platform.rms_norm`) keep x and rstd, as the flash model counts; its SwiGLU
+    # (`rlhf.platform.swiglu`, dense layers) keeps only the fc1 output, not megatron's silu(gate) and up + 0.
+    swiglu = -2 * (spec.ffn_hidden_size // tp) if spec.moe is None else 0
     if not padded:
         from rlhf.platform.packed_attention import length_buckets  # megatron's import only when asked
 
         slots = sum(len(bucket) * attention_calls[bucket[0]] for bucket in length_buckets(attention_calls))
-        # q/k norms: q's x * rstd beyond the flash terms, and the fused QKV output kept whole (the k norm's input)
-        per_token = 2 * spec.hidden_size + (2 * q_dim + 2 * kv_dim if spec.qk_norm else 0)
+        # q/k norms: the fused QKV output kept whole (the k norm's input; the q norm's is a contiguous copy the
+        # kernel keeps), and the k norm's x * rstd (its strided input takes torch's composite norm)
+        per_token = swiglu + (q_dim + 2 * kv_dim if spec.qk_norm else 0)
         padding = (slots - tokens) * ((q_dim + 2 * kv_dim) * dtype_bytes + 4 * heads)  # its q, k, v and lse
         per_layer = tokens * per_token * dtype_bytes + slots * q_dim * dtype_bytes + padding  # + SDPA's out
         rope = (2 - 4 * spec.num_layers) * tokens * spec.head_dim * dtype_bytes
-        return spec.num_layers * per_layer + rope + final_norm + 8 * (slots + tokens)
+        return spec.num_layers * per_layer + rope + 8 * (slots + tokens)
     # SDPA keeps q, and K and V expanded to every query head (GQA) or k and V itself, a view that keeps the fused
-    # QKV output whole (as does the k norm's input); the q/k norms keep q's input and both x * rstd
+    # QKV output whole (as does the k norm's input); the q/k norms keep q's input and k's x * rstd
     cpu = q_dim + (2 * q_dim if grouped else kv_dim) + (q_dim + 2 * kv_dim if not grouped or spec.qk_norm else 0)
     flash = q_dim + 2 * kv_dim
     if spec.qk_norm:
-        cpu, flash = cpu + 2 * q_dim + kv_dim, flash + q_dim + kv_dim
-    elements = 2 * spec.hidden_size + cpu - flash  # + each norm's x * rstd
+        cpu, flash = cpu + q_dim + kv_dim, flash + q_dim + kv_dim
+    elements = swiglu + cpu - flash
     squares = batch * sum(n * n for n in attention_calls)
     per_layer = tokens * elements * dtype_bytes + squares * dtype_bytes
     positions = max(attention_calls)  # the rows' length; the flash model counts 4 tables per layer, here 2 in all
     rope = (2 - 4 * spec.num_layers) * positions * spec.head_dim * dtype_bytes
-    return spec.num_layers * per_layer + rope + final_norm
+    return spec.num_layers * per_layer + rope

@@ -12,7 +12,10 @@ began to go straight into the DDP grad buffer (issue 32): another summation orde
 async and MoE moved <= 3.4e-5 relative on metrics above 1e-3 (GRPO and replay stayed bitwise). Re-recorded when the
 native engine's fp32 RMSNorm moved into the CPU kernel library (issue 32): the rollout's norms in another summation
 order; 4-32 of each run's 104-150 metrics moved, <= 5.7e-5 relative above 1e-3 (replay's step-3 pg_loss); and again
-when its fp32 prefill RoPE did (the decode step's rotation): <= 2.8e-5 (MoE's step-3 kl_loss).
+when its fp32 prefill RoPE did (the decode step's rotation): <= 2.8e-5 (MoE's step-3 kl_loss). Re-recorded when
+training's fp32 RMSNorm and SwiGLU went to the kernel library (forward and backward in one pass each,
+`rlhf.platform.rms_norm` / `rlhf.platform.swiglu`): 18-36 metrics per run moved, <= 4.6e-5 relative above 1e-3
+except PPO's step-3 pg_loss (-7.935e-3 -> -7.885e-3, a mean of near-cancelling terms).
 
 Bitwise equality holds on one CPU; oneDNN picks kernels by ISA, so on another capability the metrics are
 compared within rel 1e-5 and the checkpoint hashes are skipped. Re-record (only for an intended change) with
