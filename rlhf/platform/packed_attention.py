@@ -7,7 +7,8 @@ sequences, longest first, grouped while padding a shorter one to its group's lon
 (`length_buckets`, `BUCKET_WASTE`), each group gathered into one right-padded `[b, L]` batch and the real
 tokens' outputs gathered back. Causal attention keeps the right padding out of every real query, no mask is
 built, compute never grows with the pack's square, and a pack of short sequences is one or two calls (the
-per-sequence overhead is what made packing slower than padded rows on short spreads). Without
+per-sequence overhead is what made packing slower than padded rows on short spreads). fp32 training on CPU
+attends the pack in place instead, in one C pass each way (`packed_causal_kernel`, where it applies). Without
 `packed_seq_params` it is megatron's core unchanged. On CUDA with TE, `TEDotProductAttention` takes the same
 `PackedSeqParams` natively.
 
@@ -34,6 +35,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from rlhf.platform.context_parallel import gather_keys_values, global_order
+from rlhf.platform.packed_causal_kernel import kernel_applies, packed_causal_attention
 
 BUCKET_WASTE = 64 * 64  # a sequence shares a longer one's call while L² - l² <= this (token²)
 
@@ -79,7 +81,11 @@ class PackedDotProductAttention(DotProductAttention):
         q/k layer scaling off). Right padding after a causal sequence never reaches its real queries."""
         assert not self.config.attention_dropout and not self.config.apply_query_key_layer_scaling
         heads, groups = query_tnd.shape[1], key_tnd.shape[1]
-        plan = bucket_plan(tuple(cu_seqlens_n.tolist()))
+        cu_seqlens = tuple(cu_seqlens_n.tolist())
+        lengths = tuple(stop - start for start, stop in zip(cu_seqlens[:-1], cu_seqlens[1:]))
+        if kernel_applies(lengths, heads, query_tnd.shape[2], query_tnd.dtype, query_tnd.device):
+            return packed_causal_attention(query_tnd, key_tnd, value_tnd, cu_seqlens, self.softmax_scale)
+        plan = bucket_plan(cu_seqlens)
         gather_p, scatter_t = plan.gather_p.to(query_tnd.device), plan.scatter_t.to(query_tnd.device)
         qkv_tnd = torch.cat([query_tnd, key_tnd, value_tnd], dim=1)
         qkv_tnd = torch.cat([qkv_tnd, qkv_tnd.new_zeros(1, *qkv_tnd.shape[1:])])  # row `tokens`: the padding

@@ -194,8 +194,10 @@ def cpu_path_extra_bytes(spec: ModelSpec, attention_calls: list[int], *, tp: int
     `padded` batch) or of the sequences of one pack. A padded batch runs `FusedDotProductAttention`: per layer
     SDPA's float copy of the `[b, 1, s, s]` mask; its output is the out-projection's input (a view, no copy); the
     step's RoPE cos/sin are one `[s, head_dim]` pair for every layer and both q and k (`compat.megatron_host._lean_rope`)
-    instead of the flash model's per-layer four. A pack runs `PackedDotProductAttention`: its `length_buckets`
-    padded to `slots` tokens in all, which SDPA keeps for q, k, v, out and lse, the output then gathered back;
+    instead of the flash model's per-layer four. A pack runs `PackedDotProductAttention`: in fp32 where the kernel
+    library's attention applies (`packed_causal_kernel`), the flash model's q, k, v, out and lse exactly; otherwise
+    its `length_buckets` padded to `slots` tokens in all, which SDPA keeps for q, k, v, out and lse, the output then
+    gathered back;
     its RoPE cos/sin are one `[T, head_dim]` pair for the model too (the pack's frequencies gathered once)."""
     tokens = sum(attention_calls) * batch
     heads, kv_heads = spec.num_heads // tp, spec.num_kv_heads // tp
@@ -205,15 +207,22 @@ def cpu_path_extra_bytes(spec: ModelSpec, attention_calls: list[int], *, tp: int
     # (`rlhf.platform.swiglu`, dense layers) keeps only the fc1 output, not megatron's silu(gate) and up + 0.
     swiglu = -2 * (spec.ffn_hidden_size // tp) if spec.moe is None else 0
     if not padded:
-        from rlhf.platform.packed_attention import length_buckets  # megatron's import only when asked
+        import torch
 
-        slots = sum(len(bucket) * attention_calls[bucket[0]] for bucket in length_buckets(attention_calls))
+        from rlhf.platform.packed_attention import length_buckets  # megatron's import only when asked
+        from rlhf.platform.packed_causal_kernel import kernel_applies
+
         # q/k norms: the fused QKV output kept whole (the k norm's input; the q norm's is a contiguous copy the
         # kernel keeps), and the k norm's x * rstd (its strided input takes torch's composite norm)
         per_token = swiglu + (q_dim + 2 * kv_dim if spec.qk_norm else 0)
+        rope = (2 - 4 * spec.num_layers) * tokens * spec.head_dim * dtype_bytes
+        if dtype_bytes == 4 and kernel_applies(tuple(attention_calls), heads, spec.head_dim, torch.float32,
+                                               torch.device("cpu")):
+            # the kernel library's attention keeps q, k, v, out and lse as the flash model counts, unpadded
+            return spec.num_layers * tokens * per_token * dtype_bytes + rope
+        slots = sum(len(bucket) * attention_calls[bucket[0]] for bucket in length_buckets(attention_calls))
         padding = (slots - tokens) * ((q_dim + 2 * kv_dim) * dtype_bytes + 4 * heads)  # its q, k, v and lse
         per_layer = tokens * per_token * dtype_bytes + slots * q_dim * dtype_bytes + padding  # + SDPA's out
-        rope = (2 - 4 * spec.num_layers) * tokens * spec.head_dim * dtype_bytes
         return spec.num_layers * per_layer + rope + 8 * (slots + tokens)
     # SDPA keeps q, and K and V expanded to every query head (GQA) or k and V itself, a view that keeps the fused
     # QKV output whole (as does the k norm's input); the q/k norms keep q's input and k's x * rstd

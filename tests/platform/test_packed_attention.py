@@ -3,6 +3,7 @@ equals attention over each sequence alone (outputs and gradients, GQA, a one-tok
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlhf.platform.packed_attention import bucket_plan, length_buckets
@@ -22,12 +23,17 @@ def test_length_buckets_group_similar_lengths_longest_first():
     assert plan.gather_p[plan.scatter_t].tolist() == list(range(6))
 
 
-def _rank() -> float:
+def _rank(bucketed: bool) -> tuple[float, float]:
+    """Largest difference between the packed core and megatron's core run on each sequence alone, and the larger of
+    the two's differences from float64 (outputs and q/k/v gradients); `bucketed`: the flash path, not the kernel."""
     from rlhf.models.builder import build_gpt
     from rlhf.parallel.groups import build_layout_groups
     from rlhf.parallel.layout import ParallelLayout
+    from rlhf.platform import packed_attention
     from rlhf.platform.packed_attention import packed_seq_params
 
+    if bucketed:
+        packed_attention.kernel_applies = lambda *_: False
     groups = build_layout_groups(ParallelLayout())
     core = build_gpt(llama_config(), groups).decoder.layers[0].self_attention.core_attention
     generator = torch.Generator().manual_seed(0)
@@ -40,11 +46,18 @@ def _rank() -> float:
     alone = torch.cat([core(*(t[start:stop, None] for t in (q, k, v)), None)[:, 0]  # [s, 1, ...]: one sequence
                        for start, stop in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())])
     results = [(out, *torch.autograd.grad((out * upstream).sum(), (q, k, v))) for out in (packed, alone)]
-    return max(float((a - b).abs().max()) for a, b in zip(*results))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    exact = _reference_attention(q64, k64, v64, cu_seqlens.tolist(), core.softmax_scale)
+    exact = (exact, *torch.autograd.grad((exact * upstream.double()).sum(), (q64, k64, v64)))
+    apart = max(float((a - b).abs().max()) for a, b in zip(*results))
+    error = max(float((got.double() - want).abs().max()) for result in results for got, want in zip(result, exact))
+    return apart, error
 
 
-def test_packed_core_equals_each_sequence_alone():
-    assert run_distributed(_rank, 1, timeout_s=300)[0] < 1e-6
+@pytest.mark.parametrize("bucketed", [False, True], ids=["kernel", "bucketed_flash"])
+def test_packed_core_equals_each_sequence_alone(bucketed):
+    apart, error = run_distributed(_rank, 1, bucketed, timeout_s=300)[0]
+    assert apart < 3e-6 and error < 3e-6, (apart, error)  # fp32 rounding of sums over up to 300 keys
 
 
 def _reference_attention(q_tnd: torch.Tensor, k_tnd: torch.Tensor, v_tnd: torch.Tensor, cu: list[int],
