@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlhf-installed
 NPROC ?= 4
 DEMO_NPROC ?= 2
-BENCHES := collectives reshard engine rollout decode e2e memphase packing exchange checkpoint rollout-corr async moe-rl lora multiturn
+BENCHES := collectives reshard engine gemm rollout decode e2e memphase packing exchange checkpoint rollout-corr async moe-rl lora multiturn
 PYTEST_FLAGS ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -99,6 +99,9 @@ bench-reshard: install-bench
 
 bench-engine: install-bench
 	$(PY) benchmarks/bench_engine.py
+
+bench-gemm: install-bench  # fp32 GEMMs: torch's (MKL) beside rlhf's (oneDNN), per shape and direction
+	$(PY) benchmarks/bench_gemm.py
 
 bench-rollout: install-bench install-vllm
 	$(PY) benchmarks/bench_rollout.py

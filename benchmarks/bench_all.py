@@ -18,6 +18,7 @@ BENCHMARKS = {
     "collectives": ("bench_collectives.py", [], ["--sizes", "50", "500", "--repeats", "3"]),
     "reshard": ("bench_reshard.py", [], []),
     "engine": ("bench_engine.py", [], []),
+    "gemm": ("bench_gemm.py", [], ["--rows", "375", "--repeats", "3"]),
     "rollout": ("bench_rollout.py", [], ["--models", "tiny", "--repeats", "3"]),
     "e2e": ("bench_e2e_vs_trl.py", [], []),
     "memphase": ("bench_memphase.py", [], []),

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-from rlhf.platform import fused_head_bytes
+from rlhf.platform import fused_head_bytes, gemm
 from rlhf.platform.compat import megatron as megatron_compat
 
 
@@ -178,7 +178,7 @@ def _spans(start: int, stop: int, step: int) -> Iterator[slice]:
 
 
 def _chunk_logits(hidden_ch: torch.Tensor, weight_vh: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits_cv = (hidden_ch @ weight_vh.t()).float()
+    logits_cv = gemm.linear(hidden_ch, weight_vh).float()
     return logits_cv.div_(temperature) if temperature != 1.0 else logits_cv
 
 
@@ -267,7 +267,7 @@ class _FusedHeadLogprobs(torch.autograd.Function):
                 if temperature != 1.0:
                     grad_bv.div_(temperature)
             grad_cv = logits_cv.to(hidden_nh.dtype)
-            grad_hidden_nh[chunk] = grad_cv @ weight_vh
+            grad_hidden_nh[chunk] = gemm.matmul(grad_cv, weight_vh)
             if main_grad_vh is not None:
                 megatron_compat.add_weight_grad(hidden_nh[chunk], grad_cv, main_grad_vh[:num_valid])
             elif ctx.needs_input_grad[1]:

@@ -7,7 +7,8 @@ kernel. bf16 weights go the same way to oneDNN's AMX / AVX512-BF16 kernels (fp32
 1.5-2x faster than `F.linear` in bf16 at decode sizes, 3-4x faster than the packed fp32 GEMM on a Xeon with AMX.
 fp32 weights on a CPU at one torch thread go instead to rlhf's decode GEMM (`rlhf.kernels.cpu_decode_gemm`: its own
 packed panels, the next panel prefetched while this one is used) for calls of at most DECODE_GEMM_ROWS rows, 1.1-1.4x
-oneDNN's packed fp32 kernel at 32 rows (2-core Xeon), ~0.93x at 64-128; larger calls run `F.linear` on the weight.
+oneDNN's packed fp32 kernel at 32 rows (2-core Xeon), ~0.93x at 64-128; larger calls (prefill) and unpacked weights
+run `rlhf.platform.gemm.linear` on the weight (oneDNN on an unpacked fp32 weight, else torch).
 The reorder is a copy, so a `PreparedLinear` must be rebuilt when its weight changes. Small weights
 (where oneDNN's per-call overhead exceeds the GEMM) and every other device use plain torch ops; the
 callers' code is the same either way.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rlhf.platform import gemm
 from rlhf.platform.compat.torch import ONEDNN_BF16, ONEDNN_LINEAR_POINTWISE, ONEDNN_REORDER_LINEAR_WEIGHT
 
 # Below this many fp32 weight elements oneDNN's fixed per-call cost outweighs its faster GEMM (measured on a
@@ -31,7 +33,7 @@ ONEDNN_PACKING = ONEDNN_REORDER_LINEAR_WEIGHT is not None and ONEDNN_LINEAR_POIN
 # Rows up to which calls go to the decode GEMM, whose packed copy replaces oneDNN's (one weight-sized copy, not two).
 # 2-core Xeon, 576x3072 fp32, vs oneDNN packed / F.linear: 1.14x / 1.5x at 32 rows, 1.04x / 1.4x at 48, 0.91x /
 # 1.2x at 64, 0.94x / 1.07x at 128, 0.92x / 0.99x at 256 (its ~100 GFLOP/s against MKL's ~140 once compute-bound):
-# beyond 128 rows `F.linear` on the weight runs.
+# beyond 128 rows `gemm.linear` on the weight runs.
 DECODE_GEMM_ROWS = 128
 
 
@@ -62,7 +64,6 @@ class PreparedLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True,
                  batch_hint: int = 32) -> None:
         self.weight, self.bias = weight, bias
-        self.weight_t = weight.t()
         packs = pack and can_pack(weight)
         self.gemm = decode_gemm(weight) if packs else None
         self.gemm_packed = self.gemm.pack(weight) if self.gemm is not None else None
@@ -85,7 +86,8 @@ class PreparedLinear:
         if self._decodes(x):
             return self._decode(x)
         if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
+            out = gemm.linear(x, self.weight)
+            return out if self.bias is None else out.add_(self.bias)
         return ONEDNN_LINEAR_POINTWISE(x, self.packed, self.bias, "none", [], "")
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -94,9 +96,8 @@ class PreparedLinear:
             return self._decode(x, residual)
         if self.packed is not None:
             return ONEDNN_LINEAR_POINTWISE.binary(x, residual, self.packed, self.bias, "add")
-        if x.dim() == 2 and self.bias is None:
-            return torch.addmm(residual, x, self.weight_t)
-        return residual + F.linear(x, self.weight, self.bias)
+        out = gemm.add_linear(residual, x, self.weight)
+        return out if self.bias is None else out.add_(self.bias)
 
     def _silu(self, x: torch.Tensor) -> torch.Tensor:
         assert self.packed is not None
@@ -136,6 +137,6 @@ class PreparedSwiGLU:
         if self.decode is not None:  # any row count: the kernel's one SwiGLU pass after either GEMM
             return self.decode.gemm.swiglu(self.decode(x))
         if self.fused is not None:
-            gate, up = F.linear(x, self.fused).chunk(2, dim=-1)
+            gate, up = gemm.linear(x, self.fused).chunk(2, dim=-1)
             return F.silu(gate) * up
         return self.up._mul(x, self.gate._silu(x))

@@ -26,8 +26,9 @@ Touch-points (name: what it does; why):
   summed over tp x cp), weighted by the micro-batch's tokens over tp x cp (megatron's "local" count, read after
   its in-place all-reduce of the loads), so the cp ranks' gradients add up to the cp = 1 ones (tested).
 - `fuse_wgrad_accumulation`: megatron's `gradient_accumulation_fusion` on the local linears of a DDP-wrapped
-  model: the weight-gradient GEMM accumulates straight into the DDP grad buffer (`main_grad += g^T x`, one GEMM
-  with beta=1) instead of writing a fresh `.grad` the DDP hook then adds in. megatron implements it in apex's
+  model: the weight-gradient GEMM accumulates straight into the DDP grad buffer (`main_grad += g^T x`:
+  `rlhf.platform.gemm.add_weight_grad_`, oneDNN's product added in place for fp32 on a CPU, else one GEMM with
+  beta=1) instead of writing a fresh `.grad` the DDP hook then adds in. megatron implements it in apex's
   CUDA extension `fused_weight_gradient_mlp_cuda`; where that is absent, its module global in
   `tensor_parallel.layers` is a torch stand-in (`_HostWgradAccumulation`). Set per module after the DDP wrap
   (megatron reads the flag at build time and would otherwise need `main_grad` on every linear's weight).
@@ -59,6 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlhf.platform import gemm
 from rlhf.platform.compat.megatron_host import apply  # noqa: F401 - the CPU adapter, re-exported
 
 
@@ -142,10 +144,10 @@ def router_losses_per_token(model: torch.nn.Module, num_tokens: int) -> Iterator
 
 
 def add_weight_grad(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
-    """`main_grad += grad_output^T @ total_input`, in place: one GEMM with beta=1 when the dtypes agree; else the
-    product in the inputs' dtype (bf16 GEMMs stay bf16), then added, as unfused."""
+    """`main_grad += grad_output^T @ total_input`, in place (`gemm.add_weight_grad_`) when the dtypes agree; else
+    the product in the inputs' dtype (bf16 GEMMs stay bf16), then added, as unfused."""
     if total_input.dtype == grad_output.dtype == main_grad.dtype:
-        main_grad.addmm_(grad_output.t(), total_input)
+        gemm.add_weight_grad_(main_grad, grad_output, total_input)
     else:
         main_grad.add_(grad_output.t().matmul(total_input))
 

@@ -24,15 +24,18 @@ Touch-points (name: what it does; why):
   - gives that proxy a `matmul` that, under CPU autocast, computes `x @ param.t()` of an fp32 `Parameter` as
     `F.linear(x, param)`: bitwise the same product, but autocast casts the parameter itself (a leaf) instead of
     its transpose (a view, which autocast never caches), so inside `rlhf.platform.autocast_weight_cache` each
-    weight is cast to bf16 once, and its backward's `grad_output @ weight` reuses that copy;
-  A TorchFunctionMode is deliberately not used: autograd switches it off in backward, breaking recompute.
+    weight is cast to bf16 once, and its backward's `grad_output @ weight` reuses that copy; outside autocast the
+    product goes to `rlhf.platform.gemm.matmul` (oneDNN for fp32 on a CPU);
+  A TorchFunctionMode is deliberately not used for that: autograd switches it off in backward, breaking recompute.
 - `_carry_host_autocast` (inside `apply()`): megatron's linear autograd functions
   (`LinearWithGradAccumulationAndAsyncCommunication`, `LinearWithFrozenWeight`) carry autocast into their
   backward only for CUDA (`custom_fwd/custom_bwd(device_type="cuda")`); their forward and backward are wrapped
   to do the same for the host's autocast (`rlhf.platform.autocast` on a CPU), else a bf16 grad_output meets
   the fp32 weight in backward. Under it, an fp32 input is cast to bf16 once, before megatron saves it (autocast
   would cast it again for the wgrad GEMM), and the placeholder weight grad megatron returns next to a fused wgrad
-  comes back in the weight's dtype (autograd would convert a bf16 one: a copy of the weight per micro-batch).
+  comes back in the weight's dtype (autograd would convert a bf16 one: a copy of the weight per micro-batch). The
+  backward runs inside `rlhf.platform.gemm.matmuls()` (a TorchFunctionMode entered in the backward itself), so its
+  dgrad `grad_output.matmul(weight)` takes oneDNN as the forward does.
 - `_lean_rope` (inside `apply()`): replaces `rope_utils._apply_rotary_pos_emb_bshd` (private; unfused RoPE, what
   runs without TE's fused kernel) with the same arithmetic minus its waste: cos/sin of the step's `freqs` once
   per forward instead of twice per layer (the last `freqs` tensor is remembered), no `* mscale` when it is 1, no
@@ -57,6 +60,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from rlhf.platform import gemm
 
 _FACTORIES = ("arange", "as_tensor", "empty", "empty_like", "full", "full_like", "linspace", "ones",
               "ones_like", "rand", "randint", "randn", "randperm", "tensor", "zeros", "zeros_like")
@@ -127,7 +132,7 @@ def _cast_once_matmul(input: torch.Tensor, other: torch.Tensor, **kwargs: Any) -
             and base.dtype == torch.float32 and other.shape == base.shape[::-1]
             and other.stride() == base.stride()[::-1] and torch.is_autocast_enabled("cpu")):
         return torch.nn.functional.linear(input, base)
-    return torch.matmul(input, other, **kwargs)
+    return gemm.matmul(input, other) if not kwargs else torch.matmul(input, other, **kwargs)
 
 
 class _CpuTorch(types.ModuleType):
@@ -348,7 +353,7 @@ def _carry_host_autocast() -> None:
 
         def carried_backward(ctx: Any, *grads: Any, _backward: Any = backward) -> Any:
             enabled, dtype = getattr(ctx, "rlhf_host_autocast", (False, torch.bfloat16))
-            with torch.autocast("cpu", dtype=dtype, enabled=enabled):
+            with torch.autocast("cpu", dtype=dtype, enabled=enabled), gemm.matmuls():
                 input_grads = _backward(ctx, *grads)
             return _placeholder_in_weight_dtype(ctx, input_grads) if enabled else input_grads
 
