@@ -86,6 +86,8 @@ class PreparedLinear:
         if self._decodes(x):
             return self._decode(x)
         if self.packed is None:
+            if x.numel() * self.weight.shape[0] < gemm.MIN_MACS:  # torch's GEMM (gemm.linear would be too)
+                return F.linear(x, self.weight, self.bias)
             out = gemm.linear(x, self.weight)
             return out if self.bias is None else out.add_(self.bias)
         return ONEDNN_LINEAR_POINTWISE(x, self.packed, self.bias, "none", [], "")
