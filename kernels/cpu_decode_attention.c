@@ -132,6 +132,8 @@ INLINE void decode_attention(const void *mixed, const void *cos_sin, void *k_cac
  * per-loop prologue: 1.3x (fp32) and 1.6x (bf16) faster at SmolLM2's 64), else the generic loops. */
 #define DISPATCH(BF16)                                                                                             \
     switch (head_dim) {                                                                                             \
+    case 16: decode_attention(mixed, cos_sin, k_cache, v_cache, pos, num_slots, groups, heads, 16, max_len, scale, \
+                              out, scratch, BF16); break;                                                          \
     case 32: decode_attention(mixed, cos_sin, k_cache, v_cache, pos, num_slots, groups, heads, 32, max_len, scale, \
                               out, scratch, BF16); break;                                                          \
     case 64: decode_attention(mixed, cos_sin, k_cache, v_cache, pos, num_slots, groups, heads, 64, max_len, scale, \

@@ -64,6 +64,8 @@ def linear(x: torch.Tensor, weight_nk: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, weight)` (no bias): `x [..., k] @ weight [n, k]^T`; `weight` may be a strided view."""
     if weight_nk.dim() != 2 or x.dim() < 1 or not _routes(x.numel() * weight_nk.shape[0], x, weight_nk):
         return F.linear(x, weight_nk)
+    if not (weight_nk.is_contiguous() or weight_nk.t().is_contiguous()):
+        weight_nk = weight_nk.contiguous()
     x_mk = x.reshape(-1, x.shape[-1])
     rows, padded = x_mk.shape[0], padded_rows(x_mk.shape[0])
     y_mn = ONEDNN_LINEAR_POINTWISE(_pad(x_mk, padded), weight_nk, None, "none", [], "")

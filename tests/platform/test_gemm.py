@@ -61,6 +61,9 @@ def test_leading_dimensions_and_strided_operands():
     torch.testing.assert_close(gemm.matmul(x_sbk, weight_nk.t()), x_sbk @ weight_nk.t(), rtol=1e-5, atol=1e-5)
     strided = torch.randn(66, 3, 128, generator=generator)[::2, 1]  # rows 2 apart
     torch.testing.assert_close(gemm.linear(strided, weight_nk), F.linear(strided, weight_nk), rtol=1e-5, atol=1e-5)
+    every_other = torch.randn(256, 256, generator=generator)[:, ::2]  # a weight neither row- nor column-major
+    torch.testing.assert_close(gemm.linear(strided, every_other), F.linear(strided, every_other), rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_other_calls_are_torch_bit_for_bit(monkeypatch):
