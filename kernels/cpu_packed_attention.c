@@ -17,6 +17,7 @@
  *
  * Both return 0, or -1 when the scratch cannot be allocated (the outputs are then not written). */
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,6 +26,10 @@
 #define INLINE static inline __attribute__((always_inline))
 #define QR 4  /* query rows per block */
 #define KT 32 /* keys per score tile: two vectors */
+/* The softmax loops run whole vectors of keys, the lanes past a row's causal end zeroed after (a short row's scalar
+ * remainder of expf calls cost more than its vector part). Their exponents are floored here: the vector expf takes
+ * a slow scalar path for huge negative inputs. exp(-80) = 1.8e-35 stands for a probability below it. */
+#define EXP_FLOOR (-80.0f)
 
 typedef float vf16 __attribute__((vector_size(64)));
 typedef float vf16u __attribute__((vector_size(64), aligned(4), may_alias));
@@ -165,7 +170,7 @@ int rlhf_packed_attention_f32(const float *q, int64_t q_token, int64_t q_head, c
             for (int64_t h = g * per_group; h < (g + 1) * per_group; ++h)
                 for (int64_t i0 = 0; i0 < length; i0 += QR) {
                     const int rows = length - i0 < QR ? (int)(length - i0) : QR;
-                    const int64_t keys = i0 + rows;
+                    const int64_t keys = i0 + rows, whole = (keys + 15) / 16 * 16; /* <= the scores written */
                     gather_rows(Q, start, i0, rows, h, d, qb);
                     scores(qb, kt, ld, d, keys, s);
                     float inverse[QR] = {0};
@@ -176,15 +181,15 @@ int rlhf_packed_attention_f32(const float *q, int64_t q_token, int64_t q_head, c
                             continue;
                         }
                         const int64_t n = i0 + r + 1;
-                        float top = -INFINITY, total = 0.0f;
+                        for (int64_t j = n; j < whole; ++j) sr[j] = -FLT_MAX / 4; /* past the causal end */
+                        float top = -FLT_MAX, total = 0.0f;
 #pragma omp simd reduction(max : top)
-                        for (int64_t j = 0; j < n; ++j) top = fmaxf(top, sr[j] * scale);
+                        for (int64_t j = 0; j < whole; ++j) top = fmaxf(top, sr[j] * scale);
+#pragma omp simd
+                        for (int64_t j = 0; j < whole; ++j) sr[j] = expf(fmaxf(sr[j] * scale - top, EXP_FLOOR));
+                        for (int64_t j = n; j < whole; ++j) sr[j] = 0.0f;
 #pragma omp simd reduction(+ : total)
-                        for (int64_t j = 0; j < n; ++j) {
-                            sr[j] = expf(sr[j] * scale - top);
-                            total += sr[j];
-                        }
-                        for (int64_t j = n; j < keys; ++j) sr[j] = 0.0f;
+                        for (int64_t j = 0; j < whole; ++j) total += sr[j];
                         inverse[r] = 1.0f / total;
                         lse[(start + i0 + r) * heads + h] = top + logf(total);
                     }
@@ -222,7 +227,7 @@ int rlhf_packed_attention_backward_f32(const float *q, int64_t q_token, int64_t 
             for (int64_t h = g * per_group; h < (g + 1) * per_group; ++h)
                 for (int64_t i0 = 0; i0 < length; i0 += QR) {
                     const int rows = length - i0 < QR ? (int)(length - i0) : QR;
-                    const int64_t keys = i0 + rows;
+                    const int64_t keys = i0 + rows, whole = (keys + 15) / 16 * 16; /* <= the scores written */
                     gather_rows(Q, start, i0, rows, h, d, qb);
                     gather_rows(G, start, i0, rows, h, d, gb);
                     gather_rows(O, start, i0, rows, h, d, ob);
@@ -237,12 +242,14 @@ int rlhf_packed_attention_backward_f32(const float *q, int64_t q_token, int64_t 
 #pragma omp simd reduction(+ : dot)
                             for (int64_t c = 0; c < d; ++c) dot += gb[r * d + c] * ob[r * d + c];
 #pragma omp simd
-                            for (int64_t j = 0; j < n; ++j) {
-                                pr[j] = expf(pr[j] * scale - row_lse);
+                            for (int64_t j = 0; j < whole; ++j) {
+                                pr[j] = expf(fmaxf(pr[j] * scale - row_lse, EXP_FLOOR));
                                 dr[j] = pr[j] * (dr[j] - dot) * scale;
                             }
+                            for (int64_t j = n; j < whole; ++j) pr[j] = dr[j] = 0.0f;
+                        } else {
+                            for (int64_t j = 0; j < keys; ++j) pr[j] = dr[j] = 0.0f;
                         }
-                        for (int64_t j = n; j < keys; ++j) pr[j] = dr[j] = 0.0f;
                     }
                     weighted_rows_d(ds, ld, K, start, g, keys, d, grad_q + ((start + i0) * heads + h) * d,
                                     heads * d, rows, ones);

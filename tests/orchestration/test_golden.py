@@ -16,8 +16,9 @@ when its fp32 prefill RoPE did (the decode step's rotation): <= 2.8e-5 (MoE's st
 training's fp32 RMSNorm and SwiGLU went to the kernel library (forward and backward in one pass each,
 `rlhf.platform.rms_norm` / `rlhf.platform.swiglu`): 18-36 metrics per run moved, <= 4.6e-5 relative above 1e-3
 except PPO's step-3 pg_loss (-7.935e-3 -> -7.885e-3, a mean of near-cancelling terms). Re-recorded on an AMD EPYC
-host when packed fp32 attention went to the kernel library (`rlhf.platform.packed_causal_kernel`; host and kernel
-together): 28-35 metrics per run moved, <= 5.3e-5 relative above 1e-3 except PPO's step-3 pg_loss (1.7e-3).
+host (its rounding; the kernel library's packed attention and the oneDNN GEMMs of that round do not run here: head
+size 8, GEMMs below `gemm.MIN_MACS`): 28-35 metrics per run moved from the Intel recording, <= 5.3e-5 relative above
+1e-3 except PPO's step-3 pg_loss (1.7e-3).
 
 Bitwise equality holds on one CPU; oneDNN picks kernels by ISA, so on another capability the metrics are
 compared within rel 1e-5 and the checkpoint hashes are skipped. Re-record (only for an intended change) with
