@@ -146,7 +146,7 @@ _STATM: dict[str, int] = {}  # {"pid", "fd"}: this process's /proc/self/statm, k
 
 def _resident_bytes() -> int:
     """This process's resident set size: one pread of /proc/self/statm on Linux (the step reads it ~10 times;
-    psutil opened and parsed the file each time: ~70 us a call), else psutil."""
+    psutil opened and parsed the file each time: 23 us a call, 2.5 us so), else psutil."""
     if _STATM.get("pid") != os.getpid():
         try:
             _STATM.update(pid=os.getpid(), fd=os.open("/proc/self/statm", os.O_RDONLY))
