@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _machine import machine_info  # noqa: E402
 
+from rlhf.profiling.ops import median_seconds  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results" / "checkpoint.json"
 STEPS = 4  # per timed fit, for the step-time cost
 
@@ -67,15 +69,6 @@ def _trainer(cfg):
     return Trainer(cfg, setup_run(cfg.run, cfg))
 
 
-def _median_s(call, repeats: int) -> float:
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
-
-
 def size_rows(root: str, repeats: int) -> list[dict]:
     """Collective body: per optimizer kind, the bytes of one checkpoint and its save / verified-load time."""
     import torch.distributed as dist
@@ -91,7 +84,7 @@ def size_rows(root: str, repeats: int) -> list[dict]:
         trainer.fit()
         checkpoints = trainer.checkpoints
         manager = checkpoints.manager
-        save_s = _median_s(lambda: manager.save(1, checkpoints.state(1), meta=checkpoints.meta(),
+        save_s = median_seconds(lambda: manager.save(1, checkpoints.state(1), meta=checkpoints.meta(),
                                                 tensors=checkpoints.tensors()), repeats)
         path = manager.root / "step_1"
 
@@ -99,7 +92,7 @@ def size_rows(root: str, repeats: int) -> list[dict]:
             state, manifest = manager.load(path)
             trainer.train_side.actor.load_state_dict(state["actor"], tensor_folders(path, manifest, "actor"))
 
-        load_s = _median_s(load, repeats)
+        load_s = median_seconds(load, repeats)
         files = read_manifest(path)["files"]
         rows.append({"dp": dist.get_world_size(), "distributed_optimizer": distributed_optimizer,
                      "bytes": sum(entry["size"] for entry in files.values()), "files": len(files),

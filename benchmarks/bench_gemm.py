@@ -10,7 +10,6 @@ import datetime
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -21,21 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import machine_info  # noqa: E402
 
 from rlhf.platform import gemm  # noqa: E402
+from rlhf.profiling.ops import median_seconds  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gemm.json"
 # (name, k, n): SmolLM2-135M's qkv, out, fc1, fc2 and LM head; the tiny Qwen2's qkv and fc1
 SHAPES = [("smollm2 qkv", 576, 960), ("smollm2 out", 576, 576), ("smollm2 fc1", 576, 3072),
           ("smollm2 fc2", 1536, 576), ("smollm2 head", 576, 49152), ("tiny qkv", 64, 128), ("tiny fc1", 64, 256)]
-
-
-def _seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def bench_shape(name: str, k: int, n: int, rows: int, repeats: int) -> dict:
@@ -49,7 +39,7 @@ def bench_shape(name: str, k: int, n: int, rows: int, repeats: int) -> dict:
     flops = 2 * rows * k * n
     row = {"name": name, "rows": rows, "k": k, "n": n, "padded_rows": gemm.padded_rows(rows)}
     for direction, (torch_fn, rlhf_fn) in arms.items():
-        torch_s, rlhf_s = _seconds(torch_fn, repeats), _seconds(rlhf_fn, repeats)
+        torch_s, rlhf_s = (median_seconds(fn, repeats, warmup=True) for fn in (torch_fn, rlhf_fn))
         row[direction] = {"torch_gflop_s": flops / torch_s / 1e9, "rlhf_gflop_s": flops / rlhf_s / 1e9,
                           "rlhf_over_torch": torch_s / rlhf_s}
     return row

@@ -53,16 +53,19 @@ def matmul_peak_gflops(size: int = 2048, repeats: int = 5, dtype: torch.dtype = 
     products = [lambda: a @ b]
     if dtype == torch.float32 and gemm.ENABLED:
         products.append(lambda: gemm.linear(a, b))
-    best = 0.0
-    for product in products:
-        product()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            product()
-            times.append(time.perf_counter() - start)
-        best = max(best, 2 * size**3 / statistics.median(times) / 1e9)
-    return best
+    return max(2 * size**3 / median_seconds(product, repeats, warmup=True) / 1e9 for product in products)
+
+
+def median_seconds(call, repeats: int, *, warmup: bool = False) -> float:
+    """Median wall seconds of `repeats` calls of `call` (after one untimed call when `warmup`)."""
+    if warmup:
+        call()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
 
 
 def matmul_params(spec: ModelSpec) -> int:
