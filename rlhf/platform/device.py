@@ -181,6 +181,17 @@ def fused_decode_attention(dtype: torch.dtype, device: torch.device):
     return load()
 
 
+def fused_decode_step(dtype: torch.dtype, device: torch.device):
+    """The one-call decode step of a dense model for this device (`rlhf.kernels.cpu_decode_stack`), or None to run
+    it op by op: fp32 on CPU at one torch thread (its GEMMs are rlhf's single-threaded decode GEMM; with more threads
+    the per-op path keeps oneDNN's threaded ones), built with the other CPU kernels."""
+    if device.type != "cpu" or dtype != torch.float32 or torch.get_num_threads() != 1:
+        return None
+    from rlhf.kernels.cpu_decode_stack import load
+
+    return load()
+
+
 ACCELERATOR_HEAD_BYTES = (8 << 30, 1 << 30)  # fused LM head (chunk, block) on accelerators (`rlhf plan` reads it)
 
 

@@ -18,7 +18,10 @@ training's fp32 RMSNorm and SwiGLU went to the kernel library (forward and backw
 except PPO's step-3 pg_loss (-7.935e-3 -> -7.885e-3, a mean of near-cancelling terms). Re-recorded on an AMD EPYC
 host (its rounding; the kernel library's packed attention and the oneDNN GEMMs of that round do not run here: head
 size 8, GEMMs below `gemm.MIN_MACS`): 28-35 metrics per run moved from the Intel recording, <= 5.3e-5 relative above
-1e-3 except PPO's step-3 pg_loss (1.7e-3).
+1e-3 except PPO's step-3 pg_loss (1.7e-3). Re-recorded (same host) when the native engine's decode step became one
+call (`rollout.native.fused_step`: the tiny models' decode GEMMs now rlhf's decode GEMM, not torch's) and training's
+packed RoPE a kernel (`rlhf.platform.rope`): 22-32 metrics per run moved, <= 2.7e-5 relative above 1e-3 except the
+step-3 pg_loss of PPO (4.4e-4) and replay (1.2e-4), means of near-cancelling terms.
 
 Bitwise equality holds on one CPU; oneDNN picks kernels by ISA, so on another capability the metrics are
 compared within rel 1e-5 and the checkpoint hashes are skipped. Re-record (only for an intended change) with

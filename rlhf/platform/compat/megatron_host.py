@@ -42,8 +42,10 @@ Touch-points (name: what it does; why):
   concatenation with the empty pass-through part; and `_apply_rotary_pos_emb_thd` (packed sequences) with the
   same, its per-sequence gather of `freqs` (`_get_thd_freqs_on_this_cp_rank`, private) done once per pack (the
   last `freqs` / `cu_seqlens` pair is remembered) instead of for q and k in every layer, so the bshd cos/sin
-  cache holds for packs too. Bitwise the original's output and gradients; interleaved, MLA and partial rotary
-  keep the original.
+  cache holds for packs too. The rotation itself is `rlhf.platform.rope.rotate` where one sequence of tokens is
+  rotated (THD packs; bshd with b = 1): the kernel library's one pass forward and backward for fp32 on CPU (its
+  rounding: within fp32 of the original), else the original's torch formula bit for bit. Interleaved, MLA and
+  partial rotary keep the original.
 - `_fp32_residual` (inside `apply()`): under CPU autocast, `fused_bias_dropout._bias_dropout_add_func` (private;
   the unfused bias-dropout-add every layer runs) adds a bf16 sublayer output to an fp32 residual in fp32, where
   megatron casts the residual down to bf16 (AMP O1's choice for GPU pipelines): the residual stream and the norms
@@ -62,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.platform import gemm
+from rlhf.platform import rope as platform_rope
 
 _FACTORIES = ("arange", "as_tensor", "empty", "empty_like", "full", "full_like", "linspace", "ones",
               "ones_like", "rand", "randint", "randn", "randperm", "tensor", "zeros", "zeros_like")
@@ -292,6 +295,10 @@ def _lean_rope() -> None:
             return original(t, freqs, rotary_interleaved=rotary_interleaved,
                             multi_latent_attention=multi_latent_attention, mscale=mscale)
         cos, sin = cos_sin(freqs, mscale, t.dtype)
+        if t.dim() == 4 and t.shape[1] == 1 and cos.shape == (t.shape[0], 1, 1, t.shape[-1]):
+            # one sequence per step of s (THD packs, b = 1): the platform's RoPE (a CPU kernel for fp32)
+            flat_cos, flat_sin = cos.view(t.shape[0], t.shape[-1]), sin.view(t.shape[0], t.shape[-1])
+            return platform_rope.rotate(t.squeeze(1), flat_cos, flat_sin).unsqueeze(1)
         first, second = torch.chunk(t, 2, dim=-1)
         return (t * cos) + (torch.cat((-second, first), dim=-1) * sin)
 

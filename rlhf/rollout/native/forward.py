@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rlhf import platform
-from rlhf.platform.linear import PreparedLinear, PreparedSwiGLU
+from rlhf.platform.linear import DECODE_GEMM_ROWS, PreparedLinear, PreparedSwiGLU
+from rlhf.rollout.native.fused_step import build_fused_step
 from rlhf.rollout.native.kv_cache import KVCache
 from rlhf.rollout.native.moe import PreparedMoE
 from rlhf.rollout.native.prefill_plan import AttentionGroup, PackedForward
@@ -55,7 +56,9 @@ class Decoder:
 
     `pack_weights`: let the platform lay weights out for its fastest kernel (a copy of the weights, rebuilt
     by `prepare` when the policy version changes); `batch_hint` is the decode batch that layout targets.
-    `fused_kernels`: decode attention (RoPE, cache write, attention) in one platform kernel where there is one.
+    `fused_kernels`: decode attention (RoPE, cache write, attention) in one platform kernel where there is one, and
+    with packed weights the whole decode step of a dense model in one call where the platform has that
+    (`fused_step`).
     `max_prefill_tokens`: the most prompt tokens one prefill forward packs (its activation memory).
     """
 
@@ -72,6 +75,7 @@ class Decoder:
     def __post_init__(self) -> None:
         self.layers: tuple[_PreparedLayer, ...] = ()
         self.output: PreparedLinear | None = None
+        self.fused_step = None  # the one-call decode step (`fused_step.build_fused_step`), built by `prepare`
         self.prepared_version: int | None = None
         positions = torch.arange(self.max_seq_len, dtype=torch.float32, device=self.params.inv_freq.device)
         freqs = torch.outer(positions, self.params.inv_freq.float())
@@ -99,11 +103,14 @@ class Decoder:
         pack, hint = self.pack_weights, self.batch_hint
         self.layers = tuple(_prepare_layer(layer, pack, hint) for layer in self.params.layers)
         self.output = PreparedLinear(self.params.output, pack=pack, batch_hint=hint)
+        if self.fused_kernels and pack:
+            self.fused_step = build_fused_step(self.params, self.geometry, self.layers, self.output, self.rope_t2d,
+                                               self.tp_size)
         self.prepared_version = version
 
     def release(self) -> None:
         """Drop the prepared weights (their packed copies); `prepare` rebuilds them."""
-        self.layers, self.output, self.prepared_version = (), None, None
+        self.layers, self.output, self.fused_step, self.prepared_version = (), None, None, None
 
     def _residual_linear(self, linear: PreparedLinear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ W^T, the partial products summed over TP first (fused into the GEMM at tp=1)."""
@@ -218,10 +225,15 @@ class Decoder:
         `routing` as in `prefill` (`[S, k]` per routed layer).
         `context` (the caller's Python int, so no device sync) is 1 + the highest position a live slot holds.
 
-        Small models are bound by the number of ops per step: with the platform's fused kernel, RoPE, the cache
-        write and attention are one call per layer; otherwise torch ops (`_torch_attention`).
+        Small models are bound by the number of ops per step: the platform's fused step runs it all in one call
+        where it applies (`fused_step`: up to DECODE_GEMM_ROWS slots, the rows its GEMM serves); else, with the
+        platform's fused attention kernel, RoPE, the cache write and attention are one call per layer; otherwise
+        torch ops (`_torch_attention`).
         """
         geo = self.geometry
+        if self.fused_step is not None and tokens_s.shape[0] <= DECODE_GEMM_ROWS:
+            logits = self.fused_step(tokens_s, positions_s, cache.keys, cache.values)
+            return logits if logits.shape[-1] == geo.vocab_size else logits[:, :geo.vocab_size]
         num_slots, heads_per_group = tokens_s.shape[0], geo.num_heads // geo.num_groups
         cos_sin_s2d = self.rope_t2d[positions_s]
         if self.fused_attention is not None:
