@@ -69,8 +69,9 @@ def linear(x: torch.Tensor, weight_nk: torch.Tensor) -> torch.Tensor:
     x_mk = x.reshape(-1, x.shape[-1])
     rows, padded = x_mk.shape[0], padded_rows(x_mk.shape[0])
     y_mn = ONEDNN_LINEAR_POINTWISE(_pad(x_mk, padded), weight_nk, None, "none", [], "")
-    if padded != rows:  # a copy of the real rows: what autograd saves must not keep the padding alive
-        y_mn = y_mn[:rows].clone()
+    if padded != rows:  # the real rows: a copy, as what autograd saves must not keep the padding alive (a view
+        # in inference mode, where nothing is saved: the rollout's prefill)
+        y_mn = y_mn[:rows] if torch.is_inference_mode_enabled() else y_mn[:rows].clone()
     return y_mn.view(*x.shape[:-1], weight_nk.shape[0])
 
 
