@@ -191,12 +191,13 @@ void rlhf_rms_norm_f32(const float *x, const float *weight, int64_t rows, int64_
 
 /* The prefill's attention inputs in one pass (fp32 or bf16): `mixed` [prompts][len][groups][heads + 2][head_dim]
  * (the QKV projection of right-padded prompts) -> RoPE'd queries q_out [prompts][groups * heads][len][head_dim],
- * RoPE'd keys k_out and values v_out [prompts][groups][len][head_dim] (the layouts SDPA reads), and keys and values
- * written at positions 0..len-1 of each prompt's cache row slots[p]. cos_sin rows [len][2][head_dim] as above; the
- * keys are rotated as the decode step rotates its own. */
+ * RoPE'd keys k_out and values v_out [prompts][groups][len][head_dim] (the layouts SDPA reads; token_major: q_out
+ * [prompts][len][groups * heads][head_dim], k_out and v_out [prompts][len][groups][head_dim], the packed
+ * attention kernel's), and keys and values written at positions 0..len-1 of each prompt's cache row slots[p].
+ * cos_sin rows [len][2][head_dim] as above; the keys are rotated as the decode step rotates its own. */
 INLINE void prefill_rope(const void *mixed, const void *cos_sin, const int64_t *slots, int64_t prompts, int64_t len,
                          int64_t groups, int64_t heads, int64_t head_dim, int64_t max_len, void *q_out, void *k_out,
-                         void *v_out, void *k_cache, void *v_cache, int bf16) {
+                         void *v_out, void *k_cache, void *v_cache, int token_major, int bf16) {
     const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float), row = (size_t)head_dim * elem;
     for (int64_t p = 0; p < prompts; ++p)
         for (int64_t t = 0; t < len; ++t)
@@ -204,8 +205,9 @@ INLINE void prefill_rope(const void *mixed, const void *cos_sin, const int64_t *
                 const int64_t x0 = ((p * len + t) * groups + g) * (heads + 2) * head_dim, c0 = t * 2 * head_dim;
                 for (int64_t h = 0; h < heads; ++h)
                     rotate(mixed, x0 + h * head_dim, cos_sin, c0, head_dim, q_out,
-                           (((p * groups + g) * heads + h) * len + t) * head_dim, bf16, 0);
-                const int64_t kv = ((p * groups + g) * len + t) * head_dim;
+                           (token_major ? ((p * len + t) * groups + g) * heads + h
+                                        : ((p * groups + g) * heads + h) * len + t) * head_dim, bf16, 0);
+                const int64_t kv = (token_major ? (p * len + t) * groups + g : (p * groups + g) * len + t) * head_dim;
                 const int64_t cache = ((slots[p] * groups + g) * max_len + t) * head_dim;
                 rotate(mixed, x0 + heads * head_dim, cos_sin, c0, head_dim, k_out, kv, bf16, 0);
                 memcpy((char *)k_cache + cache * elem, (const char *)k_out + kv * elem, row);
@@ -217,14 +219,15 @@ INLINE void prefill_rope(const void *mixed, const void *cos_sin, const int64_t *
 void rlhf_prefill_rope_bf16(const uint16_t *mixed, const uint16_t *cos_sin, const int64_t *slots, int64_t prompts,
                             int64_t len, int64_t groups, int64_t heads, int64_t head_dim, int64_t max_len,
                             uint16_t *q_out, uint16_t *k_out, uint16_t *v_out, uint16_t *k_cache,
-                            uint16_t *v_cache) {
+                            uint16_t *v_cache, int token_major) {
     prefill_rope(mixed, cos_sin, slots, prompts, len, groups, heads, head_dim, max_len, q_out, k_out, v_out, k_cache,
-                 v_cache, 1);
+                 v_cache, token_major, 1);
 }
 
 void rlhf_prefill_rope_f32(const float *mixed, const float *cos_sin, const int64_t *slots, int64_t prompts,
                            int64_t len, int64_t groups, int64_t heads, int64_t head_dim, int64_t max_len,
-                           float *q_out, float *k_out, float *v_out, float *k_cache, float *v_cache) {
+                           float *q_out, float *k_out, float *v_out, float *k_cache, float *v_cache,
+                           int token_major) {
     prefill_rope(mixed, cos_sin, slots, prompts, len, groups, heads, head_dim, max_len, q_out, k_out, v_out, k_cache,
-                 v_cache, 0);
+                 v_cache, token_major, 0);
 }

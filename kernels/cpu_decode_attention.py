@@ -120,7 +120,7 @@ class DecodeAttention:
                                torch.bfloat16: library.rlhf_prefill_rope_bf16}
         for fn in self._prefill_ropes.values():
             fn.restype = None
-            fn.argtypes = [_PTR, _PTR, _PTR, *[_I64] * 6, *[_PTR] * 5]
+            fn.argtypes = [_PTR, _PTR, _PTR, *[_I64] * 6, *[_PTR] * 5, ctypes.c_int]
         self._scratch = torch.empty(0)
 
     def __call__(self, mixed: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -152,10 +152,12 @@ class DecodeAttention:
         return out
 
     def prefill_rope(self, mixed: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                     slots: torch.Tensor, token_major: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """fp32 or bf16 prefill: raw QKV `mixed` [P, L, G, H+2, D], `cos_sin` [L, 2, D], caches [slots, G, max_len, D]
-        -> RoPE'd q [P, G*H, L, D], k and v [P, G, L, D], k and v also written at positions 0..L-1 of cache rows
-        `slots` [P]. None for other dtypes (the caller's torch path)."""
+        -> RoPE'd q [P, G*H, L, D], k and v [P, G, L, D] (`token_major`: q [P, L, G*H, D], k and v [P, L, G, D]), k
+        and v also written at positions 0..L-1 of cache rows `slots` [P]. None for other dtypes (the caller's torch
+        path)."""
         if mixed.dtype not in self._prefill_ropes:
             return None
         prompts, length, groups, heads_and_kv, head_dim = mixed.shape
@@ -164,9 +166,13 @@ class DecodeAttention:
         assert cos_sin.dtype == k_cache.dtype == v_cache.dtype == mixed.dtype and slots.dtype == torch.int64
         assert cos_sin.shape == (length, 2, head_dim) and k_cache.shape[1:] == (groups, max_len, head_dim)
         slots = slots.contiguous()
-        q = mixed.new_empty(prompts, groups * heads, length, head_dim)
-        k, v = mixed.new_empty(prompts, groups, length, head_dim), mixed.new_empty(prompts, groups, length, head_dim)
+        if token_major:
+            q = mixed.new_empty(prompts, length, groups * heads, head_dim)
+            k, v = (mixed.new_empty(prompts, length, groups, head_dim) for _ in range(2))
+        else:
+            q = mixed.new_empty(prompts, groups * heads, length, head_dim)
+            k, v = (mixed.new_empty(prompts, groups, length, head_dim) for _ in range(2))
         self._prefill_ropes[mixed.dtype](mixed.data_ptr(), cos_sin.data_ptr(), slots.data_ptr(), prompts, length,
                                          groups, heads, head_dim, max_len, q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                         k_cache.data_ptr(), v_cache.data_ptr())
+                                         k_cache.data_ptr(), v_cache.data_ptr(), int(token_major))
         return q, k, v

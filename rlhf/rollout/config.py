@@ -22,14 +22,16 @@ class NativeEngineConfig:
     `pack_weights`: keep a copy of the weights in the platform's fastest GEMM layout (CPU: oneDNN blocked,
     1.3-1.7x faster decode; bf16 weights use AMX where the CPU has it); costs one weight-sized copy, rebuilt after
     each weight update. `fused_kernels`: decode attention as one platform kernel where there is one (CPU fp32 and
-    bf16: a C kernel built with gcc on first use; without a compiler the torch path runs). `max_prefill_tokens`:
+    bf16: a C kernel built with gcc on first use; without a compiler the torch path runs), and with `pack_weights`
+    a dense model's whole decode step as one call where the platform has it (CPU fp32 at one torch thread, tp=1:
+    embedding, every layer and the LM head in one C call, on the same kernels). `max_prefill_tokens`:
     the most prompt tokens one prefill forward packs (its activation memory; a longer prompt gets one of its own).
     """
 
     max_batch_size: int = 64  # sequences decoded together (KV-cache slots)
     max_seq_len: int = 1024  # prompt + response tokens one KV-cache slot holds
     pack_weights: bool = True  # keep a copy of the weights in the platform's fastest GEMM layout
-    fused_kernels: bool = True  # decode attention as one platform kernel where there is one
+    fused_kernels: bool = True  # decode attention (and a dense model's decode step) as one platform kernel
     max_prefill_tokens: int = 8192  # prompt tokens one prefill forward packs (its activation memory)
 
     def __post_init__(self) -> None:

@@ -68,3 +68,10 @@ def test_prefill_rope_equals_the_torch_path(groups, heads, head_dim, dtype):
     expected_v_cache[slots, :, :length] = v
     assert torch.equal(k_cache, expected_k_cache) and torch.equal(v_cache, expected_v_cache)
     assert kernel.prefill_rope(mixed.double(), cos_sin.double(), k_cache.double(), v_cache.double(), slots) is None
+    # token-major (the packed attention kernel's layout): the same values, [P, L, heads, d], the same cache writes
+    fresh_k, fresh_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    q_t, k_t, v_t = kernel.prefill_rope(mixed, cos_sin, fresh_k, fresh_v, slots, token_major=True)
+    assert q_t.shape == (prompts, length, groups * heads, head_dim) and k_t.shape == (prompts, length, groups, head_dim)
+    assert torch.equal(q_t, q.transpose(1, 2)) and torch.equal(k_t, k.transpose(1, 2))
+    assert torch.equal(v_t, v.transpose(1, 2))
+    assert torch.equal(fresh_k[slots, :, :length], k) and torch.equal(fresh_v[slots, :, :length], v)

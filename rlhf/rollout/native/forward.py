@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rlhf import platform
+from rlhf.platform import packed_causal_kernel
 from rlhf.platform.linear import DECODE_GEMM_ROWS, PreparedLinear, PreparedSwiGLU
 from rlhf.rollout.native.fused_step import build_fused_step
 from rlhf.rollout.native.kv_cache import KVCache
@@ -201,13 +202,23 @@ class Decoder:
         their cache entries never read (decode overwrites position p before attending to it), so no [p, 1, L, L]
         mask is built."""
         geo, layer = self.geometry, self.layers[index]
-        heads_per_group, width = geo.num_heads // geo.num_groups, group.width
+        heads_per_group, width, prompts = geo.num_heads // geo.num_groups, group.width, group.num_prompts
         mixed = self._qk_normed(layer, mixed.view(*mixed.shape[:2], geo.num_groups, heads_per_group + 2,
                                                   geo.head_dim))
         fused = None
+        # fp32 on CPU: the kernel library's causal attention over the padded prompts in place (as training's packed
+        # attention: a padded prompt is a sequence of `width` tokens, its padding after every real token)
+        in_place = (self.fused_attention is not None and mixed.dtype == torch.float32
+                    and packed_causal_kernel.kernel_applies((width,) * prompts, geo.num_heads, geo.head_dim,
+                                                            mixed.dtype, mixed.device))
         if self.fused_attention is not None:
             fused = self.fused_attention.prefill_rope(mixed.contiguous(), self.rope_t2d[:width], cache.keys[index],
-                                                      cache.values[index], group.slots_p)
+                                                      cache.values[index], group.slots_p, token_major=in_place)
+        if fused is not None and in_place:
+            q, k, v = (x.flatten(0, 1) for x in fused)  # [p * L, heads or groups, d]
+            attn = packed_causal_kernel.packed_causal_attention(q, k, v, tuple(range(0, (prompts + 1) * width, width)),
+                                                               geo.head_dim ** -0.5)
+            return group.packed(attn.view(prompts, width, -1))
         if fused is not None:
             q, k, v = fused
         else:
