@@ -12,7 +12,7 @@ import torch
 
 from rlhf.errors import ConfigError
 from rlhf.models.packing import PackedMicroBatch, pack, packed_length
-from rlhf.platform import current_device
+from rlhf.platform import current_device, gemm
 from rlhf.stages.batch import SequenceBatch
 
 
@@ -109,13 +109,17 @@ def schedule_lengths(lengths_per_pack: list[list[int]], cp_size: int, pp_size: i
     return [max(lengths)] * len(lengths) if pp_size > 1 else lengths
 
 
-def packed_micro_batches(shard: SequenceBatch, bins: list[list[int]], pgs: Any) -> list[PackedMicroBatch]:
+def packed_micro_batches(shard: SequenceBatch, bins: list[list[int]], pgs: Any,
+                         compute_dtype: torch.dtype | None = None) -> list[PackedMicroBatch]:
     """The rows of each bin of `shard` packed into one micro-batch, at the `schedule_lengths` (pp > 1: one for
-    all), at ep > 1 (`pgs.ep`) filled up to the longest of the expert-parallel peers'. At cp > 1 (`pgs.cp`) each
-    cp rank holds its share of every sequence (`packing.pack`)."""
+    all), at tp = cp = 1 filled to the row count the platform's GEMMs would pad them to for `compute_dtype`
+    (`gemm.fill_rows`; None: not), at ep > 1 (`pgs.ep`) filled up to the longest of the expert-parallel peers'.
+    At cp > 1 (`pgs.cp`) each cp rank holds its share of every sequence (`packing.pack`)."""
     micro = [shard.select(torch.tensor(rows, dtype=torch.int64)).trimmed() for rows in bins]
     cp_group = pgs.cp if pgs.cp.size() > 1 else None
     lengths = schedule_lengths([row_lengths(rows).tolist() for rows in micro], pgs.cp.size(), pgs.pp.size())
+    if compute_dtype is not None and pgs.cp.size() == 1 and pgs.tp.size() == 1:
+        lengths = [gemm.fill_rows(length, compute_dtype, shard.tokens_bs.device) for length in lengths]
     if pgs.ep.size() > 1:
         widths = torch.tensor(lengths, dtype=torch.int64, device=current_device())
         torch.distributed.all_reduce(widths, op=torch.distributed.ReduceOp.MAX, group=pgs.ep)

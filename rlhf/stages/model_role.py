@@ -65,6 +65,7 @@ class ModelRole:
         self.gather_group = gather_group
         self.forward_autocast_dtype = (autocast_dtype(forward_autocast[0], params_dtype, forward_autocast[1])
                                        if update is None else None)
+        self.params_dtype = params_dtype
         self.model: torch.nn.Module | None = None
         self.engine: TrainEngine | None = None
         self.offload_frozen = offload_frozen and update is None and base_of is None
@@ -185,9 +186,14 @@ class ModelRole:
         if budget[0]:
             bins = pack_plan(row_lengths(balanced).cpu(), self.dp_size, *budget)[self.dp_rank]
             order = torch.tensor([row for rows in bins for row in rows], dtype=torch.int64)
-            return order, packed_micro_batches(shard, bins, self.mesh.pgs)
+            return order, packed_micro_batches(shard, bins, self.mesh.pgs, self._compute_dtype())
         order = by_length(shard)
         return order, self._micro_batches(shard.select(order), size, ragged=ragged)
+
+    def _compute_dtype(self) -> torch.dtype:
+        """The dtype this role's linears compute in: its autocast's, else its weights'."""
+        autocast = self.engine.autocast_dtype if self.engine is not None else self.forward_autocast_dtype
+        return autocast or self.params_dtype
 
     def _train(self, batch: SequenceBatch, loss_fn: Callable[[torch.Tensor, SequenceBatch, GlobalCounts], tuple],
                prefix: str, token_fn: TokenFn) -> dict[str, float]:
