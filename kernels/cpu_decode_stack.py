@@ -59,7 +59,8 @@ class DecodeStackKernel:
 class DecodeStack:
     """A model's decode step in one call. Holds references to every tensor whose address it passes (the packed
     weights stay valid while it lives); `__call__` reads and writes the KV cache lists it is given (each layer's
-    [cache_slots, groups, max_len, head_dim] fp32, contiguous).
+    [cache_slots, groups, max_len, head_dim] fp32, contiguous), re-pointing the layers whenever their addresses
+    change, and keeps no reference to them.
 
     `rope` [positions, 2, head_dim]: cos | signed sin per position (the decode-attention kernel's rows)."""
 
@@ -80,7 +81,11 @@ class DecodeStack:
                 setattr(struct, name, None if tensor is None else tensor.data_ptr())
         self._structs_at, self._geometry_at = ctypes.addressof(self.structs), ctypes.addressof(self.geometry)
         self.hidden, self.scratch = torch.empty(0), torch.empty(0)  # sized by _bind
-        self.bound: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self.bound: tuple | None = None  # the cache's addresses and shape (no references: a released cache frees)
+
+    @staticmethod
+    def _cache_key(keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple:
+        return (tuple(keys[0].shape), *(t.data_ptr() for t in keys), *(t.data_ptr() for t in values))
 
     def _bind(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Point every layer at its cache tensors [cache_slots, ...] and size the buffers for them (once per
@@ -95,13 +100,13 @@ class DecodeStack:
         cache_slots, self.geometry.max_len = keys[0].shape[0], keys[0].shape[2]
         self.hidden = torch.empty(cache_slots, self.geometry.hidden)
         self.scratch = torch.empty(self.kernel.scratch_floats(self._geometry_at, cache_slots))
-        self.bound = (keys, values)
+        self.bound = self._cache_key(keys, values)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                  values: list[torch.Tensor]) -> torch.Tensor:
         """tokens, positions [S] int64 (S at most the cache's slots; positions below its length) -> logits
         [S, vocab_rows]; each slot's key and value written at its position of cache row s."""
-        if self.bound is None or self.bound[0] is not keys or self.bound[1] is not values:
+        if self.bound != self._cache_key(keys, values):
             self._bind(keys, values)
         slots = tokens.shape[0]
         assert slots <= self.hidden.shape[0] and positions.shape == (slots,)

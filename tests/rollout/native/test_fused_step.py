@@ -8,6 +8,7 @@ transformers in test_native_parity.
 """
 
 import shutil
+import weakref
 
 import pytest
 import torch
@@ -52,6 +53,14 @@ def _world(paths):
                 torch.testing.assert_close(a.response_logprobs_rt, b.response_logprobs_rt, rtol=0, atol=1e-5)
             else:
                 assert torch.equal(a.response_logprobs_rt, b.response_logprobs_rt), family
+        # sleep frees the KV cache (the fused step keeps no reference to it); after a wake it is re-pointed
+        decoder.prepared_version = None
+        greedy = _rollouts(engine)[0]
+        released = weakref.ref(engine.cache.keys[0])
+        engine.sleep()
+        assert released() is None, family
+        engine.wake()
+        assert torch.equal(_rollouts(engine)[0].response_tokens_rt, greedy.response_tokens_rt), family
     return out
 
 
