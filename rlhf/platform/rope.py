@@ -17,7 +17,7 @@ MAX_SINGLE_THREAD_NUMEL = 1 << 21
 
 
 def _kernel(x: torch.Tensor, cos: torch.Tensor):
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or cos.dtype != torch.float32 or x.dim() != 3
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or cos.dtype != torch.float32 or x.dim() != 4
             or x.stride(-1) != 1 or x.shape[-1] % 2 != 0 or cos.shape != (x.shape[0], x.shape[-1])):
         return None
     if torch.get_num_threads() > 1 and x.numel() > MAX_SINGLE_THREAD_NUMEL:
@@ -42,9 +42,10 @@ class _RopeFunction(torch.autograd.Function):
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin for x [T, H, D] and cos, sin [T, D] (rotate_half(x) = [-x2, x1])."""
+    """x * cos + rotate_half(x) * sin for x [T, B, H, D] (megatron's [s, b, h, d]; a THD pack is [T, 1, H, D]) and
+    cos, sin [T, D] (rotate_half(x) = [-x2, x1])."""
     kernel = _kernel(x, cos)
     if kernel is None:
         first, second = torch.chunk(x, 2, dim=-1)
-        return (x * cos[:, None]) + (torch.cat((-second, first), dim=-1) * sin[:, None])
+        return (x * cos[:, None, None]) + (torch.cat((-second, first), dim=-1) * sin[:, None, None])
     return _RopeFunction.apply(x, cos.contiguous(), sin.contiguous(), kernel)

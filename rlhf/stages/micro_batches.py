@@ -110,16 +110,16 @@ def schedule_lengths(lengths_per_pack: list[list[int]], cp_size: int, pp_size: i
 
 
 def packed_micro_batches(shard: SequenceBatch, bins: list[list[int]], pgs: Any,
-                         compute_dtype: torch.dtype | None = None) -> list[PackedMicroBatch]:
+                         compute_dtype: torch.dtype | None = None, hidden_size: int = 0) -> list[PackedMicroBatch]:
     """The rows of each bin of `shard` packed into one micro-batch, at the `schedule_lengths` (pp > 1: one for
-    all), at tp = cp = 1 filled to the row count the platform's GEMMs would pad them to for `compute_dtype`
-    (`gemm.fill_rows`; None: not), at ep > 1 (`pgs.ep`) filled up to the longest of the expert-parallel peers'.
-    At cp > 1 (`pgs.cp`) each cp rank holds its share of every sequence (`packing.pack`)."""
+    all), at tp = cp = 1 filled to the row count the platform's GEMMs would pad them to for `compute_dtype` and a
+    model of `hidden_size` (`gemm.fill_rows`; None: not), at ep > 1 (`pgs.ep`) filled up to the longest of the
+    expert-parallel peers'. At cp > 1 (`pgs.cp`) each cp rank holds its share of every sequence (`packing.pack`)."""
     micro = [shard.select(torch.tensor(rows, dtype=torch.int64)).trimmed() for rows in bins]
     cp_group = pgs.cp if pgs.cp.size() > 1 else None
     lengths = schedule_lengths([row_lengths(rows).tolist() for rows in micro], pgs.cp.size(), pgs.pp.size())
     if compute_dtype is not None and pgs.cp.size() == 1 and pgs.tp.size() == 1:
-        lengths = [gemm.fill_rows(length, compute_dtype, shard.tokens_bs.device) for length in lengths]
+        lengths = [gemm.fill_rows(length, compute_dtype, shard.tokens_bs.device, hidden_size) for length in lengths]
     if pgs.ep.size() > 1:
         widths = torch.tensor(lengths, dtype=torch.int64, device=current_device())
         torch.distributed.all_reduce(widths, op=torch.distributed.ReduceOp.MAX, group=pgs.ep)

@@ -75,7 +75,7 @@ class ModelRole:
         if not mesh.is_member:
             return
         hf_config = AutoConfig.from_pretrained(hf_path)
-        self.vocab_size = hf_config.vocab_size
+        self.vocab_size, self.hidden_size = hf_config.vocab_size, hf_config.hidden_size
         if base_of is not None:
             self.model = base_of.model
             return
@@ -186,7 +186,7 @@ class ModelRole:
         if budget[0]:
             bins = pack_plan(row_lengths(balanced).cpu(), self.dp_size, *budget)[self.dp_rank]
             order = torch.tensor([row for rows in bins for row in rows], dtype=torch.int64)
-            return order, packed_micro_batches(shard, bins, self.mesh.pgs, self._compute_dtype())
+            return order, packed_micro_batches(shard, bins, self.mesh.pgs, self._compute_dtype(), self.hidden_size)
         order = by_length(shard)
         return order, self._micro_batches(shard.select(order), size, ragged=ragged)
 

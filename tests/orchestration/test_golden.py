@@ -21,10 +21,8 @@ size 8, GEMMs below `gemm.MIN_MACS`): 28-35 metrics per run moved from the Intel
 1e-3 except PPO's step-3 pg_loss (1.7e-3). Re-recorded (same host) when the native engine's decode step became one
 call (`rollout.native.fused_step`: the tiny models' decode GEMMs now rlhf's decode GEMM, not torch's) and training's
 packed RoPE a kernel (`rlhf.platform.rope`): 22-32 metrics per run moved, <= 2.7e-5 relative above 1e-3 except the
-step-3 pg_loss of PPO (4.4e-4) and replay (1.2e-4), means of near-cancelling terms. Re-recorded when fp32 packs
-on CPU got filled to the row count the oneDNN GEMMs pad to (`gemm.fill_rows`; the golden models' GEMMs are torch's,
-whose sums then run over more, zero-gradient, rows): 22-31 metrics moved in four runs, <= 6.3e-6 relative above 1e-3
-except PPO's step-3 pg_loss (2.3e-3); the MoE run is unchanged (its routers never see filler).
+step-3 pg_loss of PPO (4.4e-4) and replay (1.2e-4), means of near-cancelling terms. Filling fp32 packs to the row
+count of the oneDNN GEMMs (`gemm.fill_rows`) does not reach these models: their linears are below `gemm.MIN_MACS`.
 
 Bitwise equality holds on one CPU; oneDNN picks kernels by ISA, so on another capability the metrics are
 compared within rel 1e-5 and the checkpoint hashes are skipped. Re-record (only for an intended change) with

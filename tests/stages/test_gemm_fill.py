@@ -1,7 +1,8 @@
 """Packs filled to the row count the platform's GEMMs pad to (`rlhf.platform.gemm.fill_rows`): at tp = cp = 1 with
 fp32 compute on CPU each packed micro-batch gets a filler sequence up to `gemm.padded_rows` of its tokens, outside
 every loss (padding, never wanted) and leaving the real tokens where they were; other dtypes, devices, layouts, or
-no compute dtype, no filler. `ModelRole` passes its compute dtype (autocast's, else its weights')."""
+no compute dtype, no filler, nor for models whose linears are below `gemm.MIN_MACS` (torch's GEMMs, unpadded). `ModelRole` passes its
+compute dtype (autocast's, else its weights') and hidden size."""
 
 import sys
 from pathlib import Path
@@ -17,17 +18,21 @@ from rlhf.stages.micro_batches import pack_plan, packed_micro_batches, row_lengt
 from rlhf.testing.distributed import FakeGroup  # noqa: E402
 
 
+WIDE = 1024  # a hidden size whose linears take oneDNN even on these short packs
+
+
 def _pgs(tp: int = 1):
     return SimpleNamespace(tp=FakeGroup(tp, 0), cp=FakeGroup(1, 0), pp=FakeGroup(1, 0), ep=FakeGroup(1, 0))
 
 
 def test_fill_rows_follows_the_gemms_padding(monkeypatch):
     cpu = torch.device("cpu")
-    assert gemm.fill_rows(1221, torch.float32, cpu) == (1280 if gemm.ENABLED else 1221)
-    assert gemm.fill_rows(1221, torch.bfloat16, cpu) == 1221
-    assert gemm.fill_rows(1221, torch.float32, torch.device("cuda")) == 1221
+    assert gemm.fill_rows(1221, torch.float32, cpu, 64) == (1280 if gemm.ENABLED else 1221)
+    assert gemm.fill_rows(1221, torch.bfloat16, cpu, 64) == 1221
+    assert gemm.fill_rows(1221, torch.float32, torch.device("cuda"), 64) == 1221
+    assert gemm.fill_rows(1221, torch.float32, cpu, 16) == 1221  # 1221 x 16 x 16 < MIN_MACS: torch's GEMMs
     monkeypatch.setattr(gemm, "ENABLED", False)
-    assert gemm.fill_rows(1221, torch.float32, cpu) == 1221
+    assert gemm.fill_rows(1221, torch.float32, cpu, 64) == 1221
 
 
 def test_fp32_packs_get_a_filler_sequence_outside_every_loss(monkeypatch):
@@ -35,10 +40,10 @@ def test_fp32_packs_get_a_filler_sequence_outside_every_loss(monkeypatch):
     batch = fixed_batch(24)
     bins = pack_plan(row_lengths(batch), 1, 40, "budget")[0]
     plain = packed_micro_batches(batch, bins, _pgs())
-    filled = packed_micro_batches(batch, bins, _pgs(), torch.float32)
-    assert [mb.tokens_bs.shape[1] for mb in packed_micro_batches(batch, bins, _pgs(), torch.bfloat16)] == \
+    filled = packed_micro_batches(batch, bins, _pgs(), torch.float32, WIDE)
+    assert [mb.tokens_bs.shape[1] for mb in packed_micro_batches(batch, bins, _pgs(), torch.bfloat16, WIDE)] == \
         [mb.tokens_bs.shape[1] for mb in plain]
-    assert [mb.tokens_bs.shape[1] for mb in packed_micro_batches(batch, bins, _pgs(tp=2), torch.float32)] == \
+    assert [mb.tokens_bs.shape[1] for mb in packed_micro_batches(batch, bins, _pgs(tp=2), torch.float32, WIDE)] == \
         [mb.tokens_bs.shape[1] for mb in plain]
     grew = 0
     for before, after in zip(plain, filled):

@@ -42,9 +42,9 @@ Touch-points (name: what it does; why):
   concatenation with the empty pass-through part; and `_apply_rotary_pos_emb_thd` (packed sequences) with the
   same, its per-sequence gather of `freqs` (`_get_thd_freqs_on_this_cp_rank`, private) done once per pack (the
   last `freqs` / `cu_seqlens` pair is remembered) instead of for q and k in every layer, so the bshd cos/sin
-  cache holds for packs too. The rotation itself is `rlhf.platform.rope.rotate` where one sequence of tokens is
-  rotated (THD packs; bshd with b = 1): the kernel library's one pass forward and backward for fp32 on CPU (its
-  rounding: within fp32 of the original), else the original's torch formula bit for bit. Interleaved, MLA and
+  cache holds for packs too. The rotation itself is `rlhf.platform.rope.rotate` (bshd and THD packs alike, so
+  padded and packed forwards round the same): the kernel library's one pass forward and backward for fp32 on CPU
+  (its rounding: within fp32 of the original), else the original's torch formula bit for bit. Interleaved, MLA and
   partial rotary keep the original.
 - `_fp32_residual` (inside `apply()`): under CPU autocast, `fused_bias_dropout._bias_dropout_add_func` (private;
   the unfused bias-dropout-add every layer runs) adds a bf16 sublayer output to an fp32 residual in fp32, where
@@ -295,10 +295,10 @@ def _lean_rope() -> None:
             return original(t, freqs, rotary_interleaved=rotary_interleaved,
                             multi_latent_attention=multi_latent_attention, mscale=mscale)
         cos, sin = cos_sin(freqs, mscale, t.dtype)
-        if t.dim() == 4 and t.shape[1] == 1 and cos.shape == (t.shape[0], 1, 1, t.shape[-1]):
-            # one sequence per step of s (THD packs, b = 1): the platform's RoPE (a CPU kernel for fp32)
+        if t.dim() == 4 and cos.shape == (t.shape[0], 1, 1, t.shape[-1]):
+            # [s, b, h, d] (a THD pack: [T, 1, h, d]) with a row per s: the platform's RoPE (a CPU kernel for fp32)
             flat_cos, flat_sin = cos.view(t.shape[0], t.shape[-1]), sin.view(t.shape[0], t.shape[-1])
-            return platform_rope.rotate(t.squeeze(1), flat_cos, flat_sin).unsqueeze(1)
+            return platform_rope.rotate(t, flat_cos, flat_sin)
         first, second = torch.chunk(t, 2, dim=-1)
         return (t * cos) + (torch.cat((-second, first), dim=-1) * sin)
 

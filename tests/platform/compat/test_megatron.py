@@ -87,7 +87,10 @@ def _rope_probe() -> dict:
             for fn in (lean, original):
                 y = fn(t, freqs, mscale=mscale)
                 results.append((y, torch.autograd.grad((y * upstream).sum(), t)[0]))
-            out[f"{case}{repeat}"] = all(torch.equal(a, b) for a, b in zip(*results))
+            # full rotary goes to rlhf.platform.rope (the kernel library's rounding on CPU fp32); partial keeps
+            # megatron's own function, bit for bit
+            same = torch.equal if case == "partial" else (lambda a, b: torch.allclose(a, b, rtol=0, atol=1e-6))
+            out[f"{case}{repeat}"] = all(same(a, b) for a, b in zip(*results))
     out.update(_thd_rope_probe(rope_utils, original, generator))
     return out
 
