@@ -182,17 +182,27 @@ class Decoder:
         token [P, V], in `packed.prompts` order. `routing` (a list) gets each routed layer's experts per token
         `[T, k]` (packed order), in layer order."""
         hidden = self.embed(packed.tokens_t)
+        in_place = [self._attends_in_place(group, hidden.dtype) for group in packed.groups]  # the same every layer
         for index, layer in enumerate(self.layers):
             normed = self._norm(hidden, layer.input_norm)
             mixed = layer.qkv(normed)
-            parts = [self._prefill_attention(index, group, group.padded(mixed), cache) for group in packed.groups]
+            parts = [self._prefill_attention(index, group, group.padded(mixed), cache, kernel)
+                     for group, kernel in zip(packed.groups, in_place)]
             attn = parts[0] if len(parts) == 1 else torch.cat(parts)
             hidden = self._residual_linear(layer.proj, attn, hidden)
             hidden = self._mlp_block(layer, hidden, routing)
         return self.logits(hidden[packed.last_rows])
 
-    def _prefill_attention(self, index: int, group: AttentionGroup, mixed: torch.Tensor,
-                           cache: KVCache) -> torch.Tensor:
+    def _attends_in_place(self, group: AttentionGroup, dtype: torch.dtype) -> bool:
+        """fp32 on CPU: the group's attention through the kernel library's causal attention in place (as training's
+        packed attention: a padded prompt is a sequence of `width` tokens, its padding after every real token)."""
+        geo = self.geometry
+        return (self.fused_attention is not None and dtype == torch.float32
+                and packed_causal_kernel.kernel_applies((group.width,) * group.num_prompts, geo.num_heads,
+                                                        geo.head_dim, dtype, self.params.embedding.device))
+
+    def _prefill_attention(self, index: int, group: AttentionGroup, mixed: torch.Tensor, cache: KVCache,
+                           in_place: bool) -> torch.Tensor:
         """One attention group's raw QKV, right-padded [p, L, qkv] -> its attention output [tokens, heads * d]
         (packed order), keys and values written to its cache slots at positions 0..L-1.
 
@@ -206,11 +216,6 @@ class Decoder:
         mixed = self._qk_normed(layer, mixed.view(*mixed.shape[:2], geo.num_groups, heads_per_group + 2,
                                                   geo.head_dim))
         fused = None
-        # fp32 on CPU: the kernel library's causal attention over the padded prompts in place (as training's packed
-        # attention: a padded prompt is a sequence of `width` tokens, its padding after every real token)
-        in_place = (self.fused_attention is not None and mixed.dtype == torch.float32
-                    and packed_causal_kernel.kernel_applies((width,) * prompts, geo.num_heads, geo.head_dim,
-                                                            mixed.dtype, mixed.device))
         if self.fused_attention is not None:
             fused = self.fused_attention.prefill_rope(mixed.contiguous(), self.rope_t2d[:width], cache.keys[index],
                                                       cache.values[index], group.slots_p, token_major=in_place)
