@@ -30,10 +30,11 @@ log = logging.getLogger(__name__)
 # One shared object for the CPU kernels: this attention kernel (with the fp32/bf16 RMSNorm and prefill RoPE), the
 # decode-size fp32 GEMM (`cpu_decode_gemm.py`), the whole fp32 decode step built from both (`cpu_decode_stack.py`),
 # the RMSNorm backward of training (`cpu_rms_norm.py`), training's packed causal attention
-# (`cpu_packed_attention.py`) and its rotary embedding (`cpu_rope.py`).
+# (`cpu_packed_attention.py`), its rotary embedding (`cpu_rope.py`) and the native sampler's draw (`cpu_sample.py`).
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_decode_attention.c", "cpu_decode_gemm.c", "cpu_decode_stack.c",
-                             "cpu_rms_norm_backward.c", "cpu_packed_attention.c", "cpu_rope.c"))
+                             "cpu_rms_norm_backward.c", "cpu_packed_attention.c", "cpu_rope.c",
+                             "cpu_sample.c"))
 # -ffast-math (vectorised expf from libmvec, reassociated dot products) at compile time only: linking with it
 # would add crtfastmath.o, which turns on flush-to-zero for the whole process.
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-std=c11")

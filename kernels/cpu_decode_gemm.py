@@ -36,11 +36,18 @@ class DecodeGemm:
                          (self._swiglu_backward, [_PTR, _PTR, _I64, _I64, _PTR])):
             fn.restype, fn.argtypes = None, args
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def packed_numel(weight: torch.Tensor) -> int:
+        n, k = weight.shape
+        return -(-n // PANEL) * PANEL * k
+
+    def pack(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The packed copy, into `out` (fp32, `packed_numel` elements, contiguous) when given."""
         assert weight.dtype == torch.float32 and weight.dim() == 2 and weight.device.type == "cpu"
         weight = weight.detach().contiguous()
         n, k = weight.shape
-        packed = torch.empty(-(-n // PANEL) * PANEL * k)
+        packed = torch.empty(self.packed_numel(weight)) if out is None else out
+        assert packed.dtype == torch.float32 and packed.is_contiguous() and packed.numel() == self.packed_numel(weight)
         self._pack(weight.data_ptr(), n, k, packed.data_ptr())
         return packed
 

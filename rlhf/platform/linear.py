@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlhf.platform import gemm
+from rlhf.platform import gemm, huge_pages
 from rlhf.platform.compat.torch import ONEDNN_BF16, ONEDNN_LINEAR_POINTWISE, ONEDNN_REORDER_LINEAR_WEIGHT
 
 # Below this many fp32 weight elements oneDNN's fixed per-call cost outweighs its faster GEMM (measured on a
@@ -66,7 +66,8 @@ class PreparedLinear:
         self.weight, self.bias = weight, bias
         packs = pack and can_pack(weight)
         self.gemm = decode_gemm(weight) if packs else None
-        self.gemm_packed = self.gemm.pack(weight) if self.gemm is not None else None
+        self.gemm_packed = (self.gemm.pack(weight, huge_pages.empty(self.gemm.packed_numel(weight)))
+                            if self.gemm is not None else None)
         self.packed = (ONEDNN_REORDER_LINEAR_WEIGHT(weight.detach(), batch_hint)
                        if packs and self.gemm is None else None)
 

@@ -53,18 +53,18 @@ def test_products_equal_torch_within_fp32_rounding(rows):
         assert _error(got, exact) <= 4 * _error(torch_result, exact) + 1e-7, name
 
 
-def test_padded_outputs_copy_the_real_rows_except_in_inference_mode():
+def test_padded_outputs_copy_the_real_rows_and_inference_mode_runs_unpadded():
     """Outside inference mode the result owns only its rows (autograd may save it); in inference mode (the rollout's
-    prefill) it is a view of the padded product: no copy, the same values."""
+    prefill) the rows run unpadded: no pad copy, no copy out, the same values."""
     generator = torch.Generator().manual_seed(3)
     x, weight = torch.randn(1221, 96, generator=generator), torch.randn(160, 96, generator=generator)
     assert gemm.padded_rows(1221) == 1280
     copied = gemm.linear(x, weight)
     with torch.inference_mode():
-        viewed = gemm.linear(x, weight)
+        unpadded = gemm.linear(x, weight)
     assert copied.untyped_storage().nbytes() == 1221 * 160 * 4
-    assert viewed.untyped_storage().nbytes() == 1280 * 160 * 4 and viewed.shape == (1221, 160)
-    assert torch.equal(copied, viewed)
+    assert unpadded.untyped_storage().nbytes() == 1221 * 160 * 4 and unpadded.shape == (1221, 160)
+    assert torch.equal(copied, unpadded)
 
 
 def test_leading_dimensions_and_strided_operands():

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rlhf import platform
-from rlhf.platform import packed_causal_kernel
+from rlhf.platform import huge_pages, packed_causal_kernel
 from rlhf.platform.linear import DECODE_GEMM_ROWS, PreparedLinear, PreparedSwiGLU
 from rlhf.rollout.native.fused_step import build_fused_step
 from rlhf.rollout.native.kv_cache import KVCache
@@ -102,8 +102,9 @@ class Decoder:
             return
         self.release()
         pack, hint = self.pack_weights, self.batch_hint
-        self.layers = tuple(_prepare_layer(layer, pack, hint) for layer in self.params.layers)
-        self.output = PreparedLinear(self.params.output, pack=pack, batch_hint=hint)
+        with huge_pages.arena():  # the packed copies side by side on huge pages (`rlhf.platform.huge_pages`)
+            self.layers = tuple(_prepare_layer(layer, pack, hint) for layer in self.params.layers)
+            self.output = PreparedLinear(self.params.output, pack=pack, batch_hint=hint)
         if self.fused_kernels and pack:
             self.fused_step = build_fused_step(self.params, self.geometry, self.layers, self.output, self.rope_t2d,
                                                self.tp_size)

@@ -6,9 +6,12 @@ raised before any compute (`check_fits`), never an out-of-memory in the middle o
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlhf.errors import ConfigError
+from rlhf.platform import huge_pages
 
 
 class KVCache:
@@ -40,8 +43,10 @@ class KVCache:
     def allocate(self) -> None:
         if self.allocated:
             return
-        self.keys = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.values = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        # one block (on CPU on huge pages: a decode step streams it), every layer's keys then values
+        block = huge_pages.zeros(2 * self.num_layers * math.prod(self.shape), self.dtype, self.device)
+        caches = list(block.view(2 * self.num_layers, *self.shape).unbind(0))
+        self.keys, self.values = caches[:self.num_layers], caches[self.num_layers:]
         self.flat_keys = [cache.flatten(0, 1) for cache in self.keys]
         self.flat_values = [cache.flatten(0, 1) for cache in self.values]
 

@@ -4,7 +4,9 @@ Filters apply in the order `transformers` and vLLM use: temperature, then top-k,
 inverse-CDF lookup (one uniform number per row: far cheaper on CPU than `multinomial` or an exponential
 race over the vocabulary), driven by an explicit generator so every TP rank of a replica, holding identical
 logits and an identically seeded generator, picks the same token. Over a large vocabulary the lookup is
-two-level (block sums, then one block's CDF), which avoids a sequential cumsum over every token.
+two-level (block sums, then one block's CDF), which avoids a sequential cumsum over every token. On CPU with fp32
+logits the kernel library draws (`rlhf.platform.sampling`): the same rule in one C pass per row, the probabilities
+never written.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rlhf.platform.sampling import draw_kernel
 from rlhf.rollout.sampling_params import SamplingParams
 
 BLOCK = 256  # tokens per block of the two-level draw
@@ -35,6 +38,9 @@ def sample(logits_kv: torch.Tensor, params: SamplingParams, generator: torch.Gen
         logprobs_k = torch.log_softmax(logits_kv, dim=-1).gather(-1, tokens_k[:, None]).squeeze(-1)
         return Sampled(tokens_k, logprobs_k, logprobs_k)
     unfiltered = params.top_k == -1 and params.top_p == 1.0
+    kernel = draw_kernel(logits_kv)
+    if kernel is not None and unfiltered:  # the draw and both logprobs in one C pass per row
+        return Sampled(*kernel.draw(logits_kv.contiguous(), 1.0 / params.temperature, _uniform(logits_kv, generator)))
     if unfiltered and params.temperature == 1.0:
         # The draw's distribution is the raw one, so every drawn token has probability > 0 and its log is
         # the raw logprob: one softmax pass serves both.
@@ -43,9 +49,13 @@ def sample(logits_kv: torch.Tensor, params: SamplingParams, generator: torch.Gen
         logprobs_k = probs_kv.gather(-1, tokens_k1).log_().view(-1)
         return Sampled(tokens_k1.view(-1), logprobs_k, logprobs_k)
     scaled_kv = logits_kv / params.temperature if params.temperature != 1.0 else logits_kv
-    probs_kv = torch.softmax(scaled_kv if unfiltered else _top_p(_top_k(scaled_kv, params.top_k), params.top_p),
-                             dim=-1)
-    tokens_k1 = _inverse_cdf(probs_kv, generator)
+    filtered_kv = scaled_kv if unfiltered else _top_p(_top_k(scaled_kv, params.top_k), params.top_p)
+    if kernel is not None:  # filtered: the kernel draws from the filtered logits (-inf: never drawn)
+        tokens_k1 = kernel.draw(filtered_kv.contiguous(), 1.0, _uniform(logits_kv, generator))[0][:, None]
+        probs_kv = None
+    else:
+        probs_kv = torch.softmax(filtered_kv, dim=-1)
+        tokens_k1 = _inverse_cdf(probs_kv, generator)
     logprobs_k = torch.log_softmax(logits_kv, dim=-1).gather(-1, tokens_k1).view(-1)
     if params.temperature == 1.0:
         scaled_lp_k = logprobs_k
@@ -56,10 +66,14 @@ def sample(logits_kv: torch.Tensor, params: SamplingParams, generator: torch.Gen
     return Sampled(tokens_k1.view(-1), logprobs_k, scaled_lp_k)
 
 
+def _uniform(logits_kv: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One uniform number in [0, 1) per row, from `generator` (the draw's only randomness)."""
+    return torch.rand(logits_kv.shape[0], generator=generator, device=logits_kv.device, dtype=logits_kv.dtype)
+
+
 def _inverse_cdf(probs_kv: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Token i [K, 1] with cdf[i-1] <= u < cdf[i]: zero-probability (filtered) tokens are never chosen."""
-    uniform_k1 = torch.rand((probs_kv.shape[0], 1), generator=generator, device=probs_kv.device,
-                            dtype=probs_kv.dtype)
+    uniform_k1 = _uniform(probs_kv, generator)[:, None]
     if probs_kv.shape[-1] >= TWO_LEVEL_MIN_VOCAB:
         return _two_level_draw(probs_kv, uniform_k1)
     cdf_kv = probs_kv.cumsum(dim=-1)
