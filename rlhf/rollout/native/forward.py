@@ -105,9 +105,9 @@ class Decoder:
         with huge_pages.arena():  # the packed copies side by side on huge pages (`rlhf.platform.huge_pages`)
             self.layers = tuple(_prepare_layer(layer, pack, hint) for layer in self.params.layers)
             self.output = PreparedLinear(self.params.output, pack=pack, batch_hint=hint)
-        if self.fused_kernels and pack:
-            self.fused_step = build_fused_step(self.params, self.geometry, self.layers, self.output, self.rope_t2d,
-                                               self.tp_size)
+            if self.fused_kernels and pack:
+                self.fused_step = build_fused_step(self.params, self.geometry, self.layers, self.output,
+                                                   self.rope_t2d, self.tp_size)
         self.prepared_version = version
 
     def release(self) -> None:

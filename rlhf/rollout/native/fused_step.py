@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from rlhf import platform
+from rlhf.platform import huge_pages
 from rlhf.platform.linear import PreparedLinear, decode_gemm
 from rlhf.rollout.native.params import DecoderGeometry, DecoderParams
 
@@ -31,7 +32,9 @@ def build_fused_step(params: DecoderParams, geometry: DecoderGeometry, prepared:
     from rlhf.kernels.cpu_decode_stack import DecodeStack, StackLayer
 
     def packed(linear: PreparedLinear | None, weight: torch.Tensor) -> torch.Tensor:
-        return linear.gemm_packed if linear is not None and linear.gemm_packed is not None else gemm.pack(weight)
+        if linear is not None and linear.gemm_packed is not None:
+            return linear.gemm_packed
+        return gemm.pack(weight, huge_pages.empty(gemm.packed_numel(weight)))
 
     layers = []
     for layer, ready in zip(params.layers, prepared):
