@@ -9,14 +9,15 @@ read before the first allocation; this module asks for the tensors that need the
 `empty(numel, dtype)`: a 1-D CPU tensor in memory aligned to 2 MB and advised MADV_HUGEPAGE before its first touch.
 Inside `with arena():` the tensors are carved one after another out of shared chunks (many small packed weights
 fill whole huge pages instead of each rounding one up); outside, a tensor below 2 MB is a plain `torch.empty`.
-Where the kernel has no THP (not Linux, `enabled` is `[never]`, madvise refused) every call is a plain `torch.empty`.
+The memory is an anonymous mapping of its own (never reused heap memory), unmapped when its last tensor goes. Where
+the kernel has no THP (not Linux, `enabled` is `[never]`, madvise refused) every call is a plain `torch.empty`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
+import mmap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,38 +26,32 @@ import torch
 HUGE_PAGE = 2 << 20
 CHUNK = 64 << 20  # an arena's chunk: a few dozen layers' packed weights
 ALIGN = 64  # tensors inside a chunk start on a cache line
-MADV_HUGEPAGE = 14  # Linux's value (asm-generic/mman-common.h)
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 _arenas: list[_Arena] = []
 
 
 @functools.cache
-def _madvise():
-    """libc's madvise where THP can be asked for, else None."""
-    try:
-        if "[never]" in THP_SETTING.read_text():
-            return None
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-    madvise = getattr(libc, "madvise", None)
-    if madvise is not None:
-        madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return madvise
-
-
 def available() -> bool:
-    return _madvise() is not None
+    """Whether this machine can be asked for transparent huge pages (Linux with THP not `[never]`)."""
+    try:
+        return hasattr(mmap, "MADV_HUGEPAGE") and "[never]" not in THP_SETTING.read_text()
+    except OSError:
+        return False
 
 
 def _advised(nbytes: int) -> torch.Tensor | None:
-    """`nbytes` (a multiple of HUGE_PAGE) of fresh uint8 memory starting on a huge page, advised; None if refused."""
-    base = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-    region = base[(-base.data_ptr()) % HUGE_PAGE:][:nbytes]
-    if _madvise()(region.data_ptr(), nbytes, MADV_HUGEPAGE) != 0:
+    """`nbytes` (a multiple of HUGE_PAGE) of fresh anonymous memory starting on a huge page and advised
+    MADV_HUGEPAGE, as uint8 (the mapping is unmapped when the last tensor on it goes); None if refused."""
+    # private: a shared anonymous mapping is shmem, which THP leaves alone
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    offset = (-whole.data_ptr()) % HUGE_PAGE
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
+    except OSError:
         return None
-    return region
+    return whole[offset:offset + nbytes]
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -25,7 +25,8 @@ def test_arena_carves_aligned_disjoint_tensors_that_outlive_it():
     for i, t in enumerate((*small, big, huge)):
         t.fill_(i)
     assert all(bool((t == i).all()) for i, t in enumerate((*small, big, huge)))
-    assert [t.dtype for t in (small[0], big)] == [torch.float32] * 2 and huge_pages.empty(3, torch.bfloat16).numel() == 3
+    assert [t.dtype for t in (small[0], big)] == [torch.float32] * 2
+    assert huge_pages.empty(3, torch.bfloat16).numel() == 3
 
 
 @needs_thp
