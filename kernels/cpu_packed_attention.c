@@ -50,14 +50,43 @@ static int64_t longest(const int64_t *cu, int64_t seqs) {
     return most;
 }
 
-/* dst[c][j] = element c of row j (of `length` rows from `start` in group g), zero for length <= j < ld. */
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+/* Swap the off-diagonal b x b blocks of each 2b x 2b block of a 16 x 16 tile held as 16 row vectors: rows i and
+ * i + b exchange the lanes whose bit b differs from the row's. After b = 8, 4, 2, 1 the tile is transposed. */
+#define SWAP_BLOCKS(r, b, lo, hi)                                                                                  \
+    _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i)                                                        \
+        if (!(i & (b))) {                                                                                        \
+            const vf16 a = r[i], c = r[i + (b)];                                                                 \
+            r[i] = __builtin_shuffle(a, c, lo);                                                                  \
+            r[i + (b)] = __builtin_shuffle(a, c, hi);                                                            \
+        }
+
+INLINE void transpose16(vf16 r[16]) {
+    SWAP_BLOCKS(r, 8, ((vi16){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}),
+                ((vi16){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}))
+    SWAP_BLOCKS(r, 4, ((vi16){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}),
+                ((vi16){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}))
+    SWAP_BLOCKS(r, 2, ((vi16){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}),
+                ((vi16){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}))
+    SWAP_BLOCKS(r, 1, ((vi16){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}),
+                ((vi16){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}))
+}
+
+/* dst[c][j] = element c of row j (of `length` rows from `start` in group g), zero for length <= j < ld; d and ld
+ * are multiples of 16, dst 64-byte aligned: 16 x 16 tiles transposed in registers (a copy: exact). */
 static void transpose_rows(view3 src, int64_t start, int64_t length, int64_t g, int64_t d, int64_t ld,
                            float *dst) {
-    for (int64_t c = 0; c < d; ++c) memset(dst + c * ld + length, 0, (size_t)(ld - length) * sizeof(float));
-    for (int64_t j = 0; j < length; ++j) {
-        const float *r = at(src, start + j, g);
-        for (int64_t c = 0; c < d; ++c) dst[c * ld + j] = r[c];
-    }
+    for (int64_t j0 = 0; j0 < ld; j0 += 16)
+        for (int64_t c0 = 0; c0 < d; c0 += 16) {
+            vf16 tile[16];
+            _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i) {
+                tile[i] = (vf16){0};
+                if (j0 + i < length) tile[i] = *(const vf16u *)(at(src, start + j0 + i, g) + c0);
+            }
+            transpose16(tile);
+            _Pragma("GCC unroll 16") for (int i = 0; i < 16; ++i) *(vf16 *)(dst + (c0 + i) * ld + j0) = tile[i];
+        }
 }
 
 /* s[r][j] = sum_c rows[r][c] * kt[c][j] for j < keys (rounded up to KT), r < QR; rows [QR][d], kt and s ld wide. */
