@@ -7,7 +7,7 @@
  * and the log-sum-exp alike, in two passes over a row (its maximum, then the exponentials summed per block) plus
  * one block recomputed for the inner lookup. Tokens whose scaled logit lies more than -EXP_FLOOR below the row's
  * maximum (probability below 1.8e-35 of the top token's; filtered tokens, -inf, among them) are never drawn and add
- * nothing to the sums: the vector expf takes a slow scalar path for huge negative inputs. */
+ * nothing to the sums: the exp below is exact enough only down to its floor. */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -25,7 +25,7 @@ static inline float below(float total) { return nextafterf(total, 0.0f); }
 
 /* exp(c) for c in [EXP_FLOOR, 0]: 2^n exp(r), n = c / ln 2 rounded, r = c - n ln 2 in [-ln2/2, ln2/2], exp(r) by
  * its degree-6 Taylor polynomial (relative error ~2e-7). Plain vector arithmetic without libmvec's range checks,
- * which this domain never needs: ~2x faster. The scalar twin serves a row's last few tokens. */
+ * which this domain never needs: ~2x faster. */
 static inline vf16 exp16(vf16 c) {
     const vi16 n = __builtin_convertvector(c * 1.44269504f - 0.5f, vi16); /* c <= 0: truncating t - 0.5 rounds t */
     const vf16 nf = __builtin_convertvector(n, vf16);
@@ -39,46 +39,28 @@ static inline vf16 exp16(vf16 c) {
     return p * (vf16)((n + 127) << 23);
 }
 
-static inline float exp1(float c) {
-    const int32_t n = (int32_t)(c * 1.44269504f - 0.5f);
-    const float nf = (float)n, r = (c - nf * 0.693145752f) - nf * 1.42860677e-6f;
-    float p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t bits = (n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
-/* exp((x - top) * inv_t), 0 where that is below EXP_FLOOR (or x is -inf or NaN) */
-static inline vf16 weight16(const float *x, float top, float inv_t) {
-    const vf16 d = (*(const vf16u *)x - top) * inv_t;
+/* exp((x - top) * inv_t) for the LANES logits at x (the first `count` of them when fewer, the rest padded with
+ * -inf), 0 where that is below EXP_FLOOR (or x is -inf or NaN) */
+static inline vf16 weight16(const float *x, int64_t count, float top, float inv_t) {
+    vf16 logits;
+    if (count >= LANES) {
+        logits = *(const vf16u *)x;
+    } else {
+        float tail[LANES];
+        for (int l = 0; l < LANES; ++l) tail[l] = l < count ? x[l] : -INFINITY;
+        memcpy(&logits, tail, sizeof logits);
+    }
+    const vf16 d = (logits - top) * inv_t;
     const vi16 live = d >= EXP_FLOOR;
     return (vf16)((vi16)exp16((vf16)((vi16)d & live)) & live);
 }
 
-static inline float weight1(float x, float top, float inv_t) {
-    const float d = (x - top) * inv_t;
-    return d >= EXP_FLOOR ? exp1(d) : 0.0f;
-}
-
-static inline float hsum(vf16 v) {
-    float total = 0.0f;
-    for (int l = 0; l < LANES; ++l) total += v[l];
-    return total;
-}
-
-/* sum of weight over x[0, count) */
+/* sum of weight16 over x[0, count) */
 static inline float mass_of(const float *x, int64_t count, float top, float inv_t) {
     vf16 acc = {0};
-    int64_t j = 0;
-    for (; j + LANES <= count; j += LANES) acc += weight16(x + j, top, inv_t);
-    float mass = hsum(acc);
-    for (; j < count; ++j) mass += weight1(x[j], top, inv_t);
+    for (int64_t j = 0; j < count; j += LANES) acc += weight16(x + j, count - j, top, inv_t);
+    float mass = 0.0f;
+    for (int l = 0; l < LANES; ++l) mass += acc[l];
     return mass;
 }
 
@@ -112,16 +94,15 @@ void rlhf_sample_f32(const float *logits, int64_t rows, int64_t vocab, float inv
             before = next;
         }
         const int64_t start = chosen * BLOCK, count = (start + BLOCK < vocab ? start + BLOCK : vocab) - start;
-        int64_t j = 0;
-        for (; j + LANES <= count; j += LANES) *(vf16 *)(inner + j) = weight16(x + start + j, top, inv_t);
-        for (; j < count; ++j) inner[j] = weight1(x[start + j], top, inv_t);
+        for (int64_t j = 0; j < count; j += LANES)
+            *(vf16 *)(inner + j) = weight16(x + start + j, count - j, top, inv_t); /* BLOCK floats: whole vectors */
         float inner_total = 0.0f;
-        for (j = 0; j < count; ++j) inner_total += inner[j];
+        for (int64_t j = 0; j < count; ++j) inner_total += inner[j];
         /* the block's running sum may end a rounding error below its mass: keep the target under it */
         const float left = fminf(target - before, below(inner_total));
         int64_t pick = count - 1;
         float running = 0.0f;
-        for (j = 0; j < count; ++j) {
+        for (int64_t j = 0; j < count; ++j) {
             running += inner[j];
             if (running > left) {
                 pick = j;
